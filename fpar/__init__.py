@@ -1,0 +1,49 @@
+"""fpar: JAX-style functional sharding on PyTorch.
+
+A model is a pure function over a parameter pytree.  ``fpar.shard(f, mesh, in_specs, out_specs)``
+runs a per-device function over a named device mesh exactly like ``jax.shard_map``; collectives
+name mesh axes; the same program runs in one process (an in-process mesh) and as many processes
+under ``torchrun`` (a real mesh over ``torch.distributed``).
+"""
+
+from ._collectives import all_gather as all_gather
+from ._collectives import all_to_all as all_to_all
+from ._collectives import axis_index as axis_index
+from ._collectives import axis_size as axis_size
+from ._collectives import pmax as pmax
+from ._collectives import pmean as pmean
+from ._collectives import pmin as pmin
+from ._collectives import ppermute as ppermute
+from ._collectives import psum as psum
+from ._collectives import psum_scatter as psum_scatter
+from ._errors import ReplicationError as ReplicationError
+from ._errors import SpecError as SpecError
+from ._errors import UnboundAxisError as UnboundAxisError
+from ._mesh import Mesh as Mesh
+from ._mesh import make_mesh as make_mesh
+from ._shard import shard as shard
+from ._spec import P as P
+from ._spec import PartitionSpec as PartitionSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Mesh",
+    "P",
+    "PartitionSpec",
+    "ReplicationError",
+    "SpecError",
+    "UnboundAxisError",
+    "all_gather",
+    "all_to_all",
+    "axis_index",
+    "axis_size",
+    "make_mesh",
+    "pmax",
+    "pmean",
+    "pmin",
+    "ppermute",
+    "psum",
+    "psum_scatter",
+    "shard",
+]

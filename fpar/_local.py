@@ -1,0 +1,125 @@
+"""In-process exchanges: what each collective does to the stacked blocks of every device.
+
+Every function here takes ``x`` of shape ``(N, *B, *L)``: the blocks of the ``N`` devices of one
+(combined) mesh axis stacked on dim 0, then ``nb = len(B)`` batch dims that the collective maps
+over (other mesh axes, user ``vmap``s), then the per-device logical shape ``L``.  It returns
+``(N, *B, *L_out)`` for a result that varies over the axis, or ``(*B, *L_out)`` for one that is
+replicated over it.  These are ordinary differentiable torch ops, so the gradient of a sharded
+function is exact by construction: sum over dim 0 transposes to a broadcast, a move of dims
+transposes to the inverse move, an index to a scatter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["EXCHANGES"]
+
+Tensor = torch.Tensor
+
+
+def _reduce(x: Tensor, kind: str) -> Tensor:
+    if kind == "sum":
+        if x.dtype == torch.bool:  # as in JAX: psum of bools counts them
+            return x.to(torch.int32).sum(0, dtype=torch.int32)
+        return x.sum(0, dtype=x.dtype)
+    if kind == "mean":
+        return x.sum(0) / x.shape[0] if not x.is_floating_point() else x.mean(0)
+    # amax/amin split the gradient evenly between ties, which is the rule fpar promises.
+    return x.amax(0) if kind == "max" else x.amin(0)
+
+
+def psum(x: Tensor, nb: int) -> Tensor:
+    return _reduce(x, "sum")
+
+
+def pmean(x: Tensor, nb: int) -> Tensor:
+    return _reduce(x, "mean")
+
+
+def pmax(x: Tensor, nb: int) -> Tensor:
+    return _reduce(x, "max")
+
+
+def pmin(x: Tensor, nb: int) -> Tensor:
+    return _reduce(x, "min")
+
+
+def all_gather(x: Tensor, nb: int, axis: int, tiled: bool) -> Tensor:
+    n = x.shape[0]
+    g = x.movedim(0, nb + axis)  # the N blocks now sit at logical dim `axis`
+    if tiled:
+        g = g.flatten(nb + axis, nb + axis + 1)
+    return g.unsqueeze(0).expand(n, *g.shape)  # every device holds the same gathered value
+
+
+def psum_scatter(x: Tensor, nb: int, scatter_dimension: int, tiled: bool) -> Tensor:
+    n = x.shape[0]
+    s = _reduce(x, "sum")
+    d = nb + scatter_dimension
+    if tiled:
+        s = s.unflatten(d, (n, s.shape[d] // n))
+    return s.movedim(d, 0)  # device k keeps chunk k
+
+
+def ppermute(x: Tensor, nb: int, perm: tuple[tuple[int, int], ...]) -> Tensor:
+    n = x.shape[0]
+    src_of = [n] * n  # index n selects a zero block: devices that receive nothing get zeros
+    for src, dst in perm:
+        src_of[dst] = src
+    if n in src_of:
+        x = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])
+    if src_of == list(range(n)):
+        return x[:n]
+    return x[torch.tensor(src_of, device=x.device)]
+
+
+def all_to_all(x: Tensor, nb: int, split_axis: int, concat_axis: int, tiled: bool) -> Tensor:
+    n = x.shape[0]
+    s = 1 + nb + split_axis
+    if tiled:
+        x = x.unflatten(s, (n, x.shape[s] // n))
+    t = x.movedim(s, 0)  # (N_dst, N_src, *B, *L'): chunk j of every source, for device j
+    t = t.movedim(1, 1 + nb + concat_axis)  # sources, in order, at the concat dim
+    if tiled:
+        t = t.flatten(1 + nb + concat_axis, 2 + nb + concat_axis)
+    return t
+
+
+EXCHANGES = {
+    "psum": (psum, False),
+    "pmean": (pmean, False),
+    "pmax": (pmax, False),
+    "pmin": (pmin, False),
+    "all_gather": (all_gather, True),
+    "psum_scatter": (psum_scatter, True),
+    "ppermute": (ppermute, True),
+    "all_to_all": (all_to_all, True),
+}
+"""kind -> (exchange, whether the result varies over the axis)."""
+
+
+def make_exchange(mesh):
+    """Return ``exchange(op, x)`` for the in-process ``mesh``.
+
+    ``x`` has one leading dim per axis of ``op`` in the order ``op.explicit`` lists them; the
+    exchange regroups them into one combined dim in the order the user wrote the axes (major to
+    minor), runs the collective, and restores the layout of the leading dims for a varying result.
+    """
+
+    def exchange(op, x: Tensor) -> Tensor:
+        k = len(op.axes)
+        order = [op.explicit.index(a) for a in op.axes]
+        if order != list(range(k)):
+            x = x.permute(*order, *range(k, x.dim()))
+        if k > 1:
+            x = x.flatten(0, k - 1)
+        fn, varying = EXCHANGES[op.kind]
+        y = fn(x, op.nbatch, *op.params)
+        if varying and k > 1:
+            y = y.unflatten(0, [mesh.shape[a] for a in op.axes])
+            if order != list(range(k)):
+                y = y.permute(*[op.axes.index(a) for a in op.explicit], *range(k, y.dim()))
+        return y
+
+    return exchange

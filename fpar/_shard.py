@@ -1,0 +1,348 @@
+"""``fpar.shard``: run a per-device function over a named mesh, like ``jax.shard_map``.
+
+In-process, the per-device function runs under one ``torch.func.vmap`` level per mesh axis
+(outermost = first mesh axis).  An input enters each level batched along the axis its spec
+splits it over and unbatched (the same block for every device) along the others, so no block is
+ever copied: the global tensor is only *viewed* with its split dims separated.  Why per-axis
+levels rather than one flat device dim: (1) vmap then tracks which axes every value varies over
+(JAX's varying-manual-axes types) for free, which gives the static replication check and JAX's
+efficient transposes (an unbatched value is computed once, not once per device); (2) a
+replicated operand stays unbatched, so e.g. ``x_BD @ w_DH`` with x split over 'data' and w over
+'tensor' is one folded matmul rather than ``mesh.size`` small ones.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from torch._C._functorch import get_unwrapped, is_batchedtensor, maybe_current_level, maybe_get_level
+
+from ._collectives import Frame, frames
+from ._errors import ReplicationError, SpecError
+from ._mesh import Mesh
+from ._spec import PartitionSpec, check_spec, global_shape
+from ._tree import broadcast_prefix, keystr, tree_flatten_with_path, tree_unflatten
+
+__all__ = ["shard"]
+
+Tensor = torch.Tensor
+
+
+# API ----------------------------------------------------------------------------------------
+
+
+def shard(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any, *, check_rep: bool = True) -> Callable:
+    """Map a per-device function over a mesh: global tensors in, global tensors out.
+
+    ``f`` sees each device's block of each argument (per ``in_specs``) and may call fpar's
+    collectives over the mesh axes.  Its outputs are reassembled into global tensors per
+    ``out_specs``.  Differentiating the result (``torch.func.grad``/``vjp``/``jvp``,
+    ``.backward()``) gives exactly the derivative of the global function.
+
+    Args:
+      f: the per-device function, taking positional arguments.
+      mesh: the mesh, from ``fpar.make_mesh``.
+      in_specs: a pytree prefix of the argument tuple whose leaves are ``fpar.P`` (how to split the
+        tensors below it) or ``None`` (pass the argument through untouched, e.g. a Python object).
+        Mesh axes a spec does not name mean the input is replicated along them.
+      out_specs: a pytree prefix of ``f``'s output, of ``fpar.P``; ``None`` for non-tensor
+        outputs.  Mesh axes a spec does not name are a promise that the output is the same on every
+        device along them; one copy is returned.
+      check_rep: check that promise statically (a value varies over an axis if it depends on an
+        input split over it or on a collective that leaves it varying, and stops varying after
+        psum/pmean/pmax/pmin over it).  With ``False`` the block at coordinate 0 is returned.
+
+    Returns:
+      The global function.  It raises ``fpar.SpecError``/``TypeError`` for bad specs or arguments,
+      and ``fpar.ReplicationError`` for a broken replication promise, before any communication.
+
+    Example:
+      >>> mesh = fpar.make_mesh((2, 4), ("data", "tensor"))
+      >>> def loss(w, x):                  # w: P(None, 'tensor'), x: P('data')
+      ...     return fpar.pmean(fpar.psum((x @ w).sum(), "tensor"), "data")
+      >>> fpar.shard(loss, mesh, (P(None, "tensor"), P("data")), P())(w, x)
+    """
+    fname = getattr(f, "__name__", None) or type(f).__name__
+    if not callable(f):
+        raise TypeError(f"fpar.shard: f must be callable, got {f!r}.")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"fpar.shard({fname}): mesh must be a fpar.Mesh (from fpar.make_mesh), got {mesh!r}.")
+    _check_spec_tree(fname, "in_specs", in_specs, mesh)
+    _check_spec_tree(fname, "out_specs", out_specs, mesh)
+
+    @functools.wraps(f)
+    def sharded(*args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise TypeError(
+                f"fpar.shard({fname}): got keyword arguments {sorted(kwargs)}; a sharded function "
+                f"takes positional arguments only (their specs are matched by position)."
+            )
+        call = _Call(f, fname, mesh, in_specs, out_specs, bool(check_rep))
+        return call.run(args)
+
+    return sharded
+
+
+# The in-process run ---------------------------------------------------------------------------
+
+
+class _Call:
+    """One call of a sharded function: split the inputs, run the nest, assemble the outputs."""
+
+    def __init__(self, f, fname, mesh, in_specs, out_specs, check_rep):
+        self.f, self.fname, self.mesh = f, fname, mesh
+        self.in_specs, self.out_specs, self.check_rep = in_specs, out_specs, check_rep
+        self.axes = mesh.axis_names
+
+    def run(self, args: tuple) -> Any:
+        if frames() and frames()[-1].token is not None:
+            raise NotImplementedError(
+                f"fpar.shard({self.fname}) was called inside another fpar.shard "
+                f"({frames()[-1].fname}); nested shard is not supported. Call the inner per-device "
+                f"function directly: it already runs per device."
+            )
+        paths, leaves, self.treedef = tree_flatten_with_path(args)
+        specs = _prefix(self.fname, "in_specs", self.in_specs, args, "the arguments")
+        self.static = {}
+        views, labels = [], []
+        for i, (path, leaf, spec) in enumerate(zip(paths, leaves, specs)):
+            where = f"fpar.shard({self.fname}): args{keystr(path)}"
+            if spec is None:
+                self.static[i] = leaf
+                continue
+            if not isinstance(leaf, Tensor):
+                raise TypeError(
+                    f"{where} is a {type(leaf).__name__}, not a tensor, but its in_spec is {spec}. "
+                    f"Pass a tensor, or give it the in_spec None to pass it through untouched."
+                )
+            check_spec(spec, tuple(leaf.shape), self.mesh.shape, where=where)
+            view, label = self._split(leaf, spec)
+            views.append(view)
+            labels.append(label)
+        self.tensor_slots = [i for i in range(len(leaves)) if i not in self.static]
+        if self.mesh.backend != "local":
+            from . import _dist
+
+            return _dist.run(self, views, labels)
+        return self._run_local(views, labels)
+
+    def _split(self, x: Tensor, spec: PartitionSpec) -> tuple[Tensor, list]:
+        """View ``x`` with each split dim cut into (axis sizes..., block): no copy."""
+        shape, label = [], []
+        entries = spec.normalized()
+        for d, size in enumerate(x.shape):
+            entry = entries[d] if d < len(entries) else ()
+            n = 1
+            for a in entry:
+                shape.append(self.mesh.shape[a])
+                label.append(a)
+                n *= self.mesh.shape[a]
+            shape.append(size // n)
+            label.append(None)
+        return x.reshape(shape), label
+
+    def _run_local(self, views: list[Tensor], labels: list[list]) -> Any:
+        from ._local import make_exchange
+
+        mesh = self.mesh
+        token = torch.zeros(mesh.axis_sizes)
+        index = [torch.arange(n) for n in mesh.axis_sizes]
+        level_dims = []
+        labels = [list(lab) for lab in labels]
+        for i, a in enumerate(self.axes):
+            dims = []
+            for lab in labels:
+                dims.append(lab.index(a) if a in lab else None)
+                if a in lab:
+                    lab.remove(a)
+            level_dims.append((*dims, 0, *[0 if j == i else None for j in range(len(self.axes))]))
+        frame = Frame(mesh=mesh, fname=self.fname, exchange=make_exchange(mesh))
+        fn = self._innermost(frame, len(views))
+        for i in reversed(range(len(self.axes))):
+            fn = self._level(fn, frame, i, level_dims[i])
+        frames().append(frame)
+        try:
+            outs = fn(*views, token, *index)
+        except RuntimeError as e:
+            if "randomness" in str(e):
+                raise RuntimeError(
+                    f"fpar.shard({self.fname}): a random op ran inside the sharded function. fpar "
+                    f"does not yet decide how random draws vary across devices; draw the random "
+                    f"tensor outside and pass it in with a spec (P() for the same draw on every "
+                    f"device, a split spec for different draws)."
+                ) from e
+            raise
+        finally:
+            frames().pop()
+        if self.axes:
+            outs = _merge(outs, [self.axes[0] in p for p in self.present])
+        return self._assemble(outs)
+
+    def _innermost(self, frame: Frame, nviews: int) -> Callable:
+        def run(*flat):
+            frame.token = flat[nviews]
+            frame.index = dict(zip(self.axes, flat[nviews + 1 :]))
+            leaves = [None] * (len(self.static) + nviews)
+            for i, v in self.static.items():
+                leaves[i] = v
+            for i, v in zip(self.tensor_slots, flat[:nviews]):
+                leaves[i] = v
+            out = self.f(*tree_unflatten(self.treedef, leaves))
+            return self._outputs(frame, out)
+
+        return run
+
+    def _level(self, inner: Callable, frame: Frame, i: int, in_dims: tuple) -> Callable:
+        axis = self.axes[i]
+
+        def level(*flat):
+            frame.levels[maybe_current_level()] = axis
+            outs = inner(*flat)
+            if i < len(self.axes) - 1:  # the level inside split its outputs: interleave them back
+                inner_axis = self.axes[i + 1]
+                outs = _merge(outs, [inner_axis in p for p in self.present])
+            keep = [axis in self.present[j] for j in range(len(outs))]
+            return (
+                tuple(o for o, k in zip(outs, keep) if k),
+                tuple(_Opaque(o) for o, k in zip(outs, keep) if not k),
+            )
+
+        return torch.func.vmap(level, in_dims=in_dims, out_dims=(0, None))
+
+    # -- outputs ----------------------------------------------------------------------------
+
+    def _outputs(self, frame: Frame, out: Any) -> list[Tensor]:
+        """Check the per-device outputs; record which axes each will have a dim for."""
+        paths, leaves, self.out_treedef = tree_flatten_with_path(out)
+        specs = _prefix(self.fname, "out_specs", self.out_specs, out, "the outputs")
+        our_levels = {a: lvl for lvl, a in frame.levels.items()}
+        self.out_static, self.out_slots, self.out_specs_flat, self.present = {}, [], [], []
+        tensors = []
+        for j, (path, leaf, spec) in enumerate(zip(paths, leaves, specs)):
+            where = f"fpar.shard({self.fname}): out{keystr(path)}"
+            if spec is None:
+                if isinstance(leaf, Tensor):
+                    raise TypeError(
+                        f"{where} is a tensor but its out_spec is None; give it a fpar.P out_spec "
+                        f"(None is for non-tensor outputs, which are returned as they are)."
+                    )
+                self.out_static[j] = leaf
+                continue
+            if not isinstance(leaf, Tensor):
+                raise TypeError(
+                    f"{where} is a {type(leaf).__name__}, not a tensor, but its out_spec is {spec}; "
+                    f"return a tensor, or give it the out_spec None."
+                )
+            check_spec(spec, tuple(leaf.shape), self.mesh.shape, where=where, blocks=True)
+            varying = _batched_levels(leaf, set(our_levels.values()))
+            named = set(spec.axes())
+            broken = [a for a in self.axes if a not in named and our_levels[a] in varying]
+            if broken and self.check_rep:
+                raise ReplicationError(_replication_message(where, spec, broken))
+            self.present.append([a for a in self.axes if a in named or a in broken])
+            self.out_slots.append(j)
+            self.out_specs_flat.append(spec)
+            tensors.append(leaf)
+        return tensors
+
+    def _assemble(self, outs: list[Tensor]) -> Any:
+        leaves = [None] * (len(self.out_static) + len(outs))
+        for j, v in self.out_static.items():
+            leaves[j] = v
+        for slot, t, spec, present in zip(self.out_slots, outs, self.out_specs_flat, self.present):
+            leaves[slot] = _to_global(t, spec, present, self.mesh)
+        return tree_unflatten(self.out_treedef, leaves)
+
+
+def _merge(parts: tuple[tuple, tuple], keep: list[bool]) -> list:
+    """Undo a level's split of its outputs into (has a dim for the axis, replicated over it)."""
+    batched, replicated = iter(parts[0]), iter(parts[1])
+    return [next(batched) if k else next(replicated).tensor for k in keep]
+
+
+class _Opaque:
+    """Carries an output that is replicated over a level's axis out of that level untouched.
+
+    vmap's ``out_dims=None`` rejects any BatchedTensor, even one batched only at an outer level
+    (varying over an outer axis, replicated over this one).  Such a tensor is valid outside this
+    level, so it leaves as an opaque leaf instead of being expanded and sliced again.
+    """
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Tensor):
+        self.tensor = tensor
+
+
+def _to_global(t: Tensor, spec: PartitionSpec, present: list[str], mesh: Mesh) -> Tensor:
+    """``t`` has one leading dim per axis in ``present`` (mesh order) then the block dims."""
+    named = spec.axes()
+    for k in reversed(range(len(present))):
+        if present[k] not in named:  # check_rep=False: keep the block at coordinate 0
+            t = t.select(k, 0)
+    present = [a for a in present if a in named]
+    k = len(present)
+    block = tuple(t.shape[k:])
+    entries = spec.normalized()
+    perm = []
+    for d in range(t.dim() - k):
+        for a in entries[d] if d < len(entries) else ():
+            perm.append(present.index(a))
+        perm.append(k + d)
+    if perm != list(range(len(perm))):
+        t = t.permute(perm)
+    return t.reshape(global_shape(spec, block, mesh.shape))
+
+
+# Error checking and messages ---------------------------------------------------------------
+
+
+def _is_spec(s: Any) -> bool:
+    return s is None or isinstance(s, PartitionSpec)
+
+
+def _check_spec_tree(fname: str, name: str, specs: Any, mesh: Mesh) -> None:
+    paths, leaves, _ = tree_flatten_with_path(specs)
+    for path, s in zip(paths, leaves):
+        where = f"fpar.shard({fname}): {name}{keystr(path)}"
+        if s is None:
+            continue
+        if not isinstance(s, PartitionSpec):
+            fix = f" Did you mean P({s!r})?" if isinstance(s, str) else ""
+            raise TypeError(f"{where} is {s!r}, which must be a fpar.P (PartitionSpec) or None.{fix}")
+        check_spec(s, None, mesh.shape, where=where)
+
+
+def _prefix(fname: str, name: str, specs: Any, tree: Any, what: str) -> list:
+    try:
+        return broadcast_prefix(specs, tree, is_leaf=_is_spec)
+    except ValueError as e:
+        raise SpecError(
+            f"fpar.shard({fname}): {name} {specs!r} is not a pytree prefix of {what} ({e}). Give "
+            f"{name} the structure of {what}, down to where one spec covers a whole subtree; a "
+            f"single P applies to everything."
+        ) from None
+
+
+def _batched_levels(t: Tensor, levels: set[int]) -> set[int]:
+    """The vmap levels (of ``levels``) at which ``t`` is batched."""
+    out = set()
+    while is_batchedtensor(t) and maybe_get_level(t) in levels:
+        out.add(maybe_get_level(t))
+        t = get_unwrapped(t)
+    return out
+
+
+def _replication_message(where: str, spec: PartitionSpec, broken: list[str]) -> str:
+    axes = ", ".join(repr(a) for a in broken)
+    first = broken[0]
+    return (
+        f"{where} varies over mesh axis {first!r}"
+        + (f" (and {', '.join(repr(a) for a in broken[1:])})" if len(broken) > 1 else "")
+        + f", but its out_spec {spec} leaves {axes} out, which promises the value is the same on "
+        f"every device along {'them' if len(broken) > 1 else 'it'}. Reduce it first (e.g. "
+        f"fpar.psum or fpar.pmean over {first!r}), name {first!r} in the out_spec to return every "
+        f"device's block, or pass check_rep=False to return the block at coordinate 0 unchecked."
+    )
