@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch._C._functorch import maybe_current_level
@@ -53,7 +54,7 @@ class Frame:
 
     mesh: Any
     fname: str
-    exchange: Callable[["Op", Tensor], Tensor]  # performs an op on explicit-axis dims
+    exchange: Callable[[Op, Tensor], Tensor]  # performs an op on explicit-axis dims
     levels: dict[int, str] = dataclasses.field(default_factory=dict)  # vmap level -> axis
     token: Tensor | None = None  # batched at every mesh level: makes vmap call our rules
     index: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # coordinate per axis
@@ -189,7 +190,9 @@ def _transpose(op: Op, token: Tensor, ct: Tensor, *saved: Tensor) -> Tensor:
         return _extreme_share(op, token, *saved, ct, transpose=True)
     if kind == "all_gather":
         axis, tiled = p
-        return _Collective.apply(ct, token, dataclasses.replace(op, kind="psum_scatter", params=(axis, tiled)))
+        return _Collective.apply(
+            ct, token, dataclasses.replace(op, kind="psum_scatter", params=(axis, tiled))
+        )
     if kind == "psum_scatter":
         dim, tiled = p
         return _Collective.apply(ct, token, dataclasses.replace(op, kind="all_gather", params=(dim, tiled)))
@@ -357,7 +360,9 @@ def _dim(api: str, what: str, d: int, rank: int) -> int:
     if isinstance(d, bool) or not isinstance(d, int):
         raise TypeError(f"fpar.{api}: {what} must be an int, got {d!r}.")
     if not -rank <= d < rank:
-        raise ValueError(f"fpar.{api}: {what}={d} is out of range for a value of rank {rank - (api == 'all_gather')}.")
+        raise ValueError(
+            f"fpar.{api}: {what}={d} is out of range for a value of rank {rank - (api == 'all_gather')}."
+        )
     return d % rank
 
 
@@ -380,7 +385,9 @@ def _check_perm(perm, n: int) -> tuple[tuple[int, int], ...]:
     pairs = []
     for pair in perm:
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(i, int) for i in pair)):
-            raise TypeError(f"fpar.ppermute: each entry of perm must be a (src, dst) pair of ints, got {pair!r}.")
+            raise TypeError(
+                f"fpar.ppermute: each entry of perm must be a (src, dst) pair of ints, got {pair!r}."
+            )
         for i in pair:
             if not -n <= i < n:
                 raise ValueError(

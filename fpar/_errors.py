@@ -1,5 +1,8 @@
-"""Exception types.  Every fpar error is a ``TypeError`` or ``ValueError`` (or ``NameError``,
-for an unbound axis, as in JAX) so that ordinary ``except`` clauses keep working."""
+"""Exception types.
+
+Every fpar error is a ``TypeError`` or ``ValueError`` (or ``NameError``,
+for an unbound axis, as in JAX) so that ordinary ``except`` clauses keep working.
+"""
 
 from __future__ import annotations
 

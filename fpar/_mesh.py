@@ -9,8 +9,8 @@ one device.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import Mapping, Sequence
 
 __all__ = ["Mesh", "make_mesh"]
 
@@ -145,7 +145,9 @@ def _check_names(axis_shapes, axis_names) -> None:
             raise TypeError(f"fpar.make_mesh: axis name {n!r} must be a str.")
     dup = sorted({n for n in axis_names if list(axis_names).count(n) > 1})
     if dup:
-        raise ValueError(f"fpar.make_mesh: duplicate axis names {dup} in {tuple(axis_names)}; each axis needs its own name.")
+        raise ValueError(
+            f"fpar.make_mesh: duplicate axis names {dup} in {tuple(axis_names)}; each axis needs its own name."
+        )
 
 
 def _infer_sizes(shapes: tuple, names: tuple, devices: int | None) -> tuple[int, ...]:

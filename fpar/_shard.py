@@ -14,7 +14,8 @@ replicated operand stays unbatched, so e.g. ``x_BD @ w_DH`` with x split over 'd
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch._C._functorch import get_unwrapped, is_batchedtensor, maybe_current_level, maybe_get_level
@@ -145,6 +146,7 @@ class _Call:
 
     def _run_local(self, views: list[Tensor], labels: list[list]) -> Any:
         from ._local import make_exchange
+        from ._matmul import FoldedMatmulMode
 
         mesh = self.mesh
         token = torch.zeros(mesh.axis_sizes)
@@ -164,7 +166,8 @@ class _Call:
             fn = self._level(fn, frame, i, level_dims[i])
         frames().append(frame)
         try:
-            outs = fn(*views, token, *index)
+            with FoldedMatmulMode(frame):
+                outs = fn(*views, token, *index)
         except RuntimeError as e:
             if "randomness" in str(e):
                 raise RuntimeError(

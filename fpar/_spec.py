@@ -9,7 +9,7 @@ replication (outputs), exactly as in ``jax.sharding.PartitionSpec``.
 from __future__ import annotations
 
 import math
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 __all__ = ["P", "PartitionSpec"]
 

@@ -7,7 +7,8 @@ these options, is a change to this file only.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import optree
 

@@ -1,0 +1,113 @@
+"""Folded matmuls for the in-process mesh.
+
+Under one vmap level per mesh axis, ``x_BD @ w_DH`` with x split over 'data' and w over
+'tensor' reaches functorch's matmul batching rule one level at a time.  That rule expands both
+operands to every (data, tensor) pair, copies them, and runs ``mesh.size`` small bmms; in
+the backward it computes a weight gradient per device and then sums them.  Measured on the
+DESIGN benchmark (2 x 4 mesh, 256 x 1024 x 4096 MLP): 1.9x the unsharded time.
+
+Here a matmul inside ``fpar.shard`` is one ``autograd.Function`` whose vmap rule collects the
+batch dims of *every* mesh level as labelled dims and issues a single ``torch.einsum`` on the
+physical tensors.  einsum folds a dim batched in only one operand into that operand's rows or
+columns and runs a bmm over dims batched in both, which is exactly the unsharded matmul's
+shape; its backward is einsum too, so the data-parallel gradient sum is fused into the
+weight-gradient matmul.  Values are those of the per-device matmuls up to float rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+
+import torch
+import torch.nn.functional as F
+from torch._C._functorch import maybe_current_level
+from torch.overrides import TorchFunctionMode
+
+from ._collectives import Frame
+
+__all__ = ["FoldedMatmulMode"]
+
+Tensor = torch.Tensor
+_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Labels:
+    a: tuple[int, ...] = ()  # vmap levels whose dims lead operand a, in dim order
+    b: tuple[int, ...] = ()
+
+
+class _FoldedMatmul(torch.autograd.Function):
+    generate_vmap_rule = False
+
+    @staticmethod
+    def forward(a: Tensor, b: Tensor, token: Tensor, frame: Frame, labels: _Labels) -> Tensor:
+        return torch.matmul(a, b)  # unreachable in practice: the mode sends only vmapped calls
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def vmap(info, in_dims, a, b, token, frame, labels):
+        level = (maybe_current_level() or 0) + 1
+        ad, bd = in_dims[0], in_dims[1]
+        if ad is not None:
+            a = a.movedim(ad, 0)
+            labels = dataclasses.replace(labels, a=(level, *labels.a))
+        if bd is not None:
+            b = b.movedim(bd, 0)
+            labels = dataclasses.replace(labels, b=(level, *labels.b))
+        if level > min(frame.levels):
+            out = _FoldedMatmul.apply(a, b, token, frame, labels)
+        else:
+            out = _einsum(a, b, labels)
+        return out, (0 if ad is not None or bd is not None else None)
+
+
+def _einsum(a: Tensor, b: Tensor, labels: _Labels) -> Tensor:
+    """The matmul of the logical dims, with every labelled (level) dim as an einsum index."""
+    levels = sorted(set(labels.a) | set(labels.b))  # output: outermost level first
+    letter = dict(zip(levels, string.ascii_uppercase))
+    ra, rb = a.dim() - len(labels.a), b.dim() - len(labels.b)
+    sa = "".join(letter[lv] for lv in labels.a) + "..." + ("m" if ra >= 2 else "") + "k"
+    sb = "".join(letter[lv] for lv in labels.b) + "..." + "k" + ("n" if rb >= 2 else "")
+    so = "".join(letter[lv] for lv in levels) + "..." + ("m" if ra >= 2 else "") + ("n" if rb >= 2 else "")
+    return torch.einsum(f"{sa},{sb}->{so}", a, b)
+
+
+class FoldedMatmulMode(TorchFunctionMode):
+    """While active, matmuls directly inside the sharded function run folded (see module doc)."""
+
+    def __init__(self, frame: Frame):
+        super().__init__()
+        self.frame = frame
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _MATMULS and not kwargs and self._ours(*args):
+            return _FoldedMatmul.apply(args[0], args[1], self.frame.token, self.frame, _Labels())
+        if func is torch.Tensor.__rmatmul__ and not kwargs and self._ours(args[1], args[0]):
+            return _FoldedMatmul.apply(args[1], args[0], self.frame.token, self.frame, _Labels())
+        if func is F.linear and self._ours(args[0], args[1]):
+            weight = args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            out = _FoldedMatmul.apply(args[0], weight.t(), self.frame.token, self.frame, _Labels())
+            return out if bias is None else out + bias
+        return func(*args, **kwargs)
+
+    def _ours(self, a, b) -> bool:
+        """Fold only plain float matmuls issued at the sharded function's own level."""
+        return (
+            isinstance(a, Tensor)
+            and isinstance(b, Tensor)
+            and a.is_floating_point()
+            and a.dtype == b.dtype
+            and a.dim() >= 1
+            and b.dim() >= 1
+            and not a.is_sparse
+            and not b.is_sparse
+            and self.frame.levels
+            and maybe_current_level() == max(self.frame.levels)  # no user transform above ours
+        )
