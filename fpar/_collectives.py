@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch._C._functorch import maybe_current_level
 
+from . import _stats as stats
 from ._errors import UnboundAxisError
 from ._tree import tree_map
 
@@ -39,6 +40,7 @@ __all__ = [
     "ppermute",
     "psum",
     "psum_scatter",
+    "pvary",
 ]
 
 Tensor = torch.Tensor
@@ -55,6 +57,7 @@ class Frame:
     mesh: Any
     fname: str
     exchange: Callable[[Op, Tensor], Tensor]  # performs an op on explicit-axis dims
+    backend: str = "local"  # "local" (in-process) or "dist" (one process per device)
     levels: dict[int, str] = dataclasses.field(default_factory=dict)  # vmap level -> axis
     token: Tensor | None = None  # batched at every mesh level: makes vmap call our rules
     index: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # coordinate per axis
@@ -122,7 +125,7 @@ class Op:
     nbatch: int = 0
 
 
-VARYING = {"all_gather", "psum_scatter", "ppermute", "all_to_all"}
+VARYING = {"all_gather", "psum_scatter", "ppermute", "all_to_all", "pvary"}
 
 
 class _Collective(torch.autograd.Function):
@@ -167,23 +170,38 @@ class _Collective(torch.autograd.Function):
             # Invariant input: JAX's implicit pvary, i.e. the same block on every device.
             x = x.movedim(xd, 0) if xd is not None else x.expand(info.batch_size, *x.shape)
             op = dataclasses.replace(op, explicit=(axis, *op.explicit))
-            if len(op.explicit) < len(op.axes):
-                out = _Collective.apply(x, token, op)
-            else:
-                out = frame.exchange(op, x)
-            return out, (0 if varying else None)
-        if xd is None:  # not batched here: the collective does not touch this level
-            return _Collective.apply(x, token, op), None
-        k = len(op.explicit)
-        x = x.movedim(xd, k)
-        out = _Collective.apply(x, token, dataclasses.replace(op, nbatch=op.nbatch + 1))
-        return out, (k if varying else 0)
+            out_dim = 0 if varying else None
+        elif xd is None:  # not batched here: the collective does not touch this level
+            out_dim = None
+        else:
+            k = len(op.explicit)
+            x = x.movedim(xd, k)
+            op = dataclasses.replace(op, nbatch=op.nbatch + 1)
+            out_dim = k if varying else 0
+        if _last_level(frame, level, op):
+            return frame.exchange(op, x), out_dim
+        return _Collective.apply(x, token, op), out_dim
+
+
+def _last_level(frame: Frame, level: int, op: Op) -> bool:
+    """Whether the exchange runs now, on dims made explicit so far.
+
+    In-process, once every axis of the collective is explicit, plain tensor ops on the other
+    levels' BatchedTensors do the rest.  On a real mesh the exchange calls the process group,
+    which takes plain tensors, so every mesh level (all of size 1) is peeled first.
+    """
+    if frame.backend == "dist":
+        return level == min(frame.levels)
+    return len(op.explicit) == len(op.axes)
 
 
 def _transpose(op: Op, token: Tensor, ct: Tensor, *saved: Tensor) -> Tensor:
     kind, p = op.kind, op.params
-    if kind == "psum":
-        return ct  # transpose of psum is pvary: the replicated cotangent, on every device
+    if kind in ("psum", "pvary"):
+        # psum transposes to pvary: the replicated cotangent, on every device.  pvary's own
+        # transpose at a level inside the sharded function is local, as vmap's implicit
+        # broadcast is there (see DESIGN: gradients inside shard are per device).
+        return ct
     if kind == "pmean":
         return ct / _size(op)
     if kind in ("pmax", "pmin"):
@@ -225,11 +243,14 @@ def _size(op: Op) -> int:
 def _apply(api: str, x: Any, axis_name: AxisName, kind: str, params: tuple = (), *, check=None, number=None):
     frame, axes = _bound(api, axis_name)
     n = frame.mesh.axis_size(axes)
+    pairs = len(params[0]) if kind == "ppermute" else None
 
     def one(leaf):
         if isinstance(leaf, Tensor):
             leaf_params = check(leaf, n) if check is not None else params
-            return _Collective.apply(leaf, frame.token, Op(kind, axes, leaf_params))
+            out = _Collective.apply(leaf, frame.token, Op(kind, axes, leaf_params))
+            stats.record(kind, axes, n, leaf, pairs)
+            return stats.count_transpose(out, kind, axes, n, pairs)
         if number is not None and isinstance(leaf, (int, float, bool)):
             return number(leaf, n)
         raise TypeError(
@@ -336,6 +357,33 @@ def all_to_all(x: Any, axis_name: AxisName, split_axis: int, concat_axis: int, *
         return (s, c, bool(tiled))
 
     return _apply("all_to_all", x, axis_name, "all_to_all", check=check)
+
+
+def pvary(x: Any, axis_name: AxisName) -> Any:
+    """Mark a replicated value as varying over axes: ``pvary(x replicated) -> x varying``.
+
+    The identity on values; its transpose sums the cotangent over the axes (the data-parallel
+    gradient all-reduce).  fpar inserts it wherever a replicated tensor meets a varying one,
+    as JAX does, so users rarely call it.
+    """
+    frame, axes = _bound("pvary", axis_name)
+    return tree_map(lambda t: _pvary(frame, t, axes, explicit=True), x)
+
+
+def implicit_pvary(frame: Frame, t: Tensor, axes: tuple[str, ...]) -> Tensor:
+    """The pvary of a replicated ``t`` that an op is about to combine with varying values.
+
+    In-process, vmap's own broadcast already sums the cotangent over the axis, and leaving
+    ``t`` unbatched keeps matmuls folded, so only the traffic is counted.  On a real mesh the
+    block is the only copy and the all-reduce must be explicit.
+    """
+    return _pvary(frame, t, axes, explicit=frame.backend == "dist")
+
+
+def _pvary(frame: Frame, t: Tensor, axes: tuple[str, ...], *, explicit: bool) -> Tensor:
+    if explicit:
+        t = _Collective.apply(t, frame.token, Op("pvary", axes))
+    return stats.count_transpose(t, "pvary", axes, frame.mesh.axis_size(axes))
 
 
 def axis_index(axis_name: AxisName) -> Tensor:

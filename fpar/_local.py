@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["EXCHANGES"]
+from ._spec import PartitionSpec, check_spec, global_shape
+
+__all__ = ["EXCHANGES", "LocalBackend"]
 
 Tensor = torch.Tensor
 
@@ -86,7 +88,12 @@ def all_to_all(x: Tensor, nb: int, split_axis: int, concat_axis: int, tiled: boo
     return t
 
 
+def pvary(x: Tensor, nb: int) -> Tensor:
+    return x  # already one (equal) block per device
+
+
 EXCHANGES = {
+    "pvary": (pvary, True),
     "psum": (psum, False),
     "pmean": (pmean, False),
     "pmax": (pmax, False),
@@ -123,3 +130,56 @@ def make_exchange(mesh):
         return y
 
     return exchange
+
+
+class LocalBackend:
+    """The in-process mesh: global tensors in and out, every device's block computed at once."""
+
+    name = "local"
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self.exchange = make_exchange(mesh)
+
+    def check_input(self, spec: PartitionSpec, x: Tensor, where: str) -> None:
+        check_spec(spec, tuple(x.shape), self.mesh.shape, where=where)
+
+    def split(self, x: Tensor, spec: PartitionSpec) -> tuple[Tensor, list]:
+        """View ``x`` with each split dim cut into (axis sizes..., block): no copy."""
+        shape, label = [], []
+        entries = spec.normalized()
+        for d, size in enumerate(x.shape):
+            entry = entries[d] if d < len(entries) else ()
+            n = 1
+            for a in entry:
+                shape.append(self.mesh.shape[a])
+                label.append(a)
+                n *= self.mesh.shape[a]
+            shape.append(size // n)
+            label.append(None)
+        return x.reshape(shape), label
+
+    def before(self, call, checked) -> None:
+        pass  # one process: nothing to agree on
+
+    def token_and_index(self) -> tuple[Tensor, list[Tensor]]:
+        return torch.zeros(self.mesh.axis_sizes), [torch.arange(n) for n in self.mesh.axis_sizes]
+
+    def output(self, t: Tensor, spec: PartitionSpec, present: list[str]) -> Tensor:
+        """The global tensor from ``t``: one leading dim per axis in ``present``, then the block."""
+        named = spec.axes()
+        for k in reversed(range(len(present))):
+            if present[k] not in named:  # check_rep=False: keep the block at coordinate 0
+                t = t.select(k, 0)
+        present = [a for a in present if a in named]
+        k = len(present)
+        block = tuple(t.shape[k:])
+        entries = spec.normalized()
+        perm = []
+        for d in range(t.dim() - k):
+            for a in entries[d] if d < len(entries) else ():
+                perm.append(present.index(a))
+            perm.append(k + d)
+        if perm != list(range(len(perm))):
+            t = t.permute(perm)
+        return t.reshape(global_shape(spec, block, self.mesh.shape))

@@ -173,8 +173,8 @@ def _infer_sizes(shapes: tuple, names: tuple, devices: int | None) -> tuple[int,
             )
         if devices % known:
             raise ValueError(
-                f"fpar.make_mesh: the known axis sizes (product {known}) do not divide the device "
-                f"count {devices}, so the -1 axis {names[shapes.index(-1)]!r} cannot be inferred."
+                f"fpar.make_mesh: the product {known} of the known axis sizes does not divide the "
+                f"device count {devices}, so the -1 axis {names[shapes.index(-1)]!r} cannot be inferred."
             )
         return tuple(devices // known if s == -1 else s for s in shapes)
     if devices is not None and devices != known:

@@ -18,12 +18,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._C._functorch import get_unwrapped, is_batchedtensor, maybe_current_level, maybe_get_level
+from torch._C._functorch import maybe_current_level
 
 from ._collectives import Frame, frames
 from ._errors import ReplicationError, SpecError
 from ._mesh import Mesh
-from ._spec import PartitionSpec, check_spec, global_shape
+from ._mode import batched_levels
+from ._spec import PartitionSpec, check_spec
 from ._tree import broadcast_prefix, keystr, tree_flatten_with_path, tree_unflatten
 
 __all__ = ["shard"]
@@ -104,10 +105,11 @@ class _Call:
                 f"({frames()[-1].fname}); nested shard is not supported. Call the inner per-device "
                 f"function directly: it already runs per device."
             )
+        backend = _backend(self.mesh)
         paths, leaves, self.treedef = tree_flatten_with_path(args)
         specs = _prefix(self.fname, "in_specs", self.in_specs, args, "the arguments")
         self.static = {}
-        views, labels = [], []
+        views, labels, checked = [], [], []
         for i, (path, leaf, spec) in enumerate(zip(paths, leaves, specs)):
             where = f"fpar.shard({self.fname}): args{keystr(path)}"
             if spec is None:
@@ -118,39 +120,19 @@ class _Call:
                     f"{where} is a {type(leaf).__name__}, not a tensor, but its in_spec is {spec}. "
                     f"Pass a tensor, or give it the in_spec None to pass it through untouched."
                 )
-            check_spec(spec, tuple(leaf.shape), self.mesh.shape, where=where)
-            view, label = self._split(leaf, spec)
+            backend.check_input(spec, leaf, where)
+            view, label = backend.split(leaf, spec)
             views.append(view)
             labels.append(label)
+            checked.append((where, spec, leaf))
         self.tensor_slots = [i for i in range(len(leaves)) if i not in self.static]
-        if self.mesh.backend != "local":
-            from . import _dist
+        backend.before(self, checked)  # a real mesh agrees on shapes here, before any exchange
+        return self._run(backend, views, labels)
 
-            return _dist.run(self, views, labels)
-        return self._run_local(views, labels)
+    def _run(self, backend, views: list[Tensor], labels: list[list]) -> Any:
+        from ._mode import ShardMode
 
-    def _split(self, x: Tensor, spec: PartitionSpec) -> tuple[Tensor, list]:
-        """View ``x`` with each split dim cut into (axis sizes..., block): no copy."""
-        shape, label = [], []
-        entries = spec.normalized()
-        for d, size in enumerate(x.shape):
-            entry = entries[d] if d < len(entries) else ()
-            n = 1
-            for a in entry:
-                shape.append(self.mesh.shape[a])
-                label.append(a)
-                n *= self.mesh.shape[a]
-            shape.append(size // n)
-            label.append(None)
-        return x.reshape(shape), label
-
-    def _run_local(self, views: list[Tensor], labels: list[list]) -> Any:
-        from ._local import make_exchange
-        from ._matmul import FoldedMatmulMode
-
-        mesh = self.mesh
-        token = torch.zeros(mesh.axis_sizes)
-        index = [torch.arange(n) for n in mesh.axis_sizes]
+        token, index = backend.token_and_index()
         level_dims = []
         labels = [list(lab) for lab in labels]
         for i, a in enumerate(self.axes):
@@ -160,13 +142,13 @@ class _Call:
                 if a in lab:
                     lab.remove(a)
             level_dims.append((*dims, 0, *[0 if j == i else None for j in range(len(self.axes))]))
-        frame = Frame(mesh=mesh, fname=self.fname, exchange=make_exchange(mesh))
+        frame = Frame(mesh=self.mesh, fname=self.fname, exchange=backend.exchange, backend=backend.name)
         fn = self._innermost(frame, len(views))
         for i in reversed(range(len(self.axes))):
             fn = self._level(fn, frame, i, level_dims[i])
         frames().append(frame)
         try:
-            with FoldedMatmulMode(frame):
+            with ShardMode(frame):
                 outs = fn(*views, token, *index)
         except RuntimeError as e:
             if "randomness" in str(e):
@@ -181,7 +163,7 @@ class _Call:
             frames().pop()
         if self.axes:
             outs = _merge(outs, [self.axes[0] in p for p in self.present])
-        return self._assemble(outs)
+        return self._assemble(backend, outs)
 
     def _innermost(self, frame: Frame, nviews: int) -> Callable:
         def run(*flat):
@@ -220,7 +202,6 @@ class _Call:
         """Check the per-device outputs; record which axes each will have a dim for."""
         paths, leaves, self.out_treedef = tree_flatten_with_path(out)
         specs = _prefix(self.fname, "out_specs", self.out_specs, out, "the outputs")
-        our_levels = {a: lvl for lvl, a in frame.levels.items()}
         self.out_static, self.out_slots, self.out_specs_flat, self.present = {}, [], [], []
         tensors = []
         for j, (path, leaf, spec) in enumerate(zip(paths, leaves, specs)):
@@ -239,9 +220,9 @@ class _Call:
                     f"return a tensor, or give it the out_spec None."
                 )
             check_spec(spec, tuple(leaf.shape), self.mesh.shape, where=where, blocks=True)
-            varying = _batched_levels(leaf, set(our_levels.values()))
+            varying = batched_levels(leaf, frame.levels)
             named = set(spec.axes())
-            broken = [a for a in self.axes if a not in named and our_levels[a] in varying]
+            broken = [a for a in self.axes if a not in named and _level_of(frame, a) in varying]
             if broken and self.check_rep:
                 raise ReplicationError(_replication_message(where, spec, broken))
             self.present.append([a for a in self.axes if a in named or a in broken])
@@ -250,13 +231,17 @@ class _Call:
             tensors.append(leaf)
         return tensors
 
-    def _assemble(self, outs: list[Tensor]) -> Any:
+    def _assemble(self, backend, outs: list[Tensor]) -> Any:
         leaves = [None] * (len(self.out_static) + len(outs))
         for j, v in self.out_static.items():
             leaves[j] = v
         for slot, t, spec, present in zip(self.out_slots, outs, self.out_specs_flat, self.present):
-            leaves[slot] = _to_global(t, spec, present, self.mesh)
+            leaves[slot] = backend.output(t, spec, present)
         return tree_unflatten(self.out_treedef, leaves)
+
+
+def _level_of(frame: Frame, axis: str) -> int:
+    return next(lvl for lvl, a in frame.levels.items() if a == axis)
 
 
 def _merge(parts: tuple[tuple, tuple], keep: list[bool]) -> list:
@@ -279,27 +264,17 @@ class _Opaque:
         self.tensor = tensor
 
 
-def _to_global(t: Tensor, spec: PartitionSpec, present: list[str], mesh: Mesh) -> Tensor:
-    """``t`` has one leading dim per axis in ``present`` (mesh order) then the block dims."""
-    named = spec.axes()
-    for k in reversed(range(len(present))):
-        if present[k] not in named:  # check_rep=False: keep the block at coordinate 0
-            t = t.select(k, 0)
-    present = [a for a in present if a in named]
-    k = len(present)
-    block = tuple(t.shape[k:])
-    entries = spec.normalized()
-    perm = []
-    for d in range(t.dim() - k):
-        for a in entries[d] if d < len(entries) else ():
-            perm.append(present.index(a))
-        perm.append(k + d)
-    if perm != list(range(len(perm))):
-        t = t.permute(perm)
-    return t.reshape(global_shape(spec, block, mesh.shape))
-
-
 # Error checking and messages ---------------------------------------------------------------
+
+
+def _backend(mesh: Mesh):
+    if mesh.backend == "dist":
+        from ._dist import DistBackend
+
+        return DistBackend(mesh)
+    from ._local import LocalBackend
+
+    return LocalBackend(mesh)
 
 
 def _is_spec(s: Any) -> bool:
@@ -327,15 +302,6 @@ def _prefix(fname: str, name: str, specs: Any, tree: Any, what: str) -> list:
             f"{name} the structure of {what}, down to where one spec covers a whole subtree; a "
             f"single P applies to everything."
         ) from None
-
-
-def _batched_levels(t: Tensor, levels: set[int]) -> set[int]:
-    """The vmap levels (of ``levels``) at which ``t`` is batched."""
-    out = set()
-    while is_batchedtensor(t) and maybe_get_level(t) in levels:
-        out.add(maybe_get_level(t))
-        t = get_unwrapped(t)
-    return out
 
 
 def _replication_message(where: str, spec: PartitionSpec, broken: list[str]) -> str:

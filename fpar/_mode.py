@@ -1,4 +1,14 @@
-"""Folded matmuls for the in-process mesh.
+"""What fpar does to torch ops inside a sharded function.
+
+Two things, both in one ``TorchFunctionMode`` active while the per-device function runs:
+
+**Implicit pvary.**  When an op combines a tensor replicated over a mesh axis with one that
+varies over it, JAX inserts ``pvary`` on the replicated one; its transpose is the psum that
+sums per-device gradient contributions (the data-parallel all-reduce).  In-process, vmap's
+own broadcast does that sum, so fpar only counts its traffic; on a real mesh the block is the
+only copy, so fpar inserts an explicit pvary whose backward all-reduces.
+
+**Folded matmuls** (in-process only).
 
 Under one vmap level per mesh axis, ``x_BD @ w_DH`` with x split over 'data' and w over
 'tensor' reaches functorch's matmul batching rule one level at a time.  That rule expands both
@@ -21,12 +31,19 @@ import string
 
 import torch
 import torch.nn.functional as F
-from torch._C._functorch import maybe_current_level
+from torch._C._functorch import (
+    _unwrap_for_grad,
+    get_unwrapped,
+    is_batchedtensor,
+    maybe_current_level,
+    maybe_get_level,
+)
 from torch.overrides import TorchFunctionMode
 
-from ._collectives import Frame
+from ._collectives import Frame, implicit_pvary
+from ._tree import tree_flatten, tree_unflatten
 
-__all__ = ["FoldedMatmulMode"]
+__all__ = ["ShardMode", "batched_levels"]
 
 Tensor = torch.Tensor
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm}
@@ -77,25 +94,49 @@ def _einsum(a: Tensor, b: Tensor, labels: _Labels) -> Tensor:
     return torch.einsum(f"{sa},{sb}->{so}", a, b)
 
 
-class FoldedMatmulMode(TorchFunctionMode):
-    """While active, matmuls directly inside the sharded function run folded (see module doc)."""
+class ShardMode(TorchFunctionMode):
+    """Active while a sharded function runs: implicit pvary, and folded matmuls in-process."""
 
     def __init__(self, frame: Frame):
         super().__init__()
         self.frame = frame
+        self.fold = frame.backend == "local"
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _MATMULS and not kwargs and self._ours(*args):
-            return _FoldedMatmul.apply(args[0], args[1], self.frame.token, self.frame, _Labels())
-        if func is torch.Tensor.__rmatmul__ and not kwargs and self._ours(args[1], args[0]):
-            return _FoldedMatmul.apply(args[1], args[0], self.frame.token, self.frame, _Labels())
-        if func is F.linear and self._ours(args[0], args[1]):
-            weight = args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            out = _FoldedMatmul.apply(args[0], weight.t(), self.frame.token, self.frame, _Labels())
-            return out if bias is None else out + bias
+        if self.frame.levels:
+            args, kwargs = self._pvary_mixed(args, kwargs)
+        if self.fold:
+            if func in _MATMULS and not kwargs and self._ours(*args):
+                return _FoldedMatmul.apply(args[0], args[1], self.frame.token, self.frame, _Labels())
+            if func is torch.Tensor.__rmatmul__ and not kwargs and self._ours(args[1], args[0]):
+                return _FoldedMatmul.apply(args[1], args[0], self.frame.token, self.frame, _Labels())
+            if func is F.linear and self._ours(args[0], args[1]):
+                weight = args[1]
+                bias = args[2] if len(args) > 2 else kwargs.get("bias")
+                out = _FoldedMatmul.apply(args[0], weight.t(), self.frame.token, self.frame, _Labels())
+                return out if bias is None else out + bias
         return func(*args, **kwargs)
+
+    def _pvary_mixed(self, args, kwargs):
+        """Pvary every float tensor argument replicated over an axis another argument varies over."""
+        leaves, treedef = tree_flatten((args, kwargs))
+        tensors = [i for i, t in enumerate(leaves) if isinstance(t, Tensor)]
+        if len(tensors) < 2:
+            return args, kwargs
+        ours = self.frame.levels
+        levels = {i: batched_levels(leaves[i], ours) for i in tensors}
+        union = set().union(*levels.values())
+        changed = False
+        for i in tensors:
+            missing = union - levels[i]
+            if missing and leaves[i].is_floating_point():
+                axes = tuple(ours[lv] for lv in sorted(missing))
+                leaves[i] = implicit_pvary(self.frame, leaves[i], axes)
+                changed = True
+        if not changed:
+            return args, kwargs
+        return tree_unflatten(treedef, leaves)
 
     def _ours(self, a, b) -> bool:
         """Fold only plain float matmuls issued at the sharded function's own level."""
@@ -108,6 +149,22 @@ class FoldedMatmulMode(TorchFunctionMode):
             and b.dim() >= 1
             and not a.is_sparse
             and not b.is_sparse
-            and self.frame.levels
+            and bool(self.frame.levels)
             and maybe_current_level() == max(self.frame.levels)  # no user transform above ours
         )
+
+
+def batched_levels(t: Tensor, ours: dict[int, str]) -> set[int]:
+    """The mesh levels (keys of ``ours``) at which ``t`` is batched, i.e. the axes it varies over."""
+    out: set[int] = set()
+    lowest = min(ours)
+    while True:
+        level = maybe_get_level(t)
+        if level < lowest:  # -1 for a plain tensor; below: an outer transform's wrapper
+            return out
+        if is_batchedtensor(t):
+            if level in ours:
+                out.add(level)
+            t = get_unwrapped(t)
+        else:  # a user's grad transform inside the sharded function
+            t = _unwrap_for_grad(t, level)
