@@ -16,6 +16,10 @@ from ._collectives import pmin as pmin
 from ._collectives import ppermute as ppermute
 from ._collectives import psum as psum
 from ._collectives import psum_scatter as psum_scatter
+from ._collectives import pvary as pvary
+from ._dist import LaunchError as LaunchError
+from ._dist import init_distributed as init_distributed
+from ._dist import launch as launch
 from ._errors import ReplicationError as ReplicationError
 from ._errors import SpecError as SpecError
 from ._errors import UnboundAxisError as UnboundAxisError
@@ -24,10 +28,13 @@ from ._mesh import make_mesh as make_mesh
 from ._shard import shard as shard
 from ._spec import P as P
 from ._spec import PartitionSpec as PartitionSpec
+from ._stats import comm_stats as comm_stats
+from ._stats import reset_comm_stats as reset_comm_stats
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "LaunchError",
     "Mesh",
     "P",
     "PartitionSpec",
@@ -38,6 +45,9 @@ __all__ = [
     "all_to_all",
     "axis_index",
     "axis_size",
+    "comm_stats",
+    "init_distributed",
+    "launch",
     "make_mesh",
     "pmax",
     "pmean",
@@ -45,5 +55,7 @@ __all__ = [
     "ppermute",
     "psum",
     "psum_scatter",
+    "pvary",
+    "reset_comm_stats",
     "shard",
 ]

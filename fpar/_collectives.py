@@ -27,6 +27,7 @@ from torch._C._functorch import maybe_current_level
 
 from . import _stats as stats
 from ._errors import UnboundAxisError
+from ._registry import internal
 from ._tree import tree_map
 
 __all__ = [
@@ -128,6 +129,7 @@ class Op:
 VARYING = {"all_gather", "psum_scatter", "ppermute", "all_to_all", "pvary"}
 
 
+@internal
 class _Collective(torch.autograd.Function):
     generate_vmap_rule = False
 

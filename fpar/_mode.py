@@ -38,9 +38,11 @@ from torch._C._functorch import (
     maybe_current_level,
     maybe_get_level,
 )
+from torch._functorch.autograd_function import custom_function_call
 from torch.overrides import TorchFunctionMode
 
 from ._collectives import Frame, implicit_pvary
+from ._registry import INTERNAL, internal
 from ._tree import tree_flatten, tree_unflatten
 
 __all__ = ["ShardMode", "batched_levels"]
@@ -55,6 +57,7 @@ class _Labels:
     b: tuple[int, ...] = ()
 
 
+@internal
 class _FoldedMatmul(torch.autograd.Function):
     generate_vmap_rule = False
 
@@ -104,6 +107,8 @@ class ShardMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is custom_function_call and args and args[0] in INTERNAL:
+            return func(*args, **kwargs)  # fpar's own Functions: the token is not an operand
         if self.frame.levels:
             args, kwargs = self._pvary_mixed(args, kwargs)
         if self.fold:
@@ -152,6 +157,16 @@ class ShardMode(TorchFunctionMode):
             and bool(self.frame.levels)
             and maybe_current_level() == max(self.frame.levels)  # no user transform above ours
         )
+
+
+def _count_tensors(values) -> int:
+    n = 0
+    for v in values:
+        if isinstance(v, Tensor):
+            n += 1
+        elif isinstance(v, (list, tuple)):
+            n += sum(isinstance(u, Tensor) for u in v)
+    return n
 
 
 def batched_levels(t: Tensor, ours: dict[int, str]) -> set[int]:

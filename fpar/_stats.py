@@ -24,6 +24,8 @@ from collections import defaultdict
 
 import torch
 
+from ._registry import internal
+
 __all__ = ["comm_stats", "record", "reset_comm_stats"]
 
 _LOCK = threading.Lock()
@@ -90,6 +92,7 @@ def reset_comm_stats() -> None:
         _STATS.clear()
 
 
+@internal
 class CountTranspose(torch.autograd.Function):
     """Identity whose backward records the traffic of the transpose of ``kind``.
 
