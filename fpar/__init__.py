@@ -23,6 +23,17 @@ from ._dist import launch as launch
 from ._errors import ReplicationError as ReplicationError
 from ._errors import SpecError as SpecError
 from ._errors import UnboundAxisError as UnboundAxisError
+from ._global import Init as Init
+from ._global import device_put as device_put
+from ._global import from_dtensor as from_dtensor
+from ._global import full as full
+from ._global import gather as gather
+from ._global import init as init
+from ._global import normal as normal
+from ._global import ones as ones
+from ._global import to_dtensor as to_dtensor
+from ._global import uniform as uniform
+from ._global import zeros as zeros
 from ._mesh import Mesh as Mesh
 from ._mesh import make_mesh as make_mesh
 from ._shard import shard as shard
@@ -34,6 +45,7 @@ from ._stats import reset_comm_stats as reset_comm_stats
 __version__ = "0.1.0"
 
 __all__ = [
+    "Init",
     "LaunchError",
     "Mesh",
     "P",
@@ -46,9 +58,16 @@ __all__ = [
     "axis_index",
     "axis_size",
     "comm_stats",
+    "device_put",
+    "from_dtensor",
+    "full",
+    "gather",
+    "init",
     "init_distributed",
     "launch",
     "make_mesh",
+    "normal",
+    "ones",
     "pmax",
     "pmean",
     "pmin",
@@ -58,4 +77,7 @@ __all__ = [
     "pvary",
     "reset_comm_stats",
     "shard",
+    "to_dtensor",
+    "uniform",
+    "zeros",
 ]
