@@ -252,7 +252,8 @@ def _apply(api: str, x: Any, axis_name: AxisName, kind: str, params: tuple = (),
             leaf_params = check(leaf, n) if check is not None else params
             out = _Collective.apply(leaf, frame.token, Op(kind, axes, leaf_params))
             stats.record(kind, axes, n, leaf, pairs)
-            return stats.count_transpose(out, kind, axes, n, pairs)
+            stats.count_transpose(out, kind, axes, n, pairs)
+            return out
         if number is not None and isinstance(leaf, (int, float, bool)):
             return number(leaf, n)
         raise TypeError(
@@ -383,9 +384,10 @@ def implicit_pvary(frame: Frame, t: Tensor, axes: tuple[str, ...]) -> Tensor:
 
 
 def _pvary(frame: Frame, t: Tensor, axes: tuple[str, ...], *, explicit: bool) -> Tensor:
+    stats.count_transpose(t, "pvary", axes, frame.mesh.axis_size(axes))
     if explicit:
         t = _Collective.apply(t, frame.token, Op("pvary", axes))
-    return stats.count_transpose(t, "pvary", axes, frame.mesh.axis_size(axes))
+    return t
 
 
 def axis_index(axis_name: AxisName) -> Tensor:

@@ -23,8 +23,7 @@ import threading
 from collections import defaultdict
 
 import torch
-
-from ._registry import internal
+from torch._C._functorch import get_unwrapped, is_gradtrackingtensor, maybe_get_level
 
 __all__ = ["comm_stats", "record", "reset_comm_stats"]
 
@@ -92,41 +91,23 @@ def reset_comm_stats() -> None:
         _STATS.clear()
 
 
-@internal
-class CountTranspose(torch.autograd.Function):
-    """Identity whose backward records the traffic of the transpose of ``kind``.
+def count_transpose(
+    x: torch.Tensor, kind: str, axes: tuple[str, ...], n: int, pairs: int | None = None
+) -> None:
+    """Record the traffic of ``kind``'s transpose if a gradient will flow back through ``x``.
 
-    ``block_bytes`` is the per-device size, taken where the caller sees the logical block;
-    the backward may run on physical (stacked) tensors, so it does not measure ``ct``.
+    Counted when the forward runs (a custom Function whose backward counted would cost a
+    Python dispatch through every vmap level per call, several ms on small models).  "Will
+    flow" means ``x`` is tracked by a grad transform or requires grad.
     """
-
-    generate_vmap_rule = False
-
-    @staticmethod
-    def forward(x, kind, axes, n, pairs, block_bytes):
-        return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.args = inputs[1:]
-
-    @staticmethod
-    def backward(ctx, ct):
-        kind, axes, n, pairs, block_bytes = ctx.args
-        _add(TRANSPOSE[kind], axes, bytes_sent(TRANSPOSE[kind], n, block_bytes, pairs))
-        return ct, None, None, None, None, None
-
-    @staticmethod
-    def jvp(ctx, x_t, *_):
-        return x_t
-
-    @staticmethod
-    def vmap(info, in_dims, x, *args):
-        return CountTranspose.apply(x, *args), in_dims[0]
+    if TRANSPOSE[kind] is not None and x.is_floating_point() and _tracked(x):
+        _add(TRANSPOSE[kind], axes, bytes_sent(TRANSPOSE[kind], n, x.numel() * x.element_size(), pairs))
 
 
-def count_transpose(x: torch.Tensor, kind: str, axes: tuple[str, ...], n: int, pairs: int | None = None):
-    """``x``, recording the transpose's traffic when a gradient flows back through it."""
-    if TRANSPOSE[kind] is None or not x.is_floating_point():
-        return x
-    return CountTranspose.apply(x, kind, axes, n, pairs, x.numel() * x.element_size())
+def _tracked(t: torch.Tensor) -> bool:
+    while True:
+        if is_gradtrackingtensor(t) and t.requires_grad:
+            return True
+        if maybe_get_level(t) == -1:
+            return t.requires_grad
+        t = get_unwrapped(t)

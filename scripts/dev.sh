@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine:
+#   bash scripts/dev.sh example   # set up (once), then run the main example
+#   bash scripts/dev.sh test      # set up (once), then run the whole test suite
+#   bash scripts/dev.sh setup     # only set up
+# Set-up makes .venv with the CPU build of torch 2.13.0 *before* installing fpar: a bare `torch`
+# requirement with no torch present would pull the newest release with GBs of CUDA packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+setup() {
+  if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+  fi
+  if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
+    .venv/bin/python -m pip install -q torch==2.13.0
+  fi
+  .venv/bin/python -m pip install -q -e ".[test,examples]"
+}
+
+case "${1:-}" in
+  setup) setup ;;
+  example) setup; .venv/bin/python examples/mlp_digits.py "${@:2}" ;;
+  test) setup; .venv/bin/python -m pytest "${@:2}" ;;
+  *) echo "usage: bash scripts/dev.sh {setup|example|test} [args...]" >&2; exit 2 ;;
+esac
