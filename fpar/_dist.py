@@ -60,23 +60,45 @@ def device_type() -> str:
 
 
 class MeshGroups:
-    """The process groups of one real mesh, built on ``DeviceMesh``, plus combined-axis groups."""
+    """The process groups of one real mesh, built on ``DeviceMesh``, plus combined-axis groups.
 
-    def __init__(self, mesh):
-        from torch.distributed.device_mesh import init_device_mesh
+    A submesh (``view``) shares its parent's groups: a group over some of the submesh's axes is
+    the parent's group over them, which already fixes this rank's coordinates on the others.
+    """
 
+    def __init__(self, mesh, parent: MeshGroups | None = None):
         self.mesh = mesh
-        self.device_mesh = init_device_mesh(device_type(), mesh.axis_sizes, mesh_dim_names=mesh.axis_names)
         self.rank = dist.get_rank()
-        self.coords = dict(zip(mesh.axis_names, _unravel(self.rank, mesh.axis_sizes)))
-        self._groups: dict[frozenset, Any] = {}
+        if parent is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.device_mesh = init_device_mesh(
+                device_type(), mesh.axis_sizes, mesh_dim_names=mesh.axis_names
+            )
+            self.coords = dict(zip(mesh.axis_names, _unravel(self.rank, mesh.axis_sizes)))
+            self._groups: dict[frozenset, Any] = {}
+        else:
+            self.device_mesh = parent.device_mesh
+            self.coords = parent.coords  # the parent's coordinates: members() needs all of them
+            self._groups = parent._groups
+        self.root = self if parent is None else parent.root
+
+    def view(self, names: tuple[str, ...]) -> MeshGroups:
+        """The groups of the submesh over ``names`` that contains this rank."""
+        from ._mesh import Mesh
+
+        sub = Mesh([self.mesh.shape[a] for a in names], names, backend="dist")
+        view = MeshGroups(sub, parent=self)
+        view.mesh = self.root.mesh  # groups and members are computed on the full mesh
+        view.device_mesh = self.root.device_mesh[names] if names else None
+        return view
 
     def group(self, axes: tuple[str, ...]):
         """The process group over ``axes`` that contains this rank (created on first use)."""
         key = frozenset(axes)
         if key not in self._groups:
             if len(axes) == 1:
-                self._groups[key] = self.device_mesh.get_group(axes[0])
+                self._groups[key] = self.root.device_mesh.get_group(axes[0])
             else:
                 # Every rank calls this for the same axes at the same point (SPMD), as
                 # new_group requires.
@@ -129,6 +151,35 @@ def _unravel(index: int, sizes) -> list[int]:
         out.append(index % s)
         index //= s
     return out[::-1]
+
+
+def p2p(
+    mesh, axis: str, sends: list[tuple[Tensor, int]], recvs: list[tuple[tuple, torch.dtype, int]]
+) -> list[Tensor]:
+    """Point-to-point exchange along one axis: send blocks to, and receive blocks from, neighbours.
+
+    ``sends`` are ``(tensor, index along axis)``; ``recvs`` are ``(shape, dtype, index)``.  All
+    are posted together (``batch_isend_irecv``), so a tick of a pipeline schedule in which
+    neighbours both send and receive cannot deadlock.  Not differentiable: a pipeline executor
+    moves activations and cotangents explicitly.
+
+    Returns:
+      The received tensors, in the order of ``recvs``.
+    """
+    mg = mesh._dist
+    members = mg.members((axis,))
+    group = mg.group((axis,))
+    ops, out = [], []
+    for t, index in sends:
+        ops.append(dist.P2POp(dist.isend, t.contiguous(), members[index], group))
+    for shape, dtype, index in recvs:
+        buf = torch.empty(shape, dtype=dtype, device=_device([]))
+        out.append(buf)
+        ops.append(dist.P2POp(dist.irecv, buf, members[index], group))
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    return out
 
 
 def attach(mesh) -> None:

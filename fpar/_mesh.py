@@ -58,6 +58,30 @@ class Mesh:
         axes = ", ".join(f"{n!r}: {s}" for n, s in self.shape.items())
         return f"Mesh({{{axes}}}, backend={self.backend!r})"
 
+    def submesh(self, axis_names: Sequence[str]) -> Mesh:
+        """The mesh over a subset of the axes, for the devices that share this one's other coordinates.
+
+        In-process that is simply a smaller mesh.  On a real mesh it is this process's slice:
+        e.g. ``mesh.submesh(("data", "tensor"))`` of a (pipe, data, tensor) mesh is the 2-d mesh
+        of the ranks in this rank's pipeline stage, reusing the parent's process groups.
+        A pipeline runs each stage as a ``shard`` over such a submesh.
+
+        Raises:
+          ValueError: a name that is not an axis of this mesh, or named twice.
+        """
+        names = tuple(axis_names)
+        unknown = [a for a in names if a not in self.shape]
+        if unknown or len(set(names)) != len(names):
+            raise ValueError(
+                f"{self}.submesh({names}): axis names must be distinct axes of the mesh "
+                f"{self.axis_names}; got {names}."
+            )
+        names = tuple(a for a in self.axis_names if a in names)  # keep mesh order
+        sub = Mesh([self.shape[a] for a in names], names, backend=self.backend)
+        if self._dist is not None:
+            sub._dist = self._dist.view(names)
+        return sub
+
     def axis_size(self, axis_name: str | tuple[str, ...]) -> int:
         """Size of one axis, or the product of the sizes of a tuple of axes."""
         names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
