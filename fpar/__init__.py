@@ -7,6 +7,7 @@ under ``torchrun`` (a real mesh over ``torch.distributed``).
 """
 
 from ._collectives import all_gather as all_gather
+from ._collectives import all_gather_invariant as all_gather_invariant
 from ._collectives import all_to_all as all_to_all
 from ._collectives import axis_index as axis_index
 from ._collectives import axis_size as axis_size
@@ -54,6 +55,7 @@ __all__ = [
     "SpecError",
     "UnboundAxisError",
     "all_gather",
+    "all_gather_invariant",
     "all_to_all",
     "axis_index",
     "axis_size",

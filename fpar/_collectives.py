@@ -32,6 +32,7 @@ from ._tree import tree_map
 
 __all__ = [
     "all_gather",
+    "all_gather_invariant",
     "all_to_all",
     "axis_index",
     "axis_size",
@@ -225,6 +226,14 @@ def _transpose(op: Op, token: Tensor, ct: Tensor, *saved: Tensor) -> Tensor:
     raise AssertionError(kind)  # unreachable: every kind is listed above
 
 
+def _own_block(op: Op, ct: Tensor, axis: int, tiled: bool) -> Tensor:
+    """This device's block of a replicated ``ct`` gathered along ``axis`` (no communication)."""
+    n = _size(op)
+    index = axis_index(op.axes)
+    blocks = ct.unflatten(axis, (n, ct.shape[axis] // n)) if tiled else ct
+    return blocks.index_select(axis, index.reshape(1)).squeeze(axis)
+
+
 def _extreme_share(op: Op, token: Tensor, x: Tensor, y: Tensor, t: Tensor, *, transpose: bool) -> Tensor:
     """Derivative of pmax/pmin: the devices holding the extreme share it evenly."""
     mask = (x == y).to(t.dtype)
@@ -317,6 +326,22 @@ def all_gather(x: Any, axis_name: AxisName, *, axis: int = 0, tiled: bool = Fals
         return (_dim("all_gather", "axis", axis, rank), bool(tiled))
 
     return _apply("all_gather", x, axis_name, "all_gather", check=check)
+
+
+def all_gather_invariant(x: Any, axis_name: AxisName, *, axis: int = 0, tiled: bool = False) -> Any:
+    """``all_gather`` whose result is typed replicated over the axis (JAX's ``all_gather_invariant``).
+
+    ``all_gather_invariant(x varying) -> gathered x replicated``.  Use it where the gathered
+    value must leave ``fpar.shard`` with an out_spec that leaves the axis out, e.g. parameters
+    gathered after a ZeRO update.  Its transpose is a local slice (each device keeps its own
+    block of the replicated cotangent): no communication in the backward.
+    """
+
+    def check(leaf, n):
+        rank = leaf.dim() + (0 if tiled else 1)
+        return (_dim("all_gather_invariant", "axis", axis, rank), bool(tiled))
+
+    return _apply("all_gather_invariant", x, axis_name, "all_gather_invariant", check=check)
 
 
 def psum_scatter(x: Any, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False) -> Any:

@@ -218,7 +218,7 @@ def _run(kind: str, params: tuple, x: Tensor, nb: int, axes, mg: MeshGroups) -> 
         y = x.detach().clone(memory_format=torch.contiguous_format)
         dist.all_reduce(y, op=_REDUCE[kind], group=group)
         return y / n if kind == "pmean" else y
-    if kind == "all_gather":
+    if kind in ("all_gather", "all_gather_invariant"):
         axis, tiled = params
         bufs = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(n)]
         dist.all_gather(bufs, x.contiguous(), group=group)
@@ -303,6 +303,8 @@ class _Exchange(torch.autograd.Function):
             g = _Exchange.apply(ct, "psum", (), nb, axes, mg)
         elif kind == "all_gather":
             g = _Exchange.apply(ct, "psum_scatter", p, nb, axes, mg)
+        elif kind == "all_gather_invariant":
+            g = _own_chunk(ct, nb + p[0], p[1], mg.me(axes), n)
         elif kind == "psum_scatter":
             g = _Exchange.apply(ct, "all_gather", p, nb, axes, mg)
         elif kind == "ppermute":
@@ -311,6 +313,11 @@ class _Exchange(torch.autograd.Function):
             split, concat, tiled = p
             g = _Exchange.apply(ct, kind, (concat, split, tiled), nb, axes, mg)
         return g, None, None, None, None, None
+
+
+def _own_chunk(ct: Tensor, dim: int, tiled: bool, me: int, n: int) -> Tensor:
+    """This rank's block of a replicated cotangent of a gathered value (no communication)."""
+    return ct.chunk(n, dim)[me] if tiled else ct.select(dim, me)
 
 
 @internal

@@ -55,6 +55,11 @@ def all_gather(x: Tensor, nb: int, axis: int, tiled: bool) -> Tensor:
     return g.unsqueeze(0).expand(n, *g.shape)  # every device holds the same gathered value
 
 
+def all_gather_invariant(x: Tensor, nb: int, axis: int, tiled: bool) -> Tensor:
+    g = x.movedim(0, nb + axis)  # one gathered value, replicated: no per-device dim
+    return g.flatten(nb + axis, nb + axis + 1) if tiled else g
+
+
 def psum_scatter(x: Tensor, nb: int, scatter_dimension: int, tiled: bool) -> Tensor:
     n = x.shape[0]
     s = _reduce(x, "sum")
@@ -99,6 +104,7 @@ EXCHANGES = {
     "pmax": (pmax, False),
     "pmin": (pmin, False),
     "all_gather": (all_gather, True),
+    "all_gather_invariant": (all_gather_invariant, False),
     "psum_scatter": (psum_scatter, True),
     "ppermute": (ppermute, True),
     "all_to_all": (all_to_all, True),

@@ -38,6 +38,7 @@ TRANSPOSE = {
     "pmax": None,
     "pmin": None,
     "all_gather": "psum_scatter",
+    "all_gather_invariant": None,  # transpose: keep one's own block
     "psum_scatter": "all_gather",
     "ppermute": "ppermute",
     "all_to_all": "all_to_all",
@@ -51,7 +52,7 @@ def bytes_sent(kind: str, n: int, block_bytes: int, pairs: int | None = None) ->
         return 0
     if kind in ("psum", "pmean", "pmax", "pmin"):
         return 2 * (n - 1) * block_bytes // n
-    if kind == "all_gather":
+    if kind in ("all_gather", "all_gather_invariant"):
         return (n - 1) * block_bytes
     if kind in ("psum_scatter", "all_to_all"):
         return (n - 1) * block_bytes // n

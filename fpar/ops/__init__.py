@@ -1,1 +1,91 @@
-"""Parallel layers built from fpar.shard-level pieces (tensor, sequence and data parallel)."""
+"""Parallel layers built from fpar.shard-level pieces (tensor, sequence and data parallel).
+
+Every layer is a pure per-device function, called *inside* ``fpar.shard``, that names its mesh
+axis with ``axis=``; parameters are plain tensor dicts, and ``*_specs`` / ``init_*`` give their
+``fpar.P`` and ``fpar.init`` leaves.
+
+* Megatron 1D (``_megatron.py``): ``column_linear``, ``row_linear``, ``mlp``, ``attention``,
+  ``vocab_embedding``, ``vocab_cross_entropy``.
+* Sequence parallel (``_sequence.py``): Megatron-SP ``sp_column_linear``, ``sp_row_linear``,
+  ``sp_mlp``, ``sp_attention``, ``sp_vocab_embedding``; ``ulysses_attention``; ``ring_attention``,
+  ``ring_self_attention``.
+* A GPT (``_gpt.py``): ``layer_norm``, ``gpt_block``, ``sp_gpt_block``, ``gpt``, ``gpt_loss``, and
+  ``mlp_specs``, ``attention_specs``, ``layer_norm_specs``, ``gpt_block_specs``, ``gpt_specs``,
+  ``init_mlp``, ``init_attention``, ``init_layer_norm``, ``init_gpt_block``, ``init_gpt``.
+* Configuration (``_layout.py``): ``tensor_layout`` / ``TensorLayout`` map a Colossal-AI style
+  tensor-parallel config onto mesh axis names and shapes.
+
+Example:
+  >>> mesh = fpar.make_mesh((2, 4), ("data", "tensor"))
+  >>> params = fpar.init(fpar.ops.init_gpt(256, 64, 2, 64), mesh, fpar.ops.gpt_specs(2), seed=0)
+  >>> def loss(params, ids, targets):
+  ...     tok = fpar.ops.gpt_loss(params, ids, targets, axis="tensor", n_heads=4)
+  ...     return fpar.pmean(tok.mean(), "data")
+  >>> step = fpar.shard(loss, mesh, in_specs=(fpar.ops.gpt_specs(2), P("data"), P("data")), out_specs=P())
+"""
+
+from ._gpt import attention_specs as attention_specs
+from ._gpt import gpt as gpt
+from ._gpt import gpt_block as gpt_block
+from ._gpt import gpt_block_specs as gpt_block_specs
+from ._gpt import gpt_loss as gpt_loss
+from ._gpt import gpt_specs as gpt_specs
+from ._gpt import init_attention as init_attention
+from ._gpt import init_gpt as init_gpt
+from ._gpt import init_gpt_block as init_gpt_block
+from ._gpt import init_layer_norm as init_layer_norm
+from ._gpt import init_mlp as init_mlp
+from ._gpt import layer_norm as layer_norm
+from ._gpt import layer_norm_specs as layer_norm_specs
+from ._gpt import mlp_specs as mlp_specs
+from ._gpt import sp_gpt_block as sp_gpt_block
+from ._layout import TensorLayout as TensorLayout
+from ._layout import tensor_layout as tensor_layout
+from ._megatron import attention as attention
+from ._megatron import column_linear as column_linear
+from ._megatron import mlp as mlp
+from ._megatron import row_linear as row_linear
+from ._megatron import vocab_cross_entropy as vocab_cross_entropy
+from ._megatron import vocab_embedding as vocab_embedding
+from ._sequence import ring_attention as ring_attention
+from ._sequence import ring_self_attention as ring_self_attention
+from ._sequence import sp_attention as sp_attention
+from ._sequence import sp_column_linear as sp_column_linear
+from ._sequence import sp_mlp as sp_mlp
+from ._sequence import sp_row_linear as sp_row_linear
+from ._sequence import sp_vocab_embedding as sp_vocab_embedding
+from ._sequence import ulysses_attention as ulysses_attention
+
+__all__ = [
+    "TensorLayout",
+    "attention",
+    "attention_specs",
+    "column_linear",
+    "gpt",
+    "gpt_block",
+    "gpt_block_specs",
+    "gpt_loss",
+    "gpt_specs",
+    "init_attention",
+    "init_gpt",
+    "init_gpt_block",
+    "init_layer_norm",
+    "init_mlp",
+    "layer_norm",
+    "layer_norm_specs",
+    "mlp",
+    "mlp_specs",
+    "ring_attention",
+    "ring_self_attention",
+    "row_linear",
+    "sp_attention",
+    "sp_column_linear",
+    "sp_gpt_block",
+    "sp_mlp",
+    "sp_row_linear",
+    "sp_vocab_embedding",
+    "tensor_layout",
+    "ulysses_attention",
+    "vocab_cross_entropy",
+    "vocab_embedding",
+]

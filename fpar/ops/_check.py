@@ -18,7 +18,9 @@ Tensor = torch.Tensor
 
 def axis_size(api: str, axis) -> int:
     """Return the size of mesh axis ``axis``; raises outside ``fpar.shard`` or for an unknown axis."""
-    if not (isinstance(axis, str) or (isinstance(axis, tuple) and axis and all(isinstance(a, str) for a in axis))):
+    if not (
+        isinstance(axis, str) or (isinstance(axis, tuple) and axis and all(isinstance(a, str) for a in axis))
+    ):
         raise TypeError(
             f"fpar.ops.{api}: axis must be a mesh axis name (or a tuple of names), got {axis!r}; "
             f"e.g. {api}(..., axis='tensor')."
@@ -35,9 +37,7 @@ def tensor(api: str, name: str, x, *, ndim: int | None = None, min_ndim: int | N
             f"fpar.ops.{api}: {name} must have rank {ndim}, got shape {tuple(x.shape)} (rank {x.dim()})."
         )
     if min_ndim is not None and x.dim() < min_ndim:
-        raise ValueError(
-            f"fpar.ops.{api}: {name} must have rank >= {min_ndim}, got shape {tuple(x.shape)}."
-        )
+        raise ValueError(f"fpar.ops.{api}: {name} must have rank >= {min_ndim}, got shape {tuple(x.shape)}.")
     return x
 
 
@@ -65,20 +65,32 @@ def same(api: str, what: str, a: int, b: int, hint: str) -> None:
         raise ValueError(f"fpar.ops.{api}: {what} ({a} != {b}). {hint}")
 
 
-def params(api: str, p, required: Sequence[str], optional: Sequence[str] = (), specs_fn: str = "") -> None:
-    """Check that a parameter dict has the required keys and no unknown ones."""
+def params(
+    api: str,
+    p,
+    required: Sequence[str],
+    optional: Sequence[str] = (),
+    specs_fn: str = "",
+    *,
+    leaves: bool = True,
+) -> None:
+    """Check that a parameter dict has the required keys and no unknown ones (and, if ``leaves``, tensors)."""
     if not isinstance(p, Mapping):
         raise TypeError(f"fpar.ops.{api}: params must be a dict of tensors, got {type(p).__name__}.")
     missing = [k for k in required if k not in p]
     unknown = [k for k in p if k not in required and k not in optional]
     if missing or unknown:
-        hint = f" Build them with fpar.init(fpar.ops.init_{specs_fn}(...), mesh, fpar.ops.{specs_fn}_specs(axis))." if specs_fn else ""
+        hint = (
+            f" Build them with fpar.init(fpar.ops.init_{specs_fn}(...), mesh, fpar.ops.{specs_fn}_specs(axis))."
+            if specs_fn
+            else ""
+        )
         raise ValueError(
             f"fpar.ops.{api}: params has keys {sorted(p)}; expected {list(required)}"
             f"{f' and optionally {list(optional)}' if optional else ''}"
             f"{f' (missing {missing})' if missing else ''}{f' (unknown {unknown})' if unknown else ''}.{hint}"
         )
-    for k in p:
+    for k in p if leaves else ():
         if not isinstance(p[k], Tensor):
             raise TypeError(f"fpar.ops.{api}: params[{k!r}] must be a tensor, got {type(p[k]).__name__}.")
 

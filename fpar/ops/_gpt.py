@@ -1,0 +1,311 @@
+"""A GPT (pre-LayerNorm transformer) from the parallel layers, with its parameter specs and initialisers.
+
+The model is GPT-2's (Radford et al. 2019): token + learned position embeddings, ``n_layers``
+blocks ``x + attn(ln1(x))``, ``x + mlp(ln2(x))``, a final LayerNorm and a vocabulary head tied to
+the embedding (or untied).  Under Megatron 1D every weight matrix is split over the tensor axis
+and activations are replicated; with ``sequence_parallel=True`` (Megatron-SP) activations between
+the parallel regions are split along the sequence.  The embedding, head and loss are
+vocab-parallel, so the ``[B, T, V]`` logits never exist on one device.
+
+Per-device traffic of one forward + backward (``S`` = bytes of ``[B, T, D]``, ``n`` = axis size,
+an all-reduce moving ``2 (n-1)/n`` of its size): 1D does ``2 L + 1`` all-reduces of ``S`` forward
+(2 per block, 1 for the embedding) plus 3 of ``[B, T]`` (the loss), and ``2 L + 1`` of ``S``
+backward (2 per block, 1 into the head's input); SP replaces each all-reduce by an all-gather and
+a reduce-scatter of the same total.
+
+``*_specs`` return the ``fpar.P`` of every parameter (same tree as the parameters) and
+``init_*`` return trees of ``fpar.normal``/``fpar.zeros`` for ``fpar.init``, whose values do not
+depend on the layout: ``fpar.init(init_gpt(...), mesh, gpt_specs(L, axis), seed=0)``.
+
+Shape suffixes (torchtitan style); inside ``fpar.shard`` they name the per-device block:
+    B  batch     T  sequence (T/n per device under SP)   D  model dim   V  vocabulary (V/n)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+import fpar
+from fpar import P
+
+from . import _check as check
+from ._megatron import attention, column_linear, mlp, vocab_cross_entropy, vocab_embedding
+from ._sequence import sp_attention, sp_column_linear, sp_mlp, sp_vocab_embedding
+
+__all__ = [
+    "attention_specs",
+    "gpt",
+    "gpt_block",
+    "gpt_block_specs",
+    "gpt_loss",
+    "gpt_specs",
+    "init_attention",
+    "init_gpt",
+    "init_gpt_block",
+    "init_layer_norm",
+    "init_mlp",
+    "layer_norm",
+    "layer_norm_specs",
+    "mlp_specs",
+    "sp_gpt_block",
+]
+
+Tensor = torch.Tensor
+LN_EPS = 1e-5
+
+
+# Layers ---------------------------------------------------------------------------------------------
+
+
+def layer_norm(params: dict, x: Tensor) -> Tensor:
+    """LayerNorm over the last dim with ``params = {"w": [D], "b": [D]}`` (replicated), eps 1e-5."""
+    check.params("layer_norm", params, ("w", "b"), (), "layer_norm")
+    return F.layer_norm(x, x.shape[-1:], params["w"], params["b"], eps=LN_EPS)
+
+
+def gpt_block(params: dict, x: Tensor, *, axis, n_heads: int, sequence_parallel: bool = False) -> Tensor:
+    """Apply one pre-LayerNorm transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``.
+
+    ``x[B, T, D] replicated -> [B, T, D] replicated`` (Megatron 1D: 2 all-reduces forward, 2
+    backward), or with ``sequence_parallel=True`` ``x[B, T/n, D] -> [B, T/n, D]`` split over
+    ``axis`` along the sequence (LayerNorms and residuals on shards; 2 all-gathers and 2
+    reduce-scatters each way).  Attention is causal.
+
+    Args:
+      params: ``{"ln1", "attn", "ln2", "mlp"}`` (see ``fpar.ops.gpt_block_specs``).
+      x: the residual stream.
+      axis: the tensor-parallel mesh axis.
+      n_heads: total heads, divisible by the size of ``axis``.
+      sequence_parallel: use the Megatron-SP layers.
+    """
+    check.params("gpt_block", params, ("ln1", "attn", "ln2", "mlp"), (), "gpt_block", leaves=False)
+    attn_fn, mlp_fn = (sp_attention, sp_mlp) if sequence_parallel else (attention, mlp)
+    x = x + attn_fn(params["attn"], layer_norm(params["ln1"], x), axis=axis, n_heads=n_heads, causal=True)
+    return x + mlp_fn(params["mlp"], layer_norm(params["ln2"], x), axis=axis)
+
+
+def sp_gpt_block(params: dict, x: Tensor, *, axis, n_heads: int) -> Tensor:
+    """``gpt_block(..., sequence_parallel=True)``: ``x[B, T/n, D] -> [B, T/n, D]``, split along the sequence."""
+    return gpt_block(params, x, axis=axis, n_heads=n_heads, sequence_parallel=True)
+
+
+def gpt(params: dict, ids: Tensor, *, axis, n_heads: int, sequence_parallel: bool = False) -> Tensor:
+    """Compute a GPT's vocab-split logits: ``ids[B, T] replicated -> logits[B, T, V/n] varying over axis``.
+
+    Vocab-parallel embedding plus learned positions, the blocks, a final LayerNorm and the
+    vocab-parallel head (``column_linear`` by ``w_emb^T`` if tied, else by ``w_head``).  Feed
+    the result to ``fpar.ops.vocab_cross_entropy`` (or use ``gpt_loss``).
+
+    Args:
+      params: see ``fpar.ops.gpt_specs``; ``"w_head"`` present means an untied head.
+      ids: integer token ids ``[B, T]``, replicated over ``axis``; ``T <= max_seq_len``.
+      axis: the tensor-parallel mesh axis.
+      n_heads: total heads, divisible by the size of ``axis``.
+      sequence_parallel: Megatron-SP between the parallel regions (``T`` divisible by the size
+        of ``axis``); the values are the same.
+
+    Returns:
+      This device's vocabulary slice of the logits, ``[B, T, V/n]``.
+    """
+    api = "gpt"
+    n = check.axis_size(api, axis)
+    check.params(api, params, ("w_emb", "w_pos", "blocks", "ln_f"), ("w_head",), "gpt", leaves=False)
+    check.integer(api, "ids", check.tensor(api, "ids", ids, ndim=2))
+    t, w_pos = ids.shape[1], params["w_pos"]
+    if t > w_pos.shape[0]:
+        raise ValueError(
+            f"fpar.ops.{api}: ids has {t} positions but w_pos only {w_pos.shape[0]}; use sequences of "
+            f"at most max_seq_len={w_pos.shape[0]} or build the model with a larger max_seq_len."
+        )
+    if sequence_parallel:
+        check.divisible(api, "the sequence length", t, n, "Sequence parallelism splits it over the axis.")
+        x = sp_vocab_embedding(ids, params["w_emb"], axis=axis)
+        # This device's positions; the gradient of the shared table is summed over the axis.
+        x = x + w_pos[:t].unflatten(0, (n, t // n))[fpar.axis_index(axis)]
+    else:
+        x = vocab_embedding(ids, params["w_emb"], axis=axis) + w_pos[:t]
+    for block in params["blocks"]:
+        x = gpt_block(block, x, axis=axis, n_heads=n_heads, sequence_parallel=sequence_parallel)
+    x = layer_norm(params["ln_f"], x)
+    w_head = params["w_head"] if "w_head" in params else params["w_emb"].t()
+    if sequence_parallel:
+        return sp_column_linear(x, w_head, axis=axis)
+    return column_linear(x, w_head, axis=axis)
+
+
+def gpt_loss(
+    params: dict, ids: Tensor, targets: Tensor, *, axis, n_heads: int, sequence_parallel: bool = False
+) -> Tensor:
+    """Per-token next-token loss of ``gpt``: ``ids, targets[B, T] replicated -> loss[B, T] replicated``.
+
+    ``vocab_cross_entropy(gpt(params, ids, ...), targets)``; average it yourself (and ``pmean``
+    over a data axis).
+    """
+    logits = gpt(params, ids, axis=axis, n_heads=n_heads, sequence_parallel=sequence_parallel)
+    return vocab_cross_entropy(logits, targets, axis=axis)
+
+
+# Parameter specs --------------------------------------------------------------------------------------
+
+
+def mlp_specs(axis="tensor", *, bias: bool = True) -> dict:
+    """Return the ``fpar.P`` of each ``mlp`` parameter: ``w_in`` by columns, ``w_out`` by rows.
+
+    ``axis=None`` replicates everything.
+    """
+    specs = {"w_in": P(None, axis), "w_out": P(axis, None)}
+    if bias:
+        specs.update(b_in=P(axis), b_out=P())
+    return _replicated(specs) if axis is None else specs
+
+
+def attention_specs(axis="tensor", *, bias: bool = True) -> dict:
+    """Return the ``fpar.P`` of each ``attention`` parameter: ``w_qkv`` by heads, ``w_o`` by rows.
+
+    ``axis=None`` replicates everything (``ulysses_attention``, ``ring_self_attention``).
+    """
+    specs = {"w_qkv": P(None, None, axis), "w_o": P(axis, None)}
+    if bias:
+        specs.update(b_qkv=P(None, axis), b_o=P())
+    return _replicated(specs) if axis is None else specs
+
+
+def layer_norm_specs() -> dict:
+    """LayerNorm parameters are replicated."""
+    return {"w": P(), "b": P()}
+
+
+def gpt_block_specs(axis="tensor") -> dict:
+    """Return the specs of a ``gpt_block``'s parameters (the same for 1D and sequence parallel)."""
+    return {
+        "ln1": layer_norm_specs(),
+        "attn": attention_specs(axis),
+        "ln2": layer_norm_specs(),
+        "mlp": mlp_specs(axis),
+    }
+
+
+def gpt_specs(n_layers: int, axis="tensor", *, tied: bool = True) -> dict:
+    """Return the specs of ``gpt``'s parameters: the embedding (and head) split over the vocabulary.
+
+    Args:
+      n_layers: the number of blocks.
+      axis: the tensor-parallel mesh axis.
+      tied: the head reuses the embedding; ``False`` adds ``"w_head"`` (``[D, V]`` by columns).
+    """
+    _check_layers("gpt_specs", n_layers)
+    specs = {
+        "w_emb": P(axis, None),
+        "w_pos": P(),
+        "blocks": [gpt_block_specs(axis) for _ in range(n_layers)],
+        "ln_f": layer_norm_specs(),
+    }
+    if not tied:
+        specs["w_head"] = P(None, axis)
+    return specs
+
+
+# Initialisers -------------------------------------------------------------------------------------------
+
+
+def init_mlp(
+    d_model: int,
+    d_hidden: int | None = None,
+    *,
+    std: float = 0.02,
+    out_std: float | None = None,
+    bias: bool = True,
+    dtype: torch.dtype = torch.float32,
+) -> dict:
+    """Return ``fpar.init`` leaves for an ``mlp``: normal weights (``out_std`` for ``w_out``), zero biases."""
+    d_hidden = 4 * d_model if d_hidden is None else d_hidden
+    p = {
+        "w_in": fpar.normal((d_model, d_hidden), std=std, dtype=dtype),
+        "w_out": fpar.normal((d_hidden, d_model), std=std if out_std is None else out_std, dtype=dtype),
+    }
+    if bias:
+        p.update(b_in=fpar.zeros((d_hidden,), dtype=dtype), b_out=fpar.zeros((d_model,), dtype=dtype))
+    return p
+
+
+def init_attention(
+    d_model: int,
+    *,
+    std: float = 0.02,
+    out_std: float | None = None,
+    bias: bool = True,
+    dtype: torch.dtype = torch.float32,
+) -> dict:
+    """Return ``fpar.init`` leaves for ``attention``: ``w_qkv [D, 3, D]``, ``w_o [D, D]``, zero biases."""
+    p = {
+        "w_qkv": fpar.normal((d_model, 3, d_model), std=std, dtype=dtype),
+        "w_o": fpar.normal((d_model, d_model), std=std if out_std is None else out_std, dtype=dtype),
+    }
+    if bias:
+        p.update(b_qkv=fpar.zeros((3, d_model), dtype=dtype), b_o=fpar.zeros((d_model,), dtype=dtype))
+    return p
+
+
+def init_layer_norm(d_model: int, *, dtype: torch.dtype = torch.float32) -> dict:
+    """Return ``fpar.init`` leaves for ``layer_norm``: ones and zeros."""
+    return {"w": fpar.ones((d_model,), dtype=dtype), "b": fpar.zeros((d_model,), dtype=dtype)}
+
+
+def init_gpt_block(
+    d_model: int,
+    d_hidden: int | None = None,
+    *,
+    std: float = 0.02,
+    out_std: float | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> dict:
+    """Return ``fpar.init`` leaves for a ``gpt_block``."""
+    return {
+        "ln1": init_layer_norm(d_model, dtype=dtype),
+        "attn": init_attention(d_model, std=std, out_std=out_std, dtype=dtype),
+        "ln2": init_layer_norm(d_model, dtype=dtype),
+        "mlp": init_mlp(d_model, d_hidden, std=std, out_std=out_std, dtype=dtype),
+    }
+
+
+def init_gpt(
+    vocab_size: int,
+    d_model: int,
+    n_layers: int,
+    max_seq_len: int,
+    *,
+    d_hidden: int | None = None,
+    tied: bool = True,
+    std: float = 0.02,
+    dtype: torch.dtype = torch.float32,
+) -> dict:
+    """Return ``fpar.init`` leaves for ``gpt`` (GPT-2 init: residual projections get ``std / sqrt(2 L)``).
+
+    Example:
+      >>> params = fpar.init(init_gpt(256, 64, 2, 64), mesh, gpt_specs(2, "tensor"), seed=0)
+    """
+    _check_layers("init_gpt", n_layers)
+    out_std = std / math.sqrt(2 * n_layers)
+    p = {
+        "w_emb": fpar.normal((vocab_size, d_model), std=std, dtype=dtype),
+        "w_pos": fpar.normal((max_seq_len, d_model), std=std, dtype=dtype),
+        "blocks": [
+            init_gpt_block(d_model, d_hidden, std=std, out_std=out_std, dtype=dtype) for _ in range(n_layers)
+        ],
+        "ln_f": init_layer_norm(d_model, dtype=dtype),
+    }
+    if not tied:
+        p["w_head"] = fpar.normal((d_model, vocab_size), std=std, dtype=dtype)
+    return p
+
+
+def _replicated(specs: dict) -> dict:
+    return {k: P() for k in specs}
+
+
+def _check_layers(api: str, n_layers) -> None:
+    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 0:
+        raise TypeError(f"fpar.ops.{api}: n_layers must be a non-negative int, got {n_layers!r}.")

@@ -1,0 +1,211 @@
+"""From a tensor-parallel configuration to mesh axes: ``tensor_layout``.
+
+Colossal-AI describes hybrid parallelism with a config such as
+``parallel = dict(pipeline=2, tensor=dict(size=4, mode="2d"))``; Megatron with a tensor-parallel
+size.  In fpar the same choice is a mesh shape with named axes plus the family of layers that
+uses them.  ``tensor_layout`` checks the combination and names the axes, so the layer families
+agree on them:
+
+| mode | tensor axes (mesh order) | shape | layers |
+|---|---|---|---|
+| ``"1d"`` | ``("tensor",)`` | ``(P,)`` | Megatron 1D (+ ``sequence_parallel=True``), this package |
+| ``"2d"`` | ``("tensor_row", "tensor_col")`` | ``(q, q)``, ``P = q^2`` | SUMMA (``fpar/ops/_summa.py``) |
+| ``"2.5d"`` | ``("tensor_dep", "tensor_row", "tensor_col")`` | ``(d, q, q)``, ``P = d q^2`` | Tesseract (``_summa.py``) |
+| ``"3d"`` | ``("tensor_x", "tensor_y", "tensor_z")`` | ``(q, q, q)``, ``P = q^3`` | 3D (``_summa.py``) |
+| ``"sequence"`` | ``("sequence",)`` | ``(P,)`` | Ulysses / ring attention, this package |
+
+The full mesh is ``("pipeline",)`` (if its size is above 1) + ``("data",)`` + the tensor axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import fpar
+
+__all__ = ["TensorLayout", "tensor_layout"]
+
+MODES = ("1d", "2d", "2.5d", "3d", "sequence")
+AXES = {
+    "1d": ("tensor",),
+    "2d": ("tensor_row", "tensor_col"),
+    "2.5d": ("tensor_dep", "tensor_row", "tensor_col"),
+    "3d": ("tensor_x", "tensor_y", "tensor_z"),
+    "sequence": ("sequence",),
+}
+LAYERS = {
+    None: "no tensor parallelism: data (and pipeline) parallel only",
+    "1d": "Megatron 1D: fpar.ops.column_linear/row_linear/mlp/attention/gpt "
+    "(sequence_parallel=True or sp_* for Megatron-SP)",
+    "2d": "2D SUMMA (Optimus): fpar/ops/_summa.py",
+    "2.5d": "2.5D (Tesseract): fpar/ops/_summa.py",
+    "3d": "3D: fpar/ops/_summa.py",
+    "sequence": "sequence parallel: fpar.ops.ulysses_attention / ring_self_attention / ring_attention",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorLayout:
+    """A checked tensor-parallel configuration and the mesh axes it maps to.
+
+    Attributes:
+      mode: ``"1d"``, ``"2d"``, ``"2.5d"``, ``"3d"``, ``"sequence"``, or ``None`` (no tensor parallelism).
+      size: the number of devices in one tensor-parallel group.
+      depth: the 2.5D depth ``d`` (1 for the other modes).
+      pipeline: the number of pipeline stages.
+      axis_names: the tensor axes, in mesh order (``()`` without tensor parallelism).
+      axis_shape: their sizes.
+      layers: where the layers for this mode live.
+    """
+
+    mode: str | None
+    size: int
+    depth: int
+    pipeline: int
+    axis_names: tuple[str, ...]
+    axis_shape: tuple[int, ...]
+    layers: str
+
+    @property
+    def axis(self):
+        """The value for a layer's ``axis=``: the single axis name, or the tuple of tensor axes."""
+        return self.axis_names[0] if len(self.axis_names) == 1 else self.axis_names
+
+    def mesh_axes(self, data: int = -1) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """Return ``(shape, names)`` of the whole mesh: [pipeline,] data, tensor axes (-1: inferred)."""
+        shape, names = (data, *self.axis_shape), ("data", *self.axis_names)
+        if self.pipeline > 1:
+            shape, names = (self.pipeline, *shape), ("pipeline", *names)
+        return shape, names
+
+    def make_mesh(
+        self, *, data: int = -1, devices: int | None = None, backend: str | None = None
+    ) -> fpar.Mesh:
+        """Build the mesh ``fpar.make_mesh(*self.mesh_axes(data), devices=devices, backend=backend)``."""
+        return fpar.make_mesh(*self.mesh_axes(data), devices=devices, backend=backend)
+
+
+def tensor_layout(
+    size: int = 1,
+    mode: str | None = None,
+    *,
+    depth: int | None = None,
+    pipeline: int = 1,
+    parallel: Mapping | None = None,
+) -> TensorLayout:
+    """Check a tensor-parallel configuration and map it onto named mesh axes.
+
+    Args:
+      size: devices per tensor-parallel group.
+      mode: ``"1d"``, ``"2d"``, ``"2.5d"``, ``"3d"`` or ``"sequence"``; required when ``size > 1``.
+      depth: the 2.5D depth (``size = depth * q * q``); only for ``"2.5d"``.
+      pipeline: pipeline stages.
+      parallel: instead of the above, a Colossal-AI style config,
+        ``dict(pipeline=2, tensor=dict(size=8, mode="2.5d", depth=2))`` (``pipeline`` may also
+        be ``dict(size=2)``; leaving ``tensor`` out means no tensor parallelism).
+
+    Returns:
+      A ``TensorLayout``; ``layout.make_mesh(devices=16)`` builds the mesh.
+
+    Raises:
+      TypeError: a size that is not an int, or ``parallel`` that is not a dict.
+      ValueError: an impossible combination (a non-square 2D size, ``size != depth*q*q``, a
+        non-cube 3D size, ``size > 1`` without a mode, an unknown mode or key).
+
+    Example:
+      >>> layout = fpar.ops.tensor_layout(parallel=dict(pipeline=1, tensor=dict(size=4, mode="2d")))
+      >>> layout.axis_names, layout.axis_shape
+      (('tensor_row', 'tensor_col'), (2, 2))
+    """
+    if parallel is not None:
+        if (size, mode, depth, pipeline) != (1, None, None, 1):
+            raise ValueError(
+                "fpar.ops.tensor_layout: pass either parallel=dict(...) or size/mode/depth/pipeline, not both."
+            )
+        size, mode, depth, pipeline = _from_config(parallel)
+    size = _positive("size", size)
+    pipeline = _positive("pipeline", pipeline)
+    if depth is not None:
+        depth = _positive("depth", depth)
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"fpar.ops.tensor_layout: unknown mode {mode!r}; choose one of {MODES} (or None).")
+    if mode is None:
+        if size > 1:
+            raise ValueError(
+                f"fpar.ops.tensor_layout: tensor size {size} > 1 needs a mode, one of {MODES}; "
+                f"e.g. tensor_layout({size}, '1d') for Megatron 1D."
+            )
+        if depth is not None:
+            raise ValueError("fpar.ops.tensor_layout: depth is only meaningful with mode='2.5d'.")
+        return TensorLayout(None, 1, 1, pipeline, (), (), LAYERS[None])
+    if depth is not None and mode != "2.5d":
+        raise ValueError(f"fpar.ops.tensor_layout: depth is only meaningful with mode='2.5d', not {mode!r}.")
+    shape = _grid(mode, size, depth)
+    return TensorLayout(mode, size, depth or 1, pipeline, AXES[mode], shape, LAYERS[mode])
+
+
+def _grid(mode: str, size: int, depth: int | None) -> tuple[int, ...]:
+    if mode in ("1d", "sequence"):
+        return (size,)
+    if mode == "2d":
+        q = math.isqrt(size)
+        if q * q != size:
+            raise ValueError(
+                f"fpar.ops.tensor_layout: mode '2d' needs a square tensor size (q*q devices on a q x q "
+                f"grid), got {size}; use {q * q} or {(q + 1) ** 2}, or mode '2.5d' with a depth."
+            )
+        return (q, q)
+    if mode == "2.5d":
+        if depth is None:
+            raise ValueError(
+                "fpar.ops.tensor_layout: mode '2.5d' needs depth= (size = depth * q * q), e.g. "
+                "tensor_layout(8, '2.5d', depth=2)."
+            )
+        q = math.isqrt(size // depth) if size % depth == 0 else 0
+        if q < 1 or depth * q * q != size:
+            raise ValueError(
+                f"fpar.ops.tensor_layout: mode '2.5d' needs size = depth * q * q, got size {size} with "
+                f"depth {depth} (size / depth = {size / depth:g} is not a square)."
+            )
+        return (depth, q, q)
+    q = round(size ** (1 / 3))
+    if q**3 != size:
+        raise ValueError(
+            f"fpar.ops.tensor_layout: mode '3d' needs a cube tensor size (q*q*q devices), got {size}; "
+            f"use e.g. 8 or 27."
+        )
+    return (q, q, q)
+
+
+def _from_config(parallel) -> tuple[int, str | None, int | None, int]:
+    if not isinstance(parallel, Mapping):
+        raise TypeError(f"fpar.ops.tensor_layout: parallel must be a dict, got {type(parallel).__name__}.")
+    unknown = set(parallel) - {"pipeline", "tensor"}
+    if unknown:
+        raise ValueError(
+            f"fpar.ops.tensor_layout: unknown keys {sorted(unknown)} in parallel; expected "
+            f"dict(pipeline=..., tensor=dict(size=..., mode=..., depth=...)) (data is inferred)."
+        )
+    pipeline = parallel.get("pipeline", 1)
+    if isinstance(pipeline, Mapping):
+        pipeline = pipeline.get("size", 1)
+    tensor = parallel.get("tensor", {})
+    if not isinstance(tensor, Mapping):
+        tensor = {"size": tensor}
+    unknown = set(tensor) - {"size", "mode", "depth"}
+    if unknown:
+        raise ValueError(
+            f"fpar.ops.tensor_layout: unknown keys {sorted(unknown)} in parallel['tensor']; expected size, "
+            f"mode, depth."
+        )
+    return tensor.get("size", 1), tensor.get("mode"), tensor.get("depth"), pipeline
+
+
+def _positive(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"fpar.ops.tensor_layout: {name} must be an int, got {v!r}.")
+    if v < 1:
+        raise ValueError(f"fpar.ops.tensor_layout: {name} must be positive, got {v}.")
+    return v
