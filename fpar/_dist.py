@@ -544,10 +544,14 @@ def block(x: Tensor, spec: PartitionSpec, mesh) -> Tensor:
 
 
 def gather(x: Tensor, spec: PartitionSpec, mesh) -> Tensor:
-    """The global tensor on every rank, from each rank's block ``x`` (differentiable)."""
+    """The global tensor on every rank, from each rank's block ``x`` (differentiable).
+
+    The result is one replicated value, so the transpose keeps each rank's own block of the
+    cotangent (``all_gather_invariant``), as in-process, where ``gather`` is the identity.
+    """
     for d, entry in enumerate(spec.normalized()):
         if entry:
-            x = _Exchange.apply(x, "all_gather", (d, True), 0, entry, mesh._dist)
+            x = _Exchange.apply(x, "all_gather_invariant", (d, True), 0, entry, mesh._dist)
     return x
 
 

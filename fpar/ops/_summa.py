@@ -65,34 +65,41 @@ class TensorParallelSpecs:
       w: a linear weight ``[D, F]`` (``x @ w``).
       b: a linear bias ``[F]``.
       y: the output activation ``[B, ..., F]`` of a linear layer.
-      norm: a LayerNorm weight or bias ``[D]`` (for a LayerNorm applied to ``x``).
-      mlp: the parameter dict of the MLP layer of the same mode, ``{"w1", "b1", "w2", "b2"}``;
-        the MLP's output has spec ``x``.
+      layer_norm: the parameters ``{"w": [D], "b": [D]}`` of the mode's LayerNorm applied to ``x``.
+      mlp: the parameters ``{"w_in": [D, H], "b_in": [H], "w_out": [H, D], "b_out": [D]}`` of the
+        mode's MLP (biases only with ``bias=True``); the MLP's output has spec ``x``.
+
+    The parameter dicts have the keys and global shapes of ``fpar.ops.init_mlp`` /
+    ``init_layer_norm``, so ``fpar.init(fpar.ops.init_mlp(D), mesh, specs.mlp)`` initialises them.
     """
 
     x: P
     w: P
     b: P
     y: P
-    norm: P
+    layer_norm: Mapping[str, P]
     mlp: Mapping[str, P]
 
 
-def specs_2d(row_axis: AxisName, col_axis: AxisName, *, ndim: int = 2) -> TensorParallelSpecs:
+def specs_2d(
+    row_axis: AxisName = "tensor_row", col_axis: AxisName = "tensor_col", *, ndim: int = 2, bias: bool = True
+) -> TensorParallelSpecs:
     """Return the specs of the 2D (SUMMA) layers on a ``row_axis x col_axis`` grid.
 
-    Layout (Optimus, Fig. 2): the activation's batch is split over the grid rows and its
-    features over the columns; a weight ``[D, F]`` is split the same way (block ``A_ij``); a
-    bias ``[F]`` is split ``q^2`` ways, column-major (``F`` block ``j`` holds sub-block ``i``
-    on device ``(i, j)``), so that one all_gather over a column gives block ``j``.
+    Layout (Optimus; Colossal-AI's ``Linear2D``): the activation's batch is split over the grid
+    rows and its features over the columns; a weight ``[D, F]`` is split the same way (block
+    ``A_ij``); a bias ``[F]`` is split ``q^2`` ways, column-major (``F`` block ``j`` holds
+    sub-block ``i`` on device ``(i, j)``), so that one all_gather over a column gives block ``j``.
 
     Args:
       row_axis: the mesh axis (or tuple of axes) indexing grid rows.
       col_axis: the mesh axis (or tuple of axes) indexing grid columns.
       ndim: the rank of the activations (2 for ``[B, D]``, 3 for ``[B, S, D]``, ...).
+      bias: whether ``mlp`` lists the biases.
 
     Returns:
-      ``x = y = P(row, ..., col)``, ``w = P(row, col)``, ``b = norm = P((col, row))``.
+      ``x = y = P(row, ..., col)``, ``w = P(row, col)``, ``b = P((col, row))``; LayerNorm and
+      MLP parameters likewise (vectors as ``b``, matrices as ``w``).
 
     Example:
       >>> s = fpar.ops.specs_2d("tensor_row", "tensor_col")
@@ -100,16 +107,21 @@ def specs_2d(row_axis: AxisName, col_axis: AxisName, *, ndim: int = 2) -> Tensor
       ...                mesh, (s.x, s.w, s.b), s.y)      # f(x, w, b) == x @ w + b
     """
     _check_axes("specs_2d", row_axis=row_axis, col_axis=col_axis)
-    return _grid_specs("specs_2d", _flat(row_axis), row_axis, col_axis, ndim)
+    return _grid_specs("specs_2d", _flat(row_axis), row_axis, col_axis, ndim, bias)
 
 
 def specs_2p5d(
-    dep_axis: AxisName, row_axis: AxisName, col_axis: AxisName, *, ndim: int = 2
+    dep_axis: AxisName = "tensor_dep",
+    row_axis: AxisName = "tensor_row",
+    col_axis: AxisName = "tensor_col",
+    *,
+    ndim: int = 2,
+    bias: bool = True,
 ) -> TensorParallelSpecs:
     """Return the specs of the 2.5D (Tesseract) layers on a ``dep x row x col`` grid.
 
-    Tesseract §3: the batch is split into ``d * q`` row blocks, depth-major (block ``k q + i``
-    on layer ``k``, grid row ``i``); weights, biases and LayerNorm parameters are the 2D ones,
+    Tesseract (and Colossal-AI's 2.5D docs): the batch is split into ``d * q`` row blocks,
+    depth-major (block ``k q + i`` on layer ``k``, grid row ``i``); weights, biases and LayerNorm parameters are the 2D ones,
     replicated over ``dep_axis`` (their gradients are summed over it by fpar).
 
     Args:
@@ -117,21 +129,30 @@ def specs_2p5d(
       row_axis: the mesh axis (or tuple) indexing grid rows.
       col_axis: the mesh axis (or tuple) indexing grid columns.
       ndim: the rank of the activations.
+      bias: whether ``mlp`` lists the biases.
 
     Returns:
-      ``x = y = P((dep, row), ..., col)``; ``w``, ``b``, ``norm`` as in :func:`specs_2d`.
+      ``x = y = P((dep, row), ..., col)``; the parameters as in :func:`specs_2d`.
     """
     _check_axes("specs_2p5d", dep_axis=dep_axis, row_axis=row_axis, col_axis=col_axis)
-    return _grid_specs("specs_2p5d", _flat(dep_axis) + _flat(row_axis), row_axis, col_axis, ndim)
+    return _grid_specs("specs_2p5d", _flat(dep_axis) + _flat(row_axis), row_axis, col_axis, ndim, bias)
 
 
-def _grid_specs(api: str, batch: tuple[str, ...], row_axis, col_axis, ndim: int) -> TensorParallelSpecs:
-    if isinstance(ndim, bool) or not isinstance(ndim, int) or ndim < 2:
-        raise ValueError(f"fpar.ops.{api}: ndim must be an int >= 2 (batch ... features), got {ndim!r}.")
+def _grid_specs(
+    api: str, batch: tuple[str, ...], row_axis, col_axis, ndim: int, bias: bool
+) -> TensorParallelSpecs:
+    check_ndim(api, ndim)
     act = P(_entry(batch), *([None] * (ndim - 2)), _entry(_flat(col_axis)))
     w = P(_entry(_flat(row_axis)), _entry(_flat(col_axis)))
     b = P(_entry(_flat(col_axis) + _flat(row_axis)))
-    return TensorParallelSpecs(x=act, w=w, b=b, y=act, norm=b, mlp={"w1": w, "b1": b, "w2": w, "b2": b})
+    mlp = {"w_in": w, "w_out": w, **({"b_in": b, "b_out": b} if bias else {})}
+    return TensorParallelSpecs(x=act, w=w, b=b, y=act, layer_norm={"w": b, "b": b}, mlp=mlp)
+
+
+def check_ndim(api: str, ndim: Any) -> None:
+    """Activations are at least ``[B, D]``."""
+    if isinstance(ndim, bool) or not isinstance(ndim, int) or ndim < 2:
+        raise ValueError(f"fpar.ops.{api}: ndim must be an int >= 2 (batch ... features), got {ndim!r}.")
 
 
 def _flat(axis: AxisName) -> tuple[str, ...]:
@@ -153,9 +174,9 @@ def summa_matmul(x: Tensor, w: Tensor, *, row_axis: AxisName, col_axis: AxisName
     ``Y_ij += X_it A_tj``.  Over the ``q`` steps each device receives every block of its row and
     column: the broadcasts carry exactly the bytes of one all_gather of ``X`` over the row and
     one of ``A`` over the column, which is what this function issues.  The alternatives
-    considered: all_gather-then-index per step moves ``q`` times more; a masked psum per step
-    moves ``2(q-1)/q`` of the block per step (twice the all_gather) and its transpose another
-    all-reduce; a Cannon ring (ppermute) moves the all_gather's bytes plus the initial skew
+    considered: all_gather-then-index per step moves ``q`` times more; a psum of a masked
+    block per step moves ``2(q-1)/q`` of a block each step (over ``q`` steps, twice the
+    all_gather) and its transpose adds an all-reduce per step; a Cannon ring (ppermute) moves the all_gather's bytes plus the initial skew
     (``(q-1)/q`` of a block) in ``q`` latency rounds, and under autodiff keeps every received
     block anyway.
 
@@ -233,25 +254,18 @@ def linear_2d(
 
 
 def layer_norm_2d(
-    x: Tensor,
-    weight: Tensor | None = None,
-    bias: Tensor | None = None,
-    *,
-    row_axis: AxisName,
-    col_axis: AxisName,
-    eps: float = 1e-5,
+    params: Mapping[str, Tensor], x: Tensor, *, row_axis: AxisName, col_axis: AxisName, eps: float = 1e-5
 ) -> Tensor:
     """Apply LayerNorm over the features of a 2D-sharded activation: ``x_BD -> y_BD``.
 
     The features are split over the row group (``col_axis``), so the mean and the variance are
     psums of local partial sums over it (Colossal-AI's ``LayerNorm2D``; two passes, mean first,
-    for accuracy).  ``weight`` and ``bias`` are ``[D/q^2]`` blocks all_gathered over the column,
-    like a linear bias.  The global function is ``F.layer_norm(x, (D,), weight, bias, eps)``.
+    for accuracy).  ``w`` and ``b`` are ``[D/q^2]`` blocks all_gathered over the column, like a
+    linear bias.  The global function is ``F.layer_norm(x, (D,), w, b, eps)``.
 
     Args:
+      params: blocks of ``{"w": [D], "b": [D]}``, specs ``specs_2d(...).layer_norm``.
       x: block of ``x [B, ..., D]``, spec ``specs_2d(...).x``.
-      weight: block of the scale ``[D]``, spec ``specs_2d(...).norm``; or None.
-      bias: block of the shift ``[D]``, spec ``.norm``; or None.
       row_axis: the mesh axis (or tuple) indexing grid rows.
       col_axis: the mesh axis (or tuple) indexing grid columns.
       eps: added to the variance.
@@ -261,39 +275,36 @@ def layer_norm_2d(
     """
     api = "layer_norm_2d"
     _check_axes(api, row_axis=row_axis, col_axis=col_axis)
+    check_params(api, params, ("w", "b"), ())
     _check_tensor(api, "x", x, min_dim=1)
+    pr = fpar.axis_size(row_axis)
+    for name in ("w", "b"):
+        _check_param_block(api, f"params[{name!r}]", params[name], x.shape[-1], pr, "x's last dim", row_axis)
     d_total = x.shape[-1] * fpar.axis_size(col_axis)
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None:
-            _check_param_block(api, name, p, x.shape[-1], fpar.axis_size(row_axis), "x's last dim", row_axis)
     mean_B1 = fpar.psum(x.sum(-1, keepdim=True), col_axis) / d_total
     xc_BD = x - mean_B1
     var_B1 = fpar.psum((xc_BD * xc_BD).sum(-1, keepdim=True), col_axis) / d_total
-    y_BD = xc_BD * torch.rsqrt(var_B1 + eps)
-    if weight is not None:
-        y_BD = y_BD * fpar.all_gather(weight, row_axis, axis=0, tiled=True)
-    if bias is not None:
-        y_BD = y_BD + fpar.all_gather(bias, row_axis, axis=0, tiled=True)
-    return y_BD
+    w_D, b_D = (fpar.all_gather(params[k], row_axis, axis=0, tiled=True) for k in ("w", "b"))
+    return xc_BD * torch.rsqrt(var_B1 + eps) * w_D + b_D
 
 
 def mlp_2d(
-    x: Tensor,
     params: Mapping[str, Tensor],
+    x: Tensor,
     *,
     row_axis: AxisName,
     col_axis: AxisName,
     activation: Callable[[Tensor], Tensor] = F.gelu,
 ) -> Tensor:
-    """Apply a 2D-parallel MLP: ``x_BD -> act(x @ w1 + b1) @ w2 + b2 -> y_BD``.
+    """Apply a 2D-parallel MLP: ``x_BD -> act(x @ w_in + b_in) @ w_out + b_out -> y_BD``.
 
     Both linears are :func:`linear_2d`; the hidden activation stays 2D-sharded, so the
-    nonlinearity is local.  ``b1``/``b2`` may be left out of ``params``.
+    nonlinearity is local.  Traffic: that of the two linears.
 
     Args:
+      params: blocks of ``{"w_in": [D, H], "w_out": [H, D]}`` and optionally ``"b_in": [H]``,
+        ``"b_out": [D]``; specs ``specs_2d(...).mlp``.
       x: block of ``x [B, ..., D]``, spec ``specs_2d(...).x``.
-      params: blocks of ``{"w1": [D, H], "b1": [H], "w2": [H, D], "b2": [D]}``, specs
-        ``specs_2d(...).mlp``.
       row_axis: the mesh axis (or tuple) indexing grid rows.
       col_axis: the mesh axis (or tuple) indexing grid columns.
       activation: the elementwise nonlinearity.
@@ -301,9 +312,10 @@ def mlp_2d(
     Returns:
       The block of the MLP's output, spec ``.x``.
     """
-    _check_mlp_params("mlp_2d", params)
-    h_BH = activation(linear_2d(x, params["w1"], params.get("b1"), row_axis=row_axis, col_axis=col_axis))
-    return linear_2d(h_BH, params["w2"], params.get("b2"), row_axis=row_axis, col_axis=col_axis)
+    check_params("mlp_2d", params, ("w_in", "w_out"), ("b_in", "b_out"))
+    axes = {"row_axis": row_axis, "col_axis": col_axis}
+    h_BH = activation(linear_2d(x, params["w_in"], params.get("b_in"), **axes))
+    return linear_2d(h_BH, params["w_out"], params.get("b_out"), **axes)
 
 
 # 2.5D layers --------------------------------------------------------------------------------
@@ -350,9 +362,8 @@ def linear_2p5d(
 
 
 def layer_norm_2p5d(
+    params: Mapping[str, Tensor],
     x: Tensor,
-    weight: Tensor | None = None,
-    bias: Tensor | None = None,
     *,
     dep_axis: AxisName,
     row_axis: AxisName,
@@ -362,9 +373,9 @@ def layer_norm_2p5d(
     """Apply LayerNorm to a 2.5D-sharded activation: :func:`layer_norm_2d` in each depth layer.
 
     Args:
+      params: blocks of ``{"w": [D], "b": [D]}``, specs ``specs_2p5d(...).layer_norm``
+        (replicated over depth; their gradient is all-reduced over it).
       x: block of ``x [B, ..., D]``, spec ``specs_2p5d(...).x``.
-      weight: block of the scale ``[D]``, spec ``.norm`` (replicated over depth); or None.
-      bias: block of the shift ``[D]``, spec ``.norm``; or None.
       dep_axis: the mesh axis (or tuple) indexing depth layers.
       row_axis: the mesh axis (or tuple) indexing grid rows.
       col_axis: the mesh axis (or tuple) indexing grid columns.
@@ -373,25 +384,28 @@ def layer_norm_2p5d(
     Returns:
       The block of the normalised activation, spec ``.x``.
     """
-    _check_axes("layer_norm_2p5d", dep_axis=dep_axis, row_axis=row_axis, col_axis=col_axis)
-    weight, bias = _vary_over_depth(weight, bias, dep_axis=dep_axis)
-    return layer_norm_2d(x, weight, bias, row_axis=row_axis, col_axis=col_axis, eps=eps)
+    api = "layer_norm_2p5d"
+    _check_axes(api, dep_axis=dep_axis, row_axis=row_axis, col_axis=col_axis)
+    check_params(api, params, ("w", "b"), ())
+    w, b = _vary_over_depth(params["w"], params["b"], dep_axis=dep_axis)
+    return layer_norm_2d({"w": w, "b": b}, x, row_axis=row_axis, col_axis=col_axis, eps=eps)
 
 
 def mlp_2p5d(
-    x: Tensor,
     params: Mapping[str, Tensor],
+    x: Tensor,
     *,
     dep_axis: AxisName,
     row_axis: AxisName,
     col_axis: AxisName,
     activation: Callable[[Tensor], Tensor] = F.gelu,
 ) -> Tensor:
-    """Apply a 2.5D-parallel MLP: ``x_BD -> act(x @ w1 + b1) @ w2 + b2 -> y_BD``.
+    """Apply a 2.5D-parallel MLP: ``x_BD -> act(x @ w_in + b_in) @ w_out + b_out -> y_BD``.
 
     Args:
+      params: blocks of ``{"w_in", "w_out"}`` and optionally ``{"b_in", "b_out"}``, specs
+        ``specs_2p5d(...).mlp``.
       x: block of ``x [B, ..., D]``, spec ``specs_2p5d(...).x``.
-      params: blocks of ``{"w1", "b1", "w2", "b2"}`` (biases optional), specs ``.mlp``.
       dep_axis: the mesh axis (or tuple) indexing depth layers.
       row_axis: the mesh axis (or tuple) indexing grid rows.
       col_axis: the mesh axis (or tuple) indexing grid columns.
@@ -400,10 +414,10 @@ def mlp_2p5d(
     Returns:
       The block of the MLP's output, spec ``.x``.
     """
-    _check_mlp_params("mlp_2p5d", params)
+    check_params("mlp_2p5d", params, ("w_in", "w_out"), ("b_in", "b_out"))
     axes = {"dep_axis": dep_axis, "row_axis": row_axis, "col_axis": col_axis}
-    h_BH = activation(linear_2p5d(x, params["w1"], params.get("b1"), **axes))
-    return linear_2p5d(h_BH, params["w2"], params.get("b2"), **axes)
+    h_BH = activation(linear_2p5d(x, params["w_in"], params.get("b_in"), **axes))
+    return linear_2p5d(h_BH, params["w_out"], params.get("b_out"), **axes)
 
 
 def _vary_over_depth(*params: Tensor | None, dep_axis: AxisName) -> tuple[Tensor | None, ...]:
@@ -470,14 +484,18 @@ def _check_param_block(api: str, name: str, p: Any, full: int, n: int, of: str, 
         )
 
 
-def _check_mlp_params(api: str, params: Any) -> None:
+def check_params(api: str, params: Any, required: tuple[str, ...], optional: tuple[str, ...]) -> None:
+    """A parameter dict with the required keys, maybe the optional ones, and nothing else."""
     if not isinstance(params, Mapping):
         raise TypeError(
-            f"fpar.ops.{api}: params must be a dict {{'w1', 'b1', 'w2', 'b2'}} (biases optional), "
+            f"fpar.ops.{api}: params must be a dict of tensors with keys {list(required + optional)}, "
             f"got {type(params).__name__}."
         )
-    missing = [k for k in ("w1", "w2") if k not in params]
-    if missing:
+    missing = [k for k in required if k not in params]
+    unknown = [k for k in params if k not in required + optional]
+    if missing or unknown:
         raise ValueError(
-            f"fpar.ops.{api}: params lacks {missing}; it needs 'w1' and 'w2' (and may have 'b1', 'b2')."
+            f"fpar.ops.{api}: params has keys {sorted(params)}; expected {list(required)}"
+            f"{f' and optionally {list(optional)}' if optional else ''}"
+            f"{f' (missing {missing})' if missing else ''}{f' (unknown {unknown})' if unknown else ''}."
         )

@@ -39,10 +39,11 @@ from ._summa import (
     AxisName,
     TensorParallelSpecs,
     _check_axes,
-    _check_mlp_params,
     _check_tensor,
     _entry,
     _flat,
+    check_ndim,
+    check_params,
 )
 
 __all__ = ["layer_norm_3d", "linear_3d", "mlp_3d", "specs_3d"]
@@ -54,38 +55,52 @@ Tensor = torch.Tensor
 
 
 def specs_3d(
-    input_axis: AxisName, weight_axis: AxisName, output_axis: AxisName, *, ndim: int = 2
+    input_axis: AxisName = "tensor_y",
+    weight_axis: AxisName = "tensor_x",
+    output_axis: AxisName = "tensor_z",
+    *,
+    ndim: int = 2,
+    bias: bool = True,
 ) -> TensorParallelSpecs:
     """Return the specs of the 3D layers for one assignment of the axis roles.
 
     ``x [B, ..., D]``: batch split over ``(weight, input)``, features over ``output``.
     ``w [D, F]``: input features over ``(output, weight)``, output features over ``input``:
-    ``q^3`` blocks ``[D/q^2, F/q]``.  ``b [F]`` over ``input`` (replicated over the other two,
-    as Colossal-AI's, whose gradient is all-reduced over the output x weight group).
+    ``q^3`` blocks ``[D/q^2, F/q]``.  ``b [F]`` over ``input``, replicated over the other two
+    (as Colossal-AI's, whose gradient is all-reduced over the output x weight group).
     ``y [B, ..., F]``: batch over ``(weight, output)``, features over ``input``.
-    ``norm`` is LayerNorm's ``[D]`` parameters for ``x``: split over ``output``.  ``mlp`` has
-    the second layer's specs with ``input`` and ``output`` swapped, so the MLP returns ``x``'s
-    layout.
+    ``layer_norm``'s ``[D]`` parameters (for ``x``) are split over ``output``.  In ``mlp`` the
+    second layer has ``input`` and ``output`` swapped, so the MLP returns ``x``'s layout.
+
+    The defaults are ``fpar.ops.tensor_layout``'s 3D axes in Colossal-AI's roles: device
+    ``(i, j, l)`` of ``(tensor_x, tensor_y, tensor_z)`` gathers its input over ``(i, *, l)``,
+    its weight over ``(*, j, l)`` and scatters its output over ``(i, j, *)``.
 
     Args:
       input_axis: the axis ``x`` is all_gathered over.
       weight_axis: the axis ``w`` is all_gathered over.
       output_axis: the axis ``y`` is psum_scattered over.
       ndim: the rank of the activations.
+      bias: whether ``mlp`` lists the biases.
 
     Returns:
       The specs; the global function of :func:`linear_3d` on them is ``x @ w + b``.
     """
     _check_axes("specs_3d", input_axis=input_axis, weight_axis=weight_axis, output_axis=output_axis)
-    if isinstance(ndim, bool) or not isinstance(ndim, int) or ndim < 2:
-        raise ValueError(f"fpar.ops.specs_3d: ndim must be an int >= 2 (batch ... features), got {ndim!r}.")
+    check_ndim("specs_3d", ndim)
     i, w, o = _flat(input_axis), _flat(weight_axis), _flat(output_axis)
     mid = [None] * (ndim - 2)
-    x = P(_entry(w + i), *mid, _entry(o))
-    y = P(_entry(w + o), *mid, _entry(i))
-    mlp = {"w1": P(_entry(o + w), _entry(i)), "b1": P(_entry(i)), "w2": P(_entry(i + w), _entry(o))}
-    mlp["b2"] = P(_entry(o))
-    return TensorParallelSpecs(x=x, w=mlp["w1"], b=mlp["b1"], y=y, norm=P(_entry(o)), mlp=mlp)
+    w_in, b_in = P(_entry(o + w), _entry(i)), P(_entry(i))
+    w_out, b_out = P(_entry(i + w), _entry(o)), P(_entry(o))  # input and output swapped
+    mlp = {"w_in": w_in, "w_out": w_out, **({"b_in": b_in, "b_out": b_out} if bias else {})}
+    return TensorParallelSpecs(
+        x=P(_entry(w + i), *mid, _entry(o)),
+        w=w_in,
+        b=b_in,
+        y=P(_entry(w + o), *mid, _entry(i)),
+        layer_norm={"w": P(_entry(o)), "b": P(_entry(o))},
+        mlp=mlp,
+    )
 
 
 # Layers -------------------------------------------------------------------------------------
@@ -142,9 +157,8 @@ def linear_3d(
 
 
 def layer_norm_3d(
+    params: Mapping[str, Tensor],
     x: Tensor,
-    weight: Tensor | None = None,
-    bias: Tensor | None = None,
     *,
     input_axis: AxisName,
     weight_axis: AxisName,
@@ -154,16 +168,15 @@ def layer_norm_3d(
     """Apply LayerNorm over the features of a 3D-sharded activation: ``x_BD -> y_BD``.
 
     ``x``'s features are split over ``output_axis``: the mean and variance are psums over it.
-    ``weight`` and ``bias`` are ``[D/q]`` blocks (spec ``specs_3d(...).norm``), replicated over
-    the other two axes.  The global function is ``F.layer_norm(x, (D,), weight, bias, eps)``.
+    ``w`` and ``b`` are ``[D/q]`` blocks, replicated over the other two axes (their gradient is
+    all-reduced over them).  The global function is ``F.layer_norm(x, (D,), w, b, eps)``.
 
     Args:
+      params: blocks of ``{"w": [D], "b": [D]}``, specs ``specs_3d(...).layer_norm``.
       x: block of ``x [B, ..., D]``, spec ``specs_3d(...).x``.
-      weight: block of the scale ``[D]``, spec ``.norm``; or None.
-      bias: block of the shift ``[D]``, spec ``.norm``; or None.
-      input_axis: the layer's input axis (splits the batch).
-      weight_axis: the layer's weight axis (splits the batch).
-      output_axis: the layer's output axis (splits the features).
+      input_axis: the next layer's input axis (splits the batch).
+      weight_axis: the next layer's weight axis (splits the batch).
+      output_axis: the next layer's output axis (splits the features).
       eps: added to the variance.
 
     Returns:
@@ -171,46 +184,42 @@ def layer_norm_3d(
     """
     api = "layer_norm_3d"
     _check_axes(api, input_axis=input_axis, weight_axis=weight_axis, output_axis=output_axis)
+    check_params(api, params, ("w", "b"), ())
     _check_tensor(api, "x", x, min_dim=1)
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None:
-            _check_tensor(api, name, p, min_dim=1)
-            if p.dim() != 1 or p.shape[0] != x.shape[-1]:
-                raise ValueError(
-                    f"fpar.ops.{api}: {name}'s block has shape {tuple(p.shape)}, but x's block has "
-                    f"{x.shape[-1]} features: split a [D] vector by P(output_axis), the .norm spec of "
-                    f"fpar.ops.specs_3d."
-                )
+    for name in ("w", "b"):
+        p = params[name]
+        _check_tensor(api, f"params[{name!r}]", p, min_dim=1)
+        if p.dim() != 1 or p.shape[0] != x.shape[-1]:
+            raise ValueError(
+                f"fpar.ops.{api}: params[{name!r}]'s block has shape {tuple(p.shape)}, but x's block has "
+                f"{x.shape[-1]} features: split a [D] vector by P(output_axis), the .layer_norm specs of "
+                f"fpar.ops.specs_3d."
+            )
     d_total = x.shape[-1] * fpar.axis_size(output_axis)
     mean_B1 = fpar.psum(x.sum(-1, keepdim=True), output_axis) / d_total
     xc_BD = x - mean_B1
     var_B1 = fpar.psum((xc_BD * xc_BD).sum(-1, keepdim=True), output_axis) / d_total
-    y_BD = xc_BD * torch.rsqrt(var_B1 + eps)
-    if weight is not None:
-        y_BD = y_BD * weight
-    if bias is not None:
-        y_BD = y_BD + bias
-    return y_BD
+    return xc_BD * torch.rsqrt(var_B1 + eps) * params["w"] + params["b"]
 
 
 def mlp_3d(
-    x: Tensor,
     params: Mapping[str, Tensor],
+    x: Tensor,
     *,
     input_axis: AxisName,
     weight_axis: AxisName,
     output_axis: AxisName,
     activation: Callable[[Tensor], Tensor] = F.gelu,
 ) -> Tensor:
-    """Apply a 3D-parallel MLP: ``x_BD -> act(x @ w1 + b1) @ w2 + b2 -> y_BD``.
+    """Apply a 3D-parallel MLP: ``x_BD -> act(x @ w_in + b_in) @ w_out + b_out -> y_BD``.
 
     The second linear swaps ``input_axis`` and ``output_axis`` (its input is the first one's
     output layout), so the result has ``x``'s layout.
 
     Args:
-      x: block of ``x [B, ..., D]``, spec ``specs_3d(input_axis, weight_axis, output_axis).x``.
-      params: blocks of ``{"w1": [D, H], "b1": [H], "w2": [H, D], "b2": [D]}`` (biases
-        optional), specs ``specs_3d(...).mlp``.
+      params: blocks of ``{"w_in": [D, H], "w_out": [H, D]}`` and optionally ``"b_in": [H]``,
+        ``"b_out": [D]``; specs ``specs_3d(input_axis, weight_axis, output_axis).mlp``.
+      x: block of ``x [B, ..., D]``, spec ``specs_3d(...).x``.
       input_axis: the first layer's input axis.
       weight_axis: both layers' weight axis.
       output_axis: the first layer's output axis.
@@ -219,25 +228,11 @@ def mlp_3d(
     Returns:
       The block of the MLP's output, spec ``.x``.
     """
-    _check_mlp_params("mlp_3d", params)
-    h_BH = activation(
-        linear_3d(
-            x,
-            params["w1"],
-            params.get("b1"),
-            input_axis=input_axis,
-            weight_axis=weight_axis,
-            output_axis=output_axis,
-        )
-    )
-    return linear_3d(
-        h_BH,
-        params["w2"],
-        params.get("b2"),
-        input_axis=output_axis,
-        weight_axis=weight_axis,
-        output_axis=input_axis,
-    )
+    check_params("mlp_3d", params, ("w_in", "w_out"), ("b_in", "b_out"))
+    first = {"input_axis": input_axis, "weight_axis": weight_axis, "output_axis": output_axis}
+    second = {"input_axis": output_axis, "weight_axis": weight_axis, "output_axis": input_axis}
+    h_BH = activation(linear_3d(x, params["w_in"], params.get("b_in"), **first))
+    return linear_3d(h_BH, params["w_out"], params.get("b_out"), **second)
 
 
 # Error checking and messages ---------------------------------------------------------------
