@@ -6,6 +6,7 @@ name mesh axes; the same program runs in one process (an in-process mesh) and as
 under ``torchrun`` (a real mesh over ``torch.distributed``).
 """
 
+from . import checkpoint as checkpoint
 from ._collectives import all_gather as all_gather
 from ._collectives import all_gather_invariant as all_gather_invariant
 from ._collectives import all_to_all as all_to_all
@@ -18,12 +19,15 @@ from ._collectives import ppermute as ppermute
 from ._collectives import psum as psum
 from ._collectives import psum_scatter as psum_scatter
 from ._collectives import pvary as pvary
+from ._config import mesh_from_config as mesh_from_config
 from ._dist import LaunchError as LaunchError
 from ._dist import init_distributed as init_distributed
 from ._dist import launch as launch
 from ._errors import ReplicationError as ReplicationError
 from ._errors import SpecError as SpecError
 from ._errors import UnboundAxisError as UnboundAxisError
+from ._functional import functionalize as functionalize
+from ._functional import spec_rules as spec_rules
 from ._global import Init as Init
 from ._global import device_put as device_put
 from ._global import from_dtensor as from_dtensor
@@ -59,15 +63,18 @@ __all__ = [
     "all_to_all",
     "axis_index",
     "axis_size",
+    "checkpoint",
     "comm_stats",
     "device_put",
     "from_dtensor",
     "full",
+    "functionalize",
     "gather",
     "init",
     "init_distributed",
     "launch",
     "make_mesh",
+    "mesh_from_config",
     "normal",
     "ones",
     "pmax",
@@ -79,6 +86,7 @@ __all__ = [
     "pvary",
     "reset_comm_stats",
     "shard",
+    "spec_rules",
     "to_dtensor",
     "uniform",
     "zeros",

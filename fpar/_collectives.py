@@ -59,6 +59,7 @@ class Frame:
     mesh: Any
     fname: str
     exchange: Callable[[Op, Tensor], Tensor]  # performs an op on explicit-axis dims
+    sum_cotangent: Callable | None = None  # real mesh: identity whose backward all-reduces
     backend: str = "local"  # "local" (in-process) or "dist" (one process per device)
     levels: dict[int, str] = dataclasses.field(default_factory=dict)  # vmap level -> axis
     token: Tensor | None = None  # batched at every mesh level: makes vmap call our rules
@@ -401,11 +402,51 @@ def pvary(x: Any, axis_name: AxisName) -> Any:
 def implicit_pvary(frame: Frame, t: Tensor, axes: tuple[str, ...]) -> Tensor:
     """The pvary of a replicated ``t`` that an op is about to combine with varying values.
 
-    In-process, vmap's own broadcast already sums the cotangent over the axis, and leaving
-    ``t`` unbatched keeps matmuls folded, so only the traffic is counted.  On a real mesh the
-    block is the only copy and the all-reduce must be explicit.
+    ``t`` stays unbatched (the op's result varies anyway, and an unbatched operand keeps
+    matmuls folded).  In-process, vmap's own broadcast sums the cotangent over the axis, so
+    only the traffic is counted.  On a real mesh the block is the only copy: the cotangent
+    must be all-reduced over the axes, which ``_SumCotangent`` attaches to the physical tensor.
     """
-    return _pvary(frame, t, axes, explicit=frame.backend == "dist")
+    stats.count_transpose(t, "pvary", axes, frame.mesh.axis_size(axes))
+    if frame.backend == "dist":
+        t = _SumCotangent.apply(t, frame.token, frame.sum_cotangent, axes)
+    return t
+
+
+@internal
+class _SumCotangent(torch.autograd.Function):
+    """Identity whose backward, on the physical (per-process) tensor, all-reduces the cotangent.
+
+    Its vmap rule passes ``x`` down unchanged to the lowest mesh level and applies the backend's
+    ``sum_cotangent`` there, so the all-reduce acts on the local tensor; batching is untouched.
+    Inside the sharded function (a user's grad transform) it is the identity, like vmap's own
+    implicit broadcast.
+    """
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def forward(x: Tensor, token: Tensor, sum_cotangent, axes) -> Tensor:
+        return _SumCotangent.apply(x, token, sum_cotangent, axes)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, ct: Tensor):
+        return ct, None, None, None
+
+    @staticmethod
+    def jvp(ctx, x_t, *_):
+        return x_t
+
+    @staticmethod
+    def vmap(info, in_dims, x, token, sum_cotangent, axes):
+        level = (maybe_current_level() or 0) + 1
+        if level == min(frames()[-1].levels):
+            return sum_cotangent(x, axes), in_dims[0]
+        return _SumCotangent.apply(x, token, sum_cotangent, axes), in_dims[0]
 
 
 def _pvary(frame: Frame, t: Tensor, axes: tuple[str, ...], *, explicit: bool) -> Tensor:

@@ -388,6 +388,10 @@ class DistBackend:
         varying = op.kind in ("all_gather", "psum_scatter", "ppermute", "all_to_all", "pvary")
         return y.reshape((1,) * k + tuple(y.shape)) if varying else y
 
+    def sum_cotangent(self, x: Tensor, axes: tuple[str, ...]) -> Tensor:
+        """Identity on the local tensor; its backward all-reduces the cotangent over ``axes``."""
+        return _Exchange.apply(x, "pvary", (), 0, axes, self.mg)
+
     def output(self, t: Tensor, spec: PartitionSpec, present: list[str]) -> Tensor:
         t = t.reshape(t.shape[len(present) :])
         broken = tuple(a for a in present if a not in spec.axes())

@@ -8,7 +8,7 @@ sums per-device gradient contributions (the data-parallel all-reduce).  In-proce
 own broadcast does that sum, so fpar only counts its traffic; on a real mesh the block is the
 only copy, so fpar inserts an explicit pvary whose backward all-reduces.
 
-**Folded matmuls** (in-process only).
+**Folded matmuls.**
 
 Under one vmap level per mesh axis, ``x_BD @ w_DH`` with x split over 'data' and w over
 'tensor' reaches functorch's matmul batching rule one level at a time.  That rule expands both
@@ -103,7 +103,7 @@ class ShardMode(TorchFunctionMode):
     def __init__(self, frame: Frame):
         super().__init__()
         self.frame = frame
-        self.fold = frame.backend == "local"
+        self.fold = True
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -142,7 +142,13 @@ class _Call:
                 if a in lab:
                     lab.remove(a)
             level_dims.append((*dims, 0, *[0 if j == i else None for j in range(len(self.axes))]))
-        frame = Frame(mesh=self.mesh, fname=self.fname, exchange=backend.exchange, backend=backend.name)
+        frame = Frame(
+            mesh=self.mesh,
+            fname=self.fname,
+            exchange=backend.exchange,
+            backend=backend.name,
+            sum_cotangent=getattr(backend, "sum_cotangent", None),
+        )
         fn = self._innermost(frame, len(views))
         for i in reversed(range(len(self.axes))):
             fn = self._level(fn, frame, i, level_dims[i])

@@ -14,7 +14,8 @@ agree on them:
 | ``"3d"`` | ``("tensor_x", "tensor_y", "tensor_z")`` | ``(q, q, q)``, ``P = q^3`` | 3D (``_summa.py``) |
 | ``"sequence"`` | ``("sequence",)`` | ``(P,)`` | Ulysses / ring attention, this package |
 
-The full mesh is ``("pipeline",)`` (if its size is above 1) + ``("data",)`` + the tensor axes.
+The full mesh is ``("pipeline",)`` (if its size is above 1) + ``("data",)`` + the tensor axes,
+the same axes and shapes as ``fpar.mesh_from_config`` builds from the same config.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class TensorLayout:
       axis_names: the tensor axes, in mesh order (``()`` without tensor parallelism).
       axis_shape: their sizes.
       layers: where the layers for this mode live.
+      sequence_parallel: Megatron-SP over the 1D tensor axis (``sequence_parallel=True`` layers).
+      data: the data-parallel size if the config gave one, else -1 (inferred from the devices).
     """
 
     mode: str | None
@@ -67,21 +70,24 @@ class TensorLayout:
     axis_names: tuple[str, ...]
     axis_shape: tuple[int, ...]
     layers: str
+    sequence_parallel: bool = False
+    data: int = -1
 
     @property
     def axis(self):
         """The value for a layer's ``axis=``: the single axis name, or the tuple of tensor axes."""
         return self.axis_names[0] if len(self.axis_names) == 1 else self.axis_names
 
-    def mesh_axes(self, data: int = -1) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    def mesh_axes(self, data: int | None = None) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """Return ``(shape, names)`` of the whole mesh: [pipeline,] data, tensor axes (-1: inferred)."""
+        data = self.data if data is None else data
         shape, names = (data, *self.axis_shape), ("data", *self.axis_names)
         if self.pipeline > 1:
             shape, names = (self.pipeline, *shape), ("pipeline", *names)
         return shape, names
 
     def make_mesh(
-        self, *, data: int = -1, devices: int | None = None, backend: str | None = None
+        self, *, data: int | None = None, devices: int | None = None, backend: str | None = None
     ) -> fpar.Mesh:
         """Build the mesh ``fpar.make_mesh(*self.mesh_axes(data), devices=devices, backend=backend)``."""
         return fpar.make_mesh(*self.mesh_axes(data), devices=devices, backend=backend)
@@ -93,6 +99,7 @@ def tensor_layout(
     *,
     depth: int | None = None,
     pipeline: int = 1,
+    sequence_parallel: bool = False,
     parallel: Mapping | None = None,
 ) -> TensorLayout:
     """Check a tensor-parallel configuration and map it onto named mesh axes.
@@ -102,9 +109,11 @@ def tensor_layout(
       mode: ``"1d"``, ``"2d"``, ``"2.5d"``, ``"3d"`` or ``"sequence"``; required when ``size > 1``.
       depth: the 2.5D depth (``size = depth * q * q``); only for ``"2.5d"``.
       pipeline: pipeline stages.
+      sequence_parallel: Megatron sequence parallelism; needs mode ``"1d"`` and ``size > 1``.
       parallel: instead of the above, a Colossal-AI style config,
-        ``dict(pipeline=2, tensor=dict(size=8, mode="2.5d", depth=2))`` (``pipeline`` may also
-        be ``dict(size=2)``; leaving ``tensor`` out means no tensor parallelism).
+        ``dict(pipeline=2, tensor=dict(size=8, mode="2.5d", depth=2))`` (``pipeline`` and
+        ``data`` may also be ``dict(size=2)``; ``data`` is normally left out and inferred;
+        ``tensor`` may hold ``sequence_parallel``; leaving it out means no tensor parallelism).
 
     Returns:
       A ``TensorLayout``; ``layout.make_mesh(devices=16)`` builds the mesh.
@@ -112,25 +121,38 @@ def tensor_layout(
     Raises:
       TypeError: a size that is not an int, or ``parallel`` that is not a dict.
       ValueError: an impossible combination (a non-square 2D size, ``size != depth*q*q``, a
-        non-cube 3D size, ``size > 1`` without a mode, an unknown mode or key).
+        non-cube 3D size, ``size > 1`` without a mode, an unknown mode or key,
+        ``sequence_parallel`` outside 1D).
 
     Example:
       >>> layout = fpar.ops.tensor_layout(parallel=dict(pipeline=1, tensor=dict(size=4, mode="2d")))
       >>> layout.axis_names, layout.axis_shape
       (('tensor_row', 'tensor_col'), (2, 2))
     """
+    data = -1
     if parallel is not None:
-        if (size, mode, depth, pipeline) != (1, None, None, 1):
+        if (size, mode, depth, pipeline, sequence_parallel) != (1, None, None, 1, False):
             raise ValueError(
                 "fpar.ops.tensor_layout: pass either parallel=dict(...) or size/mode/depth/pipeline, not both."
             )
-        size, mode, depth, pipeline = _from_config(parallel)
+        size, mode, depth, pipeline, sequence_parallel, data = _from_config(parallel)
+        data = -1 if data is None else _positive("data", data)
     size = _positive("size", size)
     pipeline = _positive("pipeline", pipeline)
     if depth is not None:
         depth = _positive("depth", depth)
     if mode is not None and mode not in MODES:
         raise ValueError(f"fpar.ops.tensor_layout: unknown mode {mode!r}; choose one of {MODES} (or None).")
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(
+            f"fpar.ops.tensor_layout: sequence_parallel must be True or False, got {sequence_parallel!r}."
+        )
+    if sequence_parallel and (mode != "1d" or size < 2):
+        raise ValueError(
+            f"fpar.ops.tensor_layout: sequence_parallel=True (Megatron sequence parallelism) splits the "
+            f"sequence over the 1D tensor axis, so it needs mode '1d' with size > 1; got mode {mode!r}, "
+            f"size {size}. For Ulysses or ring attention use mode 'sequence'."
+        )
     if mode is None:
         if size > 1:
             raise ValueError(
@@ -139,11 +161,13 @@ def tensor_layout(
             )
         if depth is not None:
             raise ValueError("fpar.ops.tensor_layout: depth is only meaningful with mode='2.5d'.")
-        return TensorLayout(None, 1, 1, pipeline, (), (), LAYERS[None])
+        return TensorLayout(None, 1, 1, pipeline, (), (), LAYERS[None], False, data)
     if depth is not None and mode != "2.5d":
         raise ValueError(f"fpar.ops.tensor_layout: depth is only meaningful with mode='2.5d', not {mode!r}.")
     shape = _grid(mode, size, depth)
-    return TensorLayout(mode, size, depth or 1, pipeline, AXES[mode], shape, LAYERS[mode])
+    return TensorLayout(
+        mode, size, depth or 1, pipeline, AXES[mode], shape, LAYERS[mode], sequence_parallel, data
+    )
 
 
 def _grid(mode: str, size: int, depth: int | None) -> tuple[int, ...]:
@@ -179,28 +203,28 @@ def _grid(mode: str, size: int, depth: int | None) -> tuple[int, ...]:
     return (q, q, q)
 
 
-def _from_config(parallel) -> tuple[int, str | None, int | None, int]:
+def _from_config(parallel) -> tuple:
     if not isinstance(parallel, Mapping):
         raise TypeError(f"fpar.ops.tensor_layout: parallel must be a dict, got {type(parallel).__name__}.")
-    unknown = set(parallel) - {"pipeline", "tensor"}
+    unknown = set(parallel) - {"pipeline", "tensor", "data"}
     if unknown:
         raise ValueError(
             f"fpar.ops.tensor_layout: unknown keys {sorted(unknown)} in parallel; expected "
-            f"dict(pipeline=..., tensor=dict(size=..., mode=..., depth=...)) (data is inferred)."
+            f"dict(pipeline=..., tensor=dict(size=..., mode=..., depth=...)) (data is normally inferred)."
         )
-    pipeline = parallel.get("pipeline", 1)
-    if isinstance(pipeline, Mapping):
-        pipeline = pipeline.get("size", 1)
+    pipeline, data = (parallel.get(k, d) for k, d in (("pipeline", 1), ("data", None)))
+    pipeline, data = (v.get("size", 1) if isinstance(v, Mapping) else v for v in (pipeline, data))
     tensor = parallel.get("tensor", {})
     if not isinstance(tensor, Mapping):
         tensor = {"size": tensor}
-    unknown = set(tensor) - {"size", "mode", "depth"}
+    unknown = set(tensor) - {"size", "mode", "depth", "sequence_parallel"}
     if unknown:
         raise ValueError(
             f"fpar.ops.tensor_layout: unknown keys {sorted(unknown)} in parallel['tensor']; expected size, "
-            f"mode, depth."
+            f"mode, depth, sequence_parallel."
         )
-    return tensor.get("size", 1), tensor.get("mode"), tensor.get("depth"), pipeline
+    sp = tensor.get("sequence_parallel", False)
+    return tensor.get("size", 1), tensor.get("mode"), tensor.get("depth"), pipeline, sp, data
 
 
 def _positive(name: str, v) -> int:

@@ -54,7 +54,8 @@ def column_linear(x: Tensor, w: Tensor, b: Tensor | None = None, *, axis) -> Ten
     features with no communication.  Megatron's ``f`` operator (identity forward, all-reduce of
     the input gradient backward) is *not* written here: ``x`` is replicated over ``axis`` and ``w``
     varies, so fpar inserts an implicit ``pvary`` where they meet, and its transpose is that
-    all-reduce.  Hand-rolling it would sum the gradient twice.
+    all-reduce.  A hand-written ``f`` (a custom backward that all-reduces the gradient, as in
+    Megatron's ``copy_to_tensor_model_parallel_region``) would sum it a second time.
 
     Args:
       x: input ``[..., D]``, replicated over ``axis``.
@@ -70,7 +71,7 @@ def column_linear(x: Tensor, w: Tensor, b: Tensor | None = None, *, axis) -> Ten
       ValueError: mismatched shapes.
     """
     check.axis_size("column_linear", axis)
-    _check_linear("column_linear", x, w, b, "P(None, axis)", "P(axis)")
+    check_linear("column_linear", x, w, b, "P(None, axis)", "P(axis)")
     y = x @ w
     return y if b is None else y + b
 
@@ -92,7 +93,7 @@ def row_linear(x: Tensor, w: Tensor, b: Tensor | None = None, *, axis) -> Tensor
       ``psum(x @ w) + b``, ``[..., D]``, replicated over ``axis``.
     """
     check.axis_size("row_linear", axis)
-    _check_linear("row_linear", x, w, b, "P(axis, None)", "P()")
+    check_linear("row_linear", x, w, b, "P(axis, None)", "P()")
     y = fpar.psum(x @ w, axis)
     return y if b is None else y + b
 
@@ -145,22 +146,28 @@ def attention(params: dict, x: Tensor, *, axis, n_heads: int, causal: bool = Tru
 
 def heads_attention(params: dict, x_BTD: Tensor, *, axis, n_heads: int, causal: bool, api: str) -> Tensor:
     """The column-parallel part of ``attention``: this device's heads' outputs ``[B, T, E]``."""
-    n = check.axis_size(api, axis)
-    check.params(api, params, ("w_qkv", "w_o"), ("b_qkv", "b_o"), "attention")
-    check.tensor(api, "x", x_BTD, ndim=3)
-    h_local, k = attention_heads(api, x_BTD.shape[-1], n_heads, n)
+    h_local, k = check_attention(api, params, x_BTD, axis=axis, n_heads=n_heads)
     w_qkv, b_qkv = params["w_qkv"], params.get("b_qkv")
-    want = (x_BTD.shape[-1], 3, h_local * k)
-    if tuple(w_qkv.shape) != want:
-        raise ValueError(
-            f"fpar.ops.{api}: the w_qkv block has shape {tuple(w_qkv.shape)}, expected {want} "
-            f"(D, 3, n_heads/n * head_dim with n_heads={n_heads}, n={n}); give the global "
-            f"[D, 3, D] weight the spec P(None, None, axis) (fpar.ops.attention_specs(axis))."
-        )
     b_flat = None if b_qkv is None else b_qkv.reshape(-1)
     qkv = column_linear(x_BTD, w_qkv.reshape(w_qkv.shape[0], -1), b_flat, axis=axis)  # B,T,3E
     q_BTHK, k_BTHK, v_BTHK = qkv.unflatten(-1, (3, h_local, k)).unbind(2)
     return attend(q_BTHK, k_BTHK, v_BTHK, causal=causal).flatten(2)
+
+
+def check_attention(api: str, params: dict, x_BTD: Tensor, *, axis, n_heads: int) -> tuple[int, int]:
+    """Validate head-parallel attention's arguments; return (heads per device, head dim)."""
+    n = check.axis_size(api, axis)
+    check.params(api, params, ("w_qkv", "w_o"), ("b_qkv", "b_o"), "attention")
+    check.floating(api, "x", check.tensor(api, "x", x_BTD, ndim=3))
+    h_local, k = attention_heads(api, x_BTD.shape[-1], n_heads, n)
+    want = (x_BTD.shape[-1], 3, h_local * k)
+    if tuple(params["w_qkv"].shape) != want:
+        raise ValueError(
+            f"fpar.ops.{api}: the w_qkv block has shape {tuple(params['w_qkv'].shape)}, expected {want} "
+            f"(D, 3, n_heads/n * head_dim with n_heads={n_heads}, n={n}); give the global "
+            f"[D, 3, D] weight the spec P(None, None, axis) (fpar.ops.attention_specs(axis))."
+        )
+    return h_local, k
 
 
 def attention_heads(api: str, d_model: int, n_heads: int, n: int) -> tuple[int, int]:
@@ -267,7 +274,7 @@ def _local_ids(ids: Tensor, v_local: int, axis) -> tuple[Tensor, Tensor]:
 # Error checking ---------------------------------------------------------------------------------
 
 
-def _check_linear(api: str, x, w, b, w_spec: str, b_spec: str) -> None:
+def check_linear(api: str, x, w, b, w_spec: str, b_spec: str) -> None:
     check.floating(api, "x", check.tensor(api, "x", x, min_ndim=1))
     check.floating(api, "w", check.tensor(api, "w", w, ndim=2))
     check.same(

@@ -33,7 +33,15 @@ import torch.nn.functional as F
 import fpar
 
 from . import _check as check
-from ._megatron import attend, attention_heads, column_linear, embedding_partial, heads_attention
+from ._megatron import (
+    attend,
+    attention_heads,
+    check_attention,
+    check_linear,
+    column_linear,
+    embedding_partial,
+    heads_attention,
+)
 
 __all__ = [
     "ring_attention",
@@ -68,7 +76,9 @@ def sp_column_linear(x: Tensor, w: Tensor, b: Tensor | None = None, *, axis, seq
     Returns:
       ``[..., T, ..., F/n]`` with the whole sequence, varying over ``axis``.
     """
+    check.axis_size("sp_column_linear", axis)
     _check_seq("sp_column_linear", x, seq_dim)
+    check_linear("sp_column_linear", x, w, b, "P(None, axis)", "P(axis)")  # before any communication
     return column_linear(fpar.all_gather(x, axis, axis=seq_dim, tiled=True), w, b, axis=axis)
 
 
@@ -91,11 +101,7 @@ def sp_row_linear(x: Tensor, w: Tensor, b: Tensor | None = None, *, axis, seq_di
     n = check.axis_size("sp_row_linear", axis)
     _check_seq("sp_row_linear", x, seq_dim)
     check.divisible("sp_row_linear", "the sequence length", x.shape[seq_dim], n, "Pad the sequence.")
-    if x.shape[-1] != w.shape[0]:
-        raise ValueError(
-            f"fpar.ops.sp_row_linear: x's last dim {x.shape[-1]} != the w block's first dim "
-            f"{w.shape[0]}; give the [F, D] weight the spec P(axis, None)."
-        )
+    check_linear("sp_row_linear", x, w, b, "P(axis, None)", "P()")
     y = fpar.psum_scatter(x @ w, axis, scatter_dimension=seq_dim, tiled=True)
     return y if b is None else y + b
 
@@ -130,7 +136,7 @@ def sp_attention(params: dict, x: Tensor, *, axis, n_heads: int, causal: bool = 
       n_heads: total heads, divisible by the size of ``axis``.
       causal: mask attention to later positions (by global position).
     """
-    check.tensor("sp_attention", "x", x, ndim=3)
+    check_attention("sp_attention", params, x, axis=axis, n_heads=n_heads)  # before any communication
     x_BTD = fpar.all_gather(x, axis, axis=1, tiled=True)
     o_BTE = heads_attention(params, x_BTD, axis=axis, n_heads=n_heads, causal=causal, api="sp_attention")
     return sp_row_linear(o_BTE, params["w_o"], params.get("b_o"), axis=axis)

@@ -1,0 +1,298 @@
+"""Data-parallel training step: fpar on a real 2-process mesh against torch DDP, side by side.
+
+Both sides train the same 2-layer MLP (``Linear(D, H) -> ReLU -> Linear(H, D)``, with biases,
+float32, MSE loss) on the same global batch split over 2 gloo processes on this machine:
+
+* **fpar**: ``mesh = fpar.make_mesh((2,), ("data",))``; the parameters are replicated (``P()``,
+  built with ``fpar.init``), the batch is split over "data" (``P("data")``, placed with
+  ``fpar.device_put``); the per-device loss is ``fpar.pmean(mse, "data")`` and the gradients come
+  from ``torch.func.grad(fpar.shard(loss, mesh, (P(), P("data"), P("data")), P()))``.  fpar
+  inserts a ``pvary`` wherever a replicated parameter meets the split batch; its transpose, in
+  the backward pass, is the gradient all-reduce (one blocking all-reduce per parameter).
+  Update: SGD with ``torch._foreach_add_``.
+* **DDP**: the same MLP as an ``nn.Module`` in ``torch.nn.parallel.DistributedDataParallel``
+  (gloo, default buckets, its built-in all-reduce overlapped with the backward pass),
+  ``loss.backward()``, ``torch.optim.SGD(foreach=True)``.
+
+The 2 processes are started once (``fpar.launch``), each with 1 thread.  Inside them both sides
+are warmed up, then timed interleaved (the order alternates every repeat), each timed step being
+a full step (forward, backward, all-reduce, update) preceded by a ``dist.barrier()`` so both
+ranks start it together.  Medians from rank 0 are reported, with the ratio fpar/DDP.
+
+Checked once, before timing: starting from the same parameters, one step of each gives the same
+updated parameters (so both do the same work).  Bytes all-reduced per step, per device:
+
+* fpar: ``fpar.comm_stats()`` over one step (ring per-device bytes, as fpar counts them), and,
+  independently, the tensors that step hands to ``torch.distributed.all_reduce`` (wrapped for
+  that one step), converted the same way;
+* DDP: a second DDP instance of the same model with a counting communication hook (every bucket's
+  ``buffer().numel() * element_size()``, converted to ring per-device bytes x 2(n-1)/n), counted
+  on its second step, after DDP has rebuilt its buckets in gradient-ready order;
+* the formula: parameter bytes x 2(n-1)/n.
+
+Timings are printed, never asserted.
+
+Run:
+    python bench/data_parallel.py                     # 20 repeats, D=1024 H=4096 B=256
+    python bench/data_parallel.py --repeats 30 --hidden 2048 --batch 128
+
+Shape suffixes (torchtitan style; B is the global batch, each process holds B/2 rows):
+    B  batch, D  model dim (in = out), H  hidden
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+try:
+    import fpar
+except ImportError:  # run from a checkout without installing: use the repo's fpar/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import fpar
+from fpar import P
+
+NPROCS = 2
+LR = 0.01
+KEYS = ("w1", "b1", "w2", "b2")  # nn.Linear layout: weight (out, in), bias (out,)
+
+
+def loss_local(params, x_BD, y_BD):
+    """Per-device loss: the MLP on this device's rows, MSE averaged over "data"."""
+    h_BH = torch.relu(F.linear(x_BD, params["w1"], params["b1"]))
+    out_BD = F.linear(h_BH, params["w2"], params["b2"])
+    return fpar.pmean(F.mse_loss(out_BD, y_BD), "data")
+
+
+def make_module(params) -> nn.Module:
+    """The same MLP as an nn.Module, holding copies of ``params``."""
+    w1 = params["w1"]
+    model = nn.Sequential(nn.Linear(w1.shape[1], w1.shape[0]), nn.ReLU(), nn.Linear(w1.shape[0], w1.shape[1]))
+    with torch.no_grad():
+        for p, k in zip(model.parameters(), KEYS):
+            p.copy_(params[k])
+    return model
+
+
+def counting_hook(counter: dict):
+    """A DDP comm hook: the default all-reduce (mean), counting each bucket's buffer bytes."""
+
+    def hook(group, bucket):
+        buf = bucket.buffer()
+        counter["calls"] += 1
+        counter["buffer_bytes"] += buf.numel() * buf.element_size()
+        world = dist.get_world_size(group)
+        fut = dist.all_reduce(buf.div_(world), group=group, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+
+    return hook
+
+
+def traced_all_reduce(step) -> list[int]:
+    """Run ``step``, returning the bytes of every tensor it hands to ``torch.distributed.all_reduce``.
+
+    fpar calls ``dist.all_reduce`` through the module, so wrapping the module attribute sees every
+    call: an independent check of ``fpar.comm_stats()``, which counts from block sizes.
+    """
+    sizes, original = [], dist.all_reduce
+
+    def wrapped(tensor, *args, **kwargs):
+        sizes.append(tensor.numel() * tensor.element_size())
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = wrapped
+    try:
+        step()
+    finally:
+        dist.all_reduce = original
+    return sizes
+
+
+def timed(step) -> float:
+    """Wall time of one full step, both ranks starting together."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    step()
+    return time.perf_counter() - t0
+
+
+def worker(cfg: dict) -> dict:
+    """Runs on each of the 2 processes: check, count bytes, time both sides."""
+    torch.set_num_threads(cfg["threads"])
+    B, D, H = cfg["batch"], cfg["dim"], cfg["hidden"]
+    world = dist.get_world_size()
+    mesh = fpar.make_mesh((world,), ("data",))
+
+    # Same global values on every rank: replicated parameters, the global batch, then our rows.
+    inits = {
+        "w1": fpar.normal((H, D), std=D**-0.5),
+        "b1": fpar.zeros((H,)),
+        "w2": fpar.normal((D, H), std=H**-0.5),
+        "b2": fpar.zeros((D,)),
+    }
+    params = fpar.init(inits, mesh, P(), seed=0)
+    gen = torch.Generator().manual_seed(1)
+    x_BD, y_BD = torch.randn(B, D, generator=gen), torch.randn(B, D, generator=gen)
+    x_local, y_local = fpar.device_put((x_BD, y_BD), mesh, P("data"))
+
+    # (a) fpar
+    grad_fn = torch.func.grad(fpar.shard(loss_local, mesh, (P(), P("data"), P("data")), P()))
+    plist = [params[k] for k in KEYS]
+
+    def fpar_step():
+        g = grad_fn(params, x_local, y_local)
+        torch._foreach_add_(plist, [g[k] for k in KEYS], alpha=-LR)
+
+    # (b) DDP: same initial values, same rows
+    model = DDP(make_module(params))
+    opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=True)
+
+    def ddp_step():
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(model(x_local), y_local).backward()
+        opt.step()
+
+    # One step of each from the same parameters: the same update.
+    before = [p.clone() for p in plist]
+    fpar_step()
+    ddp_step()
+    worst = 0.0
+    for k, p0, pf, pd in zip(KEYS, before, plist, model.parameters()):
+        # Compare the updates, not the parameters: an update is ~1e-4 of a parameter's size.
+        uf, ud = pf - p0, pd.detach() - p0
+        rel = ((uf - ud).norm() / ud.norm()).item()
+        worst = max(worst, rel)
+        if not torch.allclose(uf, ud, rtol=1e-4, atol=1e-4 * ud.abs().max().item()):
+            raise AssertionError(f"the update of {k} differs, fpar vs DDP: relative norm diff {rel:.3e}")
+
+    # Bytes per step.
+    fpar.reset_comm_stats()
+    fpar_sent = traced_all_reduce(fpar_step)
+    fpar_bytes = fpar.comm_stats()
+    counter = {"calls": 0, "buffer_bytes": 0}
+    counted = DDP(make_module(params))
+    counted.register_comm_hook(None, counting_hook(counter))
+    for _ in range(2):  # DDP rebuilds its buckets after the first step: count the second
+        counter.update(calls=0, buffer_bytes=0)
+        counted.zero_grad(set_to_none=True)
+        F.mse_loss(counted(x_local), y_local).backward()
+    del counted
+
+    for _ in range(cfg["warmup"]):
+        fpar_step()
+        ddp_step()
+    times = {"fpar": [], "ddp": []}
+    steps = {"fpar": fpar_step, "ddp": ddp_step}
+    gc.collect()
+    gc.disable()  # no collector pauses inside a timed step
+    try:
+        for i in range(cfg["repeats"]):
+            for name in ("fpar", "ddp") if i % 2 == 0 else ("ddp", "fpar"):
+                times[name].append(timed(steps[name]))
+    finally:
+        gc.enable()
+
+    return {
+        "times": times,
+        "worst_rel": worst,
+        "fpar_stats": fpar_bytes,
+        "fpar_sent": fpar_sent,
+        "ddp_count": counter,
+        "param_bytes": sum(p.numel() * p.element_size() for p in plist),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20, help="timed steps of each (median)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each first")
+    parser.add_argument("--hidden", type=int, default=4096, help="H, the hidden width")
+    parser.add_argument("--dim", type=int, default=1024, help="D, the model (in/out) width")
+    parser.add_argument("--batch", type=int, default=256, help="B, the global batch (split over 2)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--timeout", type=float, default=600.0, help="process-group timeout (s)")
+    args = parser.parse_args(argv)
+    if args.batch % NPROCS:
+        parser.error(f"--batch must be divisible by {NPROCS}")
+    cfg = {k: getattr(args, k) for k in ("repeats", "warmup", "hidden", "dim", "batch", "threads")}
+
+    res = fpar.launch(worker, NPROCS, cfg, timeout=args.timeout)
+    r0 = res[0]
+    B, D, H, n = args.batch, args.dim, args.hidden, NPROCS
+    print(
+        f"starting from the same parameters, one step of each gives the same update: max "
+        f"|fpar - DDP| / |update| = {max(r['worst_rel'] for r in res):.2e} (over params and ranks)"
+    )
+
+    ring = 2 * (n - 1) / n
+    formula = int(r0["param_bytes"] * ring)
+    data = r0["fpar_stats"].get("data", {})
+    fpar_total = sum(v["bytes"] for v in data.values())
+    fpar_grad = data.get("psum", {"calls": 0, "bytes": 0})
+    ddp = r0["ddp_count"]
+    ddp_total = int(ddp["buffer_bytes"] * ring)
+
+    med = {k: statistics.median(v) * 1e3 for k, v in r0["times"].items()}
+    lo = {k: min(v) * 1e3 for k, v in r0["times"].items()}
+    hi = {k: max(v) * 1e3 for k, v in r0["times"].items()}
+    med1 = {k: statistics.median(v) * 1e3 for k, v in res[1]["times"].items()}
+    ratio = med["fpar"] / med["ddp"]
+    threads = r0["threads"]
+    print(
+        f"MLP train step (fwd+bwd+all-reduce+SGD), B={B} (global) D={D} H={H} float32, "
+        f"{n} gloo processes x {threads} thread(s), fpar {fpar.__version__}, torch {torch.__version__}, "
+        f"{args.repeats} repeats"
+    )
+    for k in ("fpar", "ddp"):
+        print(
+            f"  {k:4s}  median {med[k]:8.2f} ms   min {lo[k]:8.2f}   max {hi[k]:8.2f}   (rank 1 median {med1[k]:.2f})"
+        )
+    print(
+        f"  ratio fpar/DDP: {ratio:.2f}x (medians; target <= 1.05), {lo['fpar'] / lo['ddp']:.2f}x (minima); "
+        f"when the two disagree much, other load shared the cores: rerun"
+    )
+    print(f"bytes all-reduced per step, per device (ring, 2(n-1)/n = {ring:g} x buffer):")
+    print(f"  formula         parameter bytes {r0['param_bytes']:,} x {ring:g} = {formula:,}")
+    print(
+        f"  fpar counted    {fpar_total:,} (fpar.comm_stats() on 'data': gradient psum {fpar_grad['bytes']:,} in "
+        f"{fpar_grad['calls']} all-reduces"
+        + "".join(f", {k} {v['bytes']:,} in {v['calls']}" for k, v in data.items() if k != "psum")
+        + f"); {fpar_total - formula:+,} vs formula"
+    )
+    sent = r0["fpar_sent"]
+    print(
+        f"  fpar measured   {int(sum(sent) * ring):,} ({len(sent)} calls of dist.all_reduce on buffers of "
+        f"{', '.join(f'{b:,}' for b in sent)} bytes; the first is fpar.shard's input-shape agreement "
+        f"across ranks, not in comm_stats); {int(sum(sent) * ring) - formula:+,} vs formula"
+    )
+    print(
+        f"  DDP comm hook   {ddp_total:,} ({ddp['calls']} bucket all-reduces of {ddp['buffer_bytes']:,} bytes); "
+        f"{ddp_total - formula:+,} vs formula"
+    )
+    print()
+    print(
+        "| benchmark | config | fpar (ms) | DDP (ms) | ratio | all-reduce bytes/step fpar / DDP / formula | threads |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    print(
+        f"| data_parallel | MLP train step B={B} D={D} H={H} fp32, {n} gloo procs "
+        f"| {med['fpar']:.1f} | {med['ddp']:.1f} | {ratio:.2f}x | {fpar_total:,} / {ddp_total:,} / {formula:,} "
+        f"| {n}x{threads} |"
+    )
+    print(f"<!-- {platform.processor() or platform.machine()}, torch {torch.__version__} -->")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Gradient transformations: optax's ``init``/``update`` pairs over pytrees of tensors.
+
+A ``GradientTransformation`` is a pair of pure functions.  ``init(params) -> state`` builds the
+state, a pytree of tensors (so it can be sharded with ``fpar.shard`` specs, saved and loaded);
+``update(updates, state, params=None) -> (updates, state)`` turns gradients into updates.
+Optimizers are chains of small transformations, e.g. ``adamw`` is
+``chain(scale_by_adam(...), add_decayed_weights(...), scale_by_learning_rate(lr))``; the
+updates are *added* to the parameters by ``apply_updates``.  Nothing mutates its inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from .._tree import tree_flatten, tree_unflatten
+from . import _ops as ops
+
+__all__ = ["EmptyState", "GradientTransformation", "apply_updates", "chain", "identity"]
+
+Params = Any
+Updates = Any
+State = Any
+
+
+class GradientTransformation(NamedTuple):
+    """An optimizer, or a piece of one: ``init(params) -> state``, ``update(updates, state, params)``."""
+
+    init: Callable[[Params], State]
+    update: Callable[..., tuple[Updates, State]]
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transformation (no leaves)."""
+
+
+def identity() -> GradientTransformation:
+    """Return updates unchanged."""
+    return GradientTransformation(lambda params: EmptyState(), lambda u, s, params=None: (u, s))
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Apply ``transforms`` in order; the state is the tuple of their states.
+
+    Example:
+      >>> opt = chain(clip_by_global_norm(1.0), scale_by_adam(), scale_by_learning_rate(1e-3))
+    """
+
+    def init(params):
+        return tuple(t.init(params) for t in transforms)
+
+    def update(updates, state, params=None):
+        new_state = []
+        for t, s in zip(transforms, state):
+            updates, s = t.update(updates, s, params)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    return GradientTransformation(init, update)
+
+
+def apply_updates(params: Params, updates: Updates) -> Params:
+    """Return ``params + updates`` leaf by leaf (each result in its parameter's dtype)."""
+    p, treedef = tree_flatten(params)
+    u, _ = tree_flatten(updates)
+    return tree_unflatten(treedef, ops.add(p, [x.to(y.dtype) for x, y in zip(u, p)]))
+
+
+def leaves_of(tree: Any) -> tuple[list[torch.Tensor], Any]:
+    """Flatten a tree of tensors (``None`` counts as a leaf, as everywhere in fpar)."""
+    return tree_flatten(tree)

@@ -1,0 +1,224 @@
+"""Activation checkpointing (rematerialisation) that composes with ``torch.func`` and ``fpar.shard``.
+
+``remat(f)`` computes ``f`` without keeping its intermediate activations: only its inputs are
+saved, and the backward runs ``f`` again (under ``torch.func.vjp``) to get them.  Memory for
+activations inside ``f`` becomes the size of its inputs; the price is one more forward of ``f``.
+
+Why not ``torch.utils.checkpoint``: it works by ``saved_tensors_hooks``, which
+``torch.func.grad``/``vjp`` refuse ("don't yet support saved tensor hooks"), and its recompute
+would run the per-device code after ``fpar.shard`` has returned, outside the mesh.
+
+How it works.  ``_Remat`` is an ``autograd.Function`` with its own ``vmap`` rule, the same pattern
+as fpar's collectives: each vmap level (a mesh axis of ``fpar.shard`` or a user's ``vmap``) is
+peeled, its batch dim moved to the front and recorded; below the last one the function runs on
+plain tensors by *re-creating* the peeled levels with ``torch.func.vmap`` and rebinding the
+running shard's frame to them, so collectives inside ``f`` work in the forward and in the
+recompute (even after ``fpar.shard`` returned, as for a gradient taken outside it).  The mesh
+token and axis indices travel as extra inputs so they are re-batched like everything else.  A
+gradient transform *inside* the sharded function stops the peeling (its forward runs with the
+mesh levels still live), and ``f`` simply runs there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._C._functorch import is_batchedtensor, maybe_current_level, maybe_get_level
+
+from .._tree import tree_flatten, tree_unflatten
+from ._internal import current_frame, enter_frame, internal
+
+__all__ = ["remat"]
+
+Tensor = torch.Tensor
+
+
+def remat(f: Callable) -> Callable:
+    """Return ``f`` with activation checkpointing: save only its inputs, recompute in backward.
+
+    Works in plain PyTorch, under ``torch.func.grad``/``vjp``/``vmap``, inside ``fpar.shard``
+    (collectives included, on both backends) and for gradients taken outside the sharded
+    function.  ``f`` must be a deterministic function of its tensor arguments (non-tensor
+    arguments are passed through as constants) returning a pytree of tensors; its forward runs
+    twice when differentiated.
+
+    Example:
+      >>> block = fpar.optim.remat(lambda p, x: torch.relu(x @ p["w1"]) @ p["w2"])
+      >>> h = block(params, x)   # backward recomputes x @ w1 and the relu instead of storing them
+    """
+
+    @functools.wraps(f)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        leaves, treedef = tree_flatten((args, kwargs))
+        slots = [i for i, v in enumerate(leaves) if isinstance(v, Tensor)]
+        frame = current_frame()
+        extra = [] if frame is None else [frame.token, *frame.index.values()]
+        call = _Call(f, treedef, leaves, slots, frame, tuple(frame.index) if frame else ())
+        outs = _Remat.apply(call, *(leaves[i] for i in slots), *extra)
+        return tree_unflatten(call.out_treedef, list(outs))
+
+    return wrapped
+
+
+# The function call, re-creatable under the vmap levels it was peeled from ---------------------
+
+
+@dataclasses.dataclass
+class _Level:
+    """One peeled vmap level: its mesh axis (None for a user vmap) and which values it batches."""
+
+    axis: str | None
+    in_batched: tuple[bool, ...]
+    randomness: str
+    out_batched: tuple[bool, ...] = ()
+
+
+class _Opaque:
+    """An output not batched at a re-created level, carried out of it untouched (as in shard)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Tensor):
+        self.tensor = tensor
+
+
+@dataclasses.dataclass
+class _Call:
+    f: Callable
+    treedef: Any
+    leaves: list
+    slots: list[int]
+    frame: Any
+    axes: tuple[str, ...]
+    levels: tuple[_Level, ...] = ()  # outermost first
+    shared: dict = dataclasses.field(default_factory=dict)  # the output treedef, set by run
+
+    @property
+    def out_treedef(self):
+        return self.shared["out_treedef"]
+
+    def with_level(self, level: _Level) -> _Call:
+        return dataclasses.replace(self, levels=(level, *self.levels))
+
+    def run(self, tensors: list[Tensor]) -> tuple[Tensor, ...]:
+        """``f`` on ``tensors`` (physical, one leading dim per peeled level that batches them)."""
+        rebind = self.frame is not None and any(lv.axis is not None for lv in self.levels)
+        fn = self._innermost(rebind)
+        for i in reversed(range(len(self.levels))):
+            fn = self._level(fn, self.levels[i])
+        if not rebind:
+            return tuple(_unwrap(fn(*tensors)))
+        with enter_frame(self.frame):
+            return tuple(_unwrap(fn(*tensors)))
+
+    def _innermost(self, rebind: bool) -> Callable:
+        n = len(self.slots)
+
+        def run(*flat):
+            if rebind:
+                self.frame.token = flat[n]
+                self.frame.index = dict(zip(self.axes, flat[n + 1 :]))
+            leaves = list(self.leaves)
+            for i, t in zip(self.slots, flat[:n]):
+                leaves[i] = t
+            args, kwargs = tree_unflatten(self.treedef, leaves)
+            out_leaves, out_treedef = tree_flatten(self.f(*args, **kwargs))
+            for v in out_leaves:
+                if not isinstance(v, Tensor):
+                    raise TypeError(
+                        f"fpar.optim.remat({_name(self.f)}): the function returned a "
+                        f"{type(v).__name__}; it must return a pytree of tensors."
+                    )
+            self.shared["out_treedef"] = out_treedef
+            return tuple(out_leaves)
+
+        return run
+
+    def _level(self, inner: Callable, level: _Level) -> Callable:
+        frame = self.frame
+
+        def body(*flat):
+            if level.axis is not None:
+                frame.levels[maybe_current_level()] = level.axis
+            outs = _unwrap(inner(*flat))
+            cur = maybe_current_level()
+            level.out_batched = tuple(is_batchedtensor(o) and maybe_get_level(o) == cur for o in outs)
+            return (
+                tuple(o for o, b in zip(outs, level.out_batched) if b),
+                tuple(_Opaque(o) for o, b in zip(outs, level.out_batched) if not b),
+            )
+
+        in_dims = tuple(0 if b else None for b in level.in_batched)
+        mapped = torch.func.vmap(body, in_dims=in_dims, out_dims=(0, None), randomness=level.randomness)
+
+        def run(*flat):
+            batched, opaque = mapped(*flat)
+            batched, opaque = iter(batched), iter(opaque)
+            return [next(batched) if b else next(opaque) for b in level.out_batched]
+
+        return run
+
+
+def _unwrap(outs) -> list[Tensor]:
+    return [o.tensor if isinstance(o, _Opaque) else o for o in outs]
+
+
+def _name(f) -> str:
+    return getattr(f, "__name__", None) or type(f).__name__
+
+
+# The autograd.Function -----------------------------------------------------------------------
+
+
+@internal
+class _Remat(torch.autograd.Function):
+    generate_vmap_rule = False
+
+    @staticmethod
+    def forward(call: _Call, *tensors: Tensor):
+        with torch.no_grad():  # nothing in here is differentiated: backward recomputes
+            return call.run([t.detach() for t in tensors])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.call = inputs[0]
+        ctx.save_for_backward(*inputs[1:])  # the inputs only: that is the point
+
+    @staticmethod
+    def backward(ctx, *cts):
+        call: _Call = ctx.call
+        tensors = list(ctx.saved_tensors)
+        n = len(call.slots)  # the rest are the mesh token and indices
+        # Differentiate only what needs a gradient: the recompute's backward is real work (and,
+        # for a replicated input meeting varying values, a real all-reduce on a real mesh).
+        diff = [i for i in range(n) if ctx.needs_input_grad[1 + i]]
+
+        def again(*primals):
+            full = list(tensors)
+            for i, t in zip(diff, primals):
+                full[i] = t
+            return call.run(full)
+
+        with torch.enable_grad():
+            outs, vjp_fn = torch.func.vjp(again, *(tensors[i] for i in diff))
+        cts = tuple(torch.zeros_like(o) if c is None else c for o, c in zip(outs, cts))
+        grads = vjp_fn(cts)
+        result: list = [None] * len(tensors)
+        for i, g in zip(diff, grads):
+            result[i] = g
+        return (None, *result)
+
+    @staticmethod
+    def vmap(info, in_dims, call: _Call, *tensors: Tensor):
+        level = (maybe_current_level() or 0) + 1  # the level this rule peels
+        frame = call.frame
+        axis = frame.levels.get(level) if frame is not None else None
+        dims = in_dims[1:]
+        moved = [t if d is None else t.movedim(d, 0) for t, d in zip(tensors, dims)]
+        rec = _Level(axis, tuple(d is not None for d in dims), info.randomness)
+        outs = _Remat.apply(call.with_level(rec), *moved)
+        return outs, tuple(0 if b else None for b in rec.out_batched)

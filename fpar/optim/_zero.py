@@ -1,0 +1,506 @@
+"""Data-parallel training steps, from DDP to ZeRO-3, written with fpar collectives.
+
+Legend: ``N`` = size of the data axis; ``Psi`` = bytes of one device's parameter blocks; a
+*chunk* is one device's 1/N of a parameter block, flattened and zero-padded:
+``c = ceil(m / N)`` elements for a block of ``m`` elements.  A chunk leaf's global value is 1-D,
+``P((*split, data))`` (the axes the parameter is split over, then the data axis), of length
+``prod(split sizes) * N * c``.
+
+| stage | params held | grads held | optimizer state | collectives per step (bytes per device) |
+|---|---|---|---|---|
+| 0 (DDP) | Psi | Psi | K Psi | all-reduce of grads (psum in the backward): 2 (N-1)/N Psi |
+| 1 | Psi | Psi (per-device, reduced once per step) | K Psi / N | reduce-scatter + all-gather: 2 (N-1)/N Psi |
+| 2 | Psi | Psi / N (reduced per microbatch) | K Psi / N | the same, reduce-scatter per microbatch |
+| 3 | Psi / N | Psi / N | K Psi / N | all-gather fwd + (regather) all-gather bwd + reduce-scatter: 3 (N-1)/N Psi |
+
+(ZeRO, Rajbhandari et al. 2019, arXiv:1910.02054, and ``shared/reference`` §4.)  Stage 3 without
+``regather`` keeps the gathered parameters from the forward to the backward: 2 (N-1)/N Psi.
+
+Gradients are always those of the *global* loss (the mean over data ranks of the per-device
+losses, and over microbatches): every step differentiates a sharded function from the outside
+(``torch.func.grad`` of ``fpar.shard(...)``), so collectives over other axes (tensor
+parallelism inside ``loss_fn``) get their exact transposes.  For stages 1 and 2 the
+parameters enter that function as one copy per data rank (``P(data, ...)``: a stride-0 view
+in-process, no copy), the functional form of JAX's ``pcast(params, to='varying')`` over the data
+axis, so the gradient arrives per device, unreduced, and the step reduce-scatters it itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import fpar
+from fpar import P
+
+from .._spec import block_shape
+from .._tree import broadcast_prefix, tree_flatten, tree_map, tree_unflatten
+from ._base import GradientTransformation, apply_updates
+from ._precision import MixedPrecision, cast_floating
+from ._remat import remat
+
+__all__ = [
+    "ZeroLayout",
+    "accumulate",
+    "bytes_per_device",
+    "zero_grads",
+    "zero_init",
+    "zero_layout",
+    "zero_params",
+    "zero_step",
+    "zero_update",
+]
+
+Tensor = torch.Tensor
+_TAG = 1_000_003  # fake leaf sizes for telling which optimizer-state leaf mirrors which parameter
+_REPLICATED = P()
+
+
+# The layout ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    spec: P  # the parameter's spec
+    block: tuple[int, ...]  # one device's block of the parameter
+    split: tuple[str, ...]  # the mesh axes the parameter is split over
+    numel: int  # elements of the block
+    chunk: int  # elements of one device's chunk: ceil(numel / N)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroLayout:
+    """How a ZeRO stage stores parameters, gradients and optimizer state on a mesh (static data).
+
+    Build it with ``zero_layout``.  Its spec trees are what ``fpar.device_put``, ``fpar.gather``,
+    checkpoints and ``bytes_per_device`` need.
+    """
+
+    mesh: fpar.Mesh
+    stage: int
+    data_axis: str
+    treedef: Any
+    leaves: tuple[_Leaf, ...]
+
+    @property
+    def n(self) -> int:
+        """The size of the data axis."""
+        return self.mesh.shape[self.data_axis]
+
+    @property
+    def param_specs(self) -> Any:
+        """Specs of the parameters as the stage stores them (stage 3: chunks)."""
+        return self._tree([self._stored(lf) for lf in self.leaves])
+
+    @property
+    def grad_specs(self) -> Any:
+        """Specs of the gradients a stage holds: stage 0 like the params, 1 one copy per data rank, 2/3 chunks."""
+        if self.stage == 0:
+            return self._tree([lf.spec for lf in self.leaves])
+        if self.stage == 1:
+            return self._tree([P(self.data_axis, *lf.spec) for lf in self.leaves])
+        return self._tree([self._chunk_spec(lf) for lf in self.leaves])
+
+    @property
+    def chunk_specs(self) -> Any:
+        """Specs of chunk trees (per-device 1/N of each parameter block, flattened and padded)."""
+        return self._tree([self._chunk_spec(lf) for lf in self.leaves])
+
+    def state_specs(self, optimizer: GradientTransformation) -> Any:
+        """Specs of ``optimizer``'s state, laid out like the parameters it mirrors.
+
+        A state leaf that mirrors a parameter is laid out like it (as chunks for stages 1-3); the
+        rest (counts, the loss scale) are replicated.  Found by running ``optimizer.init`` on meta tensors of distinct sizes.
+        """
+        fake = self._tree([torch.empty((_TAG + i,), device="meta") for i in range(len(self.leaves))])
+        leaves, treedef = tree_flatten(optimizer.init(fake))
+        specs = []
+        for x in leaves:
+            i = x.shape[0] - _TAG if isinstance(x, Tensor) and x.dim() == 1 else -1
+            if 0 <= i < len(self.leaves):
+                lf = self.leaves[i]
+                specs.append(lf.spec if self.stage == 0 else self._chunk_spec(lf))
+            else:
+                specs.append(None if x is None else P())
+        return tree_unflatten(treedef, specs)
+
+    def _tree(self, leaves: list) -> Any:
+        return tree_unflatten(self.treedef, leaves)
+
+    def _stored(self, lf: _Leaf) -> P:
+        return self._chunk_spec(lf) if self.stage == 3 else lf.spec
+
+    def _chunk_spec(self, lf: _Leaf) -> P:
+        return P((*lf.split, self.data_axis))
+
+
+def zero_layout(
+    params: Any, mesh: fpar.Mesh, param_specs: Any = _REPLICATED, *, stage: int, data_axis: str = "data"
+):
+    """Plan how ZeRO ``stage`` (0 = plain data parallel, DDP) stores ``params`` on ``mesh``.
+
+    Args:
+      params: the parameter tree (global tensors in-process; this process's blocks on a real mesh).
+      mesh: the mesh; it must have ``data_axis``.
+      param_specs: a pytree prefix of ``params`` of ``fpar.P``: how each parameter is split over
+        the *other* axes (tensor parallelism); the data axis is ZeRO's.
+      stage: 0, 1, 2 or 3.
+      data_axis: the mesh axis the batch is split over.
+
+    Returns:
+      A ``ZeroLayout``.
+
+    Raises:
+      ValueError: bad stage, no such data axis, or a parameter spec already naming the data axis.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"fpar.optim.zero_layout: stage must be 0, 1, 2 or 3, got {stage!r}.")
+    if data_axis not in mesh.shape:
+        raise ValueError(
+            f"fpar.optim.zero_layout: data_axis {data_axis!r} is not an axis of the mesh "
+            f"(mesh axes: {mesh.axis_names})."
+        )
+    leaves, treedef = tree_flatten(params)
+    specs = broadcast_prefix(param_specs, params, is_leaf=lambda s: s is None or isinstance(s, P))
+    n = mesh.shape[data_axis]
+    out = []
+    for i, (x, spec) in enumerate(zip(leaves, specs)):
+        spec = spec if spec is not None else P()
+        if data_axis in spec.axes():
+            raise ValueError(
+                f"fpar.optim.zero_layout: param_specs leaf {i} is {spec}, which splits a parameter over "
+                f"the data axis {data_axis!r}; ZeRO shards over that axis itself. Give the layout "
+                f"over the other axes only."
+            )
+        block = tuple(x.shape) if mesh.backend == "dist" else block_shape(spec, tuple(x.shape), mesh.shape)
+        m = math.prod(block)
+        out.append(_Leaf(spec, block, tuple(spec.axes()), m, -(-m // n)))
+    return ZeroLayout(mesh, stage, data_axis, treedef, tuple(out))
+
+
+# Per-device pieces (run inside fpar.shard) ----------------------------------------------------
+
+
+def _padded(x: Tensor, lf: _Leaf, n: int) -> Tensor:
+    flat = x.reshape(-1)
+    pad = n * lf.chunk - lf.numel
+    return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
+
+
+def _own_chunk(x: Tensor, lf: _Leaf, layout: ZeroLayout) -> Tensor:
+    """This device's chunk of a block replicated over the data axis (a slice: no communication)."""
+    i = fpar.axis_index(layout.data_axis).reshape(1)
+    return _padded(x, lf, layout.n).reshape(layout.n, lf.chunk).index_select(0, i).squeeze(0)
+
+
+def _reduce_scatter(g: Tensor, lf: _Leaf, layout: ZeroLayout) -> Tensor:
+    """Sum per-device gradients over the data axis, keeping this device's chunk: (N-1)/N of the block."""
+    return fpar.psum_scatter(_padded(g, lf, layout.n), layout.data_axis, tiled=True)
+
+
+def _gather(chunk: Tensor, lf: _Leaf, layout: ZeroLayout, *, invariant: bool) -> Tensor:
+    """The whole block from every device's chunk: (N-1)/N of the block per device."""
+    gather = fpar.all_gather_invariant if invariant else fpar.all_gather
+    return gather(chunk, layout.data_axis, tiled=True)[: lf.numel].reshape(lf.block)
+
+
+def _map(fn: Callable, tree: Any, layout: ZeroLayout) -> Any:
+    leaves, treedef = tree_flatten(tree)
+    return tree_unflatten(treedef, [fn(x, lf, layout) for x, lf in zip(leaves, layout.leaves)])
+
+
+# Initialisation and conversion ----------------------------------------------------------------
+
+
+def zero_init(optimizer: GradientTransformation, params: Any, layout: ZeroLayout) -> tuple[Any, Any]:
+    """Return ``(params as the stage stores them, the optimizer state, sharded)``.
+
+    Stages 1-3 build the state on each device's chunks only (``K Psi / N`` bytes); stage 3 also
+    keeps only the chunks of the parameters.  Both are laid out by ``layout.param_specs`` and
+    ``layout.state_specs(optimizer)``.
+    """
+    pspecs = layout._tree([lf.spec for lf in layout.leaves])
+    sspecs = layout.state_specs(optimizer)
+    if layout.stage == 0:
+        return params, fpar.shard(optimizer.init, layout.mesh, (pspecs,), sspecs)(params)
+
+    def init(params):
+        chunks = _map(_own_chunk, params, layout)
+        return chunks, optimizer.init(chunks)
+
+    chunks, state = fpar.shard(init, layout.mesh, (pspecs,), (layout.chunk_specs, sspecs))(params)
+    return (chunks if layout.stage == 3 else params), state
+
+
+def zero_params(params: Any, layout: ZeroLayout) -> Any:
+    """The parameters as ``zero_layout`` was given them (stage 3 gathers its chunks; else identity)."""
+    if layout.stage != 3:
+        return params
+    pspecs = layout._tree([lf.spec for lf in layout.leaves])
+    gather = fpar.shard(
+        lambda chunks: _map(lambda c, lf, lo: _gather(c, lf, lo, invariant=True), chunks, layout),
+        layout.mesh,
+        (layout.chunk_specs,),
+        pspecs,
+    )
+    return gather(params)
+
+
+def bytes_per_device(tree: Any, mesh: fpar.Mesh, specs: Any = _REPLICATED) -> int:
+    """Bytes one device holds of ``tree``, laid out by ``specs`` (measured from the blocks).
+
+    In-process the tree holds global tensors and a device's block is its spec's share of each;
+    on a real mesh the tree holds this process's blocks and their sizes are counted as they are.
+    """
+    leaves = tree_flatten(tree)[0]
+    if mesh.backend == "dist":
+        return sum(x.numel() * x.element_size() for x in leaves if isinstance(x, Tensor))
+    leaf_specs = broadcast_prefix(specs, tree, is_leaf=lambda s: s is None or isinstance(s, P))
+    total = 0
+    for x, s in zip(leaves, leaf_specs):
+        if isinstance(x, Tensor):
+            total += math.prod(block_shape(s or P(), tuple(x.shape), mesh.shape)) * x.element_size()
+    return total
+
+
+# Gradients -------------------------------------------------------------------------------------
+
+
+def zero_grads(
+    loss_fn: Callable,
+    layout: ZeroLayout,
+    *,
+    batch_specs: Any = None,
+    n_micro: int = 1,
+    compute_dtype: torch.dtype | None = None,
+    regather: bool = True,
+) -> Callable:
+    """Build ``grads(params, batch, loss_scale=None) -> (grads, loss)`` for ``layout``'s stage.
+
+    ``loss_fn(params, batch)`` is per-device code (it runs inside ``fpar.shard``; it may use
+    collectives over the non-data axes) returning this device's mean loss over its part of the
+    batch; the global loss is the mean over data ranks (and microbatches).  The gradients come
+    laid out by ``layout.grad_specs``: stage 0 the global gradient (all-reduced), stage 1 each
+    data rank's own gradient (unreduced), stages 2 and 3 each rank's chunk of the reduced one.
+
+    Args:
+      loss_fn: ``(params, batch) -> scalar`` per device.
+      layout: from ``zero_layout``.
+      batch_specs: a pytree prefix of the batch of ``fpar.P`` (default ``P(data_axis)``).
+      n_micro: split each device's batch into this many microbatches along the dim split over
+        the data axis and average their gradients (``accumulate``).
+      compute_dtype: run ``loss_fn`` in this dtype (floating params and batch leaves are cast).
+      regather: stage 3 only: recompute the forward (gathering the parameters again) in the
+        backward instead of keeping the gathered parameters (``remat``): 3 (N-1)/N Psi of traffic
+        per step instead of 2 (N-1)/N Psi.
+    """
+    mesh, data, n = layout.mesh, layout.data_axis, layout.n
+    batch_specs = P(data) if batch_specs is None else batch_specs
+    pspecs = layout._tree([lf.spec for lf in layout.leaves])
+
+    def local_loss(params, batch):
+        if compute_dtype is not None:
+            params, batch = cast_floating(params, compute_dtype), cast_floating(batch, compute_dtype)
+        loss = loss_fn(params, batch)
+        return loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss
+
+    if layout.stage == 0:
+
+        def per_device(params, batch, scale):
+            loss = fpar.pmean(local_loss(params, batch), data)
+            return loss * scale, loss.detach()
+
+        sharded = fpar.shard(per_device, mesh, (pspecs, batch_specs, P()), (P(), P()))
+        objective = sharded
+        wrt = lambda params: params  # noqa: E731
+    else:
+        if layout.stage == 3:
+
+            def gathered_loss(chunks, batch):
+                if compute_dtype is not None:  # gather (and reduce-scatter) in the compute dtype
+                    chunks = cast_floating(chunks, compute_dtype)
+                params = _map(lambda c, lf, lo: _gather(c, lf, lo, invariant=False), chunks, layout)
+                return local_loss(params, batch)
+
+            body = remat(gathered_loss) if regather else gathered_loss
+            in_p = layout.chunk_specs
+        else:
+
+            def body(stacked, batch):
+                return local_loss(tree_map(lambda t: t.squeeze(0), stacked), batch)
+
+            in_p = layout._tree([P(data, *lf.spec) for lf in layout.leaves])
+
+        def per_device(params, batch, scale):
+            loss = body(params, batch)
+            return (loss * scale).reshape(1), fpar.pmean(loss.detach(), data)
+
+        sharded = fpar.shard(per_device, mesh, (in_p, batch_specs, P()), (P(data), P()))
+
+        def objective(params, batch, scale):
+            scaled, loss = sharded(params, batch, scale)
+            return scaled.sum() / n, loss  # the mean over data ranks (a rank's own term on a real mesh)
+
+        wrt = (lambda params: params) if layout.stage == 3 else (lambda params: _per_rank(params, layout))
+    grad = torch.func.grad(objective, has_aux=True)
+    reduce = _reducer(layout) if layout.stage == 2 else None
+
+    def one(params, batch, scale):
+        g, loss = grad(wrt(params), batch, scale)
+        return (reduce(g) if reduce is not None else g), loss
+
+    acc = accumulate(one, n_micro, mesh, batch_specs)
+
+    def grads(params, batch, loss_scale=None):
+        if loss_scale is None:
+            leaves = tree_flatten(params)[0]
+            scale = torch.ones((), dtype=torch.float32, device=leaves[0].device if leaves else None)
+        else:
+            scale = loss_scale
+        return acc(params, batch, scale)
+
+    return grads
+
+
+def _per_rank(params: Any, layout: ZeroLayout) -> Any:
+    """One copy of each parameter per data rank, ``P(data, *spec)``, without copying."""
+    if layout.mesh.backend == "dist":
+        return tree_map(lambda t: t.unsqueeze(0), params)
+    return tree_map(lambda t: t.expand(layout.n, *t.shape), params)
+
+
+def _reducer(layout: ZeroLayout) -> Callable:
+    in_g = layout._tree([P(layout.data_axis, *lf.spec) for lf in layout.leaves])
+
+    def reduce(stacked):
+        return _map(lambda g, lf, lo: _reduce_scatter(g.squeeze(0), lf, lo), stacked, layout)
+
+    return fpar.shard(reduce, layout.mesh, (in_g,), layout.chunk_specs)
+
+
+def accumulate(grad_fn: Callable, n_micro: int, mesh: fpar.Mesh, batch_specs: Any) -> Callable:
+    """Average ``grad_fn``'s gradients over ``n_micro`` microbatches of each device's batch.
+
+    ``grad_fn(params, batch, *rest) -> (grads, aux)``; the result has the same signature.  Each
+    batch leaf is cut along the dim its spec splits over the mesh (every device's block into
+    ``n_micro`` consecutive pieces, so microbatch ``i`` takes piece ``i`` of every device's block);
+    leaves whose specs split no dim go whole to every microbatch.  With a loss that is a mean
+    over the batch, this equals one step on the whole batch, holding 1/n_micro of the activations.
+    """
+    if n_micro < 1:
+        raise ValueError(f"fpar.optim.accumulate: n_micro must be >= 1, got {n_micro}.")
+    if n_micro == 1:
+        return grad_fn
+
+    def accumulated(params, batch, *rest):
+        total_g = total_aux = None
+        for i in range(n_micro):
+            g, aux = grad_fn(params, _microbatch(batch, i, n_micro, mesh, batch_specs), *rest)
+            total_g = g if total_g is None else tree_map(torch.add, total_g, g)
+            total_aux = aux if total_aux is None else tree_map(torch.add, total_aux, aux)
+        return tree_map(lambda t: t / n_micro, total_g), tree_map(lambda t: t / n_micro, total_aux)
+
+    return accumulated
+
+
+def _microbatch(batch: Any, i: int, n_micro: int, mesh: fpar.Mesh, batch_specs: Any) -> Any:
+    leaves, treedef = tree_flatten(batch)
+    specs = broadcast_prefix(batch_specs, batch, is_leaf=lambda s: s is None or isinstance(s, P))
+    out = []
+    for x, spec in zip(leaves, specs):
+        entries = spec.normalized() if isinstance(spec, P) else ()
+        dims = [d for d, e in enumerate(entries) if e]
+        if not isinstance(x, Tensor) or not dims:
+            out.append(x)
+            continue
+        d = dims[0]
+        parts = 1 if mesh.backend == "dist" else math.prod(mesh.shape[a] for a in entries[d])
+        local = x.shape[d] // parts
+        if local % n_micro:
+            raise ValueError(
+                f"fpar.optim.accumulate: a device's batch has {local} rows along dim {d}, which "
+                f"n_micro={n_micro} does not divide; use a batch size divisible by "
+                f"{n_micro} x the data-parallel size."
+            )
+        x = x.unflatten(d, (parts, n_micro, local // n_micro)).select(d + 1, i).flatten(d, d + 1)
+        out.append(x)
+    return tree_unflatten(treedef, out)
+
+
+# Updates ---------------------------------------------------------------------------------------
+
+
+def zero_update(optimizer: GradientTransformation, layout: ZeroLayout) -> Callable:
+    """Build ``update(grads, opt_state, params) -> (params, opt_state)`` for ``layout``'s stage.
+
+    Stage 0 updates every (replicated) parameter on every device; stage 1 first reduce-scatters
+    the per-rank gradients; stages 1 and 2 update this device's chunk of each parameter with
+    its chunk of the state and all-gather the new parameters (``all_gather_invariant``: they
+    leave replicated); stage 3 updates the chunks and keeps them.  The optimizer runs inside
+    ``fpar.shard`` on blocks, so global operations in it (``clip_by_global_norm``, the mixed
+    precision overflow check) combine over the devices.
+    """
+    mesh = layout.mesh
+    sspecs = layout.state_specs(optimizer)
+    gspecs = layout.grad_specs
+    stage = layout.stage
+
+    def per_device(grads, state, params):
+        if stage == 0 or stage == 3:
+            updates, state = optimizer.update(grads, state, params)
+            return apply_updates(params, updates), state
+        if stage == 1:
+            grads = _map(lambda g, lf, lo: _reduce_scatter(g.squeeze(0), lf, lo), grads, layout)
+        chunks = _map(_own_chunk, params, layout)
+        updates, state = optimizer.update(grads, state, chunks)
+        chunks = apply_updates(chunks, updates)
+        return _map(lambda c, lf, lo: _gather(c, lf, lo, invariant=True), chunks, layout), state
+
+    stored = layout.param_specs
+    return fpar.shard(per_device, mesh, (gspecs, sspecs, stored), (stored, sspecs))
+
+
+def zero_step(
+    loss_fn: Callable,
+    optimizer: GradientTransformation,
+    layout: ZeroLayout,
+    *,
+    batch_specs: Any = None,
+    n_micro: int = 1,
+    regather: bool = True,
+) -> Callable:
+    """Build a training step ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
+
+    ``zero_grads`` then ``zero_update`` (see both); ``metrics = {"loss": global mean loss}``.
+    With a ``mixed_precision`` optimizer the loss runs in its compute dtype and is scaled by the
+    state's loss scale.
+
+    Example:
+      >>> layout = fpar.optim.zero_layout(params, mesh, specs, stage=2)
+      >>> opt = fpar.optim.adamw(1e-3)
+      >>> params, state = fpar.optim.zero_init(opt, params, layout)
+      >>> step = fpar.optim.zero_step(loss_fn, opt, layout, batch_specs=P("data"))
+      >>> params, state, metrics = step(params, state, batch)
+    """
+    policy = optimizer if isinstance(optimizer, MixedPrecision) else None
+    grads_fn = zero_grads(
+        loss_fn,
+        layout,
+        batch_specs=batch_specs,
+        n_micro=n_micro,
+        compute_dtype=policy.compute_dtype if policy is not None else None,
+        regather=regather,
+    )
+    update_fn = zero_update(optimizer, layout)
+
+    def step(params, opt_state, batch):
+        scale = opt_state.loss_scale if policy is not None and policy.scaled else None
+        grads, loss = grads_fn(params, batch, scale)
+        params, opt_state = update_fn(grads, opt_state, params)
+        return params, opt_state, {"loss": loss}
+
+    return step

@@ -1,0 +1,654 @@
+"""Run a schedule: a driver outside ``fpar.shard`` that calls each stage's compute per action.
+
+A per-device SPMD program cannot run different actions on different devices in the same tick,
+so the executor drives the pipeline from Python.  Each stage's compute is a function of its
+chunk's parameters and one microbatch's activation, typically ``fpar.shard(f,
+mesh.submesh(other_axes), ...)``, which brings tensor and data parallelism inside the stage for
+free.  Forward actions record the autograd graph (the *stash*); ``BW`` runs the whole backward
+with ``torch.autograd.grad``; ``B`` computes only the input gradient (keeping the graph) and
+``W`` then the parameter gradient, freeing it.
+
+* In-process (``mesh.backend == "local"``) the driver loops over ticks and, within a tick, over
+  stages; a send hands the tensor to the receiving stage's inbox.
+* On a real mesh every rank runs only its own stage's actions and moves that tick's sends and
+  receives in one batched ``p2p`` exchange along the pipe axis.  Values are this rank's blocks
+  over the other axes.  Receive shapes: a gradient has the shape of the activation the stage
+  itself sent; the first activation over each stage boundary in a step is preceded by a small
+  header with its shape and dtype (all microbatches share shapes, as ``xs`` is stacked).
+
+Both run exactly the schedule's ticks and report what they ran (``Timeline``): compute ticks
+per stage, the peak number of stashed microbatch-chunks (counted on the live stash, not taken
+from the schedule), the peak inbox, and measured seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from .._mesh import Mesh
+from .._tree import tree_flatten, tree_map, tree_unflatten
+from ._schedule import COMPUTE, Action, Schedule, next_stage, prev_stage
+from ._timeline import Timeline
+from ._validate import validate
+
+__all__ = ["StepResult", "pipeline"]
+
+Tensor = torch.Tensor
+PARAM_KEYS = ("stages", "first", "last")
+
+
+class StepResult(NamedTuple):
+    """What one pipelined step returns.
+
+    Attributes:
+      loss: the mean over microbatches of ``loss``'s value (on a real mesh: on every rank).
+      grads: the gradient of ``loss`` w.r.t. ``params``, the same structure (on a real mesh:
+        this rank's blocks; ``first``/``last`` are zeros on ranks that do not use them).
+      stats: what the executor ran, per stage (on a real mesh: gathered from every stage).
+    """
+
+    loss: Tensor
+    grads: dict
+    stats: Timeline
+
+
+# API ----------------------------------------------------------------------------------------
+
+
+def pipeline(
+    stage: Callable,
+    schedule: Schedule,
+    mesh: Mesh,
+    *,
+    loss: Callable,
+    first: Callable | None = None,
+    axis: str = "pipe",
+) -> Callable[..., StepResult]:
+    """Build a training step that runs ``schedule`` over the ``axis`` stages of ``mesh``.
+
+    The model is ``first``, then chunks ``0 .. p v - 1`` of ``stage`` (chunk ``k`` on stage
+    ``k % p``), then ``loss``; the step returns the mean loss over the microbatches and its
+    gradient, equal to the unpipelined model's.  Stages compose with data and tensor
+    parallelism over the other mesh axes: make each function a ``fpar.shard`` over
+    ``mesh.submesh(other_axes)``.
+
+    Args:
+      stage: ``(chunk_params, h) -> h``: one model chunk.
+      schedule: from ``gpipe``, ``one_f_one_b``, ``interleaved_1f1b``, ``zb_h1`` or ``place``;
+        validated here.
+      mesh: the mesh; ``mesh.shape[axis]`` must be ``schedule.p``.
+      loss: ``(last_params, h, target) -> scalar`` after the last chunk, on the last stage
+        (replicated over the other axes, e.g. a ``pmean`` over ``"data"``).
+      first: optional ``(first_params, x) -> h`` before chunk 0, on stage 0 (e.g. an embedding).
+      axis: the pipe mesh axis.
+
+    Returns:
+      ``step(params, xs, targets) -> StepResult``.  ``params`` is a dict with ``"stages"`` (every
+      leaf stacked on dim 0 in stage-major order, see ``stage_major``: ``p v`` rows in-process,
+      this rank's ``v`` rows on a real mesh, i.e. in-spec ``P(axis, ...)``), and optionally
+      ``"first"`` and ``"last"``.  ``xs`` and ``targets`` are stacked microbatches ``(m, ...)``
+      (on a real mesh, this rank's blocks over the other axes).
+
+    Raises:
+      ScheduleError: an invalid schedule.
+      ValueError: a mesh without ``axis`` or of the wrong size.
+
+    Example:
+      >>> sub = mesh.submesh(("tensor",))
+      >>> stage = fpar.shard(block, sub, (block_specs, P()), P())
+      >>> step = fpar.pipeline.pipeline(stage, fpar.pipeline.one_f_one_b(2, 4), mesh, loss=mse)
+      >>> loss, grads, stats = step({"stages": w_stacked}, xs, ys)
+    """
+    validate(schedule)
+    if axis not in mesh.shape:
+        raise ValueError(
+            f"fpar.pipeline.pipeline: {axis!r} is not an axis of the mesh {mesh.axis_names}; pass "
+            f"axis= the name of the pipe axis."
+        )
+    if mesh.shape[axis] != schedule.p:
+        raise ValueError(
+            f"fpar.pipeline.pipeline: the schedule has p={schedule.p} stages but mesh axis {axis!r} "
+            f"has size {mesh.shape[axis]}; build the schedule for {mesh.shape[axis]} stages."
+        )
+    fns = _Fns(stage, loss, first)
+    driver = _DistDriver(schedule, mesh, axis, fns) if mesh.backend == "dist" else _LocalDriver(schedule, fns)
+
+    def step(params: dict, xs: Tensor, targets: Any = None) -> StepResult:
+        _check_params(params, xs, targets, schedule, local=mesh.backend != "dist")
+        return driver.run(params, xs, targets)
+
+    return step
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fns:
+    stage: Callable
+    loss: Callable
+    first: Callable | None
+
+
+# One stage's work -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Stashed:
+    """What a forward keeps for its backward: the graph (via ``out``) and where grads go."""
+
+    x: Tensor | None  # the received activation, a leaf (None on virtual stage 0)
+    out: Tensor  # the activation sent on, or the loss on the last virtual stage
+    slots: list[tuple[str, int, int]]  # per param leaf: (group, chunk, leaf index)
+    leaves: list[Tensor]
+    dy: Tensor | None = None  # the output gradient, kept from B for W
+
+
+class _Stage:
+    """One pipeline stage during one step: its parameters as leaves, its stash, its gradients."""
+
+    def __init__(self, s: int, schedule: Schedule, fns: _Fns, chunks: list, first: Any, last: Any):
+        self.s, self.p, self.v, self.m = s, schedule.p, schedule.v, schedule.m
+        self.fns = fns
+        self.groups: dict[str, list] = {}  # group -> per chunk: (leaves, treedef)
+        self.groups["stages"] = [_leaves(c) for c in chunks]
+        self.groups["first"] = [_leaves(first)] if s == 0 else [([], None)]
+        self.groups["last"] = [_leaves(last)] if s == (self.p * self.v - 1) % self.p else [([], None)]
+        self.acc = {g: [[None] * len(lv) for lv, _ in per] for g, per in self.groups.items()}
+        self.stash: dict[tuple[int, int], _Stashed] = {}
+        self.inbox: dict[tuple[str, int, int], Tensor] = {}  # received, not yet used
+        self.outbox: dict[tuple[str, int, int], Tensor] = {}  # computed, not yet sent
+        self.out_shapes: dict[int, tuple] = {}  # chunk -> (shape, dtype) of what F sends on
+        self.loss_sum: Tensor | None = None
+        self.busy, self.peak, self.peak_inbox, self.seconds = 0, 0, 0, 0.0
+
+    # -- compute ------------------------------------------------------------------------------
+
+    def run(self, a: Action, xs: Tensor, targets: Any) -> None:
+        """Run one compute action; what it sends on waits in the outbox for its SEND."""
+        start = time.perf_counter()
+        if a.kind == "F":
+            out = self.forward(a.microbatch, a.chunk, xs, targets)
+        elif a.kind == "W":
+            out = self.weight(a.microbatch, a.chunk)
+        else:
+            out = self.backward(a.microbatch, a.chunk, split=a.kind == "B")
+        self.seconds += time.perf_counter() - start
+        self.busy += 1
+        if out is not None:
+            self.outbox[("F" if a.kind == "F" else "B", a.microbatch, a.chunk)] = out
+
+    def take(self, key: tuple) -> Tensor:
+        """A received value, waiting for it if it is still arriving (real mesh)."""
+        value = self.inbox.pop(key)
+        return value.wait() if isinstance(value, _Incoming) else value
+
+    def to_send(self, a: Action) -> Tensor:
+        """The value a SEND action sends (computed at this tick or earlier)."""
+        return self.outbox.pop((a.kind[-1], a.microbatch, a.chunk))
+
+    def forward(self, j: int, c: int, xs: Tensor, targets: Any) -> Tensor | None:
+        k = c * self.p + self.s
+        slots, leaves = self._params(c, first=k == 0, last=k == self.p * self.v - 1)
+        args = self._trees(c, k)
+        with torch.enable_grad():
+            if k == 0:
+                x = None
+                h = xs[j] if self.fns.first is None else self.fns.first(args["first"], xs[j])
+            else:
+                x = self.take(("F", j, c)).detach().requires_grad_()
+                h = x
+            y = self.fns.stage(args["stages"], h)
+            last = k == self.p * self.v - 1
+            out = self.fns.loss(args["last"], y, None if targets is None else targets[j]) if last else y
+        self.stash[(j, c)] = _Stashed(x, out, slots, leaves)
+        self.peak = max(self.peak, len(self.stash))
+        if last:
+            value = out.detach()
+            self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
+            return None
+        self.out_shapes[c] = (tuple(y.shape), y.dtype)
+        return y.detach()
+
+    def backward(self, j: int, c: int, *, split: bool) -> Tensor | None:
+        st = self.stash[(j, c)]
+        k = c * self.p + self.s
+        if k == self.p * self.v - 1:
+            dy = torch.full_like(st.out, 1.0 / self.m)  # d(mean over microbatches)/d(loss_j)
+        else:
+            dy = self.take(("B", j, c))
+        inputs = ([st.x] if st.x is not None else []) + ([] if split else st.leaves)
+        grads = _grad(st.out, inputs, dy, retain=split)
+        dx = grads[0] if st.x is not None else None
+        if split:
+            st.dy = dy
+        else:
+            self._accumulate(st, grads[1 if st.x is not None else 0 :])
+            del self.stash[(j, c)]
+        return dx if prev_stage(self.s, c, self.p, self.v) is not None else None
+
+    def weight(self, j: int, c: int) -> None:
+        st = self.stash.pop((j, c))
+        self._accumulate(st, _grad(st.out, st.leaves, st.dy, retain=False))
+        return None
+
+    # -- parameters and gradients ---------------------------------------------------------------
+
+    def _trees(self, c: int, k: int) -> dict[str, Any]:
+        """The parameter trees chunk ``c`` (virtual stage ``k``) computes with."""
+        pairs = {"stages": self.groups["stages"][c], "first": ([], None), "last": ([], None)}
+        if k == 0:
+            pairs["first"] = self.groups["first"][0]
+        if k == self.p * self.v - 1:
+            pairs["last"] = self.groups["last"][0]
+        return {g: None if td is None else tree_unflatten(td, lv) for g, (lv, td) in pairs.items()}
+
+    def _params(self, c: int, *, first: bool, last: bool) -> tuple[list, list]:
+        slots, leaves = [], []
+        for g, cc, on in (("stages", c, True), ("first", 0, first), ("last", 0, last)):
+            if on:
+                for i, t in enumerate(self.groups[g][cc][0]):
+                    if isinstance(t, Tensor) and t.requires_grad:
+                        slots.append((g, cc, i))
+                        leaves.append(t)
+        return slots, leaves
+
+    def _accumulate(self, st: _Stashed, grads: list) -> None:
+        for (g, c, i), d in zip(st.slots, grads):
+            if d is not None:
+                prev = self.acc[g][c][i]
+                self.acc[g][c][i] = d if prev is None else prev + d
+
+    def grads(self, group: str) -> list:
+        """Per chunk, the gradient tree of ``group`` (zeros where nothing flowed)."""
+        out = []
+        for (leaves, td), acc in zip(self.groups[group], self.acc[group]):
+            if td is None:
+                out.append(None)
+                continue
+            gs = [_zeros(t) if a is None else a for t, a in zip(leaves, acc)]
+            out.append(tree_unflatten(td, gs))
+        return out
+
+    def note_inbox(self) -> None:
+        self.peak_inbox = max(self.peak_inbox, len(self.inbox))
+
+
+def _leaves(tree: Any) -> tuple[list, Any]:
+    if tree is None:
+        return [], None
+    leaves, td = tree_flatten(tree)
+    return [_leaf(t) for t in leaves], td
+
+
+def _zeros(t: Any) -> Any:
+    return torch.zeros_like(t) if isinstance(t, Tensor) else t
+
+
+def _leaf(t: Any) -> Any:
+    if isinstance(t, Tensor) and t.is_floating_point():
+        return t.detach().requires_grad_()
+    return t
+
+
+def _grad(out: Tensor, inputs: list, dy: Tensor, *, retain: bool) -> list:
+    if not inputs or not out.requires_grad:
+        return [None] * len(inputs)
+    return list(torch.autograd.grad(out, inputs, dy, retain_graph=retain, allow_unused=True))
+
+
+# In-process driver ----------------------------------------------------------------------------
+
+
+class _LocalDriver:
+    """All stages in this process: a loop over ticks, then over stages; sends fill inboxes."""
+
+    def __init__(self, schedule: Schedule, fns: _Fns):
+        self.schedule, self.fns = schedule, fns
+        self.ticks = schedule.by_tick()
+
+    def run(self, params: dict, xs: Tensor, targets: Any) -> StepResult:
+        sch = self.schedule
+        p, v = sch.p, sch.v
+        stacked = params["stages"]
+        chunks = [[tree_map(lambda t, r=s * v + c: t[r], stacked) for c in range(v)] for s in range(p)]
+        stages = [
+            _Stage(s, sch, self.fns, chunks[s], params.get("first"), params.get("last")) for s in range(p)
+        ]
+        start = time.perf_counter()
+        for actions in self.ticks:
+            for a in actions:
+                if a.kind in COMPUTE:
+                    stages[a.stage].run(a, xs, targets)
+            for a in actions:
+                if a.kind in ("SEND_F", "SEND_B"):
+                    self._deliver(a, stages)
+            for st in stages:
+                st.note_inbox()
+        wall = time.perf_counter() - start
+        grads = {"stages": _stack_chunks([st.grads("stages") for st in stages], stacked)}
+        if "first" in params:
+            grads["first"] = stages[0].grads("first")[0] if params["first"] is not None else None
+        if "last" in params:
+            grads["last"] = stages[-1].grads("last")[0] if params["last"] is not None else None
+        loss = stages[(p * v - 1) % p].loss_sum / sch.m
+        stats = _timeline(sch, stages, wall)
+        return StepResult(loss, grads, stats)
+
+    def _deliver(self, a: Action, stages: list) -> None:
+        """In-process send and receive: the value moves to the peer stage's inbox."""
+        to = (next_stage if a.kind == "SEND_F" else prev_stage)(
+            a.stage, a.chunk, self.schedule.p, self.schedule.v
+        )
+        stages[to[0]].inbox[(a.kind[-1], a.microbatch, to[1])] = stages[a.stage].to_send(a)
+
+
+def _stack_chunks(per_stage: list[list], like: Any) -> Any:
+    """Stack per-(stage, chunk) gradient trees in stage-major order: row s * v + c."""
+    flat = [tree_flatten(g)[0] for chunks in per_stage for g in chunks]
+    _, td = tree_flatten(like)
+    return tree_unflatten(td, [torch.stack(col) for col in zip(*flat)])
+
+
+def _timeline(sch: Schedule, stages: list, wall: float) -> Timeline:
+    return Timeline(
+        sch.name,
+        sch.num_ticks,
+        tuple(st.busy for st in stages),
+        tuple(st.peak for st in stages),
+        tuple(st.peak_inbox for st in stages),
+        tuple(st.seconds for st in stages),
+        wall,
+    )
+
+
+# Real-mesh driver ---------------------------------------------------------------------------
+
+
+class _DistDriver:
+    """This rank's stage: per tick, its compute, then its sends and receives, posted without waiting.
+
+    A receive is waited for only by the compute that uses it, and sends complete in the
+    background: the stages are coupled by their data alone, not by the tick grid, so a tick
+    with a long action (a backward) on one stage does not hold up its neighbour's short one.
+    Both ends post a pair's messages in the same order (tick, then ``_wire_order``), so they
+    match; and every wait is for a value sent at an earlier tick, so nothing deadlocks.
+    """
+
+    def __init__(self, schedule: Schedule, mesh: Mesh, axis: str, fns: _Fns):
+        self.schedule, self.mesh, self.axis, self.fns = schedule, mesh, axis, fns
+        self.me = mesh._dist.coords[axis]
+        self.others = tuple(a for a in mesh.axis_names if a != axis)
+        self.ticks = [[a for a in acts if a.stage == self.me] for acts in schedule.by_tick()]
+        self.header = _first_messages(schedule)
+        self.shapes: dict[int, tuple] = {}  # chunk -> (shape, dtype) of the activations it receives
+
+    def run(self, params: dict, xs: Tensor, targets: Any) -> StepResult:
+        from .. import _dist
+
+        sch = self.schedule
+        if len(self.others) > 1:
+            self.mesh._dist.group(self.others)  # create now, while every rank is here (SPMD)
+        stacked = params["stages"]
+        chunks = [tree_map(lambda t, c=c: t[c], stacked) for c in range(sch.v)]
+        st = _Stage(self.me, sch, self.fns, chunks, params.get("first"), params.get("last"))
+        start = time.perf_counter()
+        sending: list = []
+        with _stage_local_agreement(self.axis):
+            for actions in self.ticks:
+                for a in actions:
+                    if a.kind in COMPUTE:
+                        st.run(a, xs, targets)
+                sending += self._exchange(actions, st, _dist)
+                st.note_inbox()
+            for work, _ in sending:
+                work.wait()
+        wall = time.perf_counter() - start
+        loss, stats = self._finish(st, wall, _dist)
+        grads = {"stages": tree_unflatten(tree_flatten(stacked)[1], _stack_local(st.grads("stages")))}
+        for g in ("first", "last"):
+            if g in params:
+                grads[g] = _local_group(st, g, params[g])
+        return StepResult(loss, grads, stats)
+
+    def _exchange(self, actions: list, st: _Stage, _dist) -> list:
+        """Post this tick's sends and receives (after shape headers, if any); return the sends."""
+        p, v, me = self.schedule.p, self.schedule.v, self.me
+        sends, recvs, heads_out, heads_in = [], [], [], []
+        for a in sorted(actions, key=_wire_order):
+            if a.kind in ("SEND_F", "SEND_B"):
+                value = st.to_send(a)
+                peer = (next_stage if a.kind == "SEND_F" else prev_stage)(a.stage, a.chunk, p, v)
+                if peer[0] == me:  # a chunk of this stage feeds another of its chunks (p = 1)
+                    st.inbox[(a.kind[-1], a.microbatch, peer[1])] = value
+                    continue
+                if a.kind == "SEND_F" and a in self.header:
+                    heads_out.append((_header(value), peer[0]))
+                sends.append((value, peer[0]))
+            elif a.kind in ("RECV_F", "RECV_B"):
+                peer = (prev_stage if a.kind == "RECV_F" else next_stage)(a.stage, a.chunk, p, v)
+                if peer[0] == me:
+                    continue
+                recvs.append(a)
+                if a.kind == "RECV_F" and a in self.header:
+                    heads_in.append(a)
+        if heads_out or heads_in:
+            got = _dist.p2p(
+                self.mesh, self.axis, heads_out, [((_HEADER,), torch.int64, self._peer(a)) for a in heads_in]
+            )
+            for a, h in zip(heads_in, got):
+                self.shapes[a.chunk] = _unheader(h)
+        bufs = [(*self._shape(a, st), self._peer(a)) for a in recvs]
+        sending, receiving = _post(self.mesh, self.axis, sends, bufs)
+        for a, incoming in zip(recvs, receiving):
+            st.inbox[("F" if a.kind == "RECV_F" else "B", a.microbatch, a.chunk)] = incoming
+        return sending
+
+    def _peer(self, a: Action) -> int:
+        p, v = self.schedule.p, self.schedule.v
+        return (prev_stage if a.kind == "RECV_F" else next_stage)(a.stage, a.chunk, p, v)[0]
+
+    def _shape(self, a: Action, st: _Stage) -> tuple:
+        if a.kind == "RECV_B":
+            return st.out_shapes[a.chunk]  # the gradient of what this chunk sent on
+        return self.shapes[a.chunk]
+
+    def _finish(self, st: _Stage, wall: float, _dist) -> tuple[Tensor, Timeline]:
+        """Share the loss (from the last stage) and every stage's stats along the pipe axis."""
+        sch = self.schedule
+        p, last = sch.p, (sch.p * sch.v - 1) % sch.p
+        mine = torch.tensor(
+            [
+                float(st.loss_sum / sch.m) if st.loss_sum is not None else 0.0,
+                st.busy,
+                st.peak,
+                st.peak_inbox,
+                st.seconds,
+            ],
+            dtype=torch.float64,
+        )
+        peers = [q for q in range(p) if q != self.me]
+        got = _dist.p2p(
+            self.mesh, self.axis, [(mine, q) for q in peers], [((5,), torch.float64, q) for q in peers]
+        )
+        rows = dict(zip(peers, got))
+        rows[self.me] = mine
+        if st.loss_sum is not None:
+            loss = st.loss_sum / sch.m
+        else:  # sent as float64, which holds every lower precision exactly
+            loss = rows[last][0].to(_float_dtype(st))
+        stats = Timeline(
+            sch.name,
+            sch.num_ticks,
+            tuple(int(rows[q][1]) for q in range(p)),
+            tuple(int(rows[q][2]) for q in range(p)),
+            tuple(int(rows[q][3]) for q in range(p)),
+            tuple(float(rows[q][4]) for q in range(p)),
+            wall,
+        )
+        return loss, stats
+
+
+def _float_dtype(st: _Stage) -> torch.dtype:
+    for leaves, _ in st.groups["stages"]:
+        for t in leaves:
+            if isinstance(t, Tensor) and t.is_floating_point():
+                return t.dtype
+    return torch.get_default_dtype()
+
+
+def _wire_order(a: Action) -> tuple:
+    """Order in which both ends post a tick's messages (they must agree per pair of ranks)."""
+    return (a.kind[-1], a.microbatch, a.chunk, a.kind)
+
+
+def _first_messages(schedule: Schedule) -> set[Action]:
+    """The first SEND_F/RECV_F over each stage boundary: they are preceded by a shape header."""
+    firsts: dict[tuple, Action] = {}
+    for a in schedule.actions:  # sorted by tick
+        if a.kind == "SEND_F":
+            firsts.setdefault(("S", a.stage, a.chunk), a)
+        elif a.kind == "RECV_F":
+            firsts.setdefault(("R", a.stage, a.chunk), a)
+    return set(firsts.values())
+
+
+_HEADER = 10  # dtype code, rank, up to 8 dims
+_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool]
+
+
+def _header(t: Tensor) -> Tensor:
+    if t.dim() > _HEADER - 2 or t.dtype not in _DTYPES:
+        raise ValueError(
+            f"fpar.pipeline: cannot send an activation of shape {tuple(t.shape)} and dtype {t.dtype} "
+            f"between stages (at most {_HEADER - 2} dims, dtypes {_DTYPES})."
+        )
+    return torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (_HEADER - 2 - t.dim()))
+
+
+def _unheader(h: Tensor) -> tuple:
+    code, rank = int(h[0]), int(h[1])
+    return tuple(int(d) for d in h[2 : 2 + rank]), _DTYPES[code]
+
+
+def _stack_local(per_chunk: list) -> list:
+    flat = [tree_flatten(g)[0] for g in per_chunk]
+    return [torch.stack(col) for col in zip(*flat)]
+
+
+def _local_group(st: _Stage, group: str, given: Any) -> Any:
+    if given is None:
+        return None
+    got = st.grads(group)[0]
+    return got if got is not None else tree_map(torch.zeros_like, given)
+
+
+class _Incoming:
+    """A receive that has been posted: ``wait()`` returns the tensor once it has arrived."""
+
+    def __init__(self, work, buf: Tensor):
+        self.work, self.buf = work, buf
+
+    def wait(self) -> Tensor:
+        self.work.wait()
+        return self.buf
+
+
+def _post(mesh: Mesh, axis: str, sends: list, recvs: list) -> tuple[list, list[_Incoming]]:
+    """Post point-to-point sends and receives along ``axis`` without waiting for them.
+
+    The non-blocking sibling of ``fpar._dist.p2p`` (same arguments): returns the sends'
+    ``(work, tensor)`` pairs, to wait on before the tensors may be freed, and an ``_Incoming``
+    per receive.  It belongs in ``fpar._dist`` (the one importer of torch.distributed) as
+    ``p2p(..., wait=False)``; it lives here until the core has it.
+    """
+    import torch.distributed as dist
+
+    mg = mesh._dist
+    members, group = mg.members((axis,)), mg.group((axis,))
+    sending = [(dist.isend(t.contiguous(), members[i], group=group), t) for t, i in sends]
+    receiving = []
+    for shape, dtype, i in recvs:
+        buf = torch.empty(shape, dtype=dtype)
+        receiving.append(_Incoming(dist.irecv(buf, members[i], group=group), buf))
+    return sending, receiving
+
+
+@contextlib.contextmanager
+def _stage_local_agreement(axis: str):
+    """While a step runs, make ``fpar.shard``'s cross-rank shape check agree within one stage.
+
+    ``fpar.shard`` on a real mesh checks, before any exchange, that every rank passes blocks of
+    the same shapes, with one small all-reduce over *all* ranks.  A pipeline runs different
+    shard calls on different stages at the same time, so that all-reduce must stay among the
+    ranks of the submesh the call runs on (the stage's data x tensor ranks).  Until the core
+    does this itself, the check is swapped for that stage-local version for the duration of
+    the step.
+    """
+    from .. import _dist
+
+    original = _dist.DistBackend.before
+
+    def before(self, call, checked):
+        if axis in self.mesh.axis_names:
+            raise ValueError(
+                f"fpar.pipeline: fpar.shard({call.fname}) runs over the pipe axis {axis!r} inside a "
+                f"pipeline stage; a stage's functions must be sharded over mesh.submesh(other axes), "
+                f"e.g. mesh.submesh({tuple(a for a in self.mesh.axis_names if a != axis)})."
+            )
+        axes = self.mesh.axis_names
+        if not axes:
+            return
+        import hashlib
+
+        sig = repr([(w, str(s), tuple(x.shape), str(x.dtype)) for w, s, x in checked])
+        h = int.from_bytes(hashlib.blake2b(sig.encode(), digest_size=7).digest(), "little")
+        t = torch.tensor([h, -h], dtype=torch.int64, device=_dist._device(checked))
+        r = _dist._run("pmax", (), t, 0, axes, self.mg)
+        if int(r[0]) != -int(r[1]):
+            raise ValueError(
+                f"fpar.shard({call.fname}): the ranks of one pipeline stage passed blocks of different "
+                f"shapes or specs; every process of a stage must pass its block of the same global values."
+            )
+
+    _dist.DistBackend.before = before
+    try:
+        yield
+    finally:
+        _dist.DistBackend.before = original
+
+
+# Error checking and messages ---------------------------------------------------------------
+
+
+def _check_params(params: Any, xs: Any, targets: Any, schedule: Schedule, *, local: bool) -> None:
+    api = "fpar.pipeline.pipeline: step"
+    if not isinstance(params, dict) or "stages" not in params:
+        raise TypeError(
+            f"{api}(params, xs, targets): params must be a dict with key 'stages' (and optionally "
+            f"'first', 'last'), got {type(params).__name__}."
+        )
+    unknown = sorted(set(params) - set(PARAM_KEYS))
+    if unknown:
+        raise ValueError(f"{api}: params has unknown keys {unknown}; the keys are {PARAM_KEYS}.")
+    rows = schedule.p * schedule.v if local else schedule.v
+    where = "p * v" if local else "v (this rank's chunks)"
+    for t in tree_flatten(params["stages"])[0]:
+        if not isinstance(t, Tensor) or t.dim() == 0 or t.shape[0] != rows:
+            shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(
+                f"{api}: every leaf of params['stages'] must be stacked on dim 0 over {where} = {rows} "
+                f"chunks, got {shape}. Stack the chunks in stage-major order (fpar.pipeline.stage_major) "
+                f"and give them the in-spec P(axis, ...)."
+            )
+    for name, value in (("xs", xs), ("targets", targets)):
+        if value is None and name == "targets":
+            continue
+        if not isinstance(value, Tensor) or value.dim() == 0 or value.shape[0] != schedule.m:
+            shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise ValueError(
+                f"{api}: {name} must be the {schedule.m} microbatches stacked on dim 0, got {shape}."
+            )
