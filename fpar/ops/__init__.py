@@ -12,6 +12,9 @@ axis with ``axis=``; parameters are plain tensor dicts, and ``*_specs`` / ``init
 * A GPT (``_gpt.py``): ``layer_norm``, ``gpt_block``, ``sp_gpt_block``, ``gpt``, ``gpt_loss``, and
   ``mlp_specs``, ``attention_specs``, ``layer_norm_specs``, ``gpt_block_specs``, ``gpt_specs``,
   ``init_mlp``, ``init_attention``, ``init_layer_norm``, ``init_gpt_block``, ``init_gpt``.
+* Colossal-AI multi-dimensional TP (``_summa.py``, ``_summa_3d.py``): 2D SUMMA ``summa_matmul``,
+  ``linear_2d``, ``layer_norm_2d``, ``mlp_2d``; 2.5D ``linear_2p5d`` ...; 3D ``linear_3d`` ...; and
+  ``specs_2d`` / ``specs_2p5d`` / ``specs_3d`` giving every operand's ``P``.
 * Configuration (``_layout.py``): ``tensor_layout`` / ``TensorLayout`` map a Colossal-AI style
   tensor-parallel config onto mesh axis names and shapes.
 
@@ -55,9 +58,24 @@ from ._sequence import sp_mlp as sp_mlp
 from ._sequence import sp_row_linear as sp_row_linear
 from ._sequence import sp_vocab_embedding as sp_vocab_embedding
 from ._sequence import ulysses_attention as ulysses_attention
+from ._summa import TensorParallelSpecs as TensorParallelSpecs
+from ._summa import layer_norm_2d as layer_norm_2d
+from ._summa import layer_norm_2p5d as layer_norm_2p5d
+from ._summa import linear_2d as linear_2d
+from ._summa import linear_2p5d as linear_2p5d
+from ._summa import mlp_2d as mlp_2d
+from ._summa import mlp_2p5d as mlp_2p5d
+from ._summa import specs_2d as specs_2d
+from ._summa import specs_2p5d as specs_2p5d
+from ._summa import summa_matmul as summa_matmul
+from ._summa_3d import layer_norm_3d as layer_norm_3d
+from ._summa_3d import linear_3d as linear_3d
+from ._summa_3d import mlp_3d as mlp_3d
+from ._summa_3d import specs_3d as specs_3d
 
 __all__ = [
     "TensorLayout",
+    "TensorParallelSpecs",
     "attention",
     "attention_specs",
     "column_linear",
@@ -72,8 +90,17 @@ __all__ = [
     "init_layer_norm",
     "init_mlp",
     "layer_norm",
+    "layer_norm_2d",
+    "layer_norm_2p5d",
+    "layer_norm_3d",
     "layer_norm_specs",
+    "linear_2d",
+    "linear_2p5d",
+    "linear_3d",
     "mlp",
+    "mlp_2d",
+    "mlp_2p5d",
+    "mlp_3d",
     "mlp_specs",
     "ring_attention",
     "ring_self_attention",
@@ -84,6 +111,10 @@ __all__ = [
     "sp_mlp",
     "sp_row_linear",
     "sp_vocab_embedding",
+    "specs_2d",
+    "specs_2p5d",
+    "specs_3d",
+    "summa_matmul",
     "tensor_layout",
     "ulysses_attention",
     "vocab_cross_entropy",

@@ -19,18 +19,21 @@ from hypothesis import strategies as st
 
 import fpar
 from fpar import P
-from fpar.ops._summa import (
+from fpar.ops import (
     layer_norm_2d,
     layer_norm_2p5d,
+    layer_norm_3d,
     linear_2d,
     linear_2p5d,
+    linear_3d,
     mlp_2d,
     mlp_2p5d,
+    mlp_3d,
     specs_2d,
     specs_2p5d,
+    specs_3d,
     summa_matmul,
 )
-from fpar.ops._summa_3d import layer_norm_3d, linear_3d, mlp_3d, specs_3d
 
 F64 = torch.float64
 BYTES = 8  # float64

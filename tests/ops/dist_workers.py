@@ -1,0 +1,55 @@
+"""Module-level workers for fpar.launch (picklable): the same programs on a real mesh and in-process."""
+
+from __future__ import annotations
+
+import torch
+
+import fpar
+import fpar.ops as ops
+from fpar import P
+
+SEQ = P(None, "tensor")
+VOCAB, D, LAYERS, T, N_HEADS = 16, 8, 2, 8, 4
+
+
+def inputs():
+    """Global float64 parameters, ids and q/k/v, the same in every process."""
+    gen = torch.Generator().manual_seed(0)
+    params = fpar.init(
+        ops.init_gpt(VOCAB, D, LAYERS, T, dtype=torch.float64),
+        fpar.make_mesh((1,), ("t",), backend="local"),
+        ops.gpt_specs(LAYERS, "t"),
+        seed=1,
+    )
+    ids = torch.randint(0, VOCAB, (2, T), generator=gen)
+    qkv = torch.randn(3, 2, T, 2, 3, generator=gen, dtype=torch.float64)
+    return params, ids, qkv
+
+
+def programs(mesh):
+    """Return {name: (loss and grads, traffic)} for the GPT (1D and SP) and ring attention on ``mesh``."""
+    params, ids, qkv = inputs()
+    specs = ops.gpt_specs(LAYERS)
+    out = {}
+    for sp in (False, True):
+
+        def loss(p, ids, sp=sp):
+            return ops.gpt_loss(p, ids, ids, axis="tensor", n_heads=N_HEADS, sequence_parallel=sp).mean()
+
+        f = fpar.shard(loss, mesh, (specs, P()), P())
+        fpar.reset_comm_stats()
+        grads, value = torch.func.grad_and_value(f)(fpar.device_put(params, mesh, specs), ids)
+        out[f"gpt sp={sp}"] = (value, fpar.gather(grads, mesh, specs), fpar.comm_stats())
+
+    ring = fpar.shard(lambda q, k, v: ops.ring_attention(q, k, v, axis="tensor"), mesh, (SEQ,) * 3, SEQ)
+    q, k, v = fpar.device_put(tuple(qkv), mesh, SEQ)
+    fpar.reset_comm_stats()
+    o, vjp = torch.func.vjp(ring, q, k, v)
+    grads = vjp(torch.ones_like(o))
+    out["ring"] = (fpar.gather(o, mesh, SEQ), fpar.gather(grads, mesh, SEQ), fpar.comm_stats())
+    return out
+
+
+def worker():
+    """Run ``programs`` on the real mesh of all launched processes."""
+    return programs(fpar.make_mesh((-1,), ("tensor",)))

@@ -1,0 +1,26 @@
+"""The layers on a real mesh (gloo processes) give the in-process numbers and the same traffic counts.
+
+One launch of 2 processes covers the vocab-parallel embedding and loss, head-parallel attention,
+the MLP, Megatron-SP and ring attention.
+"""
+
+from __future__ import annotations
+
+import dist_workers
+import pytest
+from opstest import assert_tree_close
+
+import fpar
+
+
+@pytest.mark.multiprocess
+def test_real_mesh_equals_in_process():
+    results = fpar.launch(dist_workers.worker, 2, timeout=60.0)
+    want = dist_workers.programs(fpar.make_mesh((2,), ("tensor",)))
+    for rank, got in enumerate(results):
+        assert set(got) == set(want)
+        for name in want:
+            value, grads, stats = got[name]
+            assert_tree_close(value, want[name][0], what=f"rank {rank} {name} value")
+            assert_tree_close(grads, want[name][1], what=f"rank {rank} {name} grads")
+            assert stats == want[name][2], f"rank {rank} {name} traffic"
