@@ -60,6 +60,7 @@ class Frame:
     fname: str
     exchange: Callable[[Op, Tensor], Tensor]  # performs an op on explicit-axis dims
     sum_cotangent: Callable | None = None  # real mesh: identity whose backward all-reduces
+    pvaried: dict = dataclasses.field(default_factory=dict)  # (id, axes) -> (tensor, its pvary)
     backend: str = "local"  # "local" (in-process) or "dist" (one process per device)
     levels: dict[int, str] = dataclasses.field(default_factory=dict)  # vmap level -> axis
     token: Tensor | None = None  # batched at every mesh level: makes vmap call our rules
@@ -406,11 +407,19 @@ def implicit_pvary(frame: Frame, t: Tensor, axes: tuple[str, ...]) -> Tensor:
     matmuls folded).  In-process, vmap's own broadcast sums the cotangent over the axis, so
     only the traffic is counted.  On a real mesh the block is the only copy: the cotangent
     must be all-reduced over the axes, which ``_SumCotangent`` attaches to the physical tensor.
+
+    A tensor used several times (a tied embedding) is pvaried once: its uses share one node,
+    so its cotangents are summed locally first and all-reduced once, as DDP does.
     """
+    key = (id(t), axes)
+    if key in frame.pvaried and frame.pvaried[key][0] is t:
+        return frame.pvaried[key][1]
     stats.count_transpose(t, "pvary", axes, frame.mesh.axis_size(axes))
+    out = t
     if frame.backend == "dist":
-        t = _SumCotangent.apply(t, frame.token, frame.sum_cotangent, axes)
-    return t
+        out = _SumCotangent.apply(t, frame.token, frame.sum_cotangent, axes)
+    frame.pvaried[key] = (t, out)  # keeps t alive, so its id is not reused within the call
+    return out
 
 
 @internal

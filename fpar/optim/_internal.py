@@ -81,9 +81,11 @@ def enter_frame(frame: Frame):
     ``frame.token`` / ``frame.index`` to the re-batched ones.  The previous bindings are restored
     on exit, so this works during the shard call (forward) and after it (backward).
     """
-    saved = (frame.levels, frame.token, frame.index)
+    saved = (frame.levels, frame.token, frame.index, getattr(frame, "pvaried", None))
     pushed = current_frame() is not frame
     frame.levels = {}
+    if saved[3] is not None:
+        frame.pvaried = {}  # per-call caches of the shard hold values of the old levels
     if pushed:
         frames().append(frame)
     mode = contextlib.nullcontext() if shard_mode_active() else ShardMode(frame)
@@ -93,4 +95,6 @@ def enter_frame(frame: Frame):
     finally:
         if pushed:
             frames().pop()
-        frame.levels, frame.token, frame.index = saved
+        frame.levels, frame.token, frame.index = saved[:3]
+        if saved[3] is not None:
+            frame.pvaried = saved[3]

@@ -65,7 +65,7 @@ def _text(schedule: Schedule) -> str:
     rows.append(bar)
     legend = "F forward, B backward" + (", split: B input grad, W weight grad" if _split(schedule) else "")
     rows.append(legend + ", . idle" + (", a/b/.. model chunk" if v > 1 else ""))
-    return "\n".join(rows)
+    return "\n".join(r.rstrip() for r in rows)
 
 
 def _split(schedule: Schedule) -> bool:
