@@ -6,7 +6,6 @@ name mesh axes; the same program runs in one process (an in-process mesh) and as
 under ``torchrun`` (a real mesh over ``torch.distributed``).
 """
 
-from . import checkpoint as checkpoint
 from ._collectives import all_gather as all_gather
 from ._collectives import all_gather_invariant as all_gather_invariant
 from ._collectives import all_to_all as all_to_all
@@ -47,6 +46,15 @@ from ._spec import PartitionSpec as PartitionSpec
 from ._stats import comm_stats as comm_stats
 from ._stats import reset_comm_stats as reset_comm_stats
 
+# Subpackages last: they are built from the names above (``from fpar import P``).
+# isort: off
+from . import checkpoint as checkpoint  # noqa: E402
+from . import ops as ops  # noqa: E402
+from . import optim as optim  # noqa: E402
+from . import pipeline as pipeline  # noqa: E402
+
+# isort: on
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -64,6 +72,7 @@ __all__ = [
     "axis_index",
     "axis_size",
     "checkpoint",
+    "ops",
     "comm_stats",
     "device_put",
     "from_dtensor",
@@ -77,12 +86,14 @@ __all__ = [
     "mesh_from_config",
     "normal",
     "ones",
+    "optim",
     "pmax",
     "pmean",
     "pmin",
     "ppermute",
     "psum",
     "psum_scatter",
+    "pipeline",
     "pvary",
     "reset_comm_stats",
     "shard",

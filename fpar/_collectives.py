@@ -202,11 +202,10 @@ def _last_level(frame: Frame, level: int, op: Op) -> bool:
 
 def _transpose(op: Op, token: Tensor, ct: Tensor, *saved: Tensor) -> Tensor:
     kind, p = op.kind, op.params
-    if kind in ("psum", "pvary"):
-        # psum transposes to pvary: the replicated cotangent, on every device.  pvary's own
-        # transpose at a level inside the sharded function is local, as vmap's implicit
-        # broadcast is there (see DESIGN: gradients inside shard are per device).
-        return ct
+    if kind == "psum":
+        return ct  # psum transposes to pvary: the replicated cotangent, on every device
+    if kind == "pvary":
+        return _Collective.apply(ct, token, dataclasses.replace(op, kind="psum"))
     if kind == "pmean":
         return ct / _size(op)
     if kind in ("pmax", "pmin"):
@@ -404,32 +403,45 @@ def implicit_pvary(frame: Frame, t: Tensor, axes: tuple[str, ...]) -> Tensor:
     """The pvary of a replicated ``t`` that an op is about to combine with varying values.
 
     ``t`` stays unbatched (the op's result varies anyway, and an unbatched operand keeps
-    matmuls folded).  In-process, vmap's own broadcast sums the cotangent over the axis, so
-    only the traffic is counted.  On a real mesh the block is the only copy: the cotangent
-    must be all-reduced over the axes, which ``_SumCotangent`` attaches to the physical tensor.
+    matmuls folded).  Its transpose is a psum over ``axes``, at every level:
 
-    A tensor used several times (a tied embedding) is pvaried once: its uses share one node,
-    so its cotangents are summed locally first and all-reduced once, as DDP does.
+    * the gradient of the sharded function (the physical level): in-process, vmap's own
+      broadcast sums the cotangent over the axis, so only the traffic is counted; on a real
+      mesh the block is the only copy, and ``_SumCotangent`` all-reduces the local cotangent;
+    * a gradient taken inside the sharded function (a user's grad transform above the mesh
+      levels): an explicit pvary whose transpose psums, exactly as JAX's.  (This is
+      what makes inner gradients of tensor-parallel models right; its visible side is JAX's
+      jax-ml/jax#36886: the inner gradient w.r.t. a replicated parameter is the psum.)
+
+    A tensor used several times (the same tensor object) is pvaried once: its uses share one
+    node, so its cotangents are summed locally first and all-reduced once, as DDP does.
     """
     key = (id(t), axes)
     if key in frame.pvaried and frame.pvaried[key][0] is t:
         return frame.pvaried[key][1]
     stats.count_transpose(t, "pvary", axes, frame.mesh.axis_size(axes))
-    out = t
-    if frame.backend == "dist":
+    if (maybe_current_level() or 0) > max(frame.levels):
+        # A user's transform inside the sharded function: pvary explicitly (JAX's inserted
+        # pvary), so its transpose at that level is a psum.  Rare enough that the batched
+        # operand's cost does not matter.
+        out = _Collective.apply(t, frame.token, Op("pvary", axes))
+    elif frame.backend == "dist":
         out = _SumCotangent.apply(t, frame.token, frame.sum_cotangent, axes)
+    else:
+        out = t
     frame.pvaried[key] = (t, out)  # keeps t alive, so its id is not reused within the call
     return out
 
 
 @internal
 class _SumCotangent(torch.autograd.Function):
-    """Identity whose backward, on the physical (per-process) tensor, all-reduces the cotangent.
+    """Identity on a real mesh whose physical backward all-reduces the cotangent over ``axes``.
 
     Its vmap rule passes ``x`` down unchanged to the lowest mesh level and applies the backend's
-    ``sum_cotangent`` there, so the all-reduce acts on the local tensor; batching is untouched.
-    Inside the sharded function (a user's grad transform) it is the identity, like vmap's own
-    implicit broadcast.
+    ``sum_cotangent`` there, so batching is untouched and matmuls stay folded.  (Under a user's
+    transform inside the sharded function the explicit ``pvary`` collective is used instead:
+    functorch does not call a grad-level backward whose output is unbatched at a mesh level
+    while its cotangent arrives batched there.)
     """
 
     generate_vmap_rule = False
@@ -444,7 +456,7 @@ class _SumCotangent(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, ct: Tensor):
-        return ct, None, None, None
+        return ct, None, None, None  # unreachable: used only below user transforms
 
     @staticmethod
     def jvp(ctx, x_t, *_):

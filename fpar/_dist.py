@@ -77,6 +77,13 @@ class MeshGroups:
             )
             self.coords = dict(zip(mesh.axis_names, _unravel(self.rank, mesh.axis_sizes)))
             self._groups: dict[frozenset, Any] = {}
+            self.root = self
+            # Create the groups over every set of two or more axes now, while every rank is
+            # here: creating one later is a collective over *all* ranks, which would hang when
+            # only some ranks run (one pipeline stage's shard calls).
+            for k in range(2, len(mesh.axis_names) + 1):
+                for axes in itertools.combinations(mesh.axis_names, k):
+                    self.group(axes)
         else:
             self.device_mesh = parent.device_mesh
             self.coords = parent.coords  # the parent's coordinates: members() needs all of them
@@ -99,6 +106,8 @@ class MeshGroups:
         if key not in self._groups:
             if len(axes) == 1:
                 self._groups[key] = self.root.device_mesh.get_group(axes[0])
+            elif key == frozenset(self.root.mesh.axis_names):
+                self._groups[key] = dist.group.WORLD
             else:
                 # Every rank calls this for the same axes at the same point (SPMD), as
                 # new_group requires.
@@ -154,32 +163,60 @@ def _unravel(index: int, sizes) -> list[int]:
 
 
 def p2p(
-    mesh, axis: str, sends: list[tuple[Tensor, int]], recvs: list[tuple[tuple, torch.dtype, int]]
-) -> list[Tensor]:
+    mesh,
+    axis: str,
+    sends: list[tuple[Tensor, int]],
+    recvs: list[tuple[tuple, torch.dtype, int]],
+    *,
+    wait: bool = True,
+):
     """Point-to-point exchange along one axis: send blocks to, and receive blocks from, neighbours.
 
     ``sends`` are ``(tensor, index along axis)``; ``recvs`` are ``(shape, dtype, index)``.  All
-    are posted together (``batch_isend_irecv``), so a tick of a pipeline schedule in which
-    neighbours both send and receive cannot deadlock.  Not differentiable: a pipeline executor
-    moves activations and cotangents explicitly.
+    are posted together, so neighbours that both send and receive cannot deadlock.  Not
+    differentiable: a pipeline executor moves activations and cotangents explicitly.
 
     Returns:
-      The received tensors, in the order of ``recvs``.
+      With ``wait=True``, the received tensors, in the order of ``recvs``.  With ``wait=False``,
+      ``(pending_sends, incoming)``: the sends' ``(work, tensor)`` pairs (keep them until they
+      complete) and one ``Incoming`` per receive, whose ``wait()`` returns the tensor.
     """
     mg = mesh._dist
     members = mg.members((axis,))
     group = mg.group((axis,))
-    ops, out = [], []
+    if wait:
+        ops, out = [], []
+        for t, index in sends:
+            ops.append(dist.P2POp(dist.isend, t.contiguous(), members[index], group))
+        for shape, dtype, index in recvs:
+            buf = torch.empty(shape, dtype=dtype, device=_device([]))
+            out.append(buf)
+            ops.append(dist.P2POp(dist.irecv, buf, members[index], group))
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        return out
+    pending = []
     for t, index in sends:
-        ops.append(dist.P2POp(dist.isend, t.contiguous(), members[index], group))
+        t = t.contiguous()
+        pending.append((dist.isend(t, members[index], group=group), t))
+    incoming = []
     for shape, dtype, index in recvs:
         buf = torch.empty(shape, dtype=dtype, device=_device([]))
-        out.append(buf)
-        ops.append(dist.P2POp(dist.irecv, buf, members[index], group))
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-    return out
+        incoming.append(Incoming(dist.irecv(buf, members[index], group=group), buf))
+    return pending, incoming
+
+
+class Incoming:
+    """A posted receive: ``wait()`` returns the tensor once it has arrived."""
+
+    def __init__(self, work, buf: Tensor):
+        self.work, self.buf = work, buf
+
+    def wait(self) -> Tensor:
+        """Block until the tensor has arrived, and return it."""
+        self.work.wait()
+        return self.buf
 
 
 def attach(mesh) -> None:
@@ -361,19 +398,29 @@ class DistBackend:
         return x.reshape((1,) * len(named) + tuple(x.shape)), named + [None] * x.dim()
 
     def before(self, call, checked) -> None:
-        """Agree across ranks on every input's spec, shape and dtype, before any exchange."""
+        """Agree across this mesh's ranks on every input's spec, shape and dtype, before any exchange.
+
+        One 16-byte max-reduction over the mesh's own ranks (a submesh's, e.g. one pipeline
+        stage's, not the whole world's: other stages may be running other shard calls).
+        """
+        axes = self.mesh.axis_names
+        if not axes:
+            return
+        group = self.mg.group(axes)
         sig = repr([(w, str(s), tuple(x.shape), str(x.dtype)) for w, s, x in checked])
         h = int.from_bytes(hashlib.blake2b(sig.encode(), digest_size=7).digest(), "little")
         t = torch.tensor([h, -h], dtype=torch.int64, device=_device(checked))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         if t[0].item() == -t[1].item():
             return
-        sigs: list = [None] * dist.get_world_size()
-        dist.all_gather_object(sigs, [(w, str(s), tuple(x.shape)) for w, s, x in checked])
+        members = self.mg.members(axes)
+        sigs: list = [None] * len(members)
+        dist.all_gather_object(sigs, [(w, str(s), tuple(x.shape)) for w, s, x in checked], group=group)
+        by_rank = dict(zip(sorted(members), sigs))  # all_gather_object orders by group rank
         raise ValueError(
             f"fpar.shard({call.fname}): the ranks passed blocks of different shapes or specs; every "
             f"process must pass its block of the same global values. Per rank: "
-            + "; ".join(f"rank {r}: {s}" for r, s in enumerate(sigs))
+            + "; ".join(f"rank {r}: {by_rank[r]}" for r in sorted(by_rank))
         )
 
     def token_and_index(self) -> tuple[Tensor, list[Tensor]]:

@@ -109,6 +109,8 @@ class ShardMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is custom_function_call and args and args[0] in INTERNAL:
             return func(*args, **kwargs)  # fpar's own Functions: the token is not an operand
+        if func in _NOT_OPS:
+            return func(*args, **kwargs)  # their tensors are references (autograd inputs), not operands
         if self.frame.levels:
             args, kwargs = self._pvary_mixed(args, kwargs)
         if self.fold:
@@ -159,6 +161,18 @@ class ShardMode(TorchFunctionMode):
         )
 
 
+_NOT_OPS = {
+    torch.autograd.grad,
+    torch.autograd.backward,
+    torch.Tensor.backward,
+    torch.Tensor.register_hook,
+    torch.Tensor.requires_grad_,
+}
+"""Functions whose tensor arguments must reach them as they are: rewriting ``inputs`` of
+``torch.autograd.grad`` (which ``torch.func.grad`` calls) would ask for the gradient of a
+tensor that is not in the graph."""
+
+
 def _count_tensors(values) -> int:
     n = 0
     for v in values:
@@ -172,6 +186,8 @@ def _count_tensors(values) -> int:
 def batched_levels(t: Tensor, ours: dict[int, str]) -> set[int]:
     """The mesh levels (keys of ``ours``) at which ``t`` is batched, i.e. the axes it varies over."""
     out: set[int] = set()
+    if not ours:  # a mesh with no axes: nothing varies
+        return out
     lowest = min(ours)
     while True:
         level = maybe_get_level(t)

@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import torch
-
 from .._tree import tree_flatten, tree_unflatten
 from . import _ops as ops
 
@@ -66,8 +64,3 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     p, treedef = tree_flatten(params)
     u, _ = tree_flatten(updates)
     return tree_unflatten(treedef, ops.add(p, [x.to(y.dtype) for x, y in zip(u, p)]))
-
-
-def leaves_of(tree: Any) -> tuple[list[torch.Tensor], Any]:
-    """Flatten a tree of tensors (``None`` counts as a leaf, as everywhere in fpar)."""
-    return tree_flatten(tree)

@@ -9,7 +9,9 @@ cannot answer yet (each a candidate for a small public core function):
 * *How do I re-enter the mesh levels of a running shard?*  (``remat`` under transforms applied
   outside ``fpar.shard``)
 
-Keeping them here makes a change to the core a change to this file only.
+(plus ``block_shape``, the shape of one device's block of a spec'd value).  Keeping them here
+makes a change to the core a change to this file only; pytrees go through ``fpar._tree``, the
+package's one pytree module, as everywhere in fpar.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ from torch._C._functorch import is_functorch_wrapped_tensor
 from .._collectives import Frame, frames
 from .._mode import ShardMode, batched_levels
 from .._registry import internal as internal
+from .._spec import block_shape as block_shape
 
 __all__ = [
     "Frame",
+    "ShardMode",
+    "block_shape",
     "current_frame",
     "enter_frame",
     "internal",

@@ -21,6 +21,7 @@ mesh levels still live), and ``f`` simply runs there.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -30,7 +31,7 @@ import torch
 from torch._C._functorch import is_batchedtensor, maybe_current_level, maybe_get_level
 
 from .._tree import tree_flatten, tree_unflatten
-from ._internal import current_frame, enter_frame, internal
+from ._internal import ShardMode, current_frame, enter_frame, internal, shard_mode_active
 
 __all__ = ["remat"]
 
@@ -111,7 +112,13 @@ class _Call:
         for i in reversed(range(len(self.levels))):
             fn = self._level(fn, self.levels[i])
         if not rebind:
-            return tuple(_unwrap(fn(*tensors)))
+            # A user's grad transform inside the sharded function stopped the peeling: the mesh
+            # levels are live.  The recompute in backward runs inside torch.autograd.grad, with
+            # fpar's mode popped, so restore it: its implicit pvary must be the same as in the
+            # forward.
+            live = self.frame is not None and self.frame.token is not None and not shard_mode_active()
+            with ShardMode(self.frame) if live else contextlib.nullcontext():
+                return tuple(_unwrap(fn(*tensors)))
         with enter_frame(self.frame):
             return tuple(_unwrap(fn(*tensors)))
 

@@ -23,6 +23,15 @@ parallelism inside ``loss_fn``) get their exact transposes.  For stages 1 and 2 
 parameters enter that function as one copy per data rank (``P(data, ...)``: a stride-0 view
 in-process, no copy), the functional form of JAX's ``pcast(params, to='varying')`` over the data
 axis, so the gradient arrives per device, unreduced, and the step reduce-scatters it itself.
+(Not ``torch.func.grad`` *inside* the sharded function: there fpar transposes every implicit
+pvary locally, which drops the tensor-axis sums of a model with more than one Megatron block.)
+
+"Grads held" is the buffer a stage keeps between backward and update (across microbatches):
+stage 1 accumulates full per-device gradients and reduce-scatters once per step; stage 2
+reduce-scatters each microbatch's gradient and accumulates only its chunk (the unreduced
+gradient of one microbatch exists transiently: one bucket the size of the model).  Under
+``mixed_precision``, DDP and stage 3 communicate in the compute dtype (the cast comes before the
+pvary / all-gather), stages 1 and 2 reduce-scatter fp32 gradients.
 """
 
 from __future__ import annotations
@@ -37,9 +46,9 @@ import torch
 import fpar
 from fpar import P
 
-from .._spec import block_shape
 from .._tree import broadcast_prefix, tree_flatten, tree_map, tree_unflatten
 from ._base import GradientTransformation, apply_updates
+from ._internal import block_shape
 from ._precision import MixedPrecision, cast_floating
 from ._remat import remat
 

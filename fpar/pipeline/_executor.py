@@ -23,7 +23,6 @@ from the schedule), the peak inbox, and measured seconds.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .. import _dist
 from .._mesh import Mesh
 from .._tree import tree_flatten, tree_map, tree_unflatten
 from ._schedule import COMPUTE, Action, Schedule, next_stage, prev_stage
@@ -138,13 +138,13 @@ class _Fns:
 
 @dataclasses.dataclass
 class _Stashed:
-    """What a forward keeps for its backward: the graph (via ``out``) and where grads go."""
+    """What a forward keeps for its backward: the graph (via ``out``) and what to differentiate."""
 
     x: Tensor | None  # the received activation, a leaf (None on virtual stage 0)
     out: Tensor  # the activation sent on, or the loss on the last virtual stage
-    slots: list[tuple[str, int, int]]  # per param leaf: (group, chunk, leaf index)
-    leaves: list[Tensor]
+    leaves: list[Tensor]  # the parameter leaves it differentiates (gradients accumulate in .grad)
     dy: Tensor | None = None  # the output gradient, kept from B for W
+    groups: Any = None  # what B left for W: where parameter gradients flow in (exact split)
 
 
 class _Stage:
@@ -157,7 +157,6 @@ class _Stage:
         self.groups["stages"] = [_leaves(c) for c in chunks]
         self.groups["first"] = [_leaves(first)] if s == 0 else [([], None)]
         self.groups["last"] = [_leaves(last)] if s == (self.p * self.v - 1) % self.p else [([], None)]
-        self.acc = {g: [[None] * len(lv) for lv, _ in per] for g, per in self.groups.items()}
         self.stash: dict[tuple[int, int], _Stashed] = {}
         self.inbox: dict[tuple[str, int, int], Tensor] = {}  # received, not yet used
         self.outbox: dict[tuple[str, int, int], Tensor] = {}  # computed, not yet sent
@@ -170,10 +169,11 @@ class _Stage:
     def run(self, a: Action, xs: Tensor, targets: Any) -> None:
         """Run one compute action; what it sends on waits in the outbox for its SEND."""
         start = time.perf_counter()
+        out = None
         if a.kind == "F":
             out = self.forward(a.microbatch, a.chunk, xs, targets)
         elif a.kind == "W":
-            out = self.weight(a.microbatch, a.chunk)
+            _weight_grad(self.stash.pop((a.microbatch, a.chunk)))
         else:
             out = self.backward(a.microbatch, a.chunk, split=a.kind == "B")
         self.seconds += time.perf_counter() - start
@@ -184,15 +184,16 @@ class _Stage:
     def take(self, key: tuple) -> Tensor:
         """A received value, waiting for it if it is still arriving (real mesh)."""
         value = self.inbox.pop(key)
-        return value.wait() if isinstance(value, _Incoming) else value
+        return value.wait() if isinstance(value, _dist.Incoming) else value
 
     def to_send(self, a: Action) -> Tensor:
         """The value a SEND action sends (computed at this tick or earlier)."""
         return self.outbox.pop((a.kind[-1], a.microbatch, a.chunk))
 
     def forward(self, j: int, c: int, xs: Tensor, targets: Any) -> Tensor | None:
+        """F: run chunk ``c`` on microbatch ``j``, stash its graph; return what it sends on."""
         k = c * self.p + self.s
-        slots, leaves = self._params(c, first=k == 0, last=k == self.p * self.v - 1)
+        leaves = self._params(c, first=k == 0, last=k == self.p * self.v - 1)
         args = self._trees(c, k)
         with torch.enable_grad():
             if k == 0:
@@ -204,7 +205,7 @@ class _Stage:
             y = self.fns.stage(args["stages"], h)
             last = k == self.p * self.v - 1
             out = self.fns.loss(args["last"], y, None if targets is None else targets[j]) if last else y
-        self.stash[(j, c)] = _Stashed(x, out, slots, leaves)
+        self.stash[(j, c)] = _Stashed(x, out, leaves)
         self.peak = max(self.peak, len(self.stash))
         if last:
             value = out.detach()
@@ -214,26 +215,20 @@ class _Stage:
         return y.detach()
 
     def backward(self, j: int, c: int, *, split: bool) -> Tensor | None:
+        """BW (or B, with ``split``): the input gradient it sends back, if any."""
         st = self.stash[(j, c)]
         k = c * self.p + self.s
         if k == self.p * self.v - 1:
             dy = torch.full_like(st.out, 1.0 / self.m)  # d(mean over microbatches)/d(loss_j)
         else:
             dy = self.take(("B", j, c))
-        inputs = ([st.x] if st.x is not None else []) + ([] if split else st.leaves)
-        grads = _grad(st.out, inputs, dy, retain=split)
-        dx = grads[0] if st.x is not None else None
         if split:
-            st.dy = dy
-        else:
-            self._accumulate(st, grads[1 if st.x is not None else 0 :])
+            dx = _input_grad(st, dy)
+        else:  # parameter gradients accumulate in place in .grad (AccumulateGrad), like torch's
+            _backward(st.out, dy, ([st.x] if st.x is not None else []) + st.leaves, retain=False)
+            dx = st.x.grad if st.x is not None else None
             del self.stash[(j, c)]
         return dx if prev_stage(self.s, c, self.p, self.v) is not None else None
-
-    def weight(self, j: int, c: int) -> None:
-        st = self.stash.pop((j, c))
-        self._accumulate(st, _grad(st.out, st.leaves, st.dy, retain=False))
-        return None
 
     # -- parameters and gradients ---------------------------------------------------------------
 
@@ -246,30 +241,22 @@ class _Stage:
             pairs["last"] = self.groups["last"][0]
         return {g: None if td is None else tree_unflatten(td, lv) for g, (lv, td) in pairs.items()}
 
-    def _params(self, c: int, *, first: bool, last: bool) -> tuple[list, list]:
-        slots, leaves = [], []
+    def _params(self, c: int, *, first: bool, last: bool) -> list[Tensor]:
+        """The parameter leaves virtual stage ``c * p + s`` differentiates."""
+        leaves = []
         for g, cc, on in (("stages", c, True), ("first", 0, first), ("last", 0, last)):
             if on:
-                for i, t in enumerate(self.groups[g][cc][0]):
-                    if isinstance(t, Tensor) and t.requires_grad:
-                        slots.append((g, cc, i))
-                        leaves.append(t)
-        return slots, leaves
-
-    def _accumulate(self, st: _Stashed, grads: list) -> None:
-        for (g, c, i), d in zip(st.slots, grads):
-            if d is not None:
-                prev = self.acc[g][c][i]
-                self.acc[g][c][i] = d if prev is None else prev + d
+                leaves += [t for t in self.groups[g][cc][0] if isinstance(t, Tensor) and t.requires_grad]
+        return leaves
 
     def grads(self, group: str) -> list:
         """Per chunk, the gradient tree of ``group`` (zeros where nothing flowed)."""
         out = []
-        for (leaves, td), acc in zip(self.groups[group], self.acc[group]):
+        for leaves, td in self.groups[group]:
             if td is None:
                 out.append(None)
                 continue
-            gs = [_zeros(t) if a is None else a for t, a in zip(leaves, acc)]
+            gs = [t.grad if isinstance(t, Tensor) and t.grad is not None else _zeros(t) for t in leaves]
             out.append(tree_unflatten(td, gs))
         return out
 
@@ -294,10 +281,47 @@ def _leaf(t: Any) -> Any:
     return t
 
 
-def _grad(out: Tensor, inputs: list, dy: Tensor, *, retain: bool) -> list:
-    if not inputs or not out.requires_grad:
-        return [None] * len(inputs)
-    return list(torch.autograd.grad(out, inputs, dy, retain_graph=retain, allow_unused=True))
+def _backward(out: Tensor, dy: Tensor, inputs: list, *, retain: bool) -> None:
+    """Accumulate the gradients of ``out`` (cotangent ``dy``) into ``inputs``' ``.grad``."""
+    if inputs and out.requires_grad:
+        torch.autograd.backward(out, dy, inputs=inputs, retain_graph=retain)
+
+
+# The split backward (zero-bubble B and W).  B computes the input gradient and records, at each
+# node where a parameter's subgraph joins the input's path, the gradient flowing in; W then runs
+# only those parameter subgraphs, so B + W costs one backward (arXiv:2401.10241 §2).  torch's
+# pipelining schedules do this with ``stage_backward_input``/``stage_backward_weight``, which
+# are used here; without them, W re-runs the backward from the output for the parameters only.
+
+
+def _input_grad(st: _Stashed, dy: Tensor) -> Tensor | None:
+    """B: the gradient w.r.t. the stage's input; keeps what W needs in ``st``."""
+    st.dy = dy
+    if st.x is None or not st.out.requires_grad:
+        return None  # the first virtual stage has no input gradient; W does the whole backward
+    split = _torch_split()
+    if split is None:
+        _backward(st.out, dy, [st.x], retain=True)
+        return st.x.grad
+    out = st.out.clone() if st.out._is_view() else st.out  # torch's B detaches it in place
+    (dx,), st.groups = split[0]([out], [dy], [st.x], iter(st.leaves))
+    return dx
+
+
+def _weight_grad(st: _Stashed) -> None:
+    """W: accumulate the stage's parameter gradients into ``.grad`` (frees the stash's graph)."""
+    if st.groups is None:
+        _backward(st.out, st.dy, st.leaves, retain=False)
+    else:
+        _torch_split()[1](iter(st.leaves), st.groups)
+
+
+def _torch_split():
+    try:
+        from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    except ImportError:  # pragma: no cover - torch without pipelining
+        return None
+    return stage_backward_input, stage_backward_weight
 
 
 # In-process driver ----------------------------------------------------------------------------
@@ -387,25 +411,20 @@ class _DistDriver:
         self.shapes: dict[int, tuple] = {}  # chunk -> (shape, dtype) of the activations it receives
 
     def run(self, params: dict, xs: Tensor, targets: Any) -> StepResult:
-        from .. import _dist
-
         sch = self.schedule
-        if len(self.others) > 1:
-            self.mesh._dist.group(self.others)  # create now, while every rank is here (SPMD)
         stacked = params["stages"]
         chunks = [tree_map(lambda t, c=c: t[c], stacked) for c in range(sch.v)]
         st = _Stage(self.me, sch, self.fns, chunks, params.get("first"), params.get("last"))
         start = time.perf_counter()
         sending: list = []
-        with _stage_local_agreement(self.axis):
-            for actions in self.ticks:
-                for a in actions:
-                    if a.kind in COMPUTE:
-                        st.run(a, xs, targets)
-                sending += self._exchange(actions, st, _dist)
-                st.note_inbox()
-            for work, _ in sending:
-                work.wait()
+        for actions in self.ticks:
+            for a in actions:
+                if a.kind in COMPUTE:
+                    st.run(a, xs, targets)
+            sending += self._exchange(actions, st, _dist)
+            st.note_inbox()
+        for work, _ in sending:
+            work.wait()
         wall = time.perf_counter() - start
         loss, stats = self._finish(st, wall, _dist)
         grads = {"stages": tree_unflatten(tree_flatten(stacked)[1], _stack_local(st.grads("stages")))}
@@ -442,7 +461,7 @@ class _DistDriver:
             for a, h in zip(heads_in, got):
                 self.shapes[a.chunk] = _unheader(h)
         bufs = [(*self._shape(a, st), self._peer(a)) for a in recvs]
-        sending, receiving = _post(self.mesh, self.axis, sends, bufs)
+        sending, receiving = _dist.p2p(self.mesh, self.axis, sends, bufs, wait=False)
         for a, incoming in zip(recvs, receiving):
             st.inbox[("F" if a.kind == "RECV_F" else "B", a.microbatch, a.chunk)] = incoming
         return sending
@@ -544,81 +563,6 @@ def _local_group(st: _Stage, group: str, given: Any) -> Any:
         return None
     got = st.grads(group)[0]
     return got if got is not None else tree_map(torch.zeros_like, given)
-
-
-class _Incoming:
-    """A receive that has been posted: ``wait()`` returns the tensor once it has arrived."""
-
-    def __init__(self, work, buf: Tensor):
-        self.work, self.buf = work, buf
-
-    def wait(self) -> Tensor:
-        self.work.wait()
-        return self.buf
-
-
-def _post(mesh: Mesh, axis: str, sends: list, recvs: list) -> tuple[list, list[_Incoming]]:
-    """Post point-to-point sends and receives along ``axis`` without waiting for them.
-
-    The non-blocking sibling of ``fpar._dist.p2p`` (same arguments): returns the sends'
-    ``(work, tensor)`` pairs, to wait on before the tensors may be freed, and an ``_Incoming``
-    per receive.  It belongs in ``fpar._dist`` (the one importer of torch.distributed) as
-    ``p2p(..., wait=False)``; it lives here until the core has it.
-    """
-    import torch.distributed as dist
-
-    mg = mesh._dist
-    members, group = mg.members((axis,)), mg.group((axis,))
-    sending = [(dist.isend(t.contiguous(), members[i], group=group), t) for t, i in sends]
-    receiving = []
-    for shape, dtype, i in recvs:
-        buf = torch.empty(shape, dtype=dtype)
-        receiving.append(_Incoming(dist.irecv(buf, members[i], group=group), buf))
-    return sending, receiving
-
-
-@contextlib.contextmanager
-def _stage_local_agreement(axis: str):
-    """While a step runs, make ``fpar.shard``'s cross-rank shape check agree within one stage.
-
-    ``fpar.shard`` on a real mesh checks, before any exchange, that every rank passes blocks of
-    the same shapes, with one small all-reduce over *all* ranks.  A pipeline runs different
-    shard calls on different stages at the same time, so that all-reduce must stay among the
-    ranks of the submesh the call runs on (the stage's data x tensor ranks).  Until the core
-    does this itself, the check is swapped for that stage-local version for the duration of
-    the step.
-    """
-    from .. import _dist
-
-    original = _dist.DistBackend.before
-
-    def before(self, call, checked):
-        if axis in self.mesh.axis_names:
-            raise ValueError(
-                f"fpar.pipeline: fpar.shard({call.fname}) runs over the pipe axis {axis!r} inside a "
-                f"pipeline stage; a stage's functions must be sharded over mesh.submesh(other axes), "
-                f"e.g. mesh.submesh({tuple(a for a in self.mesh.axis_names if a != axis)})."
-            )
-        axes = self.mesh.axis_names
-        if not axes:
-            return
-        import hashlib
-
-        sig = repr([(w, str(s), tuple(x.shape), str(x.dtype)) for w, s, x in checked])
-        h = int.from_bytes(hashlib.blake2b(sig.encode(), digest_size=7).digest(), "little")
-        t = torch.tensor([h, -h], dtype=torch.int64, device=_dist._device(checked))
-        r = _dist._run("pmax", (), t, 0, axes, self.mg)
-        if int(r[0]) != -int(r[1]):
-            raise ValueError(
-                f"fpar.shard({call.fname}): the ranks of one pipeline stage passed blocks of different "
-                f"shapes or specs; every process of a stage must pass its block of the same global values."
-            )
-
-    _dist.DistBackend.before = before
-    try:
-        yield
-    finally:
-        _dist.DistBackend.before = original
 
 
 # Error checking and messages ---------------------------------------------------------------

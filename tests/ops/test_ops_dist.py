@@ -6,7 +6,7 @@ the MLP, Megatron-SP and ring attention.
 
 from __future__ import annotations
 
-import dist_workers
+import ops_dist_workers
 import pytest
 from opstest import assert_tree_close
 
@@ -15,8 +15,8 @@ import fpar
 
 @pytest.mark.multiprocess
 def test_real_mesh_equals_in_process():
-    results = fpar.launch(dist_workers.worker, 2, timeout=60.0)
-    want = dist_workers.programs(fpar.make_mesh((2,), ("tensor",)))
+    results = fpar.launch(ops_dist_workers.worker, 2, timeout=60.0)
+    want = ops_dist_workers.programs(fpar.make_mesh((2,), ("tensor",)))
     for rank, got in enumerate(results):
         assert set(got) == set(want)
         for name in want:

@@ -1,0 +1,91 @@
+"""Jobs for the real-mesh pipeline tests, run the same way in a launched worker and in-process.
+
+``fpar.launch`` unpickles its function by module name, so everything it runs lives here at
+module level.  A job builds its mesh with ``fpar.make_mesh``: a real mesh inside a launched
+worker (one process per device), the in-process mesh in the test process.  Every result is a
+value every rank holds in full (losses, gathered gradients, stats), or ``None`` where a rank
+does not own it, so the test compares rank by rank with the in-process run.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import pipe_models as M
+import torch
+import torch.distributed as dist
+
+import fpar
+import fpar.pipeline as pp
+from fpar import P
+
+_MESHES: dict = {}
+
+
+def mesh_for(axes: tuple) -> fpar.Mesh:
+    """The mesh ``((name, size), ...)``, cached (building a real mesh creates process groups)."""
+    key = (axes, dist.is_available() and dist.is_initialized())
+    if key not in _MESHES:
+        _MESHES[key] = fpar.make_mesh(tuple(s for _, s in axes), tuple(n for n, _ in axes))
+    return _MESHES[key]
+
+
+def _pipe_coord(mesh: fpar.Mesh) -> int | None:
+    return mesh._dist.coords["pipe"] if mesh.backend == "dist" else None
+
+
+def exec_job(axes: tuple, name: str, p: int, m: int, v: int) -> dict:
+    """One step of the executor: loss, gathered gradients, and the measured stats."""
+    mesh = mesh_for(axes)
+    prob = M.problem(p, m, v)
+    fns = M.stage_fns(mesh)
+    spec = M.stage_spec(mesh)
+    rows = P(None, "data") if "data" in mesh.shape else P()
+    params = {
+        "stages": fpar.device_put(pp.stage_major(prob["stages"], p, v), mesh, spec),
+        "first": prob["first"],
+        "last": prob["last"],
+    }
+    xs, ts = fpar.device_put(prob["xs"], mesh, rows), fpar.device_put(prob["ts"], mesh, rows)
+    step = pp.pipeline(fns["stage"], M.schedule(name, p, m, v), mesh, loss=fns["loss"], first=fns["first"])
+    res = step(params, xs, ts)
+    coord = _pipe_coord(mesh)
+    owns_first, owns_last = coord in (None, 0), coord in (None, (p * v - 1) % p)
+    s = res.stats
+    return {
+        "loss": res.loss,
+        "stages": fpar.gather(res.grads["stages"], mesh, spec),
+        "first": res.grads["first"] if owns_first else None,
+        "last": res.grads["last"] if owns_last else None,
+        "stats": (s.makespan, s.busy, s.peak_stash, s.peak_inbox),
+    }
+
+
+def scan_job(axes: tuple, p: int, m: int, v: int) -> dict:
+    """gpipe_scan inside fpar.shard: loss and gathered gradients."""
+    mesh = mesh_for(axes)
+    prob = M.problem(p, m, v)
+    fns = M.make_fns(mesh.axis_names)
+    spec = M.stage_spec(mesh)
+
+    def loss(w, h_MBD, t_MBO, head):
+        ys = pp.gpipe_scan(fns["stage"], w, h_MBD)
+        return ((ys @ head - t_MBO) ** 2).mean()
+
+    sharded = fpar.shard(loss, mesh, (spec, P(), P(), P()), P())
+    stages = fpar.device_put(pp.stage_major(prob["stages"], p, v), mesh, spec)
+    h = prob["first"]["emb"][prob["xs"]]
+    value = sharded(stages, h, prob["ts"], prob["last"]["head"])
+    grads = torch.func.grad(sharded, argnums=(0, 1))(stages, h, prob["ts"], prob["last"]["head"])
+    return {"loss": value, "stages": fpar.gather(grads[0], mesh, spec), "h": grads[1]}
+
+
+def run_jobs(jobs: list) -> list:
+    """Run jobs in order; per job ("ok", result) or ("error", traceback text)."""
+    out = []
+    for kind, args in jobs:
+        try:
+            out.append(("ok", globals()[kind](*args)))
+        except Exception:  # report, so the test shows which job failed on which rank
+            out.append(("error", traceback.format_exc()))
+    return out

@@ -1,0 +1,83 @@
+"""Real mesh == in-process mesh for pipelines: one launch of 4 gloo processes runs a sample of jobs.
+
+The jobs (``dist_workers.py``) run the executor for every schedule with tensor and data
+parallelism inside the stages (pipe x data x tensor = 2 x 1 x 2 and 2 x 2 x 1), a pure
+4-stage pipeline, and ``gpipe_scan`` on pipe x tensor; each is also run in this process on the
+in-process mesh, and every rank's loss, gathered gradients and measured stats must equal those.
+"""
+
+from __future__ import annotations
+
+import dist_workers as W
+import pipe_models as M
+import pytest
+import torch
+
+import fpar
+
+pytestmark = pytest.mark.multiprocess
+
+PDT = (("pipe", 2), ("data", 1), ("tensor", 2))
+PDT2 = (("pipe", 2), ("data", 2), ("tensor", 1))
+PIPE4 = (("pipe", 4),)
+PT = (("pipe", 2), ("tensor", 2))
+
+JOBS = [
+    ("exec_job", (PDT, "1f1b", 2, 4, 1)),
+    ("exec_job", (PDT, "interleaved", 2, 4, 2)),
+    ("exec_job", (PDT, "zb_h1", 2, 3, 1)),
+    ("exec_job", (PDT2, "gpipe", 2, 3, 1)),
+    ("exec_job", (PDT2, "zb_h1", 2, 2, 1)),
+    ("exec_job", (PIPE4, "1f1b", 4, 4, 1)),
+    ("exec_job", (PIPE4, "interleaved", 4, 4, 2)),
+    ("scan_job", (PT, 2, 3, 1)),
+    ("scan_job", (PT, 2, 2, 2)),
+]
+
+
+@pytest.fixture(scope="module")
+def launched():
+    return fpar.launch(W.run_jobs, 4, JOBS, timeout=60.0)
+
+
+def _ids():
+    return [
+        f"{kind}-{'x'.join(str(s) for _, s in args[0])}-{'-'.join(map(str, args[1:]))}" for kind, args in JOBS
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(JOBS)), ids=_ids())
+def test_real_mesh_equals_in_process(launched, index):
+    kind, args = JOBS[index]
+    expected = getattr(W, kind)(*args)
+    for rank, results in enumerate(launched):
+        status, got = results[index]
+        assert status == "ok", f"rank {rank}:\n{got}"
+        _compare(got, expected, f"{kind}{args} rank {rank}")
+
+
+def _compare(got, expected, where):
+    assert set(got) == set(expected), where
+    for key, e in expected.items():
+        g = got[key]
+        if key in ("first", "last") and g is None:
+            continue  # this rank's stage does not hold that part of the model
+        if isinstance(e, torch.Tensor):
+            torch.testing.assert_close(g, e, msg=lambda msg, k=key: f"{where} {k}: {msg}")
+        elif isinstance(e, dict):
+            for k in e:
+                torch.testing.assert_close(g[k], e[k], msg=lambda msg, k=f"{key}.{k}": f"{where} {k}: {msg}")
+        else:
+            assert g == e, f"{where} {key}: {g} != {e}"
+
+
+def test_in_process_jobs_match_the_unpipelined_model():
+    """The in-process side of the comparison is itself right (so the comparison means something)."""
+    for kind, args in JOBS[:2]:
+        res = getattr(W, kind)(*args)
+        p, m, v = args[2:] if kind == "exec_job" else args[1:]
+        loss, g_stages, _, _ = M.reference_grads(M.problem(p, m, v))
+        torch.testing.assert_close(res["loss"], loss)
+        import fpar.pipeline as pp
+
+        torch.testing.assert_close(res["stages"], pp.stage_major(g_stages, p, v))

@@ -1,0 +1,217 @@
+"""The executor: every schedule computes the unpipelined model's loss and gradients, and reports
+what it ran, which must match DESIGN §5's formulas.
+
+In-process (the real mesh is ``test_pipeline_dist.py``), float64, with an embedding on the first
+stage and a head + loss on the last: hypothesis over schedules and (p, m, v) on a pure pipeline,
+and a sample with tensor and data parallelism inside the stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+
+import pipe_models as M
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fpar
+import fpar.pipeline as pp
+from fpar import P
+
+
+def _run(mesh, name, p, m, v, *, seed=0, schedule=None):
+    prob = M.problem(p, m, v, seed=seed)
+    fns = M.stage_fns(mesh)
+    sch = schedule if schedule is not None else M.schedule(name, p, m, v)
+    step = pp.pipeline(fns["stage"], sch, mesh, loss=fns["loss"], first=fns["first"])
+    params = {"stages": pp.stage_major(prob["stages"], p, v), "first": prob["first"], "last": prob["last"]}
+    return prob, sch, step(params, prob["xs"], prob["ts"])
+
+
+def _check_values(prob, res, p, v):
+    loss, g_stages, g_first, g_last = M.reference_grads(prob)
+    torch.testing.assert_close(res.loss, loss)
+    torch.testing.assert_close(res.grads["stages"], pp.stage_major(g_stages, p, v))
+    torch.testing.assert_close(res.grads["first"], g_first)
+    torch.testing.assert_close(res.grads["last"], g_last)
+
+
+def _expected_stash(name, p, m, v):
+    if name == "gpipe":
+        return [v * m] * p
+    if name == "1f1b":
+        return [min(p - s, m) for s in range(p)]
+    if name == "interleaved":
+        return [min(2 * (p - s - 1) + (v - 1) * p + 1, v * m) for s in range(p)]
+    return [min(p, m)] * p  # zb_h1
+
+
+def _expected_bubble(name, p, m, v):
+    if name == "zb_h1":
+        return Fraction(p - 1, 3 * m + p - 1)
+    return Fraction(p - 1, v * m + p - 1)
+
+
+def _check_measured(name, sch, stats, p, m, v):
+    """What the executor ran (its own counts, its live stash) against the formulas."""
+    per_mb = 3 if name == "zb_h1" else 2  # F + BW, or F + B + W
+    assert stats.busy == (per_mb * v * m,) * p
+    assert list(stats.peak_stash) == _expected_stash(name, p, m, v)
+    assert stats.makespan == sch.num_ticks
+    assert Fraction(sum(stats.idle), p * stats.makespan) == _expected_bubble(name, p, m, v)
+    assert stats.bubble_fraction == pytest.approx(float(_expected_bubble(name, p, m, v)))
+    assert len(stats.compute_s) == p and stats.wall_s > 0
+
+
+@st.composite
+def _cases(draw):
+    name = draw(st.sampled_from(["gpipe", "1f1b", "interleaved", "zb_h1"]))
+    p = draw(st.integers(1, 3))
+    v = draw(st.integers(2, 3)) if name == "interleaved" else 1
+    if name == "interleaved":
+        m = p * draw(st.integers(1, 2))
+    elif name == "zb_h1":
+        m = p + draw(st.integers(0, 2))  # the ZB-H1 bubble formula holds for m >= p
+    else:
+        m = draw(st.integers(1, 4))
+    return name, p, m, v, draw(st.integers(0, 9))
+
+
+@settings(max_examples=24)
+@given(case=_cases())
+def test_every_schedule_equals_the_unpipelined_model(case):
+    name, p, m, v, seed = case
+    prob, sch, res = _run(fpar.make_mesh((p,), ("pipe",)), name, p, m, v, seed=seed)
+    _check_values(prob, res, p, v)
+    _check_measured(name, sch, res.stats, p, m, v)
+
+
+@pytest.mark.parametrize(
+    "axes,name,m,v",
+    [
+        ((("pipe", 2), ("tensor", 2)), "1f1b", 3, 1),
+        ((("pipe", 2), ("tensor", 2)), "interleaved", 2, 2),
+        ((("pipe", 2), ("tensor", 2)), "zb_h1", 2, 1),
+        ((("pipe", 2), ("data", 2), ("tensor", 2)), "gpipe", 2, 1),
+        ((("pipe", 2), ("data", 2), ("tensor", 2)), "interleaved", 2, 2),
+    ],
+    ids=lambda x: "x".join(f"{n}{s}" for n, s in x) if isinstance(x, tuple) else str(x),
+)
+def test_with_tensor_and_data_parallel_stages(axes, name, m, v):
+    mesh = fpar.make_mesh(tuple(s for _, s in axes), tuple(n for n, _ in axes))
+    prob, sch, res = _run(mesh, name, 2, m, v)
+    _check_values(prob, res, 2, v)
+    _check_measured(name, sch, res.stats, 2, m, v)
+
+
+def test_hand_written_schedule_with_a_late_send():
+    """A placed schedule whose first message is sent one tick after it is computed still runs."""
+    base = pp.one_f_one_b(2, 2)
+    late = {("SEND_F", 0, 1), ("RECV_F", 1, 1)}
+    moved = []
+    for a in base.actions:
+        key = (a.kind, a.stage, a.microbatch)
+        shift = 1 if key in late or a.tick >= 2 else 0  # tick 2 now only carries the late message
+        moved.append(dataclasses.replace(a, tick=a.tick + shift))
+    sch = pp.validate(dataclasses.replace(base, actions=tuple(moved), name="late"))
+    prob, _, res = _run(fpar.make_mesh((2,), ("pipe",)), None, 2, 2, 1, schedule=sch)
+    _check_values(prob, res, 2, 1)
+    assert res.stats.peak_inbox == (1, 1)
+
+
+def test_custom_split_backward_schedule():
+    """A hand-ordered schedule that splits every backward and runs all Ws at the end."""
+    orders = [
+        ["F0", "F1", "B0", "B1", "W0", "W1"],
+        ["F0", "B0", "F1", "B1", "W1", "W0"],
+    ]
+    sch = pp.place(orders, m=2, name="late W")
+    prob, _, res = _run(fpar.make_mesh((2,), ("pipe",)), None, 2, 2, 1, schedule=sch)
+    _check_values(prob, res, 2, 1)
+    assert res.stats.peak_stash == (2, 2)
+
+
+def test_step_without_first_and_last():
+    mesh = fpar.make_mesh((2,), ("pipe",))
+    prob = M.problem(2, 3, 1)
+    fns = M.make_fns()
+    step = pp.pipeline(fns["stage"], pp.one_f_one_b(2, 3), mesh, loss=lambda w, h, t: (h**2).mean())
+    h = prob["first"]["emb"][prob["xs"]]
+    res = step({"stages": prob["stages"]}, h, None)
+
+    def ref(stages):
+        total = 0.0
+        for j in range(3):
+            x = h[j]
+            for k in range(2):
+                x = fns["stage"]({"a": stages["a"][k], "b": stages["b"][k]}, x)
+            total = total + (x**2).mean()
+        return total / 3
+
+    torch.testing.assert_close(res.loss, ref(prob["stages"]))
+    torch.testing.assert_close(res.grads["stages"], torch.func.grad(ref)(prob["stages"]))
+    assert set(res.grads) == {"stages"}
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors
+
+
+def _step(p=2, m=2, mesh=None):
+    mesh = mesh if mesh is not None else fpar.make_mesh((p,), ("pipe",))
+    fns = M.make_fns()
+    return pp.pipeline(fns["stage"], pp.one_f_one_b(p, m), mesh, loss=fns["loss"], first=fns["first"])
+
+
+def test_mesh_must_match_the_schedule():
+    with pytest.raises(ValueError, match=r"p=2 stages but mesh axis 'pipe' has size 3"):
+        _step(mesh=fpar.make_mesh((3,), ("pipe",)))
+    with pytest.raises(ValueError, match=r"'pipe' is not an axis of the mesh"):
+        _step(mesh=fpar.make_mesh((2,), ("stages",)))
+
+
+def test_invalid_schedule_is_rejected_before_running():
+    bad = dataclasses.replace(pp.gpipe(2, 2), stash_bound=(1, 1))
+    with pytest.raises(pp.ScheduleError, match=r"stage 0, tick 1, action F\(microbatch=1, chunk=0\)"):
+        pp.pipeline(lambda w, h: h, bad, fpar.make_mesh((2,), ("pipe",)), loss=lambda w, h, t: h.sum())
+
+
+@pytest.mark.parametrize(
+    "params,xs,phrase",
+    [
+        ({"first": {}}, torch.zeros(2, 4, dtype=torch.long), "must be a dict with key 'stages'"),
+        ({"stages": {"a": torch.zeros(3, 4, 8)}}, torch.zeros(2, 4, dtype=torch.long), "p * v = 2 chunks"),
+        ({"stages": {"a": torch.zeros(2, 4, 8)}, "head": {}}, torch.zeros(2, 4), "unknown keys ['head']"),
+        ({"stages": {"a": torch.zeros(2, 4, 8)}}, torch.zeros(3, 4), "xs must be the 2 microbatches"),
+    ],
+)
+def test_step_checks_its_arguments(params, xs, phrase):
+    with pytest.raises((TypeError, ValueError)) as info:
+        _step()(params, xs, torch.zeros(2, 4, 3))
+    assert phrase in str(info.value)
+
+
+def test_stats_table_is_readable():
+    _, _, res = _run(fpar.make_mesh((2,), ("pipe",)), "1f1b", 2, 2, 1)
+    table = res.stats.table()
+    assert table.splitlines()[0].startswith("1F1B: makespan 6, bubble 0.3333")
+    assert "peak_stash" in table and "compute_s" in table
+
+
+def test_shard_stage_spec_sanity():
+    """The stacked-parameter specs the tests use split chunks over pipe, columns/rows over tensor."""
+    mesh = fpar.make_mesh((2, 2), ("pipe", "tensor"))
+    assert M.stage_spec(mesh) == {"a": P("pipe", None, "tensor"), "b": P("pipe", "tensor", None)}
+
+
+def test_split_backward_without_torch_pipelining_helpers(monkeypatch):
+    """B/W use torch's exact split when present; the fallback (W re-runs from the output) agrees."""
+    import fpar.pipeline._executor as ex
+
+    monkeypatch.setattr(ex, "_torch_split", lambda: None)
+    prob, sch, res = _run(fpar.make_mesh((3,), ("pipe",)), "zb_h1", 3, 3, 1)
+    _check_values(prob, res, 3, 1)
+    _check_measured("zb_h1", sch, res.stats, 3, 3, 1)

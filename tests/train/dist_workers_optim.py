@@ -1,0 +1,124 @@
+"""Problems shared by the ``fpar.optim`` tests, and the module-level worker of the real-mesh check.
+
+``fpar.launch`` spawns processes that unpickle their function by module name, so the worker lives
+here.  ``zero_runs`` runs in the test process (in-process mesh, global tensors) and in each
+launched process (real mesh, this rank's blocks), so the test compares like with like.
+
+Two problems, both float64 by default:
+
+* ``mlp_problem``: a 2-layer MLP on a data-only mesh (every parameter replicated);
+* ``tp_problem``: two Megatron MLP blocks (column- then row-parallel, ``psum`` over 'tensor')
+  with replicated parameters in between, for a data x tensor mesh.  Two blocks, so that a
+  gradient taken *inside* fpar.shard would be wrong for the first one; ZeRO must not rely on it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import fpar
+import fpar.optim as fo
+from fpar import P
+
+F64 = torch.float64
+
+
+def mlp_problem(d_in=4, hidden=8, d_out=3, batch=8, dtype=F64, seed=0):
+    """``(params, (x, y))`` of the MLP regression problem, the same on every process."""
+    g = torch.Generator().manual_seed(seed)
+    params = {
+        "w1": torch.randn(d_in, hidden, generator=g, dtype=dtype) / d_in**0.5,
+        "b1": torch.randn(hidden, generator=g, dtype=dtype) / 4,
+        "w2": torch.randn(hidden, d_out, generator=g, dtype=dtype) / hidden**0.5,
+    }
+    x = torch.randn(batch, d_in, generator=g, dtype=dtype)
+    y = torch.randn(batch, d_out, generator=g, dtype=dtype)
+    return params, (x, y)
+
+
+def mlp_loss(params, batch):
+    """Mean squared error of the MLP (per device: over its rows; unsharded: over all)."""
+    x, y = batch
+    h = torch.tanh(x @ params["w1"] + params["b1"])
+    return ((h @ params["w2"] - y) ** 2).mean()
+
+
+TP_SPECS = {
+    "a1": P(None, "tensor"),
+    "b1": P("tensor", None),
+    "g": P(),
+    "a2": P(None, "tensor"),
+    "b2": P("tensor", None),
+    "c": P(),
+}
+
+
+def tp_problem(d=4, hidden=8, batch=8, dtype=F64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
+    params = {
+        "a1": r(d, hidden) / 2,
+        "b1": r(hidden, d) / 3,
+        "g": r(d),
+        "a2": r(d, hidden) / 2,
+        "b2": r(hidden, d) / 3,
+        "c": r(d) / 4,
+    }
+    return params, (r(batch, d), r(batch, d))
+
+
+def tp_loss(p, batch):
+    """Per device: two Megatron MLP blocks; the psums make the value replicated over 'tensor'."""
+    x, y = batch
+    h = fpar.psum(torch.tanh(x @ p["a1"]) @ p["b1"], "tensor") * p["g"]
+    out = fpar.psum(torch.tanh(h @ p["a2"]) @ p["b2"], "tensor") + p["c"]
+    return ((out - y) ** 2).mean()
+
+
+def tp_loss_unsharded(p, batch):
+    x, y = batch
+    h = (torch.tanh(x @ p["a1"]) @ p["b1"]) * p["g"]
+    out = torch.tanh(h @ p["a2"]) @ p["b2"] + p["c"]
+    return ((out - y) ** 2).mean()
+
+
+def remat_mlp_loss(params, batch):
+    """``mlp_loss`` with its hidden layer checkpointed (replicated weights inside the region)."""
+    x, y = batch
+    h = fo.remat(lambda w, b, x: torch.tanh(x @ w + b))(params["w1"], params["b1"], x)
+    return ((h @ params["w2"] - y) ** 2).mean()
+
+
+def zero_runs(jobs):
+    """For each ``(stage, steps, remat)``: train AdamW with ZeRO ``stage`` on a data mesh of the
+    world's size (``remat``: with ``remat_mlp_loss``).
+
+    Returns per job: the full parameters after each step, the losses, and the communication
+    counts of the first step.
+    """
+    return [_zero_run(*job) for job in jobs]
+
+
+def _zero_run(stage: int, steps: int, remat: bool = False):
+    params, batch = mlp_problem()
+    mesh = fpar.make_mesh((-1,), ("data",), devices=_world())
+    layout = fo.zero_layout(params, mesh, P(), stage=stage)
+    opt = fo.adamw(1e-2, weight_decay=0.1)
+    params, state = fo.zero_init(opt, params, layout)
+    batch = fpar.device_put(batch, mesh, P("data"))
+    step = fo.zero_step(remat_mlp_loss if remat else mlp_loss, opt, layout, batch_specs=P("data"))
+    history, losses, stats = [], [], None
+    for i in range(steps):
+        fpar.reset_comm_stats()
+        params, state, metrics = step(params, state, batch)
+        if i == 0:
+            stats = fpar.comm_stats()
+        history.append(fpar.gather(fo.zero_params(params, layout), mesh, P()))
+        losses.append(metrics["loss"])
+    return history, losses, stats
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 2

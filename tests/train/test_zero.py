@@ -1,0 +1,271 @@
+"""ZeRO stages 0 (DDP) to 3: trajectories, memory per device and bytes moved, against formulas.
+
+Every stage must follow exactly the trajectory of unsharded ``torch.optim.AdamW`` (float64), on
+a data-only mesh and on data x tensor with a tensor-parallel model.  Memory is *measured*: the
+bytes of the blocks one device holds (``fo.bytes_per_device`` on the objects the step keeps).
+Traffic is *measured* by ``fpar.comm_stats`` and compared with the ZeRO formulas.
+"""
+
+from __future__ import annotations
+
+import dist_workers_optim as W
+import pytest
+import torch
+
+import fpar
+import fpar.optim as fo
+from fpar import P
+
+F64 = torch.float64
+STAGES = [0, 1, 2, 3]
+
+
+def _mesh(**axes):
+    return fpar.make_mesh(tuple(axes.values()), tuple(axes))
+
+
+def _torch_trajectory(params, loss, batch, steps, *, clip=None, lr=1e-2, wd=0.1):
+    p = {k: v.clone().requires_grad_() for k, v in params.items()}
+    opt = torch.optim.AdamW(list(p.values()), lr=lr, weight_decay=wd)
+    out = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss(p, batch).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(list(p.values()), clip)
+        opt.step()
+        out.append({k: v.detach().clone() for k, v in p.items()})
+    return out
+
+
+def _zero_trajectory(params, loss, batch, mesh, specs, stage, steps, *, opt=None, **kw):
+    opt = opt or fo.adamw(1e-2, weight_decay=0.1)
+    layout = fo.zero_layout(params, mesh, specs, stage=stage)
+    stored, state = fo.zero_init(opt, params, layout)
+    step = fo.zero_step(loss, opt, layout, batch_specs=P("data"), **kw)
+    out, losses = [], []
+    for _ in range(steps):
+        stored, state, metrics = step(stored, state, batch)
+        out.append(fo.zero_params(stored, layout))
+        losses.append(float(metrics["loss"]))
+    return out, losses
+
+
+def _assert_same(traj, ref, tol=1e-12):
+    for i, (a, b) in enumerate(zip(traj, ref)):
+        for k in b:
+            torch.testing.assert_close(a[k], b[k], rtol=tol, atol=tol, msg=f"step {i}, {k}")
+
+
+# Trajectories ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_stage_follows_unsharded_adamw_data4(stage):
+    params, batch = W.mlp_problem()
+    ref = _torch_trajectory(params, W.mlp_loss, batch, 3)
+    traj, losses = _zero_trajectory(params, W.mlp_loss, batch, _mesh(data=4), P(), stage, 3)
+    _assert_same(traj, ref)
+    assert losses[0] == pytest.approx(float(W.mlp_loss(params, batch)), rel=1e-14)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_stage_follows_unsharded_adamw_data_x_tensor(stage):
+    params, batch = W.tp_problem()
+    ref = _torch_trajectory(params, W.tp_loss_unsharded, batch, 3)
+    traj, _ = _zero_trajectory(params, W.tp_loss, batch, _mesh(data=2, tensor=2), W.TP_SPECS, stage, 3)
+    _assert_same(traj, ref)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_stage_pads_blocks_not_divisible_by_data(stage):
+    # 15, 5 and 10 elements over 4 data ranks: chunks of 4, 2, 3 with zero padding.
+    params, batch = W.mlp_problem(d_in=3, hidden=5, d_out=2)
+    ref = _torch_trajectory(params, W.mlp_loss, batch, 2)
+    traj, _ = _zero_trajectory(params, W.mlp_loss, batch, _mesh(data=4), P(), stage, 2)
+    _assert_same(traj, ref)
+
+
+def test_stage3_without_regather_same_trajectory():
+    params, batch = W.tp_problem()
+    ref = _torch_trajectory(params, W.tp_loss_unsharded, batch, 2)
+    traj, _ = _zero_trajectory(
+        params, W.tp_loss, batch, _mesh(data=2, tensor=2), W.TP_SPECS, 3, 2, regather=False
+    )
+    _assert_same(traj, ref)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_clipping_inside_zero_uses_the_global_norm(stage):
+    # A max norm well below the gradient norm, so every step clips; the shards must agree on it.
+    params, batch = W.tp_problem()
+    ref = _torch_trajectory(params, W.tp_loss_unsharded, batch, 2, clip=0.05)
+    opt = fo.chain(fo.clip_by_global_norm(0.05), fo.adamw(1e-2, weight_decay=0.1))
+    traj, _ = _zero_trajectory(
+        params, W.tp_loss, batch, _mesh(data=2, tensor=2), W.TP_SPECS, stage, 2, opt=opt
+    )
+    _assert_same(traj, ref)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("n_micro", [2, 4])
+def test_accumulation_equals_the_large_batch_step(stage, n_micro):
+    # data=2, 8 rows: each device's 4 rows in n_micro microbatches == one step on all 8 rows.
+    params, batch = W.mlp_problem()
+    mesh = _mesh(data=2)
+    big, big_losses = _zero_trajectory(params, W.mlp_loss, batch, mesh, P(), stage, 2)
+    acc, acc_losses = _zero_trajectory(params, W.mlp_loss, batch, mesh, P(), stage, 2, n_micro=n_micro)
+    _assert_same(acc, big)
+    assert acc_losses == pytest.approx(big_losses, rel=1e-13)
+
+
+def test_accumulate_splits_each_devices_block():
+    # Microbatch i takes rows [i*b, (i+1)*b) of every device's block, not of the global batch.
+    mesh = _mesh(data=2)
+    seen = []
+
+    def grad_fn(params, batch):
+        seen.append(batch.clone())
+        return params, batch.sum()
+
+    fo.accumulate(grad_fn, 2, mesh, P("data"))(torch.zeros(()), torch.arange(8.0))
+    assert [s.tolist() for s in seen] == [[0.0, 1.0, 4.0, 5.0], [2.0, 3.0, 6.0, 7.0]]
+
+
+# Memory per device: measured blocks vs the ZeRO formulas ---------------------------------------------
+
+
+def _held(stage, mesh, params, batch, specs):
+    opt = fo.adamw(1e-2)  # fp32 AdamW: K = 8 bytes of state per parameter (+ one int64 count)
+    layout = fo.zero_layout(params, mesh, specs, stage=stage)
+    stored, state = fo.zero_init(opt, params, layout)
+    grads, _ = fo.zero_grads(W.tp_loss if specs != P() else W.mlp_loss, layout)(stored, batch)
+    return (
+        fo.bytes_per_device(stored, mesh, layout.param_specs),
+        fo.bytes_per_device(grads, mesh, layout.grad_specs),
+        fo.bytes_per_device(state, mesh, layout.state_specs(opt)),
+    )
+
+
+def _formula(stage, psi, n, k=8, count=8):
+    """(params, grads, optimizer state) bytes per device: psi = bytes of fp32 params per device."""
+    state = k // 4 * psi // (1 if stage == 0 else n) + count
+    return {
+        0: (psi, psi, state),
+        1: (psi, psi, state),
+        2: (psi, psi // n, state),
+        3: (psi // n, psi // n, state),
+    }[stage]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_memory_per_device_matches_formula_data4(stage):
+    params, batch = W.mlp_problem(dtype=torch.float32)  # 32 + 8 + 24 = 64 parameters
+    psi = 64 * 4
+    assert _held(stage, _mesh(data=4), params, batch, P()) == _formula(stage, psi, 4)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_memory_per_device_matches_formula_data_x_tensor(stage):
+    # Per device: a1, b1, a2, b2 are split over tensor (16 each), g and c replicated (4 each).
+    params, batch = W.tp_problem(dtype=torch.float32)
+    psi = (4 * 16 + 2 * 4) * 4
+    assert _held(stage, _mesh(data=2, tensor=2), params, batch, W.TP_SPECS) == _formula(stage, psi, 2)
+
+
+# Bytes moved per step: fpar.comm_stats vs the formulas -------------------------------------------------
+
+
+def _one_step_stats(stage, n_micro=1, regather=True):
+    params, batch = W.mlp_problem(dtype=torch.float32)
+    mesh = _mesh(data=4)
+    opt = fo.adamw(1e-2)
+    layout = fo.zero_layout(params, mesh, P(), stage=stage)
+    stored, state = fo.zero_init(opt, params, layout)
+    step = fo.zero_step(W.mlp_loss, opt, layout, n_micro=n_micro, regather=regather)
+    fpar.reset_comm_stats()
+    step(stored, state, batch)
+    return fpar.comm_stats()["data"]
+
+
+PSI = 64 * 4  # bytes of the fp32 MLP
+N = 4
+RING = (N - 1) * PSI // N  # one reduce-scatter or all-gather of all parameters: (N-1)/N Psi
+LOSS = 2 * (N - 1) * 4 // N  # the loss metric's pmean (an fp32 scalar all-reduce)
+
+
+def _kinds(**kw):
+    return {k: {"calls": c, "bytes": b} for k, (c, b) in kw.items()}
+
+
+@pytest.mark.parametrize(
+    ("stage", "n_micro", "regather", "want"),
+    [
+        # DDP: the gradient all-reduce (backward psum of each parameter) 2 (N-1)/N Psi
+        (0, 1, True, _kinds(psum=(3, 2 * RING), pmean=(1, LOSS))),
+        # ZeRO-1/2: reduce-scatter + all-gather, 2 (N-1)/N Psi, one call per parameter each
+        (1, 1, True, _kinds(psum_scatter=(3, RING), all_gather_invariant=(3, RING), pmean=(1, LOSS))),
+        (2, 1, True, _kinds(psum_scatter=(3, RING), all_gather_invariant=(3, RING), pmean=(1, LOSS))),
+        # ZeRO-3: all-gather fwd, again in bwd (remat), reduce-scatter: 3 (N-1)/N Psi
+        (3, 1, True, _kinds(all_gather=(6, 2 * RING), psum_scatter=(3, RING), pmean=(1, LOSS))),
+        # ZeRO-3 keeping the gathered parameters to the backward: 2 (N-1)/N Psi
+        (3, 1, False, _kinds(all_gather=(3, RING), psum_scatter=(3, RING), pmean=(1, LOSS))),
+        # With 2 microbatches: stage 1 reduces once per step, stage 2 once per microbatch
+        (1, 2, True, _kinds(psum_scatter=(3, RING), all_gather_invariant=(3, RING), pmean=(2, 2 * LOSS))),
+        (2, 2, True, _kinds(psum_scatter=(6, 2 * RING), all_gather_invariant=(3, RING), pmean=(2, 2 * LOSS))),
+        (3, 2, True, _kinds(all_gather=(12, 4 * RING), psum_scatter=(6, 2 * RING), pmean=(2, 2 * LOSS))),
+    ],
+    ids=[
+        "ddp",
+        "zero1",
+        "zero2",
+        "zero3-regather",
+        "zero3-keep",
+        "zero1-micro2",
+        "zero2-micro2",
+        "zero3-micro2",
+    ],
+)
+def test_bytes_per_step_match_formulas(stage, n_micro, regather, want):
+    assert RING == 192 and LOSS == 6
+    assert _one_step_stats(stage, n_micro, regather) == want
+
+
+# Errors -------------------------------------------------------------------------------------------------
+
+
+def test_layout_errors():
+    params, _ = W.mlp_problem()
+    mesh = _mesh(data=2)
+    with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3"):
+        fo.zero_layout(params, mesh, stage=4)
+    with pytest.raises(ValueError, match="is not an axis of the mesh"):
+        fo.zero_layout(params, mesh, stage=1, data_axis="batch")
+    with pytest.raises(ValueError, match="splits a parameter over the data axis"):
+        fo.zero_layout(params, mesh, {"w1": P("data"), "b1": P(), "w2": P()}, stage=1)
+
+
+def test_microbatches_must_divide_the_device_batch():
+    params, batch = W.mlp_problem()
+    layout = fo.zero_layout(params, _mesh(data=2), stage=2)
+    opt = fo.adamw(1e-2)
+    stored, state = fo.zero_init(opt, params, layout)
+    with pytest.raises(ValueError, match="n_micro=3 does not divide"):
+        fo.zero_step(W.mlp_loss, opt, layout, n_micro=3)(stored, state, batch)
+
+
+# The real mesh -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_real_mesh_zero_equals_in_process():
+    # ZeRO-2; ZeRO-3 (its regather is a remat region with an all_gather); DDP with a remat'd layer
+    # (replicated weights inside the region: the recompute's backward all-reduces them).
+    jobs = [(2, 3, False), (3, 2, False), (0, 2, True)]
+    ranks = fpar.launch(W.zero_runs, 2, jobs, timeout=120.0)
+    local = W.zero_runs(jobs)
+    for results in ranks:
+        for (hist, losses, stats), (lhist, llosses, lstats) in zip(results, local):
+            _assert_same(hist, lhist, tol=1e-13)
+            assert [float(v) for v in losses] == pytest.approx([float(v) for v in llosses], rel=1e-13)
+            assert stats == lstats
