@@ -21,13 +21,14 @@ groups.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
 
 from ._mesh import Mesh, make_mesh
 
-__all__ = ["mesh_from_config"]
+__all__ = ["ParallelLayout", "mesh_from_config", "parse_parallel"]
 
 MODES = (None, "1d", "2d", "2.5d", "3d", "sequence")
 TENSOR_AXES = {
@@ -82,101 +83,129 @@ def mesh_from_config(
       mappingproxy({'pipeline': 2, 'data': 2, 'tensor_row': 2, 'tensor_col': 2})
     """
     _check_backend(backend)
+    layout = parse_parallel(parallel, api=_API)
+    data = _data_size(devices, layout.pipeline, layout.size, layout.data, backend)
+    shape = ((layout.pipeline,) if layout.pipeline > 1 else ()) + (data,) + layout.tensor_shape
+    names = (("pipeline",) if layout.pipeline > 1 else ()) + ("data",) + layout.tensor_axes
+    return make_mesh(shape, names, devices=math.prod(shape) if _local(backend) else None, backend=backend)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelLayout:
+    """A checked Colossal-AI style config: sizes, the tensor mode and its mesh axes."""
+
+    pipeline: int
+    data: int | None  # None: inferred from the device count
+    size: int  # devices per tensor-parallel group
+    mode: str | None
+    depth: int  # the 2.5D depth (1 otherwise)
+    sequence_parallel: bool
+    tensor_axes: tuple[str, ...]
+    tensor_shape: tuple[int, ...]
+
+
+def parse_parallel(parallel: Mapping[str, Any] | None, *, api: str = _API) -> ParallelLayout:
+    """Check a ``parallel`` config against Colossal-AI's rules (the one place they live).
+
+    ``fpar.mesh_from_config`` and ``fpar.ops.tensor_layout`` both use it; ``api`` names the
+    caller in error messages.
+    """
     parallel = {} if parallel is None else parallel
     if not isinstance(parallel, Mapping):
         raise TypeError(
-            f"{_API}: parallel must be a dict such as dict(pipeline=2, tensor=dict(size=4, mode='1d')), got {type(parallel).__name__}."
+            f"{api}: parallel must be a dict such as dict(pipeline=2, tensor=dict(size=4, mode='1d')), got {type(parallel).__name__}."
         )
-    _check_keys("parallel", parallel, _TOP_KEYS)
-    pipeline = _size("parallel['pipeline']", parallel.get("pipeline", 1))
-    tensor = _tensor_section(parallel.get("tensor", {}))
-    size, mode = _size("parallel['tensor']['size']", tensor.get("size", 1)), tensor.get("mode")
-    tensor_shape = _tensor_shape(size, mode, tensor.get("depth"))
-    _check_sequence_parallel(tensor.get("sequence_parallel", False), size, mode)
-    data = _data_size(devices, pipeline, size, parallel.get("data"), backend)
-    shape = ((pipeline,) if pipeline > 1 else ()) + (data,) + tensor_shape
-    names = (("pipeline",) if pipeline > 1 else ()) + ("data",) + TENSOR_AXES[mode]
-    return make_mesh(shape, names, devices=math.prod(shape) if _local(backend) else None, backend=backend)
+    _check_keys(api, "parallel", parallel, _TOP_KEYS)
+    pipeline = _size(api, "parallel['pipeline']", parallel.get("pipeline", 1))
+    tensor = _tensor_section(api, parallel.get("tensor", {}))
+    size, mode = _size(api, "parallel['tensor']['size']", tensor.get("size", 1)), tensor.get("mode")
+    tensor_shape = _tensor_shape(api, size, mode, tensor.get("depth"))
+    sp = tensor.get("sequence_parallel", False)
+    _check_sequence_parallel(api, sp, size, mode)
+    data = parallel.get("data")
+    data = None if data is None else _size(api, "parallel['data']", data)
+    depth = tensor_shape[0] if mode == "2.5d" else 1
+    return ParallelLayout(pipeline, data, size, mode, depth, sp, TENSOR_AXES[mode], tensor_shape)
 
 
 # Rules ---------------------------------------------------------------------------------------
 
 
-def _tensor_section(tensor: Any) -> Mapping[str, Any]:
+def _tensor_section(api: str, tensor: Any) -> Mapping[str, Any]:
     if isinstance(tensor, int) and not isinstance(tensor, bool):
         return {"size": tensor}
     if not isinstance(tensor, Mapping):
         raise TypeError(
-            f"{_API}: parallel['tensor'] must be an int or dict(size=..., mode=...), got {tensor!r}."
+            f"{api}: parallel['tensor'] must be an int or dict(size=..., mode=...), got {tensor!r}."
         )
-    _check_keys("parallel['tensor']", tensor, _TENSOR_KEYS)
+    _check_keys(api, "parallel['tensor']", tensor, _TENSOR_KEYS)
     return tensor
 
 
-def _tensor_shape(size: int, mode: Any, depth: Any) -> tuple[int, ...]:
+def _tensor_shape(api: str, size: int, mode: Any, depth: Any) -> tuple[int, ...]:
     if mode not in MODES:
-        raise ValueError(f"{_API}: unknown tensor mode {mode!r}; choose one of {MODES}.")
+        raise ValueError(f"{api}: unknown tensor mode {mode!r}; choose one of {MODES}.")
     if depth is not None and mode != "2.5d":
         raise ValueError(
-            f"{_API}: depth is only meaningful with mode '2.5d' (size = depth * q^2), not with mode {mode!r}."
+            f"{api}: depth is only meaningful with mode '2.5d' (size = depth * q^2), not with mode {mode!r}."
         )
     if mode is None:
         if size > 1:
             raise ValueError(
-                f"{_API}: tensor size {size} > 1 needs a mode: tensor=dict(size={size}, mode='1d') for "
+                f"{api}: tensor size {size} > 1 needs a mode: tensor=dict(size={size}, mode='1d') for "
                 f"Megatron 1D, or one of {MODES[2:]}."
             )
         return ()
     if mode in ("1d", "sequence"):
         return (size,)
     if mode == "2d":
-        return _square(size)
+        return _square(api, size)
     if mode == "2.5d":
-        return _tesseract(size, depth)
-    return _cube(size)
+        return _tesseract(api, size, depth)
+    return _cube(api, size)
 
 
-def _square(size: int) -> tuple[int, int]:
+def _square(api: str, size: int) -> tuple[int, int]:
     q = math.isqrt(size)
     if q * q != size:
         raise ValueError(
-            f"{_API}: mode '2d' needs a square tensor size (q x q grid), got {size}; use {q * q} or "
+            f"{api}: mode '2d' needs a square tensor size (q x q grid), got {size}; use {q * q} or "
             f"{(q + 1) ** 2}, or mode '2.5d' with depth = size / q^2."
         )
     return (q, q)
 
 
-def _tesseract(size: int, depth: Any) -> tuple[int, int, int]:
+def _tesseract(api: str, size: int, depth: Any) -> tuple[int, int, int]:
     if depth is None:
         raise ValueError(
-            f"{_API}: mode '2.5d' needs depth, with size = depth * q^2: e.g. tensor=dict(size=8, "
+            f"{api}: mode '2.5d' needs depth, with size = depth * q^2: e.g. tensor=dict(size=8, "
             f"mode='2.5d', depth=2)."
         )
-    depth = _size("parallel['tensor']['depth']", depth)
+    depth = _size(api, "parallel['tensor']['depth']", depth)
     q = math.isqrt(size // depth)
     if depth * q * q != size:
         raise ValueError(
-            f"{_API}: mode '2.5d' needs size = depth * q^2, got size {size} with depth {depth} "
+            f"{api}: mode '2.5d' needs size = depth * q^2, got size {size} with depth {depth} "
             f"(size / depth = {size / depth:g} is not a square); e.g. size 8 with depth 2."
         )
     return (depth, q, q)
 
 
-def _cube(size: int) -> tuple[int, int, int]:
+def _cube(api: str, size: int) -> tuple[int, int, int]:
     q = round(size ** (1 / 3))
     if q**3 != size:
         raise ValueError(
-            f"{_API}: mode '3d' needs a cube tensor size (q x q x q), got {size}; use e.g. 8 or 27."
+            f"{api}: mode '3d' needs a cube tensor size (q x q x q), got {size}; use e.g. 8 or 27."
         )
     return (q, q, q)
 
 
-def _check_sequence_parallel(sp: Any, size: int, mode: Any) -> None:
+def _check_sequence_parallel(api: str, sp: Any, size: int, mode: Any) -> None:
     if not isinstance(sp, bool):
-        raise TypeError(f"{_API}: parallel['tensor']['sequence_parallel'] must be True or False, got {sp!r}.")
+        raise TypeError(f"{api}: parallel['tensor']['sequence_parallel'] must be True or False, got {sp!r}.")
     if sp and (mode != "1d" or size < 2):
         raise ValueError(
-            f"{_API}: sequence_parallel=True (Megatron sequence parallelism) splits the sequence over "
+            f"{api}: sequence_parallel=True (Megatron sequence parallelism) splits the sequence over "
             f"the 1D tensor-parallel axis, so it needs mode '1d' with size > 1; got mode {mode!r}, "
             f"size {size}. For Ulysses or ring attention use mode 'sequence'."
         )
@@ -186,7 +215,7 @@ def _data_size(devices: Any, pipeline: int, tensor: int, data: Any, backend: str
     model = pipeline * tensor
     if devices is None:
         devices = model if _local(backend) else _world_size()
-    devices = _size("devices", devices)
+    devices = _size(_API, "devices", devices)
     if devices % model:
         raise ValueError(
             f"{_API}: {devices} devices are not divisible by pipeline * tensor = {pipeline} * {tensor} "
@@ -194,7 +223,7 @@ def _data_size(devices: Any, pipeline: int, tensor: int, data: Any, backend: str
             f"or smaller pipeline/tensor sizes."
         )
     inferred = devices // model
-    if data is not None and _size("parallel['data']", data) != inferred:
+    if data is not None and data != inferred:
         raise ValueError(
             f"{_API}: parallel['data'] = {data} does not match the {inferred} inferred from {devices} "
             f"devices / (pipeline {pipeline} * tensor {tensor}); leave 'data' out to infer it."
@@ -205,20 +234,20 @@ def _data_size(devices: Any, pipeline: int, tensor: int, data: Any, backend: str
 # Error checking ------------------------------------------------------------------------------
 
 
-def _check_keys(where: str, section: Mapping, allowed: tuple[str, ...]) -> None:
+def _check_keys(api: str, where: str, section: Mapping, allowed: tuple[str, ...]) -> None:
     unknown = sorted(str(k) for k in set(section) - set(allowed))
     if unknown:
-        raise ValueError(f"{_API}: unknown keys {unknown} in {where}; allowed keys are {list(allowed)}.")
+        raise ValueError(f"{api}: unknown keys {unknown} in {where}; allowed keys are {list(allowed)}.")
 
 
-def _size(where: str, value: Any) -> int:
+def _size(api: str, where: str, value: Any) -> int:
     if isinstance(value, Mapping):
-        _check_keys(where, value, ("size",))
+        _check_keys(api, where, value, ("size",))
         value = value.get("size", 1)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{_API}: {where} must be an int (or dict(size=int)), got {value!r}.")
+        raise TypeError(f"{api}: {where} must be an int (or dict(size=int)), got {value!r}.")
     if value < 1:
-        raise ValueError(f"{_API}: {where} must be at least 1, got {value}.")
+        raise ValueError(f"{api}: {where} must be at least 1, got {value}.")
     return value
 
 

@@ -21,21 +21,15 @@ the same axes and shapes as ``fpar.mesh_from_config`` builds from the same confi
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 
 import fpar
+from fpar._config import TENSOR_AXES, parse_parallel
 
 __all__ = ["TensorLayout", "tensor_layout"]
 
 MODES = ("1d", "2d", "2.5d", "3d", "sequence")
-AXES = {
-    "1d": ("tensor",),
-    "2d": ("tensor_row", "tensor_col"),
-    "2.5d": ("tensor_dep", "tensor_row", "tensor_col"),
-    "3d": ("tensor_x", "tensor_y", "tensor_z"),
-    "sequence": ("sequence",),
-}
+AXES = {m: TENSOR_AXES[m] for m in MODES}
 LAYERS = {
     None: "no tensor parallelism: data (and pipeline) parallel only",
     "1d": "Megatron 1D: fpar.ops.column_linear/row_linear/mlp/attention/gpt "
@@ -120,7 +114,7 @@ def tensor_layout(
 
     Raises:
       TypeError: a size that is not an int, or ``parallel`` that is not a dict.
-      ValueError: an impossible combination (a non-square 2D size, ``size != depth*q*q``, a
+      ValueError: an impossible combination (a non-square 2D size, ``size != depth*q^2``, a
         non-cube 3D size, ``size > 1`` without a mode, an unknown mode or key,
         ``sequence_parallel`` outside 1D).
 
@@ -129,107 +123,26 @@ def tensor_layout(
       >>> layout.axis_names, layout.axis_shape
       (('tensor_row', 'tensor_col'), (2, 2))
     """
-    data = -1
     if parallel is not None:
         if (size, mode, depth, pipeline, sequence_parallel) != (1, None, None, 1, False):
             raise ValueError(
                 "fpar.ops.tensor_layout: pass either parallel=dict(...) or size/mode/depth/pipeline, not both."
             )
-        size, mode, depth, pipeline, sequence_parallel, data = _from_config(parallel)
-        data = -1 if data is None else _positive("data", data)
-    size = _positive("size", size)
-    pipeline = _positive("pipeline", pipeline)
-    if depth is not None:
-        depth = _positive("depth", depth)
-    if mode is not None and mode not in MODES:
-        raise ValueError(f"fpar.ops.tensor_layout: unknown mode {mode!r}; choose one of {MODES} (or None).")
-    if not isinstance(sequence_parallel, bool):
-        raise TypeError(
-            f"fpar.ops.tensor_layout: sequence_parallel must be True or False, got {sequence_parallel!r}."
-        )
-    if sequence_parallel and (mode != "1d" or size < 2):
-        raise ValueError(
-            f"fpar.ops.tensor_layout: sequence_parallel=True (Megatron sequence parallelism) splits the "
-            f"sequence over the 1D tensor axis, so it needs mode '1d' with size > 1; got mode {mode!r}, "
-            f"size {size}. For Ulysses or ring attention use mode 'sequence'."
-        )
-    if mode is None:
-        if size > 1:
-            raise ValueError(
-                f"fpar.ops.tensor_layout: tensor size {size} > 1 needs a mode, one of {MODES}; "
-                f"e.g. tensor_layout({size}, '1d') for Megatron 1D."
-            )
+    else:
+        tensor = {"size": size, "mode": mode, "sequence_parallel": sequence_parallel}
         if depth is not None:
-            raise ValueError("fpar.ops.tensor_layout: depth is only meaningful with mode='2.5d'.")
-        return TensorLayout(None, 1, 1, pipeline, (), (), LAYERS[None], False, data)
-    if depth is not None and mode != "2.5d":
-        raise ValueError(f"fpar.ops.tensor_layout: depth is only meaningful with mode='2.5d', not {mode!r}.")
-    shape = _grid(mode, size, depth)
+            tensor["depth"] = depth
+        parallel = {"pipeline": pipeline, "tensor": tensor}
+    # The rules live in one place, the core's config parser; this names the layers to use.
+    cfg = parse_parallel(parallel, api="fpar.ops.tensor_layout")
     return TensorLayout(
-        mode, size, depth or 1, pipeline, AXES[mode], shape, LAYERS[mode], sequence_parallel, data
+        cfg.mode,
+        cfg.size,
+        cfg.depth,
+        cfg.pipeline,
+        cfg.tensor_axes,
+        cfg.tensor_shape,
+        LAYERS[cfg.mode],
+        cfg.sequence_parallel,
+        -1 if cfg.data is None else cfg.data,
     )
-
-
-def _grid(mode: str, size: int, depth: int | None) -> tuple[int, ...]:
-    if mode in ("1d", "sequence"):
-        return (size,)
-    if mode == "2d":
-        q = math.isqrt(size)
-        if q * q != size:
-            raise ValueError(
-                f"fpar.ops.tensor_layout: mode '2d' needs a square tensor size (q*q devices on a q x q "
-                f"grid), got {size}; use {q * q} or {(q + 1) ** 2}, or mode '2.5d' with a depth."
-            )
-        return (q, q)
-    if mode == "2.5d":
-        if depth is None:
-            raise ValueError(
-                "fpar.ops.tensor_layout: mode '2.5d' needs depth= (size = depth * q * q), e.g. "
-                "tensor_layout(8, '2.5d', depth=2)."
-            )
-        q = math.isqrt(size // depth) if size % depth == 0 else 0
-        if q < 1 or depth * q * q != size:
-            raise ValueError(
-                f"fpar.ops.tensor_layout: mode '2.5d' needs size = depth * q * q, got size {size} with "
-                f"depth {depth} (size / depth = {size / depth:g} is not a square)."
-            )
-        return (depth, q, q)
-    q = round(size ** (1 / 3))
-    if q**3 != size:
-        raise ValueError(
-            f"fpar.ops.tensor_layout: mode '3d' needs a cube tensor size (q*q*q devices), got {size}; "
-            f"use e.g. 8 or 27."
-        )
-    return (q, q, q)
-
-
-def _from_config(parallel) -> tuple:
-    if not isinstance(parallel, Mapping):
-        raise TypeError(f"fpar.ops.tensor_layout: parallel must be a dict, got {type(parallel).__name__}.")
-    unknown = set(parallel) - {"pipeline", "tensor", "data"}
-    if unknown:
-        raise ValueError(
-            f"fpar.ops.tensor_layout: unknown keys {sorted(unknown)} in parallel; expected "
-            f"dict(pipeline=..., tensor=dict(size=..., mode=..., depth=...)) (data is normally inferred)."
-        )
-    pipeline, data = (parallel.get(k, d) for k, d in (("pipeline", 1), ("data", None)))
-    pipeline, data = (v.get("size", 1) if isinstance(v, Mapping) else v for v in (pipeline, data))
-    tensor = parallel.get("tensor", {})
-    if not isinstance(tensor, Mapping):
-        tensor = {"size": tensor}
-    unknown = set(tensor) - {"size", "mode", "depth", "sequence_parallel"}
-    if unknown:
-        raise ValueError(
-            f"fpar.ops.tensor_layout: unknown keys {sorted(unknown)} in parallel['tensor']; expected size, "
-            f"mode, depth, sequence_parallel."
-        )
-    sp = tensor.get("sequence_parallel", False)
-    return tensor.get("size", 1), tensor.get("mode"), tensor.get("depth"), pipeline, sp, data
-
-
-def _positive(name: str, v) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"fpar.ops.tensor_layout: {name} must be an int, got {v!r}.")
-    if v < 1:
-        raise ValueError(f"fpar.ops.tensor_layout: {name} must be positive, got {v}.")
-    return v
