@@ -127,6 +127,7 @@ class Op:
     params: tuple = ()
     explicit: tuple[str, ...] = ()
     nbatch: int = 0
+    replicated: tuple[str, ...] = ()  # explicit axes the input was replicated over (implicit pvary)
 
 
 VARYING = {"all_gather", "psum_scatter", "ppermute", "all_to_all", "pvary"}
@@ -174,7 +175,9 @@ class _Collective(torch.autograd.Function):
         if axis is not None and axis in op.axes:
             # Invariant input: JAX's implicit pvary, i.e. the same block on every device.
             x = x.movedim(xd, 0) if xd is not None else x.expand(info.batch_size, *x.shape)
-            op = dataclasses.replace(op, explicit=(axis, *op.explicit))
+            op = dataclasses.replace(
+                op, explicit=(axis, *op.explicit), replicated=op.replicated + ((axis,) if xd is None else ())
+            )
             out_dim = 0 if varying else None
         elif xd is None:  # not batched here: the collective does not touch this level
             out_dim = None

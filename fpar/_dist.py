@@ -323,15 +323,28 @@ class _Exchange(torch.autograd.Function):
         x, ctx.kind, ctx.params, ctx.nb, ctx.axes, ctx.mg = inputs
         if ctx.kind in ("pmax", "pmin"):
             ctx.save_for_backward(x, output)
+            ctx.save_for_forward(x, output)
+
+    @staticmethod
+    def jvp(ctx, x_t: Tensor, *_):
+        """Forward mode: every collective is linear in its input, except pmax/pmin's choice."""
+        if ctx.kind in ("pmax", "pmin"):
+            x, y = ctx.saved_tensors
+            mask = (x == y).to(x_t.dtype)
+            total = _Exchange.apply(x_t * mask, "psum", (), ctx.nb, ctx.axes, ctx.mg)
+            return total / _Exchange.apply(mask, "psum", (), ctx.nb, ctx.axes, ctx.mg)
+        return _Exchange.apply(x_t, ctx.kind, ctx.params, ctx.nb, ctx.axes, ctx.mg)
 
     @staticmethod
     def backward(ctx, ct: Tensor):
         kind, p, nb, axes, mg = ctx.kind, ctx.params, ctx.nb, ctx.axes, ctx.mg
         n = len(mg.members(axes))
         if kind == "psum":
-            g = ct  # the replicated cotangent: psum transposes to pvary
+            # The replicated cotangent: psum transposes to pvary, whose own transpose (a second
+            # derivative) is the psum again.
+            g = _Exchange.apply(ct, "pvary", (), nb, axes, mg)
         elif kind == "pmean":
-            g = ct / n
+            g = _Exchange.apply(ct, "pvary", (), nb, axes, mg) / n
         elif kind in ("pmax", "pmin"):
             x, y = ctx.saved_tensors
             mask = (x == y).to(ct.dtype)
@@ -370,6 +383,10 @@ class _TakeFirst(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         _, ctx.axes, ctx.mg = inputs
+
+    @staticmethod
+    def jvp(ctx, x_t: Tensor, *_):
+        return _TakeFirst.apply(x_t, ctx.axes, ctx.mg)
 
     @staticmethod
     def backward(ctx, ct: Tensor):
@@ -431,6 +448,11 @@ class DistBackend:
     def exchange(self, op, x: Tensor) -> Tensor:
         k = len(op.explicit)
         local = x.reshape(x.shape[k:])  # the explicit axis dims all have size 1 here
+        if op.replicated:
+            # The input was replicated over these axes (in-process: the same block expanded to
+            # every device, whose backward sums): this block is the only copy, so its cotangent
+            # must be all-reduced over them.
+            local = _Exchange.apply(local, "pvary", (), op.nbatch, op.replicated, self.mg)
         y = _Exchange.apply(local, op.kind, op.params, op.nbatch, op.axes, self.mg)
         varying = op.kind in ("all_gather", "psum_scatter", "ppermute", "all_to_all", "pvary")
         return y.reshape((1,) * k + tuple(y.shape)) if varying else y
@@ -439,8 +461,15 @@ class DistBackend:
         """Identity on the local tensor; its backward all-reduces the cotangent over ``axes``."""
         return _Exchange.apply(x, "pvary", (), 0, axes, self.mg)
 
-    def output(self, t: Tensor, spec: PartitionSpec, present: list[str]) -> Tensor:
+    def output(
+        self, t: Tensor, spec: PartitionSpec, present: list[str], replicated: tuple[str, ...] = ()
+    ) -> Tensor:
         t = t.reshape(t.shape[len(present) :])
+        if replicated:
+            # An out_spec names these axes but the value is replicated over them: the global
+            # output holds one copy per device (in-process: an expand, whose backward sums), and
+            # this block is the only copy here, so its cotangent is all-reduced over them.
+            t = _Exchange.apply(t, "pvary", (), 0, replicated, self.mg)
         broken = tuple(a for a in present if a not in spec.axes())
         return _TakeFirst.apply(t, broken, self.mg) if broken else t
 
@@ -541,9 +570,7 @@ def launch(fn: Callable, nprocs: int, *args: Any, timeout: float = 60.0, backend
                         ) from None
                     continue
                 if not ok:
-                    raise LaunchError(
-                        f"fpar.launch: rank {r} raised; the other ranks were stopped.\n{payload}"
-                    )
+                    raise LaunchError(_blame(procs, results, r, payload))
                 results[r] = torch.load(io.BytesIO(payload), weights_only=False)
         finally:
             for p in procs:
@@ -556,6 +583,27 @@ def launch(fn: Callable, nprocs: int, *args: Any, timeout: float = 60.0, backend
                     p.join()
             q.close()
     return [results[r] for r in range(nprocs)]
+
+
+def _blame(procs, results: dict, r: int, payload: str) -> str:
+    """The message for a failed launch, naming the rank that failed first.
+
+    When a rank dies without a result (killed, ``os._exit``), its neighbours then fail in a
+    collective ("connection reset") and may report first; wait a moment for the dead rank's exit
+    code, and blame it.
+    """
+    import time
+
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        dead = [i for i, p in enumerate(procs) if i not in results and i != r and p.exitcode not in (None, 0)]
+        if dead:
+            return (
+                f"fpar.launch: rank {dead[0]} exited with code {procs[dead[0]].exitcode} without a "
+                f"result; the other ranks were stopped. Rank {r} then raised:\n{payload}"
+            )
+        time.sleep(0.05)
+    return f"fpar.launch: rank {r} raised; the other ranks were stopped.\n{payload}"
 
 
 def _worker(fn, args, rank_: int, world: int, store_path: str, timeout: float, backend: str, q) -> None:

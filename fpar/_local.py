@@ -171,8 +171,14 @@ class LocalBackend:
     def token_and_index(self) -> tuple[Tensor, list[Tensor]]:
         return torch.zeros(self.mesh.axis_sizes), [torch.arange(n) for n in self.mesh.axis_sizes]
 
-    def output(self, t: Tensor, spec: PartitionSpec, present: list[str]) -> Tensor:
-        """The global tensor from ``t``: one leading dim per axis in ``present``, then the block."""
+    def output(
+        self, t: Tensor, spec: PartitionSpec, present: list[str], replicated: tuple[str, ...] = ()
+    ) -> Tensor:
+        """The global tensor from ``t``: one leading dim per axis in ``present``, then the block.
+
+        (``replicated``: named axes the value does not vary over; vmap expanded it there, and the
+        expand's backward already sums, so nothing more is needed in-process.)
+        """
         named = spec.axes()
         for k in reversed(range(len(present))):
             if present[k] not in named:  # check_rep=False: keep the block at coordinate 0

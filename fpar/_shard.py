@@ -209,6 +209,7 @@ class _Call:
         paths, leaves, self.out_treedef = tree_flatten_with_path(out)
         specs = _prefix(self.fname, "out_specs", self.out_specs, out, "the outputs")
         self.out_static, self.out_slots, self.out_specs_flat, self.present = {}, [], [], []
+        self.replicated_named = []
         tensors = []
         for j, (path, leaf, spec) in enumerate(zip(paths, leaves, specs)):
             where = f"fpar.shard({self.fname}): out{keystr(path)}"
@@ -232,6 +233,9 @@ class _Call:
             if broken and self.check_rep:
                 raise ReplicationError(_replication_message(where, spec, broken))
             self.present.append([a for a in self.axes if a in named or a in broken])
+            self.replicated_named.append(
+                tuple(a for a in self.axes if a in named and _level_of(frame, a) not in varying)
+            )
             self.out_slots.append(j)
             self.out_specs_flat.append(spec)
             tensors.append(leaf)
@@ -241,8 +245,10 @@ class _Call:
         leaves = [None] * (len(self.out_static) + len(outs))
         for j, v in self.out_static.items():
             leaves[j] = v
-        for slot, t, spec, present in zip(self.out_slots, outs, self.out_specs_flat, self.present):
-            leaves[slot] = backend.output(t, spec, present)
+        for slot, t, spec, present, rep in zip(
+            self.out_slots, outs, self.out_specs_flat, self.present, self.replicated_named
+        ):
+            leaves[slot] = backend.output(t, spec, present, rep)
         return tree_unflatten(self.out_treedef, leaves)
 
 

@@ -1,0 +1,720 @@
+"""The multi-process tier: a real mesh (gloo on 127.0.0.1, 2, 4 and 8 processes) == the in-process mesh.
+
+Spawning processes is the slow part (each imports torch; the machine has 2 cores), so every
+``fpar.launch`` runs a whole batch of cases (``dist_programs.run_jobs``) and the tests below
+compare its per-rank results with the same jobs run in this process on the in-process mesh:
+values and float64 gradients of every collective (single axes, tuple axes in both orders),
+a sample of random programs drawn with ``strategies.py``, whole data x tensor training steps,
+``fpar.comm_stats`` byte counts, layouts (device_put / gather / init / DTensor), mesh building,
+and errors. A handful of small launches check failure behaviour (a rank raising, stalling or
+dying must end the run with a clear error, quickly).
+
+Time bounds: every launch has a process-group timeout (a stuck collective raises) and
+``fpar.launch`` gives up ``timeout + 60`` s after starting; it always terminates its processes.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import time
+
+import dist_programs as D
+import pytest
+import strategies as S
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+import fpar
+from fpar import P
+
+pytestmark = pytest.mark.multiprocess
+
+TIMEOUT = 60.0  # process-group timeout of the batch launches (a stuck collective raises after this)
+F64 = torch.float64
+
+
+# ----------------------------------------------------------------------------------------------
+# Blocks: which part of a global value rank r holds (row-major ranks over the mesh, as fpar does)
+
+
+def coords(axes: dict[str, int], r: int) -> dict[str, int]:
+    out = {}
+    for name, size in reversed(list(axes.items())):
+        out[name] = r % size
+        r //= size
+    return out
+
+
+def _names(entry) -> tuple:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def block_of(t: torch.Tensor, entries, axes: dict[str, int], r: int) -> torch.Tensor:
+    c = coords(axes, r)
+    for d, entry in enumerate(entries):
+        index, n = 0, 1
+        for a in _names(entry):
+            index = index * axes[a] + c[a]
+            n *= axes[a]
+        if n > 1:
+            t = t.narrow(d, index * (t.shape[d] // n), t.shape[d] // n)
+    return t
+
+
+def assert_matches(got, expected, axes, r: int, path: str = "result") -> None:
+    """Rank r's result ``got`` against the in-process result ``expected`` (Blk: sliced to rank r)."""
+    if isinstance(expected, D.Blk):
+        assert isinstance(got, D.Blk), f"{path}: {type(got)}"
+        assert got.entries == expected.entries, path
+        assert_matches(got.t, block_of(expected.t, expected.entries, axes, r), axes, r, path)
+    elif isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor), f"{path}: {type(got)} is not a tensor"
+        assert got.shape == expected.shape, f"{path}: shape {tuple(got.shape)} != {tuple(expected.shape)}"
+        assert got.dtype == expected.dtype, f"{path}: dtype {got.dtype} != {expected.dtype}"
+        torch.testing.assert_close(got, expected, msg=lambda m: f"{path} (rank {r}): {m}")
+    elif isinstance(expected, dict):
+        assert isinstance(got, dict) and set(got) == set(expected), (
+            f"{path}: keys {set(got)} != {set(expected)}"
+        )
+        for k in expected:
+            assert_matches(got[k], expected[k], axes, r, f"{path}[{k!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert type(got) is type(expected) and len(got) == len(expected), f"{path}: {got!r} != {expected!r}"
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert_matches(g, e, axes, r, f"{path}[{i}]")
+    else:
+        assert got == expected, f"{path} (rank {r}): {got!r} != {expected!r}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The cases
+
+
+def _axis_id(ax) -> str:
+    return ax if isinstance(ax, str) else "(" + ",".join(ax) + ")"
+
+
+def collective_variants(ax, n: int):
+    """``(name, steps, block shape, output still varies over ax)`` for every collective on ``ax``."""
+    perm = list(range(n))
+    random.Random(17 * n + len(_names(ax))).shuffle(perm)
+    return [
+        ("psum", [("psum", ax)], (2, 3), False),
+        ("pmean", [("pmean", ax)], (2, 3), False),
+        ("pmax", [("pmax", ax)], (2, 3), False),
+        ("pmin", [("pmin", ax)], (2, 3), False),
+        ("all_gather-axis0", [("all_gather", ax, 0, False)], (2, 3), True),
+        ("all_gather-axis0-tiled", [("all_gather", ax, 0, True)], (2, 3), True),
+        ("all_gather-axis1-tiled", [("all_gather", ax, 1, True)], (2, 3), True),
+        ("all_gather-axis2", [("all_gather", ax, 2, False)], (2, 3), True),
+        ("psum_scatter-dim0", [("psum_scatter", ax, 0, False)], (n, 3), True),
+        ("psum_scatter-dim1-tiled", [("psum_scatter", ax, 1, True)], (2, 2 * n), True),
+        ("ppermute-shift1", [("ppermute", ax, tuple((i, (i + 1) % n) for i in range(n)))], (2, 3), True),
+        ("ppermute-random", [("ppermute", ax, tuple(enumerate(perm)))], (2, 3), True),
+        ("ppermute-partial", [("ppermute", ax, ((0, n - 1),))], (2, 3), True),
+        ("all_to_all-s0c1", [("all_to_all", ax, 0, 1, False)], (n, 3), True),
+        ("all_to_all-s1c0", [("all_to_all", ax, 1, 0, False)], (2, n), True),
+        ("all_to_all-s1c0-tiled", [("all_to_all", ax, 1, 0, True)], (2, 2 * n), True),
+        ("all_to_all-s0c1-tiled", [("all_to_all", ax, 0, 1, True)], (2 * n, 3), True),
+        ("axis_index", [("axis_index_mul", ax)], (2, 3), True),
+        ("axis_size", [("axis_size_mul", ax), ("psum_const", ax), ("pmax", ax)], (2, 3), False),
+    ]
+
+
+def collective_cases(
+    tag: str, axes: dict[str, int], ax_list, *, only=None, replicated_every=0, out_names_all=False
+):
+    """Jobs: each collective on each axis_name; input split over every mesh axis on dim 0.
+
+    With ``out_names_all``, reductions are repeated with an out_spec naming every axis. With
+    ``replicated_every=k``, every k-th case is repeated twice with the input replicated (P()):
+    once made to differ per device by axis_index first, once fed straight to the collective. Either
+    way its gradient is the sum of every device's share.
+    """
+    all_axes = tuple(axes)
+    size = math.prod(axes.values())
+    cases = []
+    for ax in ax_list:
+        n = math.prod(axes[a] for a in _names(ax))
+        for i, (name, steps, block, varies) in enumerate(collective_variants(ax, n)):
+            if only is not None and name not in only:
+                continue
+            kept = all_axes if varies else tuple(a for a in all_axes if a not in _names(ax))
+            out_entries = (kept,) if kept else ()
+            seed = len(cases)
+            x = D.randn((block[0] * size,) + block[1:], seed)
+            kw = dict(
+                axes=axes,
+                steps=tuple(steps),
+                use_w=False,
+                in_entries=(all_axes,),
+                out_entries=out_entries,
+                x=x,
+            )
+            cases.append((f"{tag}-{name}-{_axis_id(ax)}", "program", kw))
+            if out_names_all and not varies:
+                # the out_spec may name axes the value is invariant over: every copy is an output
+                kw = dict(kw, out_entries=(all_axes,), x=D.randn(kw["x"].shape, seed + 3000))
+                cases.append((f"{tag}-out-names-all-{name}-{_axis_id(ax)}", "program", kw))
+            if replicated_every and i % replicated_every == 0:
+                # made to vary by axis_index first, then the collective
+                kw = dict(
+                    axes=axes,
+                    steps=(("axis_index_mul", all_axes), *steps),
+                    use_w=False,
+                    in_entries=(),
+                    out_entries=out_entries,
+                    x=D.randn(block, seed + 1000),
+                )
+                cases.append((f"{tag}-replicated-varied-{name}-{_axis_id(ax)}", "program", kw))
+                # straight into the collective: the implicit pvary's transpose must sum over ax
+                kw = dict(kw, steps=tuple(steps), x=D.randn(block, seed + 2000))
+                cases.append((f"{tag}-replicated-direct-{name}-{_axis_id(ax)}", "program", kw))
+    return cases
+
+
+DRAWN_MESHES = {
+    2: [{"a": 2}, {"x": 2, "y": 1}, {"z": 1, "x": 2}],
+    4: [{"a": 2, "b": 2}, {"b": 4}, {"x": 2, "y": 1, "z": 2}, {"z": 2, "x": 2}],
+    8: [{"a": 2, "b": 2, "c": 2}, {"y": 4, "x": 2}],
+}
+
+
+def drawn_cases(n: int, count: int):
+    """Random programs from ``strategies.programs`` on ``n``-device meshes (deterministic draws)."""
+    drawn = []
+
+    @settings(
+        max_examples=count,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(st.data())
+    def collect(data):
+        mesh = data.draw(st.sampled_from(DRAWN_MESHES[n]))
+        prog = data.draw(S.programs(mesh))
+        check_rep = data.draw(st.sampled_from([True, True, True, False]))
+        if check_rep:
+            out = data.draw(S.out_entries(mesh, prog))
+        else:
+            out = data.draw(S.spec_entries(mesh, len(prog.out_local_shape)))
+        drawn.append((mesh, prog, out, check_rep))
+
+    collect()
+    cases, seen = [], set()
+    for i, (mesh, prog, out, check_rep) in enumerate(drawn):
+        key = repr((mesh, prog, out, check_rep))
+        if key in seen:
+            continue
+        seen.add(key)
+        counts = S.split_counts(mesh, prog.in_entries, len(prog.in_shape))
+        kw = dict(
+            axes=mesh,
+            steps=prog.steps,
+            use_w=prog.use_w,
+            in_entries=tuple(prog.in_entries),
+            out_entries=tuple(out),
+            x=D.randn(prog.in_shape, 100 + i),
+            w=D.randn(tuple(s // c for s, c in zip(prog.in_shape, counts)), 200 + i) if prog.use_w else None,
+            check_rep=check_rep,
+        )
+        cases.append((f"drawn{n}-{len(cases)}", "program", kw))
+    return cases
+
+
+X2Y2 = {"x": 2, "y": 2}
+A2B2C2 = {"a": 2, "b": 2, "c": 2}
+
+COLLECTIVES = {
+    2: collective_cases("i2", {"i": 2}, ["i", ("i",)], replicated_every=3),
+    4: collective_cases(
+        "x2y2", X2Y2, ["x", "y", ("x", "y"), ("y", "x")], replicated_every=4, out_names_all=True
+    ),
+    8: collective_cases(
+        "a2b2c2",
+        A2B2C2,
+        ["b", ("c", "a"), ("a", "b", "c"), ("c", "b", "a")],
+        only={
+            "psum",
+            "pmax",
+            "all_gather-axis1-tiled",
+            "psum_scatter-dim0",
+            "ppermute-random",
+            "all_to_all-s0c1",
+        },
+    ),
+}
+DRAWN = {2: drawn_cases(2, 16), 4: drawn_cases(4, 30), 8: drawn_cases(8, 6)}
+
+BACKWARD = {
+    4: [
+        (
+            f"backward-{name}",
+            "program_backward",
+            dict(
+                axes=X2Y2,
+                steps=steps,
+                in_entries=(("x", "y"),),
+                out_entries=(("x", "y"),),
+                x=D.randn(shape, 9),
+            ),
+        )
+        for name, steps, shape in [
+            ("all_gather", (("all_gather", ("y", "x"), 1, True),), (8, 3)),
+            ("psum_scatter", (("psum_scatter", "x", 1, True), ("sin",)), (8, 4)),
+            ("ppermute", (("ppermute", ("y", "x"), ((0, 2), (2, 3), (3, 0))),), (8, 3)),
+            ("all_to_all", (("all_to_all", ("x", "y"), 0, 1, True), ("square",)), (16, 2)),
+            ("pmax", (("pmax", "y"), ("tanh",)), (8, 3)),
+        ]
+    ]
+}
+
+# check_rep=False: an output left unnamed on an axis it varies over is the block at coordinate 0
+# of that axis, on every rank; only that block's device gets its gradient.
+UNCHECKED = {
+    4: [
+        (
+            f"unchecked-{name}",
+            "program",
+            dict(
+                axes=X2Y2,
+                steps=steps,
+                use_w=True,
+                in_entries=(("x", "y"),),
+                out_entries=out,
+                x=D.randn((8, 3), 13),
+                w=D.randn((2, 3), 14),
+                check_rep=False,
+            ),
+        )
+        for name, steps, out in [
+            ("sin-out-P()", (("sin",),), ()),
+            ("sin-out-y", (("sin",),), (None, "y")),
+            ("ppermute-out-x", (("ppermute", "y", ((0, 1), (1, 0))), ("square",)), ("x",)),
+        ]
+    ]
+}
+
+_TRANSFORM_PROGRAMS = [
+    ("psum", (("psum", ("y", "x")), ("sin",)), (4, 3), ()),
+    ("all_gather", (("all_gather", ("y", "x"), 1, True), ("square",)), (8, 3), (("x", "y"),)),
+    ("psum_scatter", (("square",), ("psum_scatter", "x", 1, True)), (8, 4), (("x", "y"),)),
+    ("ppermute", (("ppermute", ("y", "x"), ((0, 2), (2, 3), (3, 0))), ("square",)), (8, 3), (("x", "y"),)),
+    ("all_to_all", (("all_to_all", ("x", "y"), 0, 1, True), ("sin",)), (16, 2), (("x", "y"),)),
+    ("pmean", (("square",), ("pmean", "y")), (8, 3), ("x",)),
+]
+TRANSFORMS = {
+    4: [
+        (
+            f"{job}-{name}",
+            job,
+            dict(axes=X2Y2, steps=steps, in_entries=(("x", "y"),), out_entries=out, x=D.randn(shape, 12)),
+        )
+        for job in ("program_jvp", "grad_of_grad")
+        for name, steps, shape, out in _TRANSFORM_PROGRAMS
+    ]
+    + [
+        ("axis_info", "axis_info", dict(axes=X2Y2, ax_list=["x", "y", ("x", "y"), ("y", "x")])),
+    ],
+    8: [
+        (
+            "axis_info",
+            "axis_info",
+            dict(axes=A2B2C2, ax_list=["b", ("c", "a"), ("a", "b", "c"), ("c", "b", "a")]),
+        )
+    ],
+}
+
+MLP = {
+    2: [
+        ("mlp-data2", "train_mlp", dict(axes={"data": 2, "tensor": 1})),
+        ("mlp-tensor2", "train_mlp", dict(axes={"data": 1, "tensor": 2})),
+    ],
+    4: [("mlp-data2-tensor2", "train_mlp", dict(axes={"data": 2, "tensor": 2}, steps=4))],
+    8: [("mlp-data2-tensor4", "train_mlp", dict(axes={"data": 2, "tensor": 4}, steps=2, mesh_shape=(-1, 4)))],
+}
+
+MISC = {
+    2: [
+        ("dp", "dp_step", dict(n=2)),
+        ("replicated-output", "replicated_output_grad", dict(axes={"i": 2})),
+        ("layouts", "layouts", dict(axes={"a": 2, "b": 1})),
+        ("init", "init_values", dict(axes={"a": 1, "b": 2})),
+        ("dtensors", "dtensors", dict(axes={"a": 2, "b": 1})),
+        ("errors", "errors", dict(axes={"i": 2})),
+        ("mismatch", "mismatch", dict(axes={"i": 2})),
+        ("meshes", "meshes", dict(world=2)),
+    ],
+    4: [
+        ("dp", "dp_step", dict(n=4)),
+        ("replicated-output", "replicated_output_grad", dict(axes=X2Y2)),
+        ("layouts", "layouts", dict(axes={"a": 2, "b": 2})),
+        ("init", "init_values", dict(axes={"a": 2, "b": 2})),
+        ("dtensors", "dtensors", dict(axes={"a": 2, "b": 2})),
+        ("errors", "errors", dict(axes=X2Y2)),
+        ("mismatch", "mismatch", dict(axes=X2Y2)),
+        ("meshes", "meshes", dict(world=4)),
+    ],
+    8: [
+        ("replicated-output", "replicated_output_grad", dict(axes=A2B2C2)),
+        ("init", "init_values", dict(axes={"a": 4, "b": 2})),
+        ("mismatch", "mismatch", dict(axes=A2B2C2)),
+        ("meshes", "meshes", dict(world=8)),
+    ],
+}
+
+JOBS = {
+    n: COLLECTIVES[n]
+    + DRAWN[n]
+    + BACKWARD.get(n, [])
+    + UNCHECKED.get(n, [])
+    + TRANSFORMS.get(n, [])
+    + MLP[n]
+    + MISC[n]
+    for n in (2, 4, 8)
+}
+KWARGS = {n: {case_id: kw for case_id, _, kw in JOBS[n]} for n in JOBS}
+
+
+# ----------------------------------------------------------------------------------------------
+# One launch per process count, shared by the tests that read its results
+
+
+_RUNS: dict[int, object] = {}
+
+
+def launched(n: int) -> dict:
+    """The per-rank results of ``JOBS[n]`` on ``n`` processes (launched once, on first use)."""
+    if n not in _RUNS:
+        t0 = time.monotonic()
+        try:
+            _RUNS[n] = fpar.launch(D.run_jobs, n, JOBS[n], timeout=TIMEOUT)
+        except fpar.LaunchError as e:
+            _RUNS[n] = e
+        _RUNS[f"time{n}"] = time.monotonic() - t0
+    run = _RUNS[n]
+    if isinstance(run, Exception):
+        pytest.fail(f"the {n}-process launch failed: {run}")
+    return run
+
+
+def dist_result(n: int, case_id: str) -> list:
+    """The case's result on every rank (fails with the worker's traceback if it raised)."""
+    out = []
+    for r, per_rank in enumerate(launched(n)):
+        rec = per_rank[case_id]
+        if rec[0] != "ok":
+            pytest.fail(f"{case_id} raised on rank {r}: {rec[1]}: {rec[2]}\n{rec[3]}")
+        out.append(rec[1])
+    return out
+
+
+def local_result(n: int, case_id: str):
+    name = next(job for cid, job, _ in JOBS[n] if cid == case_id)
+    return D.JOBS[name](**KWARGS[n][case_id])
+
+
+def check_same_as_local(n: int, case_id: str, axes=None) -> tuple[list, object]:
+    expected = local_result(n, case_id)
+    got = dist_result(n, case_id)
+    axes = axes if axes is not None else KWARGS[n][case_id]["axes"]
+    for r, g in enumerate(got):
+        assert_matches(g, expected, axes, r, case_id)
+    return got, expected
+
+
+def _ids(n, cases):
+    return [pytest.param(n, cid, id=cid) for cid, _, _ in cases]
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Every collective: values, gradients and comm_stats equal the in-process mesh
+
+
+@pytest.mark.parametrize(
+    ("n", "case_id"), _ids(2, COLLECTIVES[2]) + _ids(4, COLLECTIVES[4]) + _ids(8, COLLECTIVES[8])
+)
+def test_collective_matches_in_process(n, case_id):
+    check_same_as_local(n, case_id)
+
+
+@pytest.mark.parametrize(("n", "case_id"), _ids(4, BACKWARD[4]))
+def test_backward_and_vjp_match_in_process(n, case_id):
+    check_same_as_local(n, case_id)
+
+
+@pytest.mark.parametrize(("n", "case_id"), _ids(4, UNCHECKED[4]))
+def test_check_rep_false_matches_in_process(n, case_id):
+    check_same_as_local(n, case_id)
+
+
+@pytest.mark.parametrize(
+    ("n", "case_id"), [pytest.param(n, cid, id=cid) for n in TRANSFORMS for cid, _, _ in TRANSFORMS[n]]
+)
+def test_jvp_grad_of_grad_and_axis_info_match_in_process(n, case_id):
+    got, _ = check_same_as_local(n, case_id)
+    if case_id == "axis_info":
+        assert got[0]["index"].t.dtype == torch.int64 and got[0]["size_type"] == "int"
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Random programs drawn with strategies.py
+
+
+@pytest.mark.parametrize(("n", "case_id"), _ids(2, DRAWN[2]) + _ids(4, DRAWN[4]) + _ids(8, DRAWN[8]))
+def test_drawn_program_matches_in_process(n, case_id):
+    kw = KWARGS[n][case_id]
+    note = (
+        f"mesh={kw['axes']} in={P(*kw['in_entries'])!r} shape={tuple(kw['x'].shape)} use_w={kw['use_w']} "
+        f"steps={kw['steps']} out={P(*kw['out_entries'])!r} check_rep={kw['check_rep']}"
+    )
+    try:
+        check_same_as_local(n, case_id)
+    except AssertionError as e:
+        raise AssertionError(f"{note}\n{e}") from None
+
+
+def test_drawn_programs_cover_collectives():
+    """The sample is not degenerate: it exercises most collectives and tuple axes on real meshes."""
+    kinds = {s[0] for n in DRAWN for _, _, kw in DRAWN[n] for s in kw["steps"]}
+    assert {"all_gather", "ppermute", "all_to_all", "psum_scatter", "axis_index_mul"} <= kinds, kinds
+    assert {"psum", "pmean", "pmax", "pmin"} & kinds, kinds
+    assert any(
+        isinstance(s[1], tuple) and len(s[1]) > 1
+        for n in DRAWN
+        for _, _, kw in DRAWN[n]
+        for s in kw["steps"]
+        if len(s) > 1
+    )
+    assert any(not kw["check_rep"] for n in DRAWN for _, _, kw in DRAWN[n])
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Whole training steps, 4. comm_stats
+
+
+@pytest.mark.parametrize(
+    ("n", "case_id"), [pytest.param(n, cid, id=cid) for n in MLP for cid, _, _ in MLP[n]]
+)
+def test_training_steps_match_in_process(n, case_id):
+    got, expected = check_same_as_local(n, case_id)
+    kw = KWARGS[n][case_id]
+    assert got[0]["mesh"] == kw["axes"]
+    # and the in-process run is plain SGD on the unsharded model
+    d, h, c, batch, lr = 6, 8, 3, 8, 0.2
+    params = fpar.init(D.mlp_inits(d, h, c), fpar.make_mesh((1,), ("one",)), P())
+    xs, ys = D.mlp_data(kw.get("steps", 3), batch, d, c, 1)
+    for s in range(len(expected["losses"])):
+        grads, loss = torch.func.grad_and_value(D.mlp_loss_unsharded)(params, xs[s], ys[s])
+        params = {k: params[k] - lr * grads[k] for k in params}
+        torch.testing.assert_close(expected["losses"][s], loss)
+        for k in params:
+            torch.testing.assert_close(expected["params"][s][k], params[k])
+    # stats are the same numbers on both backends (checked above) and the data axis carries traffic
+    stats = got[0]["stats"]
+    if kw["axes"]["data"] > 1:
+        assert stats["data"]["psum"]["bytes"] > 0, stats
+    if kw["axes"]["tensor"] > 1:
+        assert stats["tensor"]["psum"]["calls"] >= 1, stats
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_data_parallel_gradient_is_one_all_reduce(n):
+    """A P() parameter gets the sum of every device's gradient, from one all-reduce of its size."""
+    got, expected = check_same_as_local(n, "dp", axes={"data": n})
+    w = D.randn((5, 3), 3)
+    x, y = D.randn((2 * n, 5), 4), D.randn((2 * n, 3), 5)
+    g = torch.func.grad(lambda w: ((x @ w - y) ** 2).mean())(w)
+    for r in range(n):
+        torch.testing.assert_close(got[r]["grad"].t, g)  # not n * g, not one device's share
+        psum = got[r]["stats"]["data"]["psum"]
+        assert psum == {"calls": 1, "bytes": 2 * (n - 1) * got[r]["w_bytes"] // n}, got[r]["stats"]
+    assert expected["stats"] == got[0]["stats"]
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_replicated_output_is_not_counted_per_process(n):
+    got, _ = check_same_as_local(n, "replicated-output")
+    for r in range(n):
+        assert torch.equal(got[r]["grad"].t, torch.ones_like(got[r]["grad"].t))
+        assert torch.equal(got[r]["backward"].t, torch.ones_like(got[r]["backward"].t))
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. Errors and failure behaviour
+
+
+ERROR_PHRASES = {
+    "in_unknown_axis": ("SpecError", "not an axis of the mesh"),
+    "out_unknown_axis": ("SpecError", "not an axis of the mesh"),
+    "in_axis_twice": ("SpecError", "more than once"),
+    "in_too_long": ("SpecError", "longer than the rank"),
+    "not_a_tensor": ("TypeError", "not a tensor"),
+    "keyword_arguments": ("TypeError", "keyword arguments"),
+    "out_too_long": ("SpecError", "longer than the rank"),
+    "replication": ("ReplicationError", "varies over mesh axis"),
+    "unbound_axis": ("UnboundAxisError", "not an axis of the mesh"),
+    "outside_shard": ("UnboundAxisError", "outside fpar.shard"),
+    "psum_scatter_divisible": ("ValueError", "must be divisible by"),
+    "psum_scatter_untiled": ("ValueError", "must equal the axis size"),
+    "all_to_all_divisible": ("ValueError", "must be divisible by"),
+    "all_gather_out_of_range": ("ValueError", "out of range"),
+    "ppermute_unique": ("ValueError", "must be unique"),
+    "ppermute_range": ("ValueError", "out of range"),
+    "prefix": ("SpecError", "not a pytree prefix"),
+    "all_to_all_untiled": ("ValueError", "must equal the axis size"),
+    "unbound_tuple_axis": ("UnboundAxisError", "not an axis of the mesh"),
+}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_errors_identical_on_every_rank(n):
+    got = dist_result(n, "errors")
+    expected = local_result(n, "errors")
+    assert set(got[0]["all"]) == set(ERROR_PHRASES)
+    for name, (type_name, phrase) in ERROR_PHRASES.items():
+        per_rank = [g["all"][name] for g in got]
+        assert per_rank[0] is not None, f"{name}: no error on the real mesh"
+        assert all(p == per_rank[0] for p in per_rank), f"{name}: ranks disagree: {per_rank}"
+        assert per_rank[0][0] == type_name == expected["all"][name][0], (
+            name,
+            per_rank[0],
+            expected["all"][name],
+        )
+        assert phrase in per_rank[0][1], (name, per_rank[0][1])
+    # the boundary errors, raised by rank 0 alone, did not communicate: the ranks stayed in step
+    assert got[0]["rank0_alone"] == {k: got[0]["all"][k] for k in D.PRE_COMMUNICATION}
+    for g in got:
+        torch.testing.assert_close(g["sync1"], torch.full((2,), float(n), dtype=F64))
+        torch.testing.assert_close(g["sync2"], torch.full((2,), float(n), dtype=F64))
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_mismatched_blocks_raise_on_every_rank(n):
+    got = dist_result(n, "mismatch")
+    for what in ("shape", "rank", "dtype", "spec"):
+        per_rank = [g[what] for g in got]
+        for r, p in enumerate(per_rank):
+            assert p is not None, f"{what}: rank {r} raised nothing"
+            assert p[0] in ("ValueError", "SpecError") and "different shapes" in p[1], (what, r, p)
+    for g in got:
+        torch.testing.assert_close(g["sync"], torch.full((2,), float(n), dtype=F64))
+
+
+def test_rank_raising_stops_the_launch_quickly():
+    t0 = time.monotonic()
+    with pytest.raises(fpar.LaunchError, match="rank 1 raised") as info:
+        fpar.launch(D.raise_on_rank, 2, 1, timeout=20.0)
+    elapsed = time.monotonic() - t0
+    assert "deliberate failure on rank 1" in str(info.value)
+    assert "ValueError" in str(info.value)  # the traceback text comes along
+    assert elapsed < 30.0, f"took {elapsed:.1f}s"  # a bound (no hang), not a performance check
+
+
+def test_stalled_rank_makes_the_others_time_out():
+    """A rank stuck outside any collective: the others' collective raises after ``timeout`` s."""
+    t0 = time.monotonic()
+    with pytest.raises(fpar.LaunchError, match="rank 0 raised") as info:
+        fpar.launch(D.hang_on_rank, 2, 1, 120.0, timeout=5.0)
+    elapsed = time.monotonic() - t0
+    msg = str(info.value)
+    waited = re.search(r"collective gave up after ([0-9.]+)s", msg)
+    assert waited and 3.0 < float(waited.group(1)) < 30.0, msg  # the configured 5 s, not a hang
+    assert "Timed out" in msg, msg
+    assert elapsed < 45.0, f"took {elapsed:.1f}s"
+
+
+def test_dead_rank_stops_the_launch():
+    """A rank that dies (os._exit: a segfault, an OOM kill) is the one the error names.
+
+    The survivors' collectives then fail with gloo's "Connection reset by peer"; the error must
+    still point at the rank that died, not at a survivor.
+    """
+    t0 = time.monotonic()
+    with pytest.raises(fpar.LaunchError, match="rank 1 exited with code 3"):
+        fpar.launch(D.exit_on_rank, 2, 1, 3, timeout=20.0)
+    assert time.monotonic() - t0 < 30.0
+
+
+def test_launch_rejects_zero_processes():
+    with pytest.raises(ValueError, match="at least 1"):
+        fpar.launch(D.raise_on_rank, 0, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. make_mesh on a real mesh
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_make_mesh_on_a_real_mesh(n):
+    every = dist_result(n, "meshes")
+    got = every[0]
+    for r, g in enumerate(every):
+        assert_matches(g, got, {}, r, "meshes (same on every rank)")
+    assert got["infer"] == ({"data": n // 2, "tensor": 2}, "dist", n)
+    assert got["infer_first"] == {"a": 2, "b": n // 2}
+    for what in ("too_big", "too_small", "devices"):
+        assert got[what][0] == "ValueError" and "does not match" in got[what][1], (what, got[what])
+    assert got["not_divide"][0] == "ValueError" and "does not divide" in got["not_divide"][1]
+    # backend="local" inside a process group is the in-process mesh: same values, grads and stats
+    expected = D.local_mesh_program()
+    assert got["local"]["backend"] == expected["backend"] == "local"
+    assert got["local"]["eq"] is True
+    for k in ("value", "grad", "stats", "to_dtensor"):
+        assert_matches(got["local"][k], expected[k], {}, 0, k)
+    assert expected["to_dtensor"][0] == "ValueError"
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. device_put / gather / init / DTensor
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_device_put_gather_round_trip(n):
+    got, _ = check_same_as_local(n, "layouts")
+    x = D.randn((8, 12), 21)
+    for g in got:
+        for entries in D.LAYOUTS:
+            torch.testing.assert_close(g[entries]["gathered"], x)
+        torch.testing.assert_close(g["tree_gathered"], {"u": x, "v": [x[:4], x[:, :4]]})
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_init_same_global_values_everywhere(n):
+    """fpar.init: same global values in-process, on 2/4/8 processes, under every layout."""
+    got, expected = check_same_as_local(n, "init")
+    reference = expected[0]["gathered"]  # in-process, replicated layout
+    for layout in expected[1:]:
+        assert_matches(layout["gathered"], reference, {}, 0, "in-process layouts")
+    for g in got:
+        for layout in g:
+            assert_matches(layout["gathered"], reference, {}, 0, f"{n} processes")
+    w = reference["w"]
+    assert w.dtype == F64 and reference["m"].dtype == torch.float32
+    assert abs(w.mean().item() - 1.0) < 0.1 and 0.4 < w.std().item() < 0.6
+    assert reference["m"].min() >= -2.0 and reference["m"].max() < 3.0
+    assert torch.equal(reference["b"], torch.full((8,), 0.25, dtype=F64))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_dtensor_round_trip(n):
+    axes = KWARGS[n]["dtensors"]["axes"]
+    x = D.randn((8, 12), 31)
+    for r, g in enumerate(dist_result(n, "dtensors")):
+        for entries in [("a", "b"), (), (("a", "b"),)]:
+            d = g[entries]
+            assert d["is_dtensor"] and d["shape"] == (8, 12)
+            torch.testing.assert_close(d["full"], x)
+            for k in ("back", "other"):
+                torch.testing.assert_close(d[k].t, block_of(x, d[k].entries, axes, r))
+        assert g["not_mesh_order"][0] == "ValueError" and "mesh order" in g["not_mesh_order"][1]
+    with pytest.raises(ValueError, match="in-process"):
+        fpar.to_dtensor(x, fpar.make_mesh((2,), ("a",)), P())
