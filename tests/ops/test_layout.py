@@ -50,8 +50,6 @@ def test_2p5d_and_colossal_config():
 
 def test_agrees_with_mesh_from_config():
     """fpar.mesh_from_config (the core's config reader) builds the mesh this layout names."""
-    if not hasattr(fpar, "mesh_from_config"):
-        pytest.skip("fpar.mesh_from_config is not in this fpar")
     for cfg in (
         dict(pipeline=2, tensor=dict(size=8, mode="2.5d", depth=2)),
         dict(tensor=dict(size=4, mode="1d", sequence_parallel=True)),
