@@ -1,0 +1,378 @@
+"""Plumbing shared by ``train_gpt.py`` and ``train_vit.py``: command line, mesh, meters, checkpoints, plot.
+
+Nothing here is model-specific.  The examples keep what they teach (the model in pipeline
+pieces, the training loop) in their own file; this file holds what every training script needs
+around it:
+
+* ``start``: torchrun detection (``WORLD_SIZE`` set -> ``fpar.init_distributed()``), threads, and
+  rank-0-only printing (``say``);
+* ``add_args`` / ``build_mesh``: the parallel layout, from ``--parallel "pipeline=2,data=2,tensor=2"``,
+  ``--pp/--dp/--tp``, a Colossal-AI style ``--config`` (``fpar.mesh_from_config``) or
+  ``--single-device``; the mesh axes are always named ``pipeline``, ``data``, ``tensor``;
+* ``measure_peak_flops``, ``Bar``, ``comm_bytes``: throughput, MFU and traffic meters;
+* ``save`` / ``restore``: ``fpar.checkpoint`` in the *model* layout (layers stacked on one dim
+  split over ``pipeline``), so a run can resume on any layout, ``--single-device`` included;
+* ``plot_losses``: the loss-curve PNG (matplotlib if installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import math
+import os
+import runpy
+import sys
+import time
+from pathlib import Path
+
+import optree
+import torch
+
+try:
+    import fpar
+except ImportError:  # run from a checkout without installing: use the repo's fpar/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import fpar
+from fpar import P
+
+AXES = ("pipeline", "data", "tensor")  # mesh order: stages outermost, tensor ranks adjacent
+PIPE, DATA, TENSOR = AXES
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+# Processes and printing -------------------------------------------------------------------------
+
+
+def start(threads: int) -> int:
+    """Join torchrun's process group if this is a torchrun worker; set threads; return the rank."""
+    if threads > 0:
+        # Tiny ops: intra-op threads only add synchronisation (on a busy 2-core machine a step
+        # took ~10x longer with 2 threads than with 1).
+        torch.set_num_threads(threads)
+    if "WORLD_SIZE" in os.environ:  # launched by torchrun: one process per device
+        fpar.init_distributed(backend="gloo")  # the examples keep their tensors on the CPU
+        return torch.distributed.get_rank()
+    return 0
+
+
+def rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def say(*args, quiet: bool = False) -> None:
+    """Print on rank 0 only."""
+    if not quiet and rank() == 0:
+        print(*args, flush=True)
+
+
+# Command line and mesh --------------------------------------------------------------------------
+
+
+def add_args(ap: argparse.ArgumentParser, *, steps: int, batch: int, lr: float, warmup: int) -> None:
+    g = ap.add_argument_group("parallelism")
+    g.add_argument("--parallel", help='e.g. "pipeline=2,data=2,tensor=2" (data=-1: inferred)')
+    g.add_argument("--pp", type=int, default=2, help="pipeline stages")
+    g.add_argument("--dp", type=int, default=-1, help="data-parallel size (-1: devices / (pp * tp))")
+    g.add_argument("--tp", type=int, default=2, help="tensor-parallel size (Megatron 1D)")
+    g.add_argument("--devices", type=int, default=8, help="in-process devices (torchrun: the world size)")
+    g.add_argument(
+        "--config",
+        help="Colossal-AI style parallel config: a .py file defining `parallel = dict(...)`, or inline "
+        "\"dict(pipeline=2, tensor=dict(size=2, mode='1d'))\"; built by fpar.mesh_from_config",
+    )
+    g.add_argument("--single-device", action="store_true", help="a 1-device mesh: no parallelism")
+    g.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "zb"), help="pipeline schedule")
+    g.add_argument("--microbatches", type=int, help="per step (default: 2 x stages; 1 on one stage)")
+    t = ap.add_argument_group("training")
+    t.add_argument("--steps", type=int, default=steps)
+    t.add_argument("--batch", type=int, default=batch, help="global batch per step")
+    t.add_argument("--lr", type=float, default=lr, help="peak learning rate (warmup, then cosine to lr/10)")
+    t.add_argument("--warmup", type=int, default=warmup, help="warmup steps")
+    t.add_argument("--clip", type=float, default=1.0, help="clip gradients to this global norm")
+    t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
+    o = ap.add_argument_group("checkpoints and output")
+    o.add_argument("--ckpt-dir", help="run directory for checkpoints and the loss plot")
+    o.add_argument("--ckpt-every", type=int, default=100, help="save every N steps (0: only at the end)")
+    o.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir")
+    o.add_argument("--stop-after", type=int, help="stop after this step, as if interrupted (try --resume)")
+    o.add_argument("--plot", help="loss-curve PNG (default: <ckpt-dir>/loss.png; 'none' to skip)")
+    o.add_argument("--peak-tflops", type=float, help="peak FLOP/s for MFU (default: measured at start)")
+    o.add_argument("--log-every", type=int, default=25, help="print a line every N steps")
+    o.add_argument("--quiet", action="store_true", help="print nothing (tests)")
+
+
+def parse_parallel(text: str) -> dict:
+    """``"pipeline=2,data=2,tensor=2"`` (also ``pp=``, ``dp=``, ``tp=``) -> ``{pipeline, data, tensor}``."""
+    alias = {
+        "pipeline": PIPE,
+        "pipe": PIPE,
+        "pp": PIPE,
+        "data": DATA,
+        "dp": DATA,
+        "tensor": TENSOR,
+        "tp": TENSOR,
+    }
+    out = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, _, value = item.partition("=")
+        if key.strip() not in alias or not value.strip().lstrip("-").isdigit():
+            raise SystemExit(f"--parallel: expected e.g. 'pipeline=2,data=2,tensor=2', got {item!r}")
+        out[alias[key.strip()]] = int(value)
+    return out
+
+
+def parse_config(text: str) -> dict:
+    """A Colossal-AI ``parallel`` dict: from a ``.py`` config file, or an inline literal / ``dict(...)``."""
+    if text.endswith(".py") and Path(text).is_file():
+        return runpy.run_path(text)["parallel"]  # a config file is code, as in Colossal-AI
+
+    def value(node):  # literals and dict(key=...) calls only: nothing is executed
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict":
+            return {kw.arg: value(kw.value) for kw in node.keywords}
+        if isinstance(node, ast.Dict):
+            return {value(k): value(v) for k, v in zip(node.keys, node.values)}
+        return ast.literal_eval(node)
+
+    tree = ast.parse(text.strip().removeprefix("parallel").lstrip(" ="), mode="eval")
+    return value(tree.body)
+
+
+def build_mesh(args) -> fpar.Mesh:
+    """The (pipeline, data, tensor) mesh the flags ask for: in-process, or real under torchrun."""
+    real = torch.distributed.is_available() and torch.distributed.is_initialized()
+    devices = None if real else args.devices
+    if args.single_device:
+        if real:
+            raise SystemExit("--single-device is for one process; run it without torchrun")
+        return fpar.make_mesh((1, 1, 1), AXES)
+    if args.config:
+        mesh = fpar.mesh_from_config(parse_config(args.config), devices=devices)
+        extra = [a for a in mesh.axis_names if a not in AXES]
+        if extra:
+            raise SystemExit(f"--config: this example runs Megatron 1D tensor parallelism; got axes {extra}")
+        if mesh.axis_names == AXES:
+            return mesh
+        # mesh_from_config leaves out axes of size 1; the example always names all three.
+        return fpar.make_mesh(tuple(mesh.shape.get(a, 1) for a in AXES), AXES, devices=devices)
+    sizes = {PIPE: args.pp, DATA: args.dp, TENSOR: args.tp}
+    sizes.update(parse_parallel(args.parallel or ""))
+    shape = tuple(sizes[a] for a in AXES)
+    return fpar.make_mesh(shape, AXES, devices=devices if -1 in shape else None)
+
+
+def microbatches(args, mesh: fpar.Mesh) -> int:
+    p = mesh.shape[PIPE]
+    m = args.microbatches or (2 * p if p > 1 else 1)
+    if args.batch % (m * mesh.shape[DATA]):
+        raise SystemExit(f"--batch {args.batch} must divide into {m} microbatches x data={mesh.shape[DATA]}")
+    return m
+
+
+def stacked_specs(specs, pipe_dim: bool = True):
+    """Specs of a block's parameters stacked ``[stages, layers per stage, ...]`` (or ``[layers, ...]``)."""
+    lead = (PIPE, None) if pipe_dim else (None,)
+    return tree_map_specs(lambda s: P(*lead, *s), specs)
+
+
+def tree_map_specs(fn, specs):
+    return optree.tree_map(fn, specs, is_leaf=lambda s: isinstance(s, P), none_is_leaf=True)
+
+
+# Meters -------------------------------------------------------------------------------------------
+
+
+def measure_peak_flops(dtype: torch.dtype, seconds: float = 0.3) -> float:
+    """FLOP/s of a square fp matmul on this process's threads: the 'peak' MFU is measured against."""
+    n = 512
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # warm up
+    count, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        count += 1
+    return 2 * n**3 * count / (time.perf_counter() - t0)
+
+
+def peak_flops(args, mesh: fpar.Mesh, dtype: torch.dtype) -> float:
+    """The peak FLOP/s MFU is measured against: ``--peak-tflops``, or a matmul measured here.
+
+    In-process every virtual device shares this process's threads, so the peak is what they
+    reach; on a real mesh each process measures its share (all at once, at start-up) and the
+    peak is that times the number of processes.
+    """
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12
+    return measure_peak_flops(dtype) * (mesh.size if mesh.backend == "dist" else 1)
+
+
+def flops_note(args, mesh: fpar.Mesh) -> str:
+    if args.peak_tflops:
+        return "--peak-tflops"
+    where = f"x {mesh.size} processes" if mesh.backend == "dist" else f"{torch.get_num_threads()} thread(s)"
+    return f"measured: {args.dtype} 512x512 matmul, {where}"
+
+
+def mfu(flops_per_step: float, seconds: float, peak: float) -> float:
+    return flops_per_step / seconds / peak if seconds > 0 and peak > 0 else math.nan
+
+
+def comm_bytes(p2p: int = 0) -> dict[str, int]:
+    """Bytes sent per device since the last reset, summed over collectives, per mesh axis (group).
+
+    ``fpar.comm_stats`` counts collectives; the pipeline executor's point-to-point sends are not
+    in it, so the caller passes their bytes (``p2p``), reported as ``"pipeline p2p"``.
+    """
+    out = {axes: sum(v["bytes"] for v in kinds.values()) for axes, kinds in fpar.comm_stats().items()}
+    if p2p:
+        out[PIPE + " p2p"] = p2p
+    return out
+
+
+def p2p_bytes(mesh: fpar.Mesh, rows: int, per_row: int, itemsize: int) -> int:
+    """The pipeline's point-to-point bytes per step, counted like ``comm_bytes`` counts collectives.
+
+    Each microbatch's activation goes forward and its gradient back over each of the ``S - 1``
+    stage boundaries; ``rows`` is this device's rows over all microbatches (batch / data), of
+    ``per_row`` elements.  In-process ``fpar.comm_stats`` adds up the stages (each stage's shard
+    records one device's traffic), so this is the sum over the stages too; on a real mesh it is
+    this process's stage's: forward sends unless last, backward sends unless first.
+    """
+    stages, block = mesh.shape[PIPE], rows * per_row * itemsize
+    if mesh.backend == "local":
+        return 2 * (stages - 1) * block
+    s = rank() // (mesh.size // stages)  # ranks are laid out in mesh order, pipeline outermost
+    return block * ((s < stages - 1) + (s > 0))
+
+
+COMM_NOTE = {
+    "local": "per device, the pipeline stages' devices added up (fpar.comm_stats, in-process)",
+    "dist": "sent by rank 0 (a stage-0 device)",
+}
+
+
+def fmt_comm(comm: dict[str, int]) -> str:
+    parts = [f"{axes} {fmt_bytes(b)}" for axes, b in comm.items()]
+    return ", ".join(parts) + f" (total {fmt_bytes(sum(comm.values()))})"
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError
+
+
+def fmt_si(x: float) -> str:
+    for unit in ("", "k", "M", "G", "T"):
+        if abs(x) < 1000 or unit == "T":
+            return f"{x:.1f}{unit}"
+        x /= 1000
+    raise AssertionError
+
+
+class Bar:
+    """A one-line text progress bar on a terminal (rank 0); elsewhere only the logged lines."""
+
+    def __init__(self, total: int, start: int, enabled: bool, width: int = 24):
+        self.total, self.start, self.width = total, start, width
+        self.enabled = enabled and rank() == 0
+        self.tty = self.enabled and sys.stderr.isatty()
+        self.t0 = time.perf_counter()
+
+    def update(self, step: int, text: str) -> None:
+        if not self.tty:
+            return
+        done = (step + 1) / self.total
+        fill = int(self.width * done)
+        rate = (time.perf_counter() - self.t0) / max(1, step + 1 - self.start)
+        eta = rate * (self.total - step - 1)
+        bar = "#" * fill + "-" * (self.width - fill)
+        sys.stderr.write(f"\r[{bar}] {step + 1}/{self.total} {text} eta {eta:4.0f}s ")
+        sys.stderr.flush()
+
+    def write(self, line: str) -> None:
+        if self.enabled:
+            if self.tty:
+                sys.stderr.write("\r\033[K")  # clear the bar's line
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+# Checkpoints --------------------------------------------------------------------------------------
+# The pipeline holds each block parameter stacked [stages, layers per stage, ...] with spec
+# P("pipeline", None, ...).  With one model chunk per stage (1F1B, GPipe, ZB-H1) that is the
+# model's layers in order, so a checkpoint stores [layers, ...] with spec P("pipeline", ...):
+# the same global tensor whatever the layout, and fpar.checkpoint.load reshards it on resume.
+
+
+def _to_model(tree, specs):
+    leaves, treedef = optree.tree_flatten(tree, none_is_leaf=True)
+    flat_specs = optree.broadcast_prefix(specs, tree, is_leaf=lambda s: isinstance(s, P), none_is_leaf=True)
+    out_leaves, out_specs = [], []
+    for x, s in zip(leaves, flat_specs):
+        if isinstance(s, P) and len(s) >= 2 and s[0] == PIPE and s[1] is None:
+            x, s = x.flatten(0, 1), P(PIPE, *list(s)[2:])
+        out_leaves.append(x)
+        out_specs.append(s)
+    return optree.tree_unflatten(treedef, out_leaves), optree.tree_unflatten(treedef, out_specs)
+
+
+def save(ckpt_dir: str, step: int, params, opt_state, losses: list[float], mesh, pspecs, sspecs) -> str:
+    """Save parameters, optimizer state and the loss history at ``step`` (a collective on a real mesh)."""
+    tree, specs = _to_model({"params": params, "opt": opt_state}, {"params": pspecs, "opt": sspecs})
+    tree["losses"] = torch.tensor(losses, dtype=torch.float64)
+    specs["losses"] = P()
+    return fpar.checkpoint.save(ckpt_dir, tree, mesh, specs, step=step, keep=2)
+
+
+def restore(ckpt_dir: str, params, opt_state, mesh, pspecs, sspecs):
+    """Load the newest checkpoint onto this mesh: ``(step, params, opt_state, losses)``."""
+    step = fpar.checkpoint.latest_step(ckpt_dir)
+    like, specs = _to_model({"params": params, "opt": opt_state}, {"params": pspecs, "opt": sspecs})
+    like["losses"], specs["losses"] = torch.zeros(0), P()
+    got = fpar.checkpoint.load(ckpt_dir, mesh, specs, step=step, like=like)
+    # back to [stages, layers per stage, ...]: the shapes of the tree we were given
+    want = optree.tree_leaves({"params": params, "opt": opt_state}, none_is_leaf=True)
+    have, treedef = optree.tree_flatten({"params": got["params"], "opt": got["opt"]}, none_is_leaf=True)
+    leaves = [h.reshape(w.shape) if isinstance(h, torch.Tensor) else h for h, w in zip(have, want)]
+    tree = optree.tree_unflatten(treedef, leaves)
+    return step, tree["params"], tree["opt"], got["losses"].tolist()
+
+
+# Plot ---------------------------------------------------------------------------------------------
+
+
+def plot_losses(losses: list[float], path: str, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        say(f"(matplotlib is not installed: no loss plot; pip install matplotlib to get {path})")
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(losses) + 1), losses, lw=1, alpha=0.5, label="loss")
+    k = max(1, len(losses) // 20)
+    if len(losses) > k:
+        smooth = [
+            sum(losses[max(0, i - k + 1) : i + 1]) / len(losses[max(0, i - k + 1) : i + 1])
+            for i in range(len(losses))
+        ]
+        ax.plot(range(1, len(losses) + 1), smooth, lw=2, label=f"mean of {k}")
+    ax.set(xlabel="step", ylabel="training loss", title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    say(f"loss curve: {path}")

@@ -1,0 +1,337 @@
+"""Train a byte-level GPT on real text with data x tensor x pipeline parallelism (fpar's flagship).
+
+The model is GPT-2 in miniature (``fpar.ops``: pre-LayerNorm blocks, learned positions, an untied
+head) on bytes (vocabulary 256) of Python's own standard library sources, or ``--data FILE``.
+By default it runs on an 8-device in-process mesh, ``pipeline=2 x data=2 x tensor=2``:
+
+* **pipeline** (``fpar.pipeline.pipeline``, 1F1B by default): the layers are split into 2 stages;
+  the embedding runs before stage 0's blocks, the final LayerNorm, head and loss after stage 1's.
+  Each global batch is cut into ``2 x stages`` microbatches.
+* **tensor** (Megatron 1D) inside every stage: attention heads and MLP columns split over
+  ``tensor``, the embedding and the head split over the vocabulary (the ``[B, T, 256]`` logits
+  never exist whole on a device).
+* **data**: each microbatch's rows are split over ``data``; the loss is ``pmean``'d over it.
+
+AdamW (``fpar.optim``) with linear warmup and cosine decay and gradient clipping by the global
+norm runs inside ``fpar.shard`` over the whole mesh (``fpar.optim.zero_update``, stage 0), so the
+norm is the norm of the whole model however it is split.  Batches are a pure function of the
+step, so ``--resume`` from a checkpoint reproduces the uninterrupted run's losses exactly; the
+checkpoint holds the model's layout (layers stacked, split over ``pipeline``), so a run can
+resume on another mesh, or ``--single-device``.
+
+Meters: tokens/s; MFU = model FLOPs per step (6 per weight per token, plus PaLM's attention term
+12 L T D per token) / step time / a peak FLOP/s measured at start-up (a 512x512 matmul on this
+process's threads; ``--peak-tflops`` to give your own); bytes sent per step per mesh axis, from
+``fpar.comm_stats()`` (reset every step) plus the pipeline's point-to-point sends, which the
+example counts itself.  At the end: a held-out loss, a sample, and the loss curve as a PNG.
+
+The same file runs under torchrun, one process per device (a real mesh over gloo/NCCL):
+
+    python examples/train_gpt.py                                  # 8 in-process devices, ~2 min
+    python examples/train_gpt.py --single-device                  # the same model, no parallelism
+    python examples/train_gpt.py --parallel "pipeline=2,data=1,tensor=4"
+    python examples/train_gpt.py --config "dict(pipeline=2, tensor=dict(size=2, mode='1d'))"
+    python examples/train_gpt.py --steps 400 --resume             # continue the last run
+    torchrun --nproc-per-node 8 examples/train_gpt.py --steps 20 --tiny
+
+Shape suffixes (torchtitan style); inside ``fpar.shard`` they name the per-device block:
+    N corpus bytes   M microbatches   B batch rows (B/M per microbatch, /data per device)
+    T sequence       D model width    V vocabulary (256; V/tensor per device)   L layers
+    S pipeline stages, K = L/S layers per stage
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import optree
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common.py, next to this file
+import _common as C  # noqa: E402
+from _common import DATA, PIPE, TENSOR  # noqa: E402
+
+import fpar  # noqa: E402
+import fpar.ops as ops  # noqa: E402
+import fpar.optim as fo  # noqa: E402
+import fpar.pipeline as pp  # noqa: E402
+from fpar import P  # noqa: E402
+
+VOCAB = 256  # bytes
+SCHEDULES = {"1f1b": pp.one_f_one_b, "gpipe": pp.gpipe, "zb": pp.zb_h1}
+
+
+# Data: bytes of text, windows chosen by the step number ----------------------------------------------
+
+
+def load_corpus(path: str | None, max_bytes: int) -> tuple[torch.Tensor, str]:
+    """The corpus as token ids ``[N]``: ``path``'s bytes, or the standard library's ``.py`` files."""
+    if path is not None:
+        return torch.frombuffer(
+            bytearray(Path(path).read_bytes()[:max_bytes]), dtype=torch.uint8
+        ).long(), path
+    stdlib = Path(os.__file__).parent
+    chunks, size = [], 0
+    for f in sorted(stdlib.glob("*.py")):
+        chunks.append(f.read_bytes())
+        size += len(chunks[-1])
+        if size >= max_bytes:
+            break
+    data = b"\n".join(chunks)[:max_bytes]
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long(), f"{len(chunks)} .py files in {stdlib}"
+
+
+def batch_at(tokens_N: torch.Tensor, step: int, batch: int, seq: int, seed: int):
+    """Step ``step``'s batch ``(ids_BT, targets_BT)``: random windows drawn from (seed, step) alone."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    start_B = torch.randint(0, len(tokens_N) - seq - 1, (batch,), generator=g)
+    window_BT = tokens_N[start_B[:, None] + torch.arange(seq + 1)]
+    return window_BT[:, :-1], window_BT[:, 1:]
+
+
+# The model in pipeline pieces --------------------------------------------------------------------
+
+BLOCK_SPECS = ops.gpt_block_specs(TENSOR)
+FIRST_SPECS = {"w_emb": P(TENSOR, None), "w_pos": P()}  # vocab-parallel embedding
+LAST_SPECS = {"ln_f": ops.layer_norm_specs(), "w_head": P(None, TENSOR)}  # vocab-parallel head
+SPECS = {"stages": C.stacked_specs(BLOCK_SPECS), "first": FIRST_SPECS, "last": LAST_SPECS}
+
+
+def build_step(mesh: fpar.Mesh, schedule, n_heads: int, k: int):
+    """The pipelined training step: ``step(params, xs_MBT, targets_MBT) -> StepResult``."""
+    sub = mesh.submesh((DATA, TENSOR))  # each stage's devices
+    rows = P(DATA)
+
+    def embed(w, ids_BT):  # stage 0, before its blocks: [B, T] -> [B, T, D]
+        x_BTD = ops.vocab_embedding(ids_BT, w["w_emb"], axis=TENSOR)
+        return x_BTD + w["w_pos"][: ids_BT.shape[1]]
+
+    def blocks(w, x_BTD):  # one stage: its K blocks, each leaf of w stacked [K, ...]
+        for i in range(k):
+            layer = optree.tree_map(lambda t, i=i: t[i], w)
+            x_BTD = ops.gpt_block(layer, x_BTD, axis=TENSOR, n_heads=n_heads)
+        return x_BTD
+
+    def head_loss(w, x_BTD, targets_BT):  # the last stage, after its blocks: mean next-byte loss
+        logits_BTV = ops.column_linear(ops.layer_norm(w["ln_f"], x_BTD), w["w_head"], axis=TENSOR)
+        return fpar.pmean(ops.vocab_cross_entropy(logits_BTV, targets_BT, axis=TENSOR).mean(), DATA)
+
+    stage = fpar.shard(blocks, sub, (C.stacked_specs(BLOCK_SPECS, pipe_dim=False), rows), rows)
+    first = fpar.shard(embed, sub, (FIRST_SPECS, rows), rows)
+    loss = fpar.shard(head_loss, sub, (LAST_SPECS, rows, rows), P())
+    return pp.pipeline(stage, schedule, mesh, loss=loss, first=first, axis=PIPE)
+
+
+def init_params(args, mesh: fpar.Mesh, dtype: torch.dtype) -> dict:
+    """The GPT's parameters in the pipeline's layout, as this process's blocks.
+
+    ``fpar.init`` draws values that depend only on the seed (not the mesh), so every layout, and
+    ``--single-device``, starts from the same model.  The tiny model is drawn whole, then cut.
+    """
+    s = mesh.shape[PIPE]
+    gpt = fpar.init(
+        ops.init_gpt(VOCAB, args.d_model, args.layers, args.seq, tied=False, dtype=dtype),
+        mesh,
+        P(),
+        seed=args.seed,
+    )
+    stacked = optree.tree_map(
+        lambda *ws: torch.stack(ws).unflatten(0, (s, -1)), *gpt["blocks"]
+    )  # [S, K, ...]
+    params = {
+        "stages": stacked,
+        "first": {"w_emb": gpt["w_emb"], "w_pos": gpt["w_pos"]},
+        "last": {"ln_f": gpt["ln_f"], "w_head": gpt["w_head"]},
+    }
+    return fpar.device_put(params, mesh, SPECS)
+
+
+def as_gpt(params: dict) -> dict:
+    """Whole parameters in the pipeline layout -> ``fpar.ops.gpt``'s layout (for evaluation)."""
+    layers = optree.tree_map(lambda t: t.flatten(0, 1), params["stages"])
+    n = optree.tree_leaves(layers)[0].shape[0]
+    blocks = [optree.tree_map(lambda t, i=i: t[i], layers) for i in range(n)]
+    return {**params["first"], "blocks": blocks, **params["last"]}
+
+
+def model_flops(args) -> tuple[int, float]:
+    """(parameters, training FLOPs per token): 6 per weight (not the embedding lookups) + attention."""
+    d, L, T = args.d_model, args.layers, args.seq
+    per_block = 12 * d * d + 13 * d  # qkv + out + 2 x (d x 4d) weights, biases, LayerNorms
+    n_params = L * per_block + VOCAB * d + T * d + 2 * d + d * VOCAB
+    n_matmul = L * 12 * d * d + d * VOCAB  # weights that multiply every token
+    return n_params, 6 * n_matmul + 12 * L * T * d  # PaLM's attention term (scores + values, fwd + bwd)
+
+
+# Training ----------------------------------------------------------------------------------------------
+
+
+class Result(NamedTuple):
+    losses: list  # every step's training loss (from the checkpoint's history too, on --resume)
+    seconds: float  # wall time of this run's steps
+    tokens_per_s: float
+    mfu: float
+    comm: dict  # bytes sent per device per step, per mesh axis
+
+
+def main(argv=None) -> Result:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", help="train on this file's bytes (default: the standard library's .py files)")
+    ap.add_argument("--max-bytes", type=int, default=2_000_000)
+    ap.add_argument("--d-model", type=int, default=96)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--sample", type=int, default=200, help="bytes to generate at the end")
+    ap.add_argument("--prompt", default="def ", help="the sample's first bytes")
+    ap.add_argument("--tiny", action="store_true", help="a very small model (smoke tests, torchrun on CPU)")
+    C.add_args(ap, steps=150, batch=32, lr=3e-3, warmup=15)
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.d_model, args.layers, args.heads, args.seq, args.batch = 32, 2, 2, 16, 8
+        args.max_bytes, args.sample = min(args.max_bytes, 200_000), min(args.sample, 40)
+    C.start(args.threads)
+    quiet = args.quiet
+    dtype = C.DTYPES[args.dtype]
+    ckpt_dir = args.ckpt_dir or "checkpoints/train_gpt"
+
+    # --- Mesh, data, model ---------------------------------------------------------------------
+    mesh = C.build_mesh(args)
+    s, m = mesh.shape[PIPE], C.microbatches(args, mesh)
+    if args.layers % s:
+        raise SystemExit(f"--layers {args.layers} must divide over {s} pipeline stages")
+    tokens_N, source = load_corpus(args.data, args.max_bytes)
+    split = int(0.95 * len(tokens_N))
+    train_N, val_N = tokens_N[:split], tokens_N[split:]
+    n_params, flops_per_token = model_flops(args)
+    tokens_per_step = args.batch * args.seq
+    peak = C.peak_flops(args, mesh, dtype)
+    C.say(f"corpus: {len(tokens_N):,} bytes from {source}", quiet=quiet)
+    C.say(
+        f"mesh {dict(mesh.shape)} ({'real: one process per device' if mesh.backend == 'dist' else 'in-process'}); "
+        f"GPT d={args.d_model} layers={args.layers} heads={args.heads} seq={args.seq} vocab={VOCAB}: "
+        f"{n_params:,} parameters; batch {args.batch} = {m} microbatches, {args.schedule} schedule",
+        quiet=quiet,
+    )
+    C.say(f"peak {peak / 1e9:.1f} GFLOP/s ({C.flops_note(args, mesh)}), {args.dtype}", quiet=quiet)
+
+    step_fn = build_step(mesh, SCHEDULES[args.schedule](s, m), args.heads, args.layers // s)
+    params = init_params(args, mesh, dtype)
+    warmup = min(args.warmup, args.steps // 2)
+    lr = fo.warmup_cosine(args.lr, warmup, args.steps, end=args.lr / 10)
+    opt = fo.chain(fo.clip_by_global_norm(args.clip), fo.adamw(lr, b2=0.95, weight_decay=args.weight_decay))
+    layout = fo.zero_layout(params, mesh, SPECS, stage=0, data_axis=DATA)  # stage 0: plain data parallel
+    params, opt_state = fo.zero_init(opt, params, layout)
+    update = fo.zero_update(opt, layout)  # AdamW on every device's blocks, inside fpar.shard
+    state_specs = layout.state_specs(opt)
+    if mesh.backend == "dist":
+        # On a real mesh the executor returns the embedding's gradient only on stage 0 and the
+        # head's only on the last stage (zeros elsewhere): sum them over the pipeline so every
+        # stage holds the whole gradient (and the clipping norm agrees everywhere).
+        ends = {"first": FIRST_SPECS, "last": LAST_SPECS}
+        pipe_sum = fpar.shard(lambda g: fpar.psum(fpar.pvary(g, PIPE), PIPE), mesh, (ends,), ends)
+
+    start, losses = 0, []
+    if args.resume and fpar.checkpoint.latest_step(ckpt_dir) is not None:
+        start, params, opt_state, losses = C.restore(ckpt_dir, params, opt_state, mesh, SPECS, state_specs)
+        C.say(f"resumed from {ckpt_dir} at step {start}", quiet=quiet)
+    elif args.resume:
+        C.say(f"--resume: no checkpoint in {ckpt_dir}; starting at step 0", quiet=quiet)
+    stop = min(args.steps, args.stop_after or args.steps)
+
+    # --- Training loop -------------------------------------------------------------------------
+    bar = C.Bar(args.steps, start, enabled=not quiet)
+    p2p = C.p2p_bytes(mesh, args.batch // mesh.shape[DATA], args.seq * args.d_model, dtype.itemsize)
+    seconds, comm = [], {}
+    for step in range(start, stop):
+        ids_BT, targets_BT = batch_at(train_N, step, args.batch, args.seq, args.seed)
+        xs_MBT = fpar.device_put(ids_BT.unflatten(0, (m, -1)), mesh, P(None, DATA))  # this process's rows
+        ys_MBT = fpar.device_put(targets_BT.unflatten(0, (m, -1)), mesh, P(None, DATA))
+        fpar.reset_comm_stats()
+        t0 = time.perf_counter()
+        res = step_fn(params, xs_MBT, ys_MBT)  # loss and gradients of the whole model
+        grads = res.grads
+        if mesh.backend == "dist":
+            grads = {**grads, **pipe_sum({"first": grads["first"], "last": grads["last"]})}
+        params, opt_state = update(grads, opt_state, params)
+        seconds.append(time.perf_counter() - t0)
+        comm = C.comm_bytes(p2p)
+        losses.append(res.loss.item())
+        tok_s = tokens_per_step / seconds[-1]
+        util = C.mfu(flops_per_token * tokens_per_step, seconds[-1], peak)
+        bar.update(step, f"loss {losses[-1]:.3f} {C.fmt_si(tok_s)} tok/s")
+        if (step + 1) % args.log_every == 0 or step == start or step + 1 == stop:
+            bar.write(
+                f"step {step + 1:4d}/{args.steps} | loss {losses[-1]:.4f} | {C.fmt_si(tok_s)} tok/s | "
+                f"MFU {100 * util:.2f}% | {1000 * seconds[-1]:.0f} ms | sent {C.fmt_bytes(sum(comm.values()))}"
+            )
+        if step == start:
+            bar.write(f"bytes sent per step, per mesh axis: {C.fmt_comm(comm)}; {C.COMM_NOTE[mesh.backend]}")
+        if step + 1 == args.steps or (args.ckpt_every and (step + 1) % args.ckpt_every == 0):
+            C.save(ckpt_dir, step + 1, params, opt_state, losses, mesh, SPECS, state_specs)
+    bar.close()
+
+    # --- Summary, evaluation, plot ---------------------------------------------------------------
+    timed = seconds[1:] or seconds  # the first step pays one-off costs
+    mean_s = sum(timed) / len(timed) if timed else math.nan
+    result = Result(
+        losses,
+        sum(seconds),
+        tokens_per_step / mean_s,
+        C.mfu(flops_per_token * tokens_per_step, mean_s, peak),
+        comm,
+    )
+    if seconds:
+        C.say(
+            f"{len(seconds)} steps in {sum(seconds):.1f} s: loss {losses[start]:.3f} -> {losses[-1]:.3f} "
+            f"(uniform guess {math.log(VOCAB):.3f}); {C.fmt_si(result.tokens_per_s)} tokens/s, "
+            f"MFU {100 * result.mfu:.2f}%",
+            quiet=quiet,
+        )
+        C.say(
+            f"bytes sent per step, per mesh axis: {C.fmt_comm(comm)}; {C.COMM_NOTE[mesh.backend]}",
+            quiet=quiet,
+        )
+    whole = fpar.gather(params, mesh, SPECS)  # every process gets the whole model (tiny)
+    if not quiet and C.rank() == 0:
+        evaluate(args, as_gpt(whole), val_N)
+    if args.plot != "none" and losses and not quiet:
+        C.plot_losses(losses, args.plot or f"{ckpt_dir}/loss.png", f"train_gpt {dict(mesh.shape)}")
+    return result
+
+
+def evaluate(args, gpt: dict, val_N: torch.Tensor) -> None:
+    """Held-out loss and a sample, with ``fpar.ops.gpt`` unpipelined on one in-process device."""
+    one = fpar.make_mesh((1, 1), (DATA, TENSOR), backend="local")
+    specs = ops.gpt_specs(args.layers, TENSOR, tied=False)
+    logits = fpar.shard(
+        lambda p, ids: ops.gpt(p, ids, axis=TENSOR, n_heads=args.heads),
+        one,
+        (specs, P()),
+        P(None, None, TENSOR),
+    )
+    with torch.no_grad():
+        total = 0.0
+        for i in range(4):
+            ids_BT, targets_BT = batch_at(val_N, i, args.batch, args.seq, args.seed + 1)
+            total += torch.nn.functional.cross_entropy(
+                logits(gpt, ids_BT).flatten(0, 1), targets_BT.flatten()
+            ).item()
+        print(f"held-out loss {total / 4:.4f} (last 5% of the corpus)")
+        if args.sample > 0:
+            g = torch.Generator().manual_seed(0)
+            ids = list(args.prompt.encode())
+            for _ in range(args.sample):
+                last_V = logits(gpt, torch.tensor([ids[-args.seq :]]))[0, -1].double()
+                ids.append(torch.multinomial(torch.softmax(last_V / 0.8, -1), 1, generator=g).item())
+            print("sample (temperature 0.8):\n" + bytes(ids).decode("utf-8", errors="replace"))
+
+
+if __name__ == "__main__":
+    main()

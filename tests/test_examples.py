@@ -1,0 +1,124 @@
+"""The flagship examples (examples/train_gpt.py, examples/train_vit.py), run in-process on tiny sizes.
+
+Each example's ``main(argv)`` returns its per-step losses.  The parallel run (pipeline=2 x
+data=2 x tensor=2 on 8 in-process devices) must train exactly like ``--single-device`` (float
+tolerance), and resuming from a checkpoint must reproduce the uninterrupted run bit for bit.
+The torchrun path of the same files is checked by hand (see the examples' docstrings).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import train_gpt  # noqa: E402
+import train_vit  # noqa: E402
+
+MODULES = {"gpt": train_gpt, "vit": train_vit}
+STEPS = 4
+
+
+def run(name: str, tmp_path: Path, *extra: str, steps: int = STEPS, sub: str = "run"):
+    argv = ["--tiny", "--steps", str(steps), "--warmup", "1", "--quiet", "--plot", "none", "--threads", "0"]
+    argv += ["--ckpt-dir", str(tmp_path / sub), "--ckpt-every", "0", *extra]
+    return MODULES[name].main(argv)
+
+
+def assert_close(a: list, b: list, rtol: float = 1e-4) -> None:
+    torch.testing.assert_close(
+        torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64), rtol=rtol, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("name", ["gpt", "vit"])
+def test_parallel_equals_single_device(name, tmp_path):
+    par = run(name, tmp_path, sub="par")
+    one = run(name, tmp_path, "--single-device", sub="one")
+    assert len(par.losses) == len(one.losses) == STEPS
+    assert_close(par.losses, one.losses)
+    assert par.losses[-1] < par.losses[0]  # it learns
+    # bytes moved: tensor and data collectives, and the pipeline's sends; none on one device
+    assert par.comm["tensor"] > 0 and par.comm["data"] > 0 and par.comm["pipeline p2p"] > 0
+    assert sum(one.comm.values()) == 0
+    assert par.mfu > 0 and math.isfinite(par.mfu)
+
+
+@pytest.mark.parametrize("name", ["gpt", "vit"])
+def test_resume_reproduces_the_uninterrupted_run_exactly(name, tmp_path):
+    straight = run(name, tmp_path, sub="straight")
+    half = STEPS // 2
+    first = run(name, tmp_path, "--ckpt-every", str(half), "--stop-after", str(half), sub="resumed")
+    assert len(first.losses) == half
+    resumed = run(name, tmp_path, "--resume", sub="resumed")
+    assert resumed.losses == straight.losses  # bit for bit: data order is a function of the step
+
+
+def test_resume_on_another_layout(tmp_path):
+    # the checkpoint holds the model's layout (layers stacked, split over "pipeline"), so a run
+    # saved on pipeline=2 x data=2 x tensor=2 continues on one device, and on tensor=4
+    straight = run("gpt", tmp_path, sub="straight")
+    run("gpt", tmp_path, "--ckpt-every", "2", "--stop-after", "2", sub="ckpt")
+    for i, layout in enumerate((["--single-device"], ["--parallel", "pipeline=1,data=2,tensor=2"])):
+        d = tmp_path / f"copy{i}"
+        import shutil
+
+        shutil.copytree(tmp_path / "ckpt", d)
+        resumed = run("gpt", tmp_path, "--resume", *layout, sub=f"copy{i}")
+        assert_close(resumed.losses, straight.losses)
+
+
+def test_config_and_schedules_are_the_same_model(tmp_path):
+    ref = run("gpt", tmp_path, steps=2, sub="ref")
+    config = run(
+        "gpt", tmp_path, "--config", "dict(pipeline=2, tensor=dict(size=2, mode='1d'))", steps=2, sub="c"
+    )
+    assert config.losses == ref.losses  # the same mesh, from fpar.mesh_from_config
+    for schedule in ("gpipe", "zb"):
+        assert_close(run("gpt", tmp_path, "--schedule", schedule, steps=2, sub=schedule).losses, ref.losses)
+    assert_close(
+        run("vit", tmp_path, "--parallel", "pipeline=1,data=4,tensor=2", steps=2, sub="v").losses,
+        run("vit", tmp_path, "--single-device", steps=2, sub="v1").losses,
+    )
+
+
+def test_parse_parallel_and_config():
+    import _common
+
+    assert _common.parse_parallel("pipeline=2,data=-1, tensor=4") == {"pipeline": 2, "data": -1, "tensor": 4}
+    assert _common.parse_parallel("pp=1,dp=2,tp=2") == {"pipeline": 1, "data": 2, "tensor": 2}
+    with pytest.raises(SystemExit, match="--parallel"):
+        _common.parse_parallel("pipe=two")
+    assert _common.parse_config("dict(pipeline=2, tensor=dict(size=4, mode='1d'))") == {
+        "pipeline": 2,
+        "tensor": {"size": 4, "mode": "1d"},
+    }
+    assert _common.parse_config("parallel = {'tensor': 2}") == {"tensor": 2}
+    with pytest.raises(ValueError):
+        _common.parse_config("dict(pipeline=__import__('os').getpid())")
+
+
+def test_verbose_run_prints_meters_and_writes_the_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "loss.png"
+    argv = ["--tiny", "--steps", "3", "--warmup", "1", "--threads", "0", "--log-every", "1", "--sample", "8"]
+    train_gpt.main(argv + ["--ckpt-dir", str(tmp_path / "run"), "--plot", str(png)])
+    out = capsys.readouterr().out
+    for text in (
+        "tok/s",
+        "MFU",
+        "bytes sent per step",
+        "pipeline p2p",
+        "held-out loss",
+        "sample",
+        "loss curve",
+    ):
+        assert text in out
+    assert png.stat().st_size > 0
+    assert train_vit.main(argv[:-2] + ["--ckpt-dir", str(tmp_path / "vit"), "--plot", "none"]).accuracy > 0
