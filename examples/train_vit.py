@@ -220,9 +220,6 @@ def main(argv=None) -> Result:
     params, opt_state = fo.zero_init(opt, params, layout)
     update = fo.zero_update(opt, layout)  # AdamW on every device's blocks, inside fpar.shard
     state_specs = layout.state_specs(opt)
-    if mesh.backend == "dist":  # the embedding's / head's gradients live on the first / last stage
-        ends = {"first": FIRST_SPECS, "last": LAST_SPECS}
-        pipe_sum = fpar.shard(lambda g: fpar.psum(fpar.pvary(g, PIPE), PIPE), mesh, (ends,), ends)
 
     start, losses = 0, []
     if args.resume and fpar.checkpoint.latest_step(ckpt_dir) is not None:
@@ -244,8 +241,6 @@ def main(argv=None) -> Result:
         t0 = time.perf_counter()
         res = step_fn(params, xs_MB64, ys_MB)
         grads = res.grads
-        if mesh.backend == "dist":
-            grads = {**grads, **pipe_sum({"first": grads["first"], "last": grads["last"]})}
         params, opt_state = update(grads, opt_state, params)
         seconds.append(time.perf_counter() - t0)
         comm = C.comm_bytes(p2p)

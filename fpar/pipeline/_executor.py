@@ -49,7 +49,7 @@ class StepResult(NamedTuple):
     Attributes:
       loss: the mean over microbatches of ``loss``'s value (on a real mesh: on every rank).
       grads: the gradient of ``loss`` w.r.t. ``params``, the same structure (on a real mesh:
-        this rank's blocks; ``first``/``last`` are zeros on ranks that do not use them).
+        this rank's blocks; ``first``/``last``, replicated over the pipe axis, on every rank).
       stats: what the executor ran, per stage (on a real mesh: gathered from every stage).
     """
 
@@ -428,10 +428,32 @@ class _DistDriver:
         wall = time.perf_counter() - start
         loss, stats = self._finish(st, wall, _dist)
         grads = {"stages": tree_unflatten(tree_flatten(stacked)[1], _stack_local(st.grads("stages")))}
+        owners = {"first": 0, "last": (sch.p * sch.v - 1) % sch.p}
         for g in ("first", "last"):
             if g in params:
-                grads[g] = _local_group(st, g, params[g])
+                grads[g] = self._share(_local_group(st, g, params[g]), owners[g])
         return StepResult(loss, grads, stats)
+
+    def _share(self, tree: Any, owner: int) -> Any:
+        """The owning stage's gradient of first/last params on every stage.
+
+        Those parameters are replicated over the pipe axis (only one stage uses them), so, as for
+        any replicated value, every rank holds the same, full gradient.
+        """
+        if tree is None or self.schedule.p == 1:
+            return tree
+        leaves, treedef = tree_flatten(tree)
+        tensors = [i for i, t in enumerate(leaves) if isinstance(t, Tensor)]
+        if self.me == owner:
+            peers = [q for q in range(self.schedule.p) if q != owner]
+            _dist.p2p(self.mesh, self.axis, [(leaves[i], q) for q in peers for i in tensors], [])
+            return tree
+        got = _dist.p2p(
+            self.mesh, self.axis, [], [(tuple(leaves[i].shape), leaves[i].dtype, owner) for i in tensors]
+        )
+        for i, t in zip(tensors, got):
+            leaves[i] = t
+        return tree_unflatten(treedef, leaves)
 
     def _exchange(self, actions: list, st: _Stage, _dist) -> list:
         """Post this tick's sends and receives (after shape headers, if any); return the sends."""
