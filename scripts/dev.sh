@@ -21,7 +21,7 @@ setup() {
 
 case "${1:-}" in
   setup) setup ;;
-  example) setup; .venv/bin/python examples/mlp_digits.py "${@:2}" ;;
+  example) setup; .venv/bin/python examples/train_gpt.py "${@:2}" ;;
   test) setup; .venv/bin/python -m pytest "${@:2}" ;;
   *) echo "usage: bash scripts/dev.sh {setup|example|test} [args...]" >&2; exit 2 ;;
 esac
