@@ -440,10 +440,11 @@ class DistBackend:
             + "; ".join(f"rank {r}: {by_rank[r]}" for r in sorted(by_rank))
         )
 
-    def token_and_index(self) -> tuple[Tensor, list[Tensor]]:
+    def token_and_index(self, device=None) -> tuple[Tensor, list[Tensor]]:
+        """The mesh token (size 1 per level) and this rank's coordinates, on the inputs' device."""
         names = self.mesh.axis_names
-        token = torch.zeros((1,) * len(names))
-        return token, [torch.tensor([self.mg.coords[a]]) for a in names]
+        token = torch.zeros((1,) * len(names), device=device)
+        return token, [torch.tensor([self.mg.coords[a]], device=device) for a in names]
 
     def exchange(self, op, x: Tensor) -> Tensor:
         k = len(op.explicit)

@@ -168,8 +168,10 @@ class LocalBackend:
     def before(self, call, checked) -> None:
         pass  # one process: nothing to agree on
 
-    def token_and_index(self) -> tuple[Tensor, list[Tensor]]:
-        return torch.zeros(self.mesh.axis_sizes), [torch.arange(n) for n in self.mesh.axis_sizes]
+    def token_and_index(self, device=None) -> tuple[Tensor, list[Tensor]]:
+        """The mesh token and each axis's coordinates, on the inputs' device."""
+        token = torch.zeros(self.mesh.axis_sizes, device=device)
+        return token, [torch.arange(n, device=device) for n in self.mesh.axis_sizes]
 
     def output(
         self, t: Tensor, spec: PartitionSpec, present: list[str], replicated: tuple[str, ...] = ()

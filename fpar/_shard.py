@@ -132,7 +132,8 @@ class _Call:
     def _run(self, backend, views: list[Tensor], labels: list[list]) -> Any:
         from ._mode import ShardMode
 
-        token, index = backend.token_and_index()
+        device = views[0].device if views else None
+        token, index = backend.token_and_index(device)
         level_dims = []
         labels = [list(lab) for lab in labels]
         for i, a in enumerate(self.axes):

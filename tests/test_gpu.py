@@ -1,0 +1,54 @@
+"""GPU tier: the same programs on CUDA tensors (in-process) and over NCCL (real mesh).
+
+Skipped without CUDA: the CPU tiers cover the semantics; this tier checks the device paths.
+"""
+
+import pytest
+import torch
+
+import fpar
+from fpar import P
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _megatron_loss(params, x, y):
+    h = torch.relu(x @ params["w1"])
+    out = fpar.psum(h @ params["w2"], "tensor")
+    mask = (fpar.axis_index("data") >= 0).to(out.dtype)  # axis_index on the inputs' device
+    return fpar.pmean((((out - y) ** 2) * mask).mean(), "data")
+
+
+def test_in_process_mesh_on_cuda_equals_cpu():
+    torch.manual_seed(0)
+    mesh = fpar.make_mesh((2, 2), ("data", "tensor"))
+    specs = {"w1": P(None, "tensor"), "w2": P("tensor", None)}
+    f = fpar.shard(_megatron_loss, mesh, (specs, P("data"), P("data")), P())
+    params = {"w1": torch.randn(8, 16, dtype=torch.float64), "w2": torch.randn(16, 8, dtype=torch.float64)}
+    x, y = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
+    cpu = torch.func.grad_and_value(f)(params, x, y)
+    cuda = torch.func.grad_and_value(f)({k: v.cuda() for k, v in params.items()}, x.cuda(), y.cuda())
+    torch.testing.assert_close(cuda[1].cpu(), cpu[1])
+    for k in params:
+        torch.testing.assert_close(cuda[0][k].cpu(), cpu[0][k])
+
+
+def _nccl_psum():
+    torch.cuda.set_device(torch.distributed.get_rank())
+    mesh = fpar.make_mesh((2,), ("data",))
+    f = fpar.shard(lambda v: fpar.psum(v * v, "data"), mesh, P("data"), P())
+    v = fpar.device_put(torch.arange(4.0, device="cuda"), mesh, P("data"))
+    return f(v).cpu(), torch.func.grad(lambda b: f(b).sum())(v).cpu()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices for NCCL")
+def test_nccl_real_mesh_equals_in_process():
+    got = fpar.launch(_nccl_psum, 2, backend="nccl", timeout=120)
+    v = torch.arange(4.0)
+    want = (v * v).reshape(2, 2).sum(0)
+    for value, _ in got:
+        torch.testing.assert_close(value, want)
+    torch.testing.assert_close(torch.cat([g for _, g in got]), 2 * v)
