@@ -399,7 +399,13 @@ def pvary(x: Any, axis_name: AxisName) -> Any:
     as JAX does, so users rarely call it.
     """
     frame, axes = _bound("pvary", axis_name)
-    return tree_map(lambda t: _pvary(frame, t, axes, explicit=True), x)
+    n = frame.mesh.axis_size(axes)
+
+    def one(t: Tensor) -> Tensor:
+        stats.count_transpose(t, "pvary", axes, n)
+        return _Collective.apply(t, frame.token, Op("pvary", axes))
+
+    return tree_map(one, x)
 
 
 def implicit_pvary(frame: Frame, t: Tensor, axes: tuple[str, ...]) -> Tensor:
@@ -471,13 +477,6 @@ class _SumCotangent(torch.autograd.Function):
         if level == min(frames()[-1].levels):
             return sum_cotangent(x, axes), in_dims[0]
         return _SumCotangent.apply(x, token, sum_cotangent, axes), in_dims[0]
-
-
-def _pvary(frame: Frame, t: Tensor, axes: tuple[str, ...], *, explicit: bool) -> Tensor:
-    stats.count_transpose(t, "pvary", axes, frame.mesh.axis_size(axes))
-    if explicit:
-        t = _Collective.apply(t, frame.token, Op("pvary", axes))
-    return t
 
 
 def axis_index(axis_name: AxisName) -> Tensor:

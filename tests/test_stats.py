@@ -77,3 +77,37 @@ def test_tuple_axes_keyed_in_written_order_and_reset():
     assert fpar.comm_stats() == {"y,x": {"psum": {"calls": 1, "bytes": _ring_allreduce(4, 4)}}}
     fpar.reset_comm_stats()
     assert fpar.comm_stats() == {}
+
+
+# pvary: replicated -> varying; its transpose sums over the axis ------------------------------------
+
+
+def test_pvary_makes_a_replicated_value_varying():
+    mesh = fpar.make_mesh((2,), ("i",))
+    w = torch.arange(3.0)
+    with pytest.raises(fpar.ReplicationError, match="varies over mesh axis 'i'"):
+        fpar.shard(lambda w: fpar.pvary(w, "i"), mesh, P(), P())(w)
+    out = fpar.shard(lambda w: fpar.pvary(w, "i")[None], mesh, P(), P("i"))(w)
+    torch.testing.assert_close(out, torch.stack([w, w]))
+
+
+def test_pvary_transpose_sums_over_the_axis():
+    mesh = fpar.make_mesh((4,), ("i",))
+    w, x = torch.randn(3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    f = fpar.shard(lambda w, x: (fpar.pvary(w, "i") * x).sum(0, keepdim=True), mesh, (P(), P("i")), P("i"))
+    grad = torch.func.grad(lambda w: f(w, x).sum())(w)
+    torch.testing.assert_close(grad, x.sum(0))  # the sum of every device's contribution
+
+
+def test_pvary_before_an_inner_grad_gives_the_per_device_gradient():
+    # The JAX recipe (pcast to varying) for jax-ml/jax#36886: mark the parameter varying first.
+    mesh = fpar.make_mesh((4,), ("i",))
+    w, x = torch.randn(3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+
+    def per_device(w, x):
+        local = torch.func.grad(lambda w: (w * x).sum())
+        return local(fpar.pvary(w, "i"))[None], local(w)
+
+    varying, summed = fpar.shard(per_device, mesh, (P(), P("i")), (P("i"), P()))(w, x)
+    torch.testing.assert_close(varying, x)  # device k: its own x_k
+    torch.testing.assert_close(summed, x.sum(0))  # without pvary: the psum, as in JAX
