@@ -94,6 +94,16 @@ def all_to_all(n: int, nbytes: int) -> int:
     return (n - 1) * nbytes // n
 
 
+def sharded(layer, mesh_, in_specs, out_specs, **kw):
+    """``fpar.shard`` of ``layer`` with ``axis="tensor"`` (the ops tests' mesh axis)."""
+
+    def per_device(*args):
+        return layer(*args, axis="tensor", **kw)
+
+    per_device.__name__ = layer.__name__
+    return fpar.shard(per_device, mesh_, in_specs=in_specs, out_specs=out_specs)
+
+
 def block_shapes(tree, specs, mesh_: fpar.Mesh) -> dict:
     """The per-device block shape of every leaf, seen from inside ``fpar.shard``."""
     seen = {}

@@ -21,6 +21,7 @@ from opstest import (
     mesh,
     randn,
     randomize,
+    sharded,
     traffic,
 )
 
@@ -29,14 +30,6 @@ import fpar.ops as ops
 from fpar import P
 
 SIZES = st.sampled_from([1, 2, 4])
-
-
-def sharded(layer, mesh_, in_specs, out_specs, **kw):
-    def per_device(*args):
-        return layer(*args, axis="tensor", **kw)
-
-    per_device.__name__ = layer.__name__
-    return fpar.shard(per_device, mesh_, in_specs=in_specs, out_specs=out_specs)
 
 
 # Values and gradients ---------------------------------------------------------------------------
