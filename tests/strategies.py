@@ -1,5 +1,8 @@
 """Hypothesis strategies: meshes, specs that fit shapes, and random collective programs.
 
+Meshes and spec entries come from the public kit (``fpar.testing.strategies``); this file adds
+what only fpar's own tests need: shapes drawn with their specs, and random collective programs.
+
 A *mesh* is an ordered ``{name: size}`` dict (1–8 devices, 1–3 axes). A *program* is a
 :class:`Program`: a list of steps applied to one local block ``x`` (optionally first multiplied by a
 replicated parameter ``w``), generated so that every step's shape preconditions hold. While drawing,
@@ -18,6 +21,9 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
+from fpar.testing import strategies as fst
+from fpar.testing.strategies import spec_entries
+
 AXIS_NAME_SETS = (("a", "b", "c"), ("x", "y", "z"))
 MAX_NUMEL = 192  # keep blocks small: the suite must stay fast on 2 cores
 MAX_RANK = 4
@@ -28,51 +34,10 @@ MAX_RANK = 4
 
 
 @st.composite
-def meshes(draw, max_devices: int = 8, max_axes: int = 3, min_axes: int = 1) -> dict[str, int]:
-    """An ordered ``{name: size}`` with product <= max_devices (size-1 axes included)."""
+def meshes(draw, max_devices: int = 8) -> dict[str, int]:
+    """An ordered ``{name: size}`` (the reference's mesh) drawn by ``fpar.testing.strategies.meshes``."""
     pool = draw(st.sampled_from(AXIS_NAME_SETS))
-    n_axes = draw(st.integers(min_axes, max_axes))
-    names = draw(st.permutations(pool))[:n_axes]
-    sizes = []
-    remaining = max_devices
-    for _ in names:
-        size = draw(st.sampled_from([s for s in (2, 1, 3, 4) if s <= remaining]))
-        sizes.append(size)
-        remaining //= size
-    return dict(zip(names, sizes))
-
-
-def _entry(names: list[str], as_tuple: bool):
-    if not names:
-        return None
-    if len(names) == 1 and not as_tuple:
-        return names[0]
-    return tuple(names)
-
-
-@st.composite
-def spec_entries(draw, mesh: dict[str, int], rank: int, *, require: frozenset = frozenset(), allow_trim=True):
-    """Spec entries for a value of ``rank``: each mesh axis on at most one dim (or unmentioned).
-
-    Axes in ``require`` are always mentioned (needs rank >= 1). Tuple entries have a random order;
-    trailing ``None`` entries are dropped at random.
-    """
-    per_dim: list[list[str]] = [[] for _ in range(rank)]
-    for axis in draw(st.permutations(list(mesh))):
-        choices = list(range(rank)) if axis in require else [-1] + list(range(rank))
-        d = draw(st.sampled_from(choices))
-        if d >= 0:
-            per_dim[d].append(axis)
-    entries = [_entry(names, draw(st.booleans()) if len(names) == 1 else True) for names in per_dim]
-    if allow_trim:
-        n_trailing_none = 0
-        for e in reversed(entries):
-            if e is not None:
-                break
-            n_trailing_none += 1
-        drop = draw(st.integers(0, n_trailing_none))
-        entries = entries[: len(entries) - drop]
-    return tuple(entries)
+    return dict(draw(fst.meshes(max_devices, axis_names=pool)).shape)
 
 
 def names_of(entry: Any) -> tuple[str, ...]:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from opstest import (
     FEW,
     ITEM,
+    Sharded,
     all_gather,
     all_reduce,
     assert_tree_close,
@@ -49,9 +50,10 @@ def test_gpt_block(n, sp, k, tb):
     x = randn(2, n * tb, d, seed=1)
     layer = ops.sp_gpt_block if sp else ops.gpt_block
     spec = SEQ if sp else P()
-    f = fpar.shard(
-        lambda p, x: layer(p, x, axis="tensor", n_heads=n_heads), mesh(n), (ops.gpt_block_specs(), spec), spec
-    )
+    def block(p, x):
+        return layer(p, x, axis="tensor", n_heads=n_heads)
+
+    f = Sharded(block, mesh(n), (ops.gpt_block_specs(), spec), spec)
     check_values_and_grads(f, lambda p, x: ref.gpt_block(p, x, n_heads), (p, x), (0, 1))
 
 
@@ -76,7 +78,7 @@ def test_gpt_loss(n, data, sp, tied, v, tb):
     def loss(p, ids, targets):
         return ops.gpt_loss(p, ids, targets, axis="tensor", n_heads=n_heads, sequence_parallel=sp)
 
-    f = fpar.shard(loss, mesh(n, data), (ops.gpt_specs(1, tied=tied), batch, batch), batch)
+    f = Sharded(loss, mesh(n, data), (ops.gpt_specs(1, tied=tied), batch, batch), batch)
     check_values_and_grads(f, lambda p, i, tg: ref.gpt_loss(p, i, tg, n_heads), (p, ids, targets), 0)
 
 
