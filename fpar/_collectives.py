@@ -65,6 +65,14 @@ class Frame:
     levels: dict[int, str] = dataclasses.field(default_factory=dict)  # vmap level -> axis
     token: Tensor | None = None  # batched at every mesh level: makes vmap call our rules
     index: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # coordinate per axis
+    inputs: dict[int, str] = dataclasses.field(default_factory=dict)  # in-process: storage -> "args[0]"
+
+    def release(self) -> None:
+        """Drop the call's tensors once it returns (the frame may outlive it in a reference cycle)."""
+        self.pvaried.clear()
+        self.index = {}
+        self.inputs = {}
+        self.token = None
 
 
 _ENV = threading.local()

@@ -45,10 +45,11 @@ from ._collectives import Frame, implicit_pvary
 from ._registry import INTERNAL, internal
 from ._tree import tree_flatten, tree_unflatten
 
-__all__ = ["ShardMode", "batched_levels"]
+__all__ = ["ShardMode", "batched_levels", "storage_of"]
 
 Tensor = torch.Tensor
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm}
+_MM = {torch.mm, torch.Tensor.mm}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,19 +112,78 @@ class ShardMode(TorchFunctionMode):
             return func(*args, **kwargs)  # fpar's own Functions: the token is not an operand
         if func in _NOT_OPS:
             return func(*args, **kwargs)  # their tensors are references (autograd inputs), not operands
+        if self.frame.inputs:
+            self._check_in_place(func, args, kwargs)
         if self.frame.levels:
             args, kwargs = self._pvary_mixed(args, kwargs)
         if self.fold:
-            if func in _MATMULS and not kwargs and self._ours(*args):
+            if func in _MATMULS and not kwargs and len(args) == 2 and self._ours(*args):
+                if func in _MM and (args[0].dim() != 2 or args[1].dim() != 2):
+                    return func(*args)  # torch.mm takes matrices only: let torch raise
                 return _FoldedMatmul.apply(args[0], args[1], self.frame.token, self.frame, _Labels())
-            if func is torch.Tensor.__rmatmul__ and not kwargs and self._ours(args[1], args[0]):
+            if func is torch.Tensor.__rmatmul__ and not kwargs and len(args) == 2 and self._ours(args[1], args[0]):
                 return _FoldedMatmul.apply(args[1], args[0], self.frame.token, self.frame, _Labels())
-            if func is F.linear and self._ours(args[0], args[1]):
-                weight = args[1]
-                bias = args[2] if len(args) > 2 else kwargs.get("bias")
-                out = _FoldedMatmul.apply(args[0], weight.t(), self.frame.token, self.frame, _Labels())
-                return out if bias is None else out + bias
+            if func is F.linear:
+                folded = self._linear(args, kwargs)
+                if folded is not None:
+                    return folded
         return func(*args, **kwargs)
+
+    def _linear(self, args, kwargs) -> Tensor | None:
+        """``F.linear`` in any call form, as torch computes it; ``None``: leave the call to torch.
+
+        functorch's batching rule for ``linear`` decomposes it into a matmul and an add below
+        autocast, so under autocast a float32 bias would promote the result back to float32, and
+        outside it a bias of another dtype would be promoted instead of rejected.  Here autocast's
+        cast is applied first (floating operands other than float64 to the autocast dtype, as
+        torch's autocast does), mixed dtypes raise torch's error, and the matmul is folded.
+        """
+        names = ("input", "weight", "bias")
+        if len(args) > 3 or set(kwargs) - set(names[len(args) :]):
+            return None  # torch reports the bad call
+        bound = dict(zip(names, args), **kwargs)
+        x, weight, bias = bound.get("input"), bound.get("weight"), bound.get("bias")
+        if not all(isinstance(t, Tensor) for t in (x, weight)) or not isinstance(bias, (Tensor, type(None))):
+            return None
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight, bias = (
+                t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+                for t in (x, weight, bias)
+            )
+        dtypes = [t.dtype for t in (x, weight, bias) if t is not None]
+        if len(set(dtypes)) > 1:
+            raise RuntimeError(
+                f"fpar.shard({self.frame.fname}): F.linear got input, weight"
+                f"{', bias' if bias is not None else ''} of dtypes {', '.join(map(str, dtypes))}; "
+                f"torch requires one dtype (cast them, or run under torch.autocast)."
+            )
+        if not self._ours(x, weight) or weight.dim() > 2:
+            return F.linear(x, weight, bias)
+        out = _FoldedMatmul.apply(x, weight.t(), self.frame.token, self.frame, _Labels())
+        return out if bias is None else out + bias
+
+    def _check_in_place(self, func, args, kwargs) -> None:
+        """Refuse an in-place op on an input: in-process the inputs are views of the caller's tensors."""
+        name = getattr(func, "__name__", "")
+        targets = []
+        if (name.endswith("_") and not name.startswith("__")) or name in _IN_PLACE_DUNDERS:
+            targets.append(args[0] if args else None)
+        elif kwargs.get("inplace") is True:
+            targets.append(args[0] if args else kwargs.get("input"))
+        out = kwargs.get("out")
+        targets.extend(out if isinstance(out, (tuple, list)) else [out])
+        for t in targets:
+            if not isinstance(t, Tensor):
+                continue
+            where = self.frame.inputs.get(storage_of(t))
+            if where is not None:
+                raise RuntimeError(
+                    f"fpar.shard({self.frame.fname}): {name} writes in place into {where} (or a view "
+                    f"of it). In-process the inputs are views of your global tensors, so this would "
+                    f"change the caller's tensor. Use the out-of-place form (y = x + 1 rather than "
+                    f"x += 1), or copy first (x = x.clone())."
+                )
 
     def _pvary_mixed(self, args, kwargs):
         """Pvary every float tensor argument replicated over an axis another argument varies over."""
@@ -171,6 +231,25 @@ _NOT_OPS = {
 """Functions whose tensor arguments must reach them as they are: rewriting ``inputs`` of
 ``torch.autograd.grad`` (which ``torch.func.grad`` calls) would ask for the gradient of a
 tensor that is not in the graph."""
+
+
+_IN_PLACE_DUNDERS = frozenset(
+    "__setitem__ __iadd__ __isub__ __imul__ __itruediv__ __ifloordiv__ __imod__ __ipow__ "
+    "__iand__ __ior__ __ixor__ __ilshift__ __irshift__ __imatmul__".split()
+)
+
+
+def storage_of(t: Tensor) -> int:
+    """The data pointer of the plain tensor under any functorch wrappers (0 for none)."""
+    while True:
+        level = maybe_get_level(t)
+        if level == -1:
+            break
+        t = get_unwrapped(t) if is_batchedtensor(t) else _unwrap_for_grad(t, level)
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:  # a tensor without storage (e.g. a user's tensor subclass)
+        return 0
 
 
 def _count_tensors(values) -> int:

@@ -23,9 +23,9 @@ from torch._C._functorch import maybe_current_level
 from ._collectives import Frame, frames
 from ._errors import ReplicationError, SpecError
 from ._mesh import Mesh
-from ._mode import batched_levels
+from ._mode import batched_levels, storage_of
 from ._spec import PartitionSpec, check_spec
-from ._tree import broadcast_prefix, keystr, tree_flatten_with_path, tree_unflatten
+from ._tree import broadcast_prefix, keystr, tree_flatten_with_path, tree_map, tree_unflatten
 
 __all__ = ["shard"]
 
@@ -44,7 +44,10 @@ def shard(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any, *, check_rep: 
     ``.backward()``) gives exactly the derivative of the global function.
 
     Args:
-      f: the per-device function, taking positional arguments.
+      f: the per-device function.  Keyword arguments of the sharded function reach it as
+        keyword arguments: tensors in them are replicated (every device sees the whole tensor, as
+        if their spec were ``P()``) and other values passed through; pass a tensor positionally
+        to give it a spec.
       mesh: the mesh, from ``fpar.make_mesh``.
       in_specs: a pytree prefix of the argument tuple whose leaves are ``fpar.P`` (how to split the
         tensors below it) or ``None`` (pass the argument through untouched, e.g. a Python object).
@@ -77,14 +80,31 @@ def shard(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any, *, check_rep: 
     @functools.wraps(f)
     def sharded(*args: Any, **kwargs: Any) -> Any:
         if kwargs:
-            raise TypeError(
-                f"fpar.shard({fname}): got keyword arguments {sorted(kwargs)}; a sharded function "
-                f"takes positional arguments only (their specs are matched by position)."
-            )
+            return _with_kwargs(f, fname, mesh, in_specs, out_specs, bool(check_rep), args, kwargs)
         call = _Call(f, fname, mesh, in_specs, out_specs, bool(check_rep))
         return call.run(args)
 
     return sharded
+
+
+def _with_kwargs(f, fname, mesh, in_specs, out_specs, check_rep, args: tuple, kwargs: dict) -> Any:
+    """Call with keyword arguments: every tensor in them is replicated (``P()``), the rest static.
+
+    As with a closed-over value in ``jax.shard_map``, each device sees the whole tensor; split
+    tensors are passed positionally, where ``in_specs`` gives their specs.  The keyword tree
+    travels as one extra positional argument whose spec is ``P()`` per tensor, ``None`` per
+    other value.
+    """
+    _prefix(fname, "in_specs", in_specs, args, "the positional arguments")  # the usual error first
+    arg_specs = tuple([in_specs] * len(args)) if _is_spec(in_specs) else tuple(in_specs)
+    kw_specs = tree_map(lambda v: PartitionSpec() if isinstance(v, Tensor) else None, kwargs)
+
+    def with_kwargs(*flat):
+        return f(*flat[:-1], **flat[-1])
+
+    with_kwargs.__name__ = fname
+    call = _Call(with_kwargs, fname, mesh, (*arg_specs, kw_specs), out_specs, check_rep)
+    return call.run((*args, kwargs))
 
 
 # The in-process run ---------------------------------------------------------------------------
@@ -109,6 +129,7 @@ class _Call:
         paths, leaves, self.treedef = tree_flatten_with_path(args)
         specs = _prefix(self.fname, "in_specs", self.in_specs, args, "the arguments")
         self.static = {}
+        self.inputs = {}  # in-process: the caller's storages, which in-place ops must not touch
         views, labels, checked = [], [], []
         for i, (path, leaf, spec) in enumerate(zip(paths, leaves, specs)):
             where = f"fpar.shard({self.fname}): args{keystr(path)}"
@@ -125,6 +146,8 @@ class _Call:
             views.append(view)
             labels.append(label)
             checked.append((where, spec, leaf))
+            if backend.name == "local" and storage_of(leaf):
+                self.inputs.setdefault(storage_of(leaf), f"args{keystr(path)}")
         self.tensor_slots = [i for i in range(len(leaves)) if i not in self.static]
         backend.before(self, checked)  # a real mesh agrees on shapes here, before any exchange
         return self._run(backend, views, labels)
@@ -149,6 +172,7 @@ class _Call:
             exchange=backend.exchange,
             backend=backend.name,
             sum_cotangent=getattr(backend, "sum_cotangent", None),
+            inputs=self.inputs,
         )
         fn = self._innermost(frame, len(views))
         for i in reversed(range(len(self.axes))):
@@ -168,6 +192,7 @@ class _Call:
             raise
         finally:
             frames().pop()
+            frame.release()
         if self.axes:
             outs = _merge(outs, [self.axes[0] in p for p in self.present])
         return self._assemble(backend, outs)

@@ -186,12 +186,6 @@ def test_bad_partitionspec_entry(make):
         fpar.shard(_ident, mesh_of(IJ), in_specs=make(), out_specs=P())(torch.zeros(2, 2))
 
 
-def test_keyword_arguments_rejected():
-    f = fpar.shard(lambda x, y: x + y, mesh_of(IJ), P(), P())
-    with pytest.raises(TypeError, match="keyword arguments"):
-        f(torch.zeros(2), y=torch.zeros(2))
-
-
 @pytest.mark.parametrize(
     "value",
     [
