@@ -20,12 +20,23 @@ __all__ = ["EXCHANGES", "LocalBackend"]
 Tensor = torch.Tensor
 
 
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+"""Dtypes the reductions accumulate in float32 (fpar's rule, README "Low precision")."""
+
+
 def _reduce(x: Tensor, kind: str) -> Tensor:
+    """Reduce over dim 0.  fp16/bf16 sums and means accumulate in float32 and round once to the
+    input dtype; a mean divides every block by the device count in float32 before summing, so it
+    does not overflow where the mean fits (the real mesh follows the same rule)."""
     if kind == "sum":
         if x.dtype == torch.bool:  # as in JAX: psum of bools counts them
             return x.to(torch.int32).sum(0, dtype=torch.int32)
+        if x.dtype in LOW_PRECISION:
+            return x.sum(0, dtype=torch.float32).to(x.dtype)
         return x.sum(0, dtype=x.dtype)
     if kind == "mean":
+        if x.dtype in LOW_PRECISION:  # each block divided first: bf16 has float32's range
+            return (x.to(torch.float32) / x.shape[0]).sum(0).to(x.dtype)
         return x.sum(0) / x.shape[0] if not x.is_floating_point() else x.mean(0)
     # amax/amin split the gradient evenly between ties, which is the rule fpar promises.
     return x.amax(0) if kind == "max" else x.amin(0)

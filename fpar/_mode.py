@@ -117,12 +117,16 @@ class ShardMode(TorchFunctionMode):
         if self.frame.levels:
             args, kwargs = self._pvary_mixed(args, kwargs)
         if self.fold:
-            if func in _MATMULS and not kwargs and len(args) == 2 and self._ours(*args):
-                if func in _MM and (args[0].dim() != 2 or args[1].dim() != 2):
-                    return func(*args)  # torch.mm takes matrices only: let torch raise
-                return _FoldedMatmul.apply(args[0], args[1], self.frame.token, self.frame, _Labels())
-            if func is torch.Tensor.__rmatmul__ and not kwargs and len(args) == 2 and self._ours(args[1], args[0]):
-                return _FoldedMatmul.apply(args[1], args[0], self.frame.token, self.frame, _Labels())
+            if func in _MATMULS and not kwargs and len(args) == 2:
+                a, b = _autocast(*args)
+                if self._ours(a, b):
+                    if func in _MM and (a.dim() != 2 or b.dim() != 2):
+                        return func(*args)  # torch.mm takes matrices only: let torch raise
+                    return _FoldedMatmul.apply(a, b, self.frame.token, self.frame, _Labels())
+            if func is torch.Tensor.__rmatmul__ and not kwargs and len(args) == 2:
+                b, a = _autocast(*args)
+                if self._ours(a, b):
+                    return _FoldedMatmul.apply(a, b, self.frame.token, self.frame, _Labels())
             if func is F.linear:
                 folded = self._linear(args, kwargs)
                 if folded is not None:
@@ -135,8 +139,8 @@ class ShardMode(TorchFunctionMode):
         functorch's batching rule for ``linear`` decomposes it into a matmul and an add below
         autocast, so under autocast a float32 bias would promote the result back to float32, and
         outside it a bias of another dtype would be promoted instead of rejected.  Here autocast's
-        cast is applied first (floating operands other than float64 to the autocast dtype, as
-        torch's autocast does), mixed dtypes raise torch's error, and the matmul is folded.
+        cast is applied first (``_autocast``), mixed dtypes raise torch's error, and the matmul is
+        folded.
         """
         names = ("input", "weight", "bias")
         if len(args) > 3 or set(kwargs) - set(names[len(args) :]):
@@ -145,12 +149,7 @@ class ShardMode(TorchFunctionMode):
         x, weight, bias = bound.get("input"), bound.get("weight"), bound.get("bias")
         if not all(isinstance(t, Tensor) for t in (x, weight)) or not isinstance(bias, (Tensor, type(None))):
             return None
-        if torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
-            x, weight, bias = (
-                t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
-                for t in (x, weight, bias)
-            )
+        x, weight, bias = _autocast(x, weight, bias)
         dtypes = [t.dtype for t in (x, weight, bias) if t is not None]
         if len(set(dtypes)) > 1:
             raise RuntimeError(
@@ -231,6 +230,23 @@ _NOT_OPS = {
 """Functions whose tensor arguments must reach them as they are: rewriting ``inputs`` of
 ``torch.autograd.grad`` (which ``torch.func.grad`` calls) would ask for the gradient of a
 tensor that is not in the graph."""
+
+
+def _autocast(*tensors):
+    """Apply autocast's cast to matmul operands, as torch's autocast would before the matmul.
+
+    Needed because the folded matmul runs inside an ``autograd.Function`` (a functorch
+    higher-order op), which autocast entered inside the sharded function does not reach.
+    Floating tensors other than float64 go to the autocast dtype of their device.
+    """
+    first = next((t for t in tensors if isinstance(t, Tensor)), None)
+    if first is None or not torch.is_autocast_enabled(first.device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(first.device.type)
+    return tuple(
+        t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64 else t
+        for t in tensors
+    )
 
 
 _IN_PLACE_DUNDERS = frozenset(

@@ -172,16 +172,39 @@ class _Groups:
         return [vals[self.member(key, k)] for k in range(self.size)]
 
 
-def _psum(g: _Groups, vals, key):
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _accumulator(x: torch.Tensor) -> torch.dtype:
+    """The dtype a sum over devices is carried in (fpar's documented rule): float32 for fp16/bf16,
+    int32 for bool (psum of bools counts them, as in JAX), the input dtype otherwise."""
+    if x.dtype in _LOW:
+        return torch.float32
+    if x.dtype == torch.bool:
+        return torch.int32
+    return x.dtype
+
+
+def _total(g: _Groups, vals, key) -> torch.Tensor:
+    """The sum over the group, in the accumulator dtype, added one device at a time."""
     xs = g.gather(vals, key)
-    total = xs[0]
+    total = xs[0].to(_accumulator(xs[0]))
     for x in xs[1:]:
-        total = total + x
+        total = total + x.to(total.dtype)
     return total
 
 
+def _psum(g: _Groups, vals, key):
+    x = vals[key]
+    total = _total(g, vals, key)
+    return total.to(x.dtype) if x.dtype in _LOW else total
+
+
 def _pmean(g, vals, key):
-    return _psum(g, vals, key) / g.size
+    x = vals[key]
+    if x.dtype in _LOW:  # each block divided in float32 first, summed, rounded once: no overflow
+        return _total(g, {k: v.to(torch.float32) / g.size for k, v in vals.items()}, key).to(x.dtype)
+    return _total(g, vals, key) / g.size
 
 
 def _pmax(g, vals, key):

@@ -252,6 +252,9 @@ def vocab_cross_entropy(logits_local: Tensor, targets: Tensor, *, axis) -> Tenso
             f"fpar.ops.{api}: targets has shape {tuple(targets.shape)}, expected the logits' leading "
             f"dims {tuple(logits_local.shape[:-1])} (logits_local is {tuple(logits_local.shape)})."
         )
+    dtype = logits_local.dtype
+    if dtype in (torch.float16, torch.bfloat16):  # fpar's rule: accumulate in float32
+        logits_local = logits_local.float()
     # 1. The max over the whole vocabulary; detached: the loss does not depend on it.
     max_ = fpar.pmax(logits_local.detach().amax(-1), axis)
     shifted = logits_local - max_.unsqueeze(-1)
@@ -261,7 +264,7 @@ def vocab_cross_entropy(logits_local: Tensor, targets: Tensor, *, axis) -> Tenso
     target_logit = fpar.psum(picked, axis)
     # 3. The softmax denominator.
     sum_exp = fpar.psum(shifted.exp().sum(-1), axis)
-    return sum_exp.log() - target_logit
+    return (sum_exp.log() - target_logit).to(dtype)
 
 
 def _local_ids(ids: Tensor, v_local: int, axis) -> tuple[Tensor, Tensor]:

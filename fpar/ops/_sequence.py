@@ -236,11 +236,14 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, axis, causal: bool = True
     k_BHSK, v_BHSK = k.transpose(1, 2), v.transpose(1, 2)
     me = fpar.axis_index(axis)
     q_pos_T = me * t + torch.arange(t, device=q.device)
-    m_BHT = torch.full(q_BHTK.shape[:-1], -math.inf, dtype=q.dtype, device=q.device)
-    l_BHT = torch.zeros(q_BHTK.shape[:-1], dtype=q.dtype, device=q.device)
-    acc_BHTK = torch.zeros(q_BHTK.shape, dtype=q.dtype, device=q.device)
+    # fp16/bf16: the softmax statistics and the output accumulate in float32 (fpar's rule);
+    # the blocks travel in the input dtype.
+    acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    m_BHT = torch.full(q_BHTK.shape[:-1], -math.inf, dtype=acc, device=q.device)
+    l_BHT = torch.zeros(q_BHTK.shape[:-1], dtype=acc, device=q.device)
+    acc_BHTK = torch.zeros(q_BHTK.shape, dtype=acc, device=q.device)
     for step in range(n):
-        s_BHTS = q_BHTK @ k_BHSK.transpose(-1, -2)
+        s_BHTS = (q_BHTK @ k_BHSK.transpose(-1, -2)).to(acc)
         if causal:
             k_pos_S = ((me - step) % n) * t + torch.arange(t, device=q.device)
             s_BHTS = s_BHTS.masked_fill(q_pos_T.unsqueeze(-1) < k_pos_S, -math.inf)
@@ -250,11 +253,11 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, axis, causal: bool = True
         scale_BHT = torch.exp(m_BHT - m_new)
         p_BHTS = torch.exp(s_BHTS - m_new.unsqueeze(-1))
         l_BHT = l_BHT * scale_BHT + p_BHTS.sum(-1)
-        acc_BHTK = acc_BHTK * scale_BHT.unsqueeze(-1) + p_BHTS @ v_BHSK
+        acc_BHTK = acc_BHTK * scale_BHT.unsqueeze(-1) + p_BHTS @ v_BHSK.to(acc)
         m_BHT = m_new
         if step < n - 1:
             k_BHSK, v_BHSK = fpar.ppermute((k_BHSK, v_BHSK), axis, ring)
-    return (acc_BHTK / l_BHT.unsqueeze(-1)).transpose(1, 2)
+    return (acc_BHTK / l_BHT.unsqueeze(-1)).transpose(1, 2).to(q.dtype)
 
 
 def ring_self_attention(params: dict, x: Tensor, *, axis, n_heads: int, causal: bool = True) -> Tensor:
