@@ -239,7 +239,10 @@ def _prefix(api: str, specs: Any, tree: Any) -> list:
     try:
         return broadcast_prefix(specs, tree, is_leaf=lambda s: s is None or isinstance(s, PartitionSpec))
     except ValueError as e:
-        raise SpecError(f"fpar.{api}: spec {specs!r} is not a pytree prefix of the values ({e}).") from None
+        raise SpecError(
+            f"fpar.{api}: spec is not a pytree prefix of the values: {e}. Give it the structure of "
+            f"the values, down to where one P covers a whole subtree; a single P applies to everything."
+        ) from None
 
 
 def _map(api: str, x: Any, mesh: Mesh, spec: Any, fn, *, blocks: bool = False) -> Any:

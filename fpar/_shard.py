@@ -25,7 +25,7 @@ from ._errors import ReplicationError, SpecError
 from ._mesh import Mesh
 from ._mode import batched_levels, storage_of
 from ._spec import PartitionSpec, check_spec
-from ._tree import broadcast_prefix, keystr, tree_flatten_with_path, tree_map, tree_unflatten
+from ._tree import broadcast_prefix, describe, keystr, tree_flatten_with_path, tree_map, tree_unflatten
 
 __all__ = ["shard"]
 
@@ -332,13 +332,20 @@ def _check_spec_tree(fname: str, name: str, specs: Any, mesh: Mesh) -> None:
 
 
 def _prefix(fname: str, name: str, specs: Any, tree: Any, what: str) -> list:
+    if name == "in_specs" and isinstance(specs, tuple) and len(specs) != len(tree):
+        got = ", ".join(describe(a) for a in tree[:8]) + (", ..." if len(tree) > 8 else "")
+        raise SpecError(
+            f"fpar.shard({fname}): in_specs has {len(specs)} entries, but {fname} was called with "
+            f"{len(tree)} positional argument{'' if len(tree) == 1 else 's'} ({got}). Give one spec "
+            f"per argument, or a single P for all of them."
+        )
     try:
         return broadcast_prefix(specs, tree, is_leaf=_is_spec)
     except ValueError as e:
         raise SpecError(
-            f"fpar.shard({fname}): {name} {specs!r} is not a pytree prefix of {what} ({e}). Give "
-            f"{name} the structure of {what}, down to where one spec covers a whole subtree; a "
-            f"single P applies to everything."
+            f"fpar.shard({fname}): {name} is not a pytree prefix of {what}: {e}. Give {name} the "
+            f"structure of {what}, down to where one spec covers a whole subtree; a single P "
+            f"applies to everything."
         ) from None
 
 

@@ -129,31 +129,78 @@ def test_out_spec_longer_than_scalar_rank_names_path():
 
 
 @pytest.mark.parametrize(
-    ("in_specs", "args"),
+    ("in_specs", "args", "phrase"),
     [
-        pytest.param((P(), P()), (torch.zeros(2),), id="two-specs-one-arg"),
-        pytest.param((P(),), (torch.zeros(2), torch.zeros(2)), id="one-spec-two-args"),
-        pytest.param(({"a": P()},), ({"b": torch.zeros(2)},), id="dict-keys-differ"),
-        pytest.param(([P(), P()],), ([torch.zeros(2)],), id="list-lengths-differ"),
-        pytest.param(((P(),),), ([torch.zeros(2)],), id="tuple-vs-list"),
+        pytest.param(
+            (P(), P()),
+            (torch.zeros(2),),
+            "in_specs has 2 entries, but loss was called with 1 positional argument (a tensor float32[2])",
+            id="two-specs-one-arg",
+        ),
+        pytest.param(
+            (P(),),
+            (torch.zeros(2), torch.zeros(2, 3)),
+            "in_specs has 1 entries, but loss was called with 2 positional arguments (a tensor "
+            "float32[2], a tensor float32[2, 3])",
+            id="one-spec-two-args",
+        ),
+        pytest.param(
+            ({"a": P()},),
+            ({"b": torch.zeros(2)},),
+            "in_specs is not a pytree prefix of the arguments: at [0] the dict keys differ: the prefix "
+            "lacks ['b'], and has ['a'] that the tree does not.",
+            id="dict-keys-differ",
+        ),
+        pytest.param(
+            ([P(), P()],),
+            ([torch.zeros(2)],),
+            "at [0] the prefix has 2 entries, the tree 1 (a tensor float32[2])",
+            id="list-lengths-differ",
+        ),
+        pytest.param(((P(),),), ([torch.zeros(2)],), "at [0] the prefix has a tuple, the tree a list of 1 leaf", id="tuple-vs-list"),
     ],
 )
-def test_in_specs_not_a_prefix(in_specs, args):
-    with pytest.raises(fpar.SpecError, match="not a pytree prefix"):
+def test_in_specs_not_a_prefix(in_specs, args, phrase):
+    with pytest.raises(fpar.SpecError) as info:
         _calls_nothing(lambda *a: torch.zeros(2), in_specs, P(), *args)
+    assert phrase in str(info.value)
+    assert "tensor(" not in str(info.value)
 
 
 @pytest.mark.parametrize(
-    ("out_specs", "out"),
+    ("out_specs", "out", "phrase"),
     [
-        pytest.param((P(), P()), lambda x: x, id="two-specs-one-output"),
-        pytest.param({"loss": P()}, lambda x: {"los": x}, id="dict-keys-differ"),
-        pytest.param([P(), P(), P()], lambda x: [x, x], id="list-lengths-differ"),
+        pytest.param((P(), P()), lambda x: x, "at the top level the prefix has a tuple where the tree has a tensor float32[2]", id="two-specs-one-output"),
+        pytest.param({"loss": P()}, lambda x: {"los": x}, "the prefix lacks ['los'], and has ['loss']", id="dict-keys-differ"),
+        pytest.param([P(), P(), P()], lambda x: [x, x], "the prefix has 3 entries, the tree 2 (a tensor float32[2], a tensor float32[2])", id="list-lengths-differ"),
     ],
 )
-def test_out_specs_not_a_prefix(out_specs, out):
-    with pytest.raises(fpar.SpecError, match="not a pytree prefix"):
+def test_out_specs_not_a_prefix(out_specs, out, phrase):
+    """Inside shard the outputs are functorch BatchedTensors: described by logical shape, never dumped."""
+    with pytest.raises(fpar.SpecError) as info:
         fpar.shard(out, mesh_of(IJ), P(), out_specs)(torch.zeros(2))
+    msg = str(info.value)
+    assert msg.startswith("fpar.shard(<lambda>): out_specs is not a pytree prefix of the outputs: ")
+    assert phrase in msg
+    assert "BatchedTensor" not in msg and "tensor(" not in msg
+
+
+def test_big_tree_mismatch_is_short():
+    """The issue's case: a 64x64 tensor used to dump its values (19 lines); a model, hundreds."""
+    params = {f"layer{i}": {"w": torch.randn(64, 64), "b": torch.randn(64)} for i in range(20)}
+    specs = {f"layer{i}": {"w": P()} for i in range(20)}
+    with pytest.raises(fpar.SpecError) as info:
+        fpar.shard(lambda p: p, mesh_of(IJ), (specs,), P())(params)
+    msg = str(info.value)
+    assert "\n" not in msg and len(msg) < 400, msg
+    assert "at [0]['layer0'] the dict keys differ: the prefix lacks ['b']" in msg
+    with pytest.raises(fpar.SpecError) as info:
+        fpar.device_put(params, mesh_of(IJ), specs)
+    assert str(info.value).startswith(
+        "fpar.device_put: spec is not a pytree prefix of the values: at ['layer0'] the dict keys differ"
+    )
+    with pytest.raises(ValueError, match=r"^at \['layer0'\] the dict keys differ: the prefix lacks \['b'\]"):
+        fpar.optim.zero_layout(params, fpar.make_mesh((2,), ("data",)), specs, data_axis="data", stage=1)
 
 
 @pytest.mark.parametrize(

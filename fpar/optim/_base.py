@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from .._tree import tree_flatten, tree_unflatten
+from .._tree import describe, tree_flatten, tree_unflatten
 from . import _ops as ops
+from ._internal import check_same_tree
 
 __all__ = ["EmptyState", "GradientTransformation", "apply_updates", "chain", "identity"]
 
@@ -50,6 +51,13 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         return tuple(t.init(params) for t in transforms)
 
     def update(updates, state, params=None):
+        if not isinstance(state, tuple) or len(state) != len(transforms):
+            got = f"a {type(state).__name__} of {len(state)}" if isinstance(state, tuple) else describe(state)
+            raise ValueError(
+                f"fpar.optim.chain: state is {got} entries, but this chain has {len(transforms)} "
+                f"transformations: the state comes from another optimizer. Build it with this "
+                f"optimizer's init(params)."
+            )
         new_state = []
         for t, s in zip(transforms, state):
             updates, s = t.update(updates, s, params)
@@ -61,6 +69,14 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
 def apply_updates(params: Params, updates: Updates) -> Params:
     """Return ``params + updates`` leaf by leaf (each result in its parameter's dtype)."""
+    check_same_tree(
+        "apply_updates",
+        "params",
+        params,
+        "updates",
+        updates,
+        fix="Pass the updates that update() returned for these params (one per parameter, same shapes).",
+    )
     p, treedef = tree_flatten(params)
     u, _ = tree_flatten(updates)
     return tree_unflatten(treedef, ops.add(p, [x.to(y.dtype) for x, y in zip(u, p)]))

@@ -26,11 +26,13 @@ from .._collectives import Frame, frames
 from .._mode import ShardMode, batched_levels
 from .._registry import internal as internal
 from .._spec import block_shape as block_shape
+from .._tree import describe, keystr, tree_flatten_with_path
 
 __all__ = [
     "Frame",
     "ShardMode",
     "block_shape",
+    "check_same_tree",
     "current_frame",
     "enter_frame",
     "internal",
@@ -103,3 +105,47 @@ def enter_frame(frame: Frame):
         frame.levels, frame.token, frame.index = saved[:3]
         if saved[3] is not None:
             frame.pvaried = saved[3]
+
+
+def check_same_tree(api: str, a_name: str, a: Any, b_name: str, b: Any, *, fix: str) -> None:
+    """Raise ``ValueError`` naming both trees and the first leaf where ``a`` and ``b`` differ.
+
+    Two trees match when they have the same leaf paths and, leaf by leaf, the same shape.
+
+    Args:
+      api: the public function, e.g. ``"apply_updates"``.
+      a_name, b_name: how the message names the trees (``"updates"``, ``"state.mu"``).
+      a, b: the trees.
+      fix: the sentence telling the user what to do.
+    """
+    a_paths, a_leaves, a_def = tree_flatten_with_path(a)
+    b_paths, b_leaves, b_def = tree_flatten_with_path(b)
+    if a_def == b_def and all(_shape(x) == _shape(y) for x, y in zip(a_leaves, b_leaves)):
+        return
+    a_set, b_set = set(a_paths), set(b_paths)
+    only_a = [keystr(p) for p in a_paths if p not in b_set]
+    only_b = [keystr(p) for p in b_paths if p not in a_set]
+    if only_a or only_b:
+        parts = []
+        if only_a:
+            parts.append(f"{a_name} has {_few(only_a)} that {b_name} lacks")
+        if only_b:
+            parts.append(f"{b_name} has {_few(only_b)} that {a_name} lacks")
+        detail = "; ".join(parts)
+    else:
+        where = {p: i for i, p in enumerate(b_paths)}
+        detail = f"the leaves are in a different structure ({a_def} vs {b_def})"
+        for p, x in zip(a_paths, a_leaves):
+            y = b_leaves[where[p]]
+            if _shape(x) != _shape(y):
+                detail = f"at {keystr(p) or 'the root'} {a_name} is {describe(x)}, {b_name} {describe(y)}"
+                break
+    raise ValueError(f"fpar.optim.{api}: {a_name} and {b_name} are not the same tree: {detail}. {fix}")
+
+
+def _shape(x: Any):
+    return tuple(x.shape) if isinstance(x, Tensor) else type(x)
+
+
+def _few(paths: list[str]) -> str:
+    return ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")

@@ -17,7 +17,7 @@ import fpar
 from .._tree import tree_flatten, tree_leaves, tree_unflatten
 from . import _ops as ops
 from ._base import EmptyState, GradientTransformation, chain
-from ._internal import current_frame, varying_axes
+from ._internal import check_same_tree, current_frame, varying_axes
 
 __all__ = [
     "ScaleByAdamState",
@@ -38,6 +38,12 @@ __all__ = [
 
 Tensor = torch.Tensor
 ScalarOrSchedule = float | Callable[[Any], Tensor]
+
+
+_STATE_FIX = (
+    "The grads must have one leaf per parameter, and the state must come from this optimizer's "
+    "init(params) for the same params."
+)
 
 
 def _count_like(leaves: list) -> Tensor:
@@ -113,6 +119,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         )
 
     def update(updates, state, params=None):
+        check_same_tree("scale_by_adam", "updates", updates, "state.mu", state.mu, fix=_STATE_FIX)
         g, treedef = tree_flatten(updates)
         mu = ops.lerp(tree_leaves(state.mu), g, 1.0 - b1)
         nu = ops.addcmul(ops.mul(tree_leaves(state.nu), b2), g, g, 1.0 - b2)
@@ -134,6 +141,9 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
             return updates, state
         if params is None:
             raise ValueError("fpar.optim.add_decayed_weights: update needs params (pass them to update).")
+        check_same_tree(
+            "add_decayed_weights", "updates", updates, "params", params, fix="Pass the params the grads are of."
+        )
         u, treedef = tree_flatten(updates)
         return tree_unflatten(treedef, ops.add(u, tree_leaves(params), alpha=weight_decay)), state
 
@@ -157,6 +167,7 @@ def trace(momentum: float, nesterov: bool = False) -> GradientTransformation:
         return TraceState(tree_unflatten(treedef, [torch.zeros_like(x) for x in p]))
 
     def update(updates, state, params=None):
+        check_same_tree("trace", "updates", updates, "state.trace", state.trace, fix=_STATE_FIX)
         g, treedef = tree_flatten(updates)
         t = ops.add(g, tree_leaves(state.trace), alpha=momentum)
         out = ops.add(g, t, alpha=momentum) if nesterov else t
