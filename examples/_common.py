@@ -338,8 +338,15 @@ def restore(ckpt_dir: str, params, opt_state, mesh, pspecs, sspecs):
     """Load the newest checkpoint onto this mesh: ``(step, params, opt_state, losses)``."""
     step = fpar.checkpoint.latest_step(ckpt_dir)
     like, specs = _to_model({"params": params, "opt": opt_state}, {"params": pspecs, "opt": sspecs})
-    like["losses"], specs["losses"] = torch.zeros(0), P()
-    got = fpar.checkpoint.load(ckpt_dir, mesh, specs, step=step, like=like)
+    like["losses"], specs["losses"] = None, P()  # any length: None in like= gives only the structure
+    try:
+        got = fpar.checkpoint.load(ckpt_dir, mesh, specs, step=step, like=like)
+    except fpar.checkpoint.CheckpointError as e:
+        raise SystemExit(
+            f"--resume: the checkpoint of step {step} in {ckpt_dir} was written by another model or "
+            f"configuration, so this run cannot continue from it. Use another --ckpt-dir, or start "
+            f"without --resume.\n({e})"
+        ) from None
     # back to [stages, layers per stage, ...]: the shapes of the tree we were given
     want = optree.tree_leaves({"params": params, "opt": opt_state}, none_is_leaf=True)
     have, treedef = optree.tree_flatten({"params": got["params"], "opt": got["opt"]}, none_is_leaf=True)

@@ -14,7 +14,7 @@ import torch
 from .._errors import SpecError
 from .._mesh import Mesh
 from .._spec import PartitionSpec, check_spec, global_shape
-from .._tree import keystr, tree_flatten_with_path
+from .._tree import describe, keystr, tree_flatten_with_path, tree_leaves
 from . import _io
 from ._format import (
     FORMAT,
@@ -64,7 +64,9 @@ def save(
       mesh: the mesh the blocks live on (the whole mesh on a real one).
       specs: a pytree prefix of ``tree`` of ``fpar.P`` (``None`` or ``P()`` for scalars).
       step: the training step; stored, and names the subdirectory.
-      keep: with ``step``, keep only the newest ``keep`` complete steps under ``path``.
+      keep: with ``step``, keep only the newest ``keep`` complete steps under ``path`` (and
+        always the step just written, even beside newer ones).  Step directories that an
+        interrupted save left without its commit are removed by the next save with ``step``.
 
     Returns:
       The checkpoint directory written.
@@ -120,7 +122,9 @@ def load(
       specs: a pytree prefix of the stored tree of ``fpar.P``, the new layout.
       step: which step of a run directory.
       like: a tree with the stored structure; the result takes its node types (e.g. your own
-        NamedTuple optimizer state).  Without it dicts, lists, tuples come back as such and
+        NamedTuple optimizer state).  Its tensor leaves must have the stored dtypes and the
+        stored global shapes (or this process's block shapes); other leaves (e.g. ``None``)
+        only give the structure.  Without it dicts, lists, tuples come back as such and
         NamedTuples as same-named NamedTuples.
       device: where to put the tensors (default CPU).
 
@@ -145,7 +149,31 @@ def load(
             out.append(_load_leaf(leaf, spec, mesh, coords, files, merged, where))
     if device is not None:
         out = [t.to(device) if isinstance(t, torch.Tensor) else t for t in out]
-    return like_structure(like, paths, out, "load") if like is not None else rebuild(meta["tree"], out)
+    if like is None:
+        return rebuild(meta["tree"], out)
+    result = like_structure(like, paths, out, "load")
+    _check_like(like, stored, out, where)
+    return result
+
+
+def _check_like(like: Any, stored: list[dict], out: list, where: str) -> None:
+    """Every tensor leaf of ``like`` has the stored dtype and the stored (global) or loaded (block) shape."""
+    for record, want, got in zip(stored, tree_leaves(like), out):
+        if not isinstance(want, torch.Tensor):
+            continue  # a non-tensor leaf of like= only gives the structure
+        name = keystr(tuple(record["path"]))
+        if record.get("kind") != "tensor":
+            raise CheckpointError(
+                f"{where}: like= has {describe(want)} at {name}, but the checkpoint stores "
+                f"{record.get('value')!r} there (a Python value): it was saved from another tree."
+            )
+        shape = tuple(record["shape"])
+        if tuple(want.shape) not in (shape, tuple(got.shape)) or want.dtype != got.dtype:
+            raise CheckpointError(
+                f"{where}: like= has {describe(want)} at {name}, but the checkpoint stores a tensor "
+                f"{record['dtype']}[{', '.join(map(str, shape))}] there: it was saved from another "
+                f"model or configuration. Load it with a matching like= (or without like=)."
+            )
 
 
 def merge(path: str | os.PathLike, out_file: str | os.PathLike, *, step: int | None = None) -> str:
@@ -268,13 +296,18 @@ def _commit(target: str, root, leaves: list[_Leaf], desc: dict, mesh: Mesh, gen:
     }
     _io.write_json(os.path.join(target, INDEX), meta)  # the commit point
     _io.collect_garbage(target, files)
+    if step is not None:
+        _io.remove_interrupted_steps(os.fspath(root), keep=target)
     if keep is not None:
-        _prune(os.fspath(root), keep)
+        _prune(os.fspath(root), keep, step)
 
 
-def _prune(root: str, keep: int) -> None:
-    for old in _io.steps(root)[:-keep]:
-        shutil.rmtree(_io.step_dir(root, old), ignore_errors=True)
+def _prune(root: str, keep: int, step: int) -> None:
+    """Keep the newest ``keep`` complete steps, and always ``step``, the one just written."""
+    done = _io.steps(root)
+    for old in done[:-keep]:
+        if old != step:
+            shutil.rmtree(_io.step_dir(root, old), ignore_errors=True)
 
 
 def _expect(leaf: _Leaf, coords, mesh: Mesh) -> dict:

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 from typing import Any
 
 import torch
@@ -114,6 +115,23 @@ def collect_garbage(directory: str, keep_files: set[str]) -> None:
             _remove_quietly(os.path.join(directory, name))
 
 
+def _interrupted(directory: str) -> bool:
+    """Whether ``directory`` is what a save killed before its commit leaves: no index, and only
+    fpar block files and temporary files (so nothing of anyone else's is ever removed)."""
+    if not os.path.isdir(directory) or os.path.exists(os.path.join(directory, INDEX)):
+        return False
+    names = os.listdir(directory)
+    return all(BLOCK_FILE.fullmatch(n) or (n.startswith(".") and ".tmp-" in n) for n in names)
+
+
+def remove_interrupted_steps(root: str, keep: str) -> None:
+    """Remove the ``step_N`` directories of interrupted saves under a run directory (not ``keep``)."""
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if STEP_DIR.fullmatch(name) and os.path.normpath(path) != os.path.normpath(keep) and _interrupted(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 # Finding a checkpoint ------------------------------------------------------------------------------
 
 
@@ -196,6 +214,18 @@ def _merged_index(path: str, where: str) -> dict:
 
 def _no_checkpoint(path: str, where: str) -> None:
     names = sorted(os.listdir(path))
+    interrupted = [n for n in names if STEP_DIR.fullmatch(n) and _interrupted(os.path.join(path, n))]
+    if _interrupted(path) and names:
+        raise CheckpointError(
+            f"{where}: an incomplete fpar checkpoint: block files {names[:4]} but no {INDEX}, so the "
+            f"save that wrote them was interrupted before its commit. Load an earlier step; the "
+            f"next save with step= to the run directory removes it."
+        )
+    if interrupted and len(interrupted) == len([n for n in names if not n.startswith(".")]):
+        raise FileNotFoundError(
+            f"{where}: no complete checkpoint: {interrupted[:10]} are incomplete fpar checkpoints "
+            f"(saves interrupted before their commit; the next save with step= removes them)."
+        )
     foreign = [n for n in names if not n.startswith(".") and os.path.isfile(os.path.join(path, n))]
     if foreign:
         raise CheckpointError(_not_ours(where, foreign[:10]))
