@@ -64,7 +64,9 @@ def main(argv=None) -> None:
             times[on].append(timed(on))
     ShardMode._check_in_place = guard
     on, off = (statistics.median(times[k]) * 1e3 for k in (True, False))
-    print(f"small MLP fwd+bwd, data=2 x tensor=2 in-process, {torch.get_num_threads()} threads, {args.repeats} repeats")
+    print(
+        f"small MLP fwd+bwd, data=2 x tensor=2 in-process, {torch.get_num_threads()} threads, {args.repeats} repeats"
+    )
     print(f"  in-place guard on   median {on:.3f} ms")
     print(f"  in-place guard off  median {off:.3f} ms")
     print(f"  ratio on/off: {on / off:.3f}x")

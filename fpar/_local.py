@@ -25,9 +25,11 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def _reduce(x: Tensor, kind: str) -> Tensor:
-    """Reduce over dim 0.  fp16/bf16 sums and means accumulate in float32 and round once to the
-    input dtype; a mean divides every block by the device count in float32 before summing, so it
-    does not overflow where the mean fits (the real mesh follows the same rule)."""
+    """Reduce over dim 0 (sum, mean, max or min).
+
+    fp16/bf16 sums and means accumulate in float32 and round once to the input dtype; a mean divides every block by the device count in float32 before summing, so it
+    does not overflow where the mean fits (the real mesh follows the same rule).
+    """
     if kind == "sum":
         if x.dtype == torch.bool:  # as in JAX: psum of bools counts them
             return x.to(torch.int32).sum(0, dtype=torch.int32)

@@ -157,7 +157,12 @@ def test_out_spec_longer_than_scalar_rank_names_path():
             "at [0] the prefix has 2 entries, the tree 1 (a tensor float32[2])",
             id="list-lengths-differ",
         ),
-        pytest.param(((P(),),), ([torch.zeros(2)],), "at [0] the prefix has a tuple, the tree a list of 1 leaf", id="tuple-vs-list"),
+        pytest.param(
+            ((P(),),),
+            ([torch.zeros(2)],),
+            "at [0] the prefix has a tuple, the tree a list of 1 leaf",
+            id="tuple-vs-list",
+        ),
     ],
 )
 def test_in_specs_not_a_prefix(in_specs, args, phrase):
@@ -170,9 +175,24 @@ def test_in_specs_not_a_prefix(in_specs, args, phrase):
 @pytest.mark.parametrize(
     ("out_specs", "out", "phrase"),
     [
-        pytest.param((P(), P()), lambda x: x, "at the top level the prefix has a tuple where the tree has a tensor float32[2]", id="two-specs-one-output"),
-        pytest.param({"loss": P()}, lambda x: {"los": x}, "the prefix lacks ['los'], and has ['loss']", id="dict-keys-differ"),
-        pytest.param([P(), P(), P()], lambda x: [x, x], "the prefix has 3 entries, the tree 2 (a tensor float32[2], a tensor float32[2])", id="list-lengths-differ"),
+        pytest.param(
+            (P(), P()),
+            lambda x: x,
+            "at the top level the prefix has a tuple where the tree has a tensor float32[2]",
+            id="two-specs-one-output",
+        ),
+        pytest.param(
+            {"loss": P()},
+            lambda x: {"los": x},
+            "the prefix lacks ['los'], and has ['loss']",
+            id="dict-keys-differ",
+        ),
+        pytest.param(
+            [P(), P(), P()],
+            lambda x: [x, x],
+            "the prefix has 3 entries, the tree 2 (a tensor float32[2], a tensor float32[2])",
+            id="list-lengths-differ",
+        ),
     ],
 )
 def test_out_specs_not_a_prefix(out_specs, out, phrase):

@@ -32,9 +32,14 @@ def test_load_like_checks_shapes_and_dtypes(tmp_path):
         f"float32[8, 4] there: it was saved from another model or configuration. Load it with a "
         f"matching like= (or without like=)."
     )
-    with pytest.raises(fpar.checkpoint.CheckpointError, match=r"like= has a tensor bfloat16\[8, 4\] at \['w'\]"):
+    with pytest.raises(
+        fpar.checkpoint.CheckpointError, match=r"like= has a tensor bfloat16\[8, 4\] at \['w'\]"
+    ):
         fpar.checkpoint.load(tmp_path, MESH, P(), like={"w": torch.zeros(8, 4, dtype=torch.bfloat16), "n": 0})
-    with pytest.raises(fpar.checkpoint.CheckpointError, match=r"like= has a tensor float32\[1\] at \['n'\], but the checkpoint stores 3 there"):
+    with pytest.raises(
+        fpar.checkpoint.CheckpointError,
+        match=r"like= has a tensor float32\[1\] at \['n'\], but the checkpoint stores 3 there",
+    ):
         fpar.checkpoint.load(tmp_path, MESH, P(), like={"w": torch.zeros(8, 4), "n": torch.zeros(1)})
     got = fpar.checkpoint.load(tmp_path, MESH, P(), like={"w": torch.zeros(8, 4), "n": None})
     assert torch.equal(got["w"], TREE["w"]) and got["n"] == 3
@@ -110,5 +115,10 @@ def test_resume_from_another_models_checkpoint_says_so(tmp_path):
     with pytest.raises(SystemExit) as info:
         _common.restore(str(tmp_path), other, {"mu": other}, MESH, specs, {"mu": specs})
     msg = str(info.value)
-    assert msg.startswith(f"--resume: the checkpoint of step 3 in {tmp_path} was written by another model or configuration")
-    assert "like= has a tensor float32[8, 4] at ['opt']['mu']['w'], but the checkpoint stores a tensor float32[4, 4]" in msg
+    assert msg.startswith(
+        f"--resume: the checkpoint of step 3 in {tmp_path} was written by another model or configuration"
+    )
+    assert (
+        "like= has a tensor float32[8, 4] at ['opt']['mu']['w'], but the checkpoint stores a tensor float32[4, 4]"
+        in msg
+    )

@@ -73,7 +73,10 @@ def test_state_of_another_tree():
 
 def test_weight_decay_with_other_params():
     opt = fpar.optim.add_decayed_weights(0.1)
-    with pytest.raises(ValueError, match=r"add_decayed_weights: updates and params are not the same tree: params has \['w2'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"add_decayed_weights: updates and params are not the same tree: params has \['w2'\]",
+    ):
         opt.update({"w1": torch.zeros(2, 2)}, opt.init(PARAMS), PARAMS)
 
 
@@ -85,7 +88,9 @@ def test_apply_updates_with_mismatched_trees():
         "updates lacks. Pass the updates that update() returned for these params (one per "
         "parameter, same shapes)."
     )
-    with pytest.raises(ValueError, match=r"at \['w2'\] params is a tensor float32\[2\], updates a tensor float32\[3\]"):
+    with pytest.raises(
+        ValueError, match=r"at \['w2'\] params is a tensor float32\[2\], updates a tensor float32\[3\]"
+    ):
         fpar.optim.apply_updates(PARAMS, {"w1": torch.zeros(2, 2), "w2": torch.zeros(3)})
 
 

@@ -77,7 +77,9 @@ def test_low_precision_sums_accumulate_in_float32(dtype):
     x = _draw((4, 64), dtype, seed=3) * 100 + 1
     got = fpar.shard(lambda x: fpar.psum(x, "i"), mesh, P("i"), P())(x)
     assert torch.equal(got[0], x.float().sum(0).to(dtype))
-    scattered = fpar.shard(lambda x: fpar.psum_scatter(x, "i", scatter_dimension=1, tiled=True), mesh, P("i"), P(None, "i"))(x)
+    scattered = fpar.shard(
+        lambda x: fpar.psum_scatter(x, "i", scatter_dimension=1, tiled=True), mesh, P("i"), P(None, "i")
+    )(x)
     assert torch.equal(scattered[0], x.float().sum(0).to(dtype))
 
 
@@ -93,7 +95,10 @@ def test_low_precision_layers_near_the_float32_model(dtype):
     rtol, atol = (4 * t for t in default_tolerance(dtype))
     mesh = fpar.make_mesh((2,), ("tensor",))
     gen = torch.Generator().manual_seed(0)
-    p = {k: torch.randn(s, generator=gen) * 0.3 for k, s in dict(w_in=(8, 16), b_in=(16,), w_out=(16, 8), b_out=(8,)).items()}
+    p = {
+        k: torch.randn(s, generator=gen) * 0.3
+        for k, s in dict(w_in=(8, 16), b_in=(16,), w_out=(16, 8), b_out=(8,)).items()
+    }
     x = torch.randn(4, 8, generator=gen)
     low = {k: v.to(dtype) for k, v in p.items()}
     mlp = fpar.shard(lambda p, x: fpar.ops.mlp(p, x, axis="tensor"), mesh, (fpar.ops.mlp_specs(), P()), P())
@@ -103,23 +108,45 @@ def test_low_precision_layers_near_the_float32_model(dtype):
     torch.testing.assert_close(got.float(), want, rtol=rtol, atol=atol)
 
     q, k, v = (torch.randn(2, 8, 2, 4, generator=gen) for _ in range(3))
-    ring = fpar.shard(lambda q, k, v: fpar.ops.ring_attention(q, k, v, axis="tensor"), mesh, P(None, "tensor"), P(None, "tensor"))
+    ring = fpar.shard(
+        lambda q, k, v: fpar.ops.ring_attention(q, k, v, axis="tensor"),
+        mesh,
+        P(None, "tensor"),
+        P(None, "tensor"),
+    )
     got = ring(q.to(dtype), k.to(dtype), v.to(dtype))
     assert got.dtype == dtype
-    want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)
+    want = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+    ).transpose(1, 2)
     torch.testing.assert_close(got.float(), want, rtol=rtol, atol=atol)
 
     logits = torch.randn(6, 10, generator=gen) * 4
     targets = torch.randint(0, 10, (6,), generator=gen)
-    ce = fpar.shard(lambda l, t: fpar.ops.vocab_cross_entropy(l, t, axis="tensor"), mesh, (P(None, "tensor"), P()), P())
+    ce = fpar.shard(
+        lambda z, t: fpar.ops.vocab_cross_entropy(z, t, axis="tensor"), mesh, (P(None, "tensor"), P()), P()
+    )
     got = ce(logits.to(dtype), targets)
     assert got.dtype == dtype
-    torch.testing.assert_close(got.float(), F.cross_entropy(logits, targets, reduction="none"), rtol=rtol, atol=atol)
+    torch.testing.assert_close(
+        got.float(), F.cross_entropy(logits, targets, reduction="none"), rtol=rtol, atol=atol
+    )
 
 
 # The matmul routing paths ------------------------------------------------------------------------
 
-FORMS = ("@", "matmul", "Tensor.matmul", "mm", "rmatmul", "einsum", "linear", "linear-kw", "batched @", "broadcast @")
+FORMS = (
+    "@",
+    "matmul",
+    "Tensor.matmul",
+    "mm",
+    "rmatmul",
+    "einsum",
+    "linear",
+    "linear-kw",
+    "batched @",
+    "broadcast @",
+)
 
 
 def _product(x, w, b, form):
@@ -162,20 +189,34 @@ def _matmul_layouts(draw):
 @given(_matmul_layouts())
 def test_matmul_routing_matches_reference(layout):
     mesh, form, axes, size, dtype, autocast, bias, keyword = layout
-    note(f"mesh={mesh} form={form} axes={axes} size={size} dtype={dtype} autocast={autocast} bias={bias} kw={keyword}")
+    note(
+        f"mesh={mesh} form={form} axes={axes} size={size} dtype={dtype} autocast={autocast} bias={bias} kw={keyword}"
+    )
     G, B, N, K = (size[r] for r in "GBNK")
     if form == "batched @":
         x_shape, w_shape = (G, B, K), (G, K, N)
-        x_spec, w_spec, out_spec = P(axes["G"], axes["B"], axes["K"]), P(axes["G"], axes["K"], axes["N"]), P(axes["G"], axes["B"], axes["N"])
+        x_spec, w_spec, out_spec = (
+            P(axes["G"], axes["B"], axes["K"]),
+            P(axes["G"], axes["K"], axes["N"]),
+            P(axes["G"], axes["B"], axes["N"]),
+        )
     elif form == "broadcast @":
         x_shape, w_shape = (2, B, K), (K, N)
-        x_spec, w_spec, out_spec = P(None, axes["B"], axes["K"]), P(axes["K"], axes["N"]), P(None, axes["B"], axes["N"])
+        x_spec, w_spec, out_spec = (
+            P(None, axes["B"], axes["K"]),
+            P(axes["K"], axes["N"]),
+            P(None, axes["B"], axes["N"]),
+        )
     else:
         x_shape, w_shape = (B, K), (K, N)
         x_spec, w_spec, out_spec = P(axes["B"], axes["K"]), P(axes["K"], axes["N"]), P(axes["B"], axes["N"])
     x, w = _draw(x_shape, dtype, 1), _draw(w_shape, dtype, 2)
     b = _draw((N,), dtype, 3) if bias else None
-    scale = torch.tensor(0.5, dtype=torch.float64).to(dtype) if dtype.is_floating_point else torch.tensor(2, dtype=dtype)
+    scale = (
+        torch.tensor(0.5, dtype=torch.float64).to(dtype)
+        if dtype.is_floating_point
+        else torch.tensor(2, dtype=dtype)
+    )
     k_split = axes["K"]
 
     def per_device(c, x, w, b, scale):

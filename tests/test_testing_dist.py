@@ -34,7 +34,9 @@ def _kit_on_real_mesh():
     x, w = _rand(4, 6, seed=1), _rand(6, 5, seed=2)
     assert_equivalent(torch.matmul, row_parallel, mesh, (P(None, "tensor"), P("tensor")), P(), x, w)
     with pytest.raises(AssertionError) as info:
-        assert_equivalent(torch.matmul, row_parallel_no_psum, mesh, (P(None, "tensor"), P("tensor")), P(), x, w)
+        assert_equivalent(
+            torch.matmul, row_parallel_no_psum, mesh, (P(None, "tensor"), P("tensor")), P(), x, w
+        )
     msg = str(info.value)
     assert msg.startswith("value out of row_parallel_no_psum differs from the reference")
     assert "in the devices at tensor=0; tensor=1 (2 of 2)" in msg
@@ -69,7 +71,12 @@ def _collective_sample():
         ("pmean", lambda c, x: c.pmean(x, "tensor"), (2, 3), False),
         ("pmax", lambda c, x: c.pmax(x, "tensor"), (2, 3), False),
         ("all_gather", lambda c, x: c.all_gather(x, "tensor", axis=1, tiled=True), (2, 3), True),
-        ("psum_scatter", lambda c, x: c.psum_scatter(x, "tensor", scatter_dimension=1, tiled=True), (2, 2 * n), True),
+        (
+            "psum_scatter",
+            lambda c, x: c.psum_scatter(x, "tensor", scatter_dimension=1, tiled=True),
+            (2, 2 * n),
+            True,
+        ),
         ("ppermute", lambda c, x: c.ppermute(x, "tensor", [(0, 1), (1, 0)]), (2, 3), True),
         ("all_to_all", lambda c, x: c.all_to_all(x, "tensor", 1, 0, tiled=True), (2, 2 * n), True),
     ]
@@ -90,7 +97,11 @@ def test_kit_and_reference_sample_on_real_mesh():
     mesh = fpar.make_mesh((2,), ("tensor",))
     axes = {"tensor": 2}
     for name, prog, block, varies in _collective_sample():
-        for dtype in (torch.bfloat16, torch.float32, torch.int64) if name in ("psum", "all_gather") else (torch.bfloat16,):
+        for dtype in (
+            (torch.bfloat16, torch.float32, torch.int64)
+            if name in ("psum", "all_gather")
+            else (torch.bfloat16,)
+        ):
             x = (_rand(2 * block[0], *block[1:], seed=len(name)) * 4).to(dtype)
             out = P("tensor") if varies else P()
 
@@ -98,9 +109,15 @@ def test_kit_and_reference_sample_on_real_mesh():
                 return prog(FPAR, x)
 
             per_device.__name__ = f"{name}_{dtype}"
-            assert_equivalent(shard_reference(prog, axes, P("tensor"), out), per_device, mesh, P("tensor"), out, x)
+            assert_equivalent(
+                shard_reference(prog, axes, P("tensor"), out), per_device, mesh, P("tensor"), out, x
+            )
 
-    x, w, b = _rand(4, 6, seed=1, dtype=torch.float32), _rand(8, 6, seed=2, dtype=torch.float32), _rand(8, seed=3, dtype=torch.float32)
+    x, w, b = (
+        _rand(4, 6, seed=1, dtype=torch.float32),
+        _rand(8, 6, seed=2, dtype=torch.float32),
+        _rand(8, seed=3, dtype=torch.float32),
+    )
 
     def linear(x, w, b):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -109,13 +126,24 @@ def test_kit_and_reference_sample_on_real_mesh():
     # bf16 arithmetic in fp32 tensors: the replicated x's gradient is summed from two bf16 partial
     # products on the real mesh, from one in the reference, so bf16's tolerance applies
     assert_equivalent(
-        linear, linear, mesh, (P(), P("tensor"), P("tensor")), P(None, "tensor"), x, w, b, rtol=2e-2, atol=1e-2
+        linear,
+        linear,
+        mesh,
+        (P(), P("tensor"), P("tensor")),
+        P(None, "tensor"),
+        x,
+        w,
+        b,
+        rtol=2e-2,
+        atol=1e-2,
     )
 
     def scaled(x, *, s):
         return x * s
 
-    got = fpar.shard(scaled, mesh, P("tensor"), P("tensor"))(fpar.device_put(x, mesh, P("tensor")), s=torch.tensor(2.0))
+    got = fpar.shard(scaled, mesh, P("tensor"), P("tensor"))(
+        fpar.device_put(x, mesh, P("tensor")), s=torch.tensor(2.0)
+    )
     torch.testing.assert_close(fpar.gather(got, mesh, P("tensor")), x * 2)
 
 
@@ -148,7 +176,9 @@ def test_distributed_timeout_stops_a_hang():
         _hangs()
     assert time.monotonic() - start < 60
     msg = str(info.value)
-    assert msg.startswith("fpar.testing.distributed(_hangs): the body did not finish within 4s on 2 processes")
+    assert msg.startswith(
+        "fpar.testing.distributed(_hangs): the body did not finish within 4s on 2 processes"
+    )
     assert "--- rank 0 ---" in msg and "_hangs" in msg
 
 

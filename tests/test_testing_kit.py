@@ -49,11 +49,16 @@ def test_correct_row_parallel_passes():
 
 def test_catches_missing_psum():
     with pytest.raises(AssertionError) as info:
-        assert_equivalent(torch.matmul, row_parallel_no_psum, MESH, (P(None, "tensor"), P("tensor")), P(), X, W)
+        assert_equivalent(
+            torch.matmul, row_parallel_no_psum, MESH, (P(None, "tensor"), P("tensor")), P(), X, W
+        )
     msg = str(info.value)
     assert msg.startswith("value out of row_parallel_no_psum differs from the reference: max abs error ")
     assert "in the devices at tensor=0; tensor=1 (2 of 2)" in msg
-    assert "Its out_spec P() promises the same value on every device along ('tensor',), but the copies differ" in msg
+    assert (
+        "Its out_spec P() promises the same value on every device along ('tensor',), but the copies differ"
+        in msg
+    )
     assert "ReplicationError" not in msg
 
 
@@ -111,7 +116,13 @@ def test_catches_bug_on_one_device_only():
 
     with pytest.raises(AssertionError) as info:
         assert_equivalent(
-            reference, column_parallel, MESH_DT, ({"w": P(None, "tensor")}, P("data")), P("data", "tensor"), {"w": W[:, :4]}, X
+            reference,
+            column_parallel,
+            MESH_DT,
+            ({"w": P(None, "tensor")}, P("data")),
+            P("data", "tensor"),
+            {"w": W[:, :4]},
+            X,
         )
     msg = str(info.value)
     assert msg.startswith("value out of column_parallel differs from the reference: max abs error ")
@@ -161,7 +172,9 @@ def test_catches_gradient_bug_on_one_block_and_names_the_leaf():
         return x @ params["w"]
 
     with pytest.raises(AssertionError) as info:
-        assert_equivalent(reference, layer, MESH, ({"w": P(None, "tensor")}, P()), P(None, "tensor"), {"w": W[:, :4]}, X)
+        assert_equivalent(
+            reference, layer, MESH, ({"w": P(None, "tensor")}, P()), P(None, "tensor"), {"w": W[:, :4]}, X
+        )
     msg = str(info.value)
     assert msg.startswith("gradient w.r.t. args[0]['w'] of layer differs from the reference")
     assert msg.endswith("in the blocks at tensor=1 (1 of 2).")
@@ -175,12 +188,17 @@ def test_gradient_of_replicated_input_is_located_as_whole():
         return x @ w.detach()
 
     assert_equivalent(lambda w, x: x @ w, layer, MESH, (P(), P("tensor")), P("tensor"), W, X)
-    with pytest.raises(AssertionError, match=r"gradient w.r.t. args\[0\] of bad .*in the whole tensor \(its in_spec P\(\) puts"):
+    with pytest.raises(
+        AssertionError,
+        match=r"gradient w.r.t. args\[0\] of bad .*in the whole tensor \(its in_spec P\(\) puts",
+    ):
         assert_equivalent(lambda w, x: x @ w, bad, MESH, (P(), P("tensor")), P("tensor"), W, X)
 
 
 def test_dtype_and_shape_and_tree_mismatch():
-    with pytest.raises(AssertionError, match=r"value out of <lambda>: dtype torch.float32, the reference gives torch.float64"):
+    with pytest.raises(
+        AssertionError, match=r"value out of <lambda>: dtype torch.float32, the reference gives torch.float64"
+    ):
         assert_equivalent(lambda x: x, lambda x: x.float(), MESH, P("tensor"), P("tensor"), X)
     with pytest.raises(AssertionError, match=r"structure"):
         assert_equivalent(lambda x: (x, x), lambda x: x, MESH, P("tensor"), P("tensor"), X)
@@ -201,7 +219,9 @@ def test_tolerances_by_dtype_and_overrides():
     x = X.float()
     assert_equivalent(lambda x: x * 1.000001, lambda x: x, MESH, P("tensor"), P("tensor"), x)  # fp32 default
     with pytest.raises(AssertionError, match="rtol=0, atol=0"):
-        assert_equivalent(lambda x: x * 1.000001, lambda x: x, MESH, P("tensor"), P("tensor"), x, rtol=0, atol=0)
+        assert_equivalent(
+            lambda x: x * 1.000001, lambda x: x, MESH, P("tensor"), P("tensor"), x, rtol=0, atol=0
+        )
 
 
 @settings(max_examples=10)

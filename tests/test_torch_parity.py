@@ -34,7 +34,11 @@ def _autocast(fn):
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 def test_linear_with_bias_under_autocast_keeps_autocast_dtype(x_dtype):
     """bf16 (or fp32) input, fp32 weight and bias under autocast: torch gives bf16, so must fpar."""
-    x, w, b = _rand(4, 6, seed=1, dtype=x_dtype), _rand(8, 6, seed=2, dtype=torch.float32), _rand(8, seed=3, dtype=torch.float32)
+    x, w, b = (
+        _rand(4, 6, seed=1, dtype=x_dtype),
+        _rand(8, 6, seed=2, dtype=torch.float32),
+        _rand(8, seed=3, dtype=torch.float32),
+    )
 
     def linear(x, w, b):
         return F.linear(x, w, b)
@@ -65,7 +69,10 @@ def test_linear_bias_of_another_dtype_raises_as_torch_does():
     with pytest.raises(RuntimeError):
         F.linear(x, w, b)
     f = fpar.shard(lambda x, w, b: F.linear(x, w, b), MESH, (P("tensor"), P(), P()), P("tensor"))
-    with pytest.raises(RuntimeError, match=r"F.linear got input, weight, bias of dtypes torch.float32, torch.float32, torch.float64"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"F.linear got input, weight, bias of dtypes torch.float32, torch.float32, torch.float64",
+    ):
         f(x, w, b)
 
 
@@ -114,7 +121,9 @@ def test_keyword_arguments_are_replicated():
     x, b = _rand(4, 3, seed=1), _rand(3, seed=2)
     sharded = fpar.shard(f, MESH, P("tensor"), P("tensor"))
     torch.testing.assert_close(sharded(x, scale=2.0, bias=b, tag="kw"), x * 2 + b)
-    grad = torch.func.grad(lambda b: sharded(x, scale=torch.tensor(2.0, dtype=torch.float64), bias=b, tag="kw").sum())(b)
+    grad = torch.func.grad(
+        lambda b: sharded(x, scale=torch.tensor(2.0, dtype=torch.float64), bias=b, tag="kw").sum()
+    )(b)
     torch.testing.assert_close(grad, torch.full((3,), 4.0, dtype=torch.float64))
     # every device saw the whole bias: a split bias would have shape (3,) only with a spec
     seen = []
@@ -124,7 +133,7 @@ def test_keyword_arguments_are_replicated():
 
 def test_keyword_arguments_with_a_wrong_positional_spec_still_say_so():
     f = fpar.shard(lambda x, y, *, z: x, MESH, (P("tensor"),), P("tensor"))
-    with pytest.raises(fpar.SpecError, match="is not a pytree prefix of the positional arguments"):
+    with pytest.raises(fpar.SpecError, match=r"in_specs has 1 entries, but <lambda> was called with 2 positional arguments"):
         f(torch.zeros(4), torch.zeros(4), z=torch.zeros(4))
 
 

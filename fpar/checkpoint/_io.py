@@ -116,8 +116,11 @@ def collect_garbage(directory: str, keep_files: set[str]) -> None:
 
 
 def _interrupted(directory: str) -> bool:
-    """Whether ``directory`` is what a save killed before its commit leaves: no index, and only
-    fpar block files and temporary files (so nothing of anyone else's is ever removed)."""
+    """Whether ``directory`` is what a save killed before its commit leaves.
+
+    That is: no index, and only fpar block files and temporary files (so nothing of anyone
+    else's is ever removed).
+    """
     if not os.path.isdir(directory) or os.path.exists(os.path.join(directory, INDEX)):
         return False
     names = os.listdir(directory)
@@ -128,7 +131,11 @@ def remove_interrupted_steps(root: str, keep: str) -> None:
     """Remove the ``step_N`` directories of interrupted saves under a run directory (not ``keep``)."""
     for name in os.listdir(root):
         path = os.path.join(root, name)
-        if STEP_DIR.fullmatch(name) and os.path.normpath(path) != os.path.normpath(keep) and _interrupted(path):
+        if (
+            STEP_DIR.fullmatch(name)
+            and os.path.normpath(path) != os.path.normpath(keep)
+            and _interrupted(path)
+        ):
             shutil.rmtree(path, ignore_errors=True)
 
 

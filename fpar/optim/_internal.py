@@ -114,8 +114,10 @@ def check_same_tree(api: str, a_name: str, a: Any, b_name: str, b: Any, *, fix: 
 
     Args:
       api: the public function, e.g. ``"apply_updates"``.
-      a_name, b_name: how the message names the trees (``"updates"``, ``"state.mu"``).
-      a, b: the trees.
+      a_name: how the message names ``a`` (``"updates"``).
+      a: the first tree.
+      b_name: how the message names ``b`` (``"state.mu"``).
+      b: the second tree.
       fix: the sentence telling the user what to do.
     """
     a_paths, a_leaves, a_def = tree_flatten_with_path(a)

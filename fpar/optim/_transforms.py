@@ -142,7 +142,12 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
         if params is None:
             raise ValueError("fpar.optim.add_decayed_weights: update needs params (pass them to update).")
         check_same_tree(
-            "add_decayed_weights", "updates", updates, "params", params, fix="Pass the params the grads are of."
+            "add_decayed_weights",
+            "updates",
+            updates,
+            "params",
+            params,
+            fix="Pass the params the grads are of.",
         )
         u, treedef = tree_flatten(updates)
         return tree_unflatten(treedef, ops.add(u, tree_leaves(params), alpha=weight_decay)), state

@@ -64,7 +64,9 @@ def distributed(nprocs: int, timeout: float = 120) -> Callable[[Callable[[], obj
             with tempfile.TemporaryDirectory(prefix="fpar-distributed-") as tmp:
                 start = time.monotonic()
                 try:
-                    launch(_body, nprocs, fn.__module__, fn.__qualname__, source, timeout, tmp, timeout=timeout)
+                    launch(
+                        _body, nprocs, fn.__module__, fn.__qualname__, source, timeout, tmp, timeout=timeout
+                    )
                 except LaunchError as e:
                     stacks = _stacks(tmp, nprocs)
                     if stacks:

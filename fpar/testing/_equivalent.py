@@ -109,7 +109,9 @@ def assert_equivalent(
     out_leaf_specs = _prefix(out_specs, want, "out_specs", "the reference's outputs")
 
     # Every device's copy of every output block.
-    got_leaves = _every_copy(fn, name, mesh, in_specs, arg_specs, arg_leaves, arg_def, out_def, out_leaf_specs)
+    got_leaves = _every_copy(
+        fn, name, mesh, in_specs, arg_specs, arg_leaves, arg_def, out_def, out_leaf_specs
+    )
     for path, g, w, spec in zip(out_paths, got_leaves, want_leaves, out_leaf_specs):
         where = f"out{keystr(path)}"
         if spec is None:
@@ -120,15 +122,20 @@ def assert_equivalent(
 
     if not grad:
         return
-    _compare_grads(reference, fn, name, mesh, in_specs, out_specs, arg_paths, arg_leaves, arg_specs, arg_def, seed, tol)
+    _compare_grads(
+        reference, fn, name, mesh, in_specs, out_specs, arg_paths, arg_leaves, arg_specs, arg_def, seed, tol
+    )
 
 
 # Values -------------------------------------------------------------------------------------
 
 
 def _every_copy(fn, name, mesh, in_specs, arg_specs, arg_leaves, arg_def, out_def, out_leaf_specs) -> list:
-    """Run ``fn`` sharded, returning for each tensor output ``(copies, *global)``: one per combination
-    of the mesh axes its out_spec leaves out (the block at coordinate 0 is only one of them)."""
+    """Run ``fn`` sharded, returning every device's copy of each tensor output.
+
+    Each tensor output comes back as ``(copies, *global)``: one copy per combination of the mesh
+    axes its out_spec leaves out (the block at coordinate 0 is only one of them).
+    """
     wide_specs = []
     for spec in out_leaf_specs:
         if spec is None:
@@ -159,7 +166,9 @@ def _every_copy(fn, name, mesh, in_specs, arg_specs, arg_leaves, arg_def, out_de
 
 def _compare_copies(kind, name, where, got, want, spec, mesh, tol) -> None:
     if not isinstance(got, Tensor) or not isinstance(want, Tensor):
-        raise AssertionError(f"{kind} {where} of {name}: got a {type(got).__name__}, want a {type(want).__name__}.")
+        raise AssertionError(
+            f"{kind} {where} of {name}: got a {type(got).__name__}, want a {type(want).__name__}."
+        )
     _check_meta(kind, name, where, got[0], want)
     entries = _entries(spec, want.dim())
     left_out = [a for a in mesh.axis_names if a not in spec.axes()]
@@ -179,7 +188,7 @@ def _compare_copies(kind, name, where, got, want, spec, mesh, tol) -> None:
         f"max rel error {worst_rel:.3g} (rtol={rtol:g}, atol={atol:g}), "
         f"{_located(bad, mesh.axis_names, mesh.size, 'device')}."
     )
-    if left_out and not _copies_agree(got, spec, mesh, left_out):
+    if left_out and not _copies_agree(got):
         message += (
             f" Its out_spec {spec} promises the same value on every device along "
             f"{tuple(left_out)}, but the copies differ: a missing psum/pmean over those axes?"
@@ -187,14 +196,17 @@ def _compare_copies(kind, name, where, got, want, spec, mesh, tol) -> None:
     raise AssertionError(message)
 
 
-def _copies_agree(got: Tensor, spec, mesh, left_out) -> bool:
+def _copies_agree(got: Tensor) -> bool:
+    """Whether every copy of an output (dim 0) is the same."""
     return all(torch.equal(got[k], got[0]) for k in range(1, got.shape[0]))
 
 
 # Gradients ----------------------------------------------------------------------------------
 
 
-def _compare_grads(reference, fn, name, mesh, in_specs, out_specs, arg_paths, arg_leaves, arg_specs, arg_def, seed, tol):
+def _compare_grads(
+    reference, fn, name, mesh, in_specs, out_specs, arg_paths, arg_leaves, arg_specs, arg_def, seed, tol
+):
     wrt = [
         i
         for i, (leaf, spec) in enumerate(zip(arg_leaves, arg_specs))
@@ -241,7 +253,9 @@ def _compare_grad(name, where, got, want, spec, mesh, tol) -> None:
     rtol, atol = _tol(want.dtype, tol)
     bad, worst_abs, worst_rel = [], 0.0, 0.0
     for coord in _coords(mesh, named):
-        ok, abs_err, rel_err = _close(_block(got, entries, coord, mesh), _block(want, entries, coord, mesh), rtol, atol)
+        ok, abs_err, rel_err = _close(
+            _block(got, entries, coord, mesh), _block(want, entries, coord, mesh), rtol, atol
+        )
         if not ok:
             bad.append(coord)
             worst_abs, worst_rel = max(worst_abs, abs_err), max(worst_rel, rel_err)
@@ -360,7 +374,11 @@ def _close(got: Tensor, want: Tensor, rtol: float, atol: float) -> tuple[bool, f
     if got.numel() == 0:
         return True, 0.0, 0.0
     if not (want.is_floating_point() or want.is_complex()):
-        diff = (got.to(torch.int64) - want.to(torch.int64)).abs().double() if want.dtype != torch.bool else (got != want).double()
+        diff = (
+            (got.to(torch.int64) - want.to(torch.int64)).abs().double()
+            if want.dtype != torch.bool
+            else (got != want).double()
+        )
         ref = want.to(torch.float64).abs()
     else:
         g, w = got.detach().to(torch.complex128 if want.is_complex() else torch.float64), want.detach()
@@ -383,7 +401,9 @@ def _check_meta(kind: str, name: str, where: str, got: Tensor, want: Tensor) -> 
             f"{kind} {where} of {name}: shape {tuple(got.shape)}, the reference gives {tuple(want.shape)}."
         )
     if got.dtype != want.dtype:
-        raise AssertionError(f"{kind} {where} of {name}: dtype {got.dtype}, the reference gives {want.dtype}.")
+        raise AssertionError(
+            f"{kind} {where} of {name}: dtype {got.dtype}, the reference gives {want.dtype}."
+        )
 
 
 def _located(bad: list[dict], axes, total: int, what: str) -> str:

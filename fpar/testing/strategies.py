@@ -37,7 +37,9 @@ __all__ = ["arrays", "meshes", "specs"]
 _SIZES = (2, 1, 3, 4)  # axis sizes drawn, simplest first (hypothesis shrinks towards the front)
 
 
-def meshes(max_devices: int = 8, axis_names: Sequence[str] = ("data", "tensor", "pipe")) -> st.SearchStrategy[Mesh]:
+def meshes(
+    max_devices: int = 8, axis_names: Sequence[str] = ("data", "tensor", "pipe")
+) -> st.SearchStrategy[Mesh]:
     """In-process meshes of 1 to ``len(axis_names)`` axes and at most ``max_devices`` devices.
 
     The axes are a random selection of ``axis_names`` in random order, of sizes 1, 2, 3 or 4
@@ -49,9 +51,13 @@ def meshes(max_devices: int = 8, axis_names: Sequence[str] = ("data", "tensor", 
     """
     names = tuple(axis_names)
     if not names or len(set(names)) != len(names) or not all(isinstance(n, str) for n in names):
-        raise ValueError(f"fpar.testing.strategies.meshes: axis_names must be distinct strings, got {axis_names!r}.")
+        raise ValueError(
+            f"fpar.testing.strategies.meshes: axis_names must be distinct strings, got {axis_names!r}."
+        )
     if max_devices < 1:
-        raise ValueError(f"fpar.testing.strategies.meshes: max_devices must be at least 1, got {max_devices}.")
+        raise ValueError(
+            f"fpar.testing.strategies.meshes: max_devices must be at least 1, got {max_devices}."
+        )
 
     @st.composite
     def draw_mesh(draw) -> Mesh:
@@ -84,8 +90,10 @@ def specs(mesh: Mesh | Mapping[str, int], shape: Sequence[int]) -> st.SearchStra
 
 
 def arrays(shape: Sequence[int], dtype: torch.dtype = torch.float64) -> st.SearchStrategy[torch.Tensor]:
-    """Tensors of ``shape`` and ``dtype``: seeded standard-normal draws at a drawn scale for floating
-    and complex dtypes, small integers for integer dtypes, coin flips for bool.
+    """Tensors of ``shape`` and ``dtype``.
+
+    Seeded standard-normal draws at a drawn scale (0.1, 1, 10) for floating and complex dtypes,
+    small integers for integer dtypes, coin flips for bool.
 
     Args:
       shape: the shape.

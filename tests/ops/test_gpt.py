@@ -50,6 +50,7 @@ def test_gpt_block(n, sp, k, tb):
     x = randn(2, n * tb, d, seed=1)
     layer = ops.sp_gpt_block if sp else ops.gpt_block
     spec = SEQ if sp else P()
+
     def block(p, x):
         return layer(p, x, axis="tensor", n_heads=n_heads)
 
