@@ -233,7 +233,8 @@ def vocab_cross_entropy(logits_local: Tensor, targets: Tensor, *, axis) -> Tenso
     target's logit (only its owner contributes), ``psum`` of the local sums of ``exp``; then
     ``loss = log(sum_exp) - target_logit``.  The gradient is plain autodiff of this formula
     through the collectives: psum transposes to the identity, and the max is a constant (the
-    loss does not depend on it), so the backward is local, ``softmax - onehot``.
+    loss does not depend on it), so the backward is local, ``softmax - onehot``.  fp16/bf16
+    logits are upcast to float32 (as Megatron does); the loss has the logits' dtype.
 
     Args:
       logits_local: this device's vocab slice ``[..., V/n]`` (e.g. from ``column_linear``).

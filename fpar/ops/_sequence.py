@@ -209,7 +209,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, axis, causal: bool = True
     autodiff through the ppermutes (their transpose is the reverse rotation); the running max
     is a constant for autodiff, as the result does not depend on it.  Per device the forward
     sends ``n - 1`` key and value blocks, the backward ``n - 1`` of each again.  Masked blocks
-    are computed and discarded (no causal load balancing).
+    are computed and discarded (no causal load balancing).  fp16/bf16 blocks travel in their
+    dtype; the softmax statistics and the output accumulate in float32, rounded once at the end.
 
     Args:
       q: this device's query block ``[B, T/n, H, K]``.
