@@ -353,7 +353,6 @@ def error_attempts(mesh, names):
         "in_axis_twice": lambda: fpar.shard(_ident, mesh, P(a0, a0), P())(x),
         "in_too_long": lambda: fpar.shard(_ident, mesh, P(None, None, a0), P())(x),
         "not_a_tensor": lambda: fpar.shard(_ident, mesh, P(), P())(3.0),
-        "keyword_arguments": lambda: fpar.shard(_ident, mesh, P(), P())(a=x),
         "out_too_long": lambda: fpar.shard(lambda t: t.sum(), mesh, P(), P(None))(x),
         "replication": lambda: fpar.shard(lambda t: t * fpar.axis_index(a0), mesh, P(), P())(x),
         "unbound_axis": lambda: fpar.shard(lambda t: fpar.psum(t, "nope"), mesh, P(), P())(x),
@@ -391,7 +390,6 @@ PRE_COMMUNICATION = (
     "in_axis_twice",
     "in_too_long",
     "not_a_tensor",
-    "keyword_arguments",
     "prefix",
 )
 

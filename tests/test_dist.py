@@ -558,7 +558,6 @@ ERROR_PHRASES = {
     "in_axis_twice": ("SpecError", "more than once"),
     "in_too_long": ("SpecError", "longer than the rank"),
     "not_a_tensor": ("TypeError", "not a tensor"),
-    "keyword_arguments": ("TypeError", "keyword arguments"),
     "out_too_long": ("SpecError", "longer than the rank"),
     "replication": ("ReplicationError", "varies over mesh axis"),
     "unbound_axis": ("UnboundAxisError", "not an axis of the mesh"),
@@ -569,7 +568,7 @@ ERROR_PHRASES = {
     "all_gather_out_of_range": ("ValueError", "out of range"),
     "ppermute_unique": ("ValueError", "must be unique"),
     "ppermute_range": ("ValueError", "out of range"),
-    "prefix": ("SpecError", "not a pytree prefix"),
+    "prefix": ("SpecError", "in_specs has 2 entries"),
     "all_to_all_untiled": ("ValueError", "must equal the axis size"),
     "unbound_tuple_axis": ("UnboundAxisError", "not an axis of the mesh"),
 }
