@@ -123,8 +123,8 @@ def load(
       step: which step of a run directory.
       like: a tree with the stored structure; the result takes its node types (e.g. your own
         NamedTuple optimizer state).  Its tensor leaves must have the stored dtypes and the
-        stored global shapes (or this process's block shapes); other leaves (e.g. ``None``)
-        only give the structure.  Without it dicts, lists, tuples come back as such and
+        stored global shapes or block shapes of them (same rank, each dim dividing the stored
+        one: blocks of any layout); other leaves (e.g. ``None``) only give the structure.  Without it dicts, lists, tuples come back as such and
         NamedTuples as same-named NamedTuples.
       device: where to put the tensors (default CPU).
 
@@ -156,8 +156,13 @@ def load(
     return result
 
 
+def _fits(block: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Whether ``block`` can be the global ``shape`` or a block of it under some layout."""
+    return len(block) == len(shape) and all(b == s if b == 0 else s % b == 0 for b, s in zip(block, shape))
+
+
 def _check_like(like: Any, stored: list[dict], out: list, where: str) -> None:
-    """Every tensor leaf of ``like`` has the stored dtype and the stored (global) or loaded (block) shape."""
+    """Every tensor leaf of ``like`` has the stored dtype, and the stored global shape or a block of it."""
     for record, want, got in zip(stored, tree_leaves(like), out):
         if not isinstance(want, torch.Tensor):
             continue  # a non-tensor leaf of like= only gives the structure
@@ -168,7 +173,7 @@ def _check_like(like: Any, stored: list[dict], out: list, where: str) -> None:
                 f"{record.get('value')!r} there (a Python value): it was saved from another tree."
             )
         shape = tuple(record["shape"])
-        if tuple(want.shape) not in (shape, tuple(got.shape)) or want.dtype != got.dtype:
+        if not _fits(tuple(want.shape), shape) or want.dtype != got.dtype:
             raise CheckpointError(
                 f"{where}: like= has {describe(want)} at {name}, but the checkpoint stores a tensor "
                 f"{record['dtype']}[{', '.join(map(str, shape))}] there: it was saved from another "
