@@ -65,6 +65,7 @@ class Frame:
     levels: dict[int, str] = dataclasses.field(default_factory=dict)  # vmap level -> axis
     token: Tensor | None = None  # batched at every mesh level: makes vmap call our rules
     index: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # coordinate per axis
+    direct: Callable | None = None  # real mesh: (kind, axes, params, local block) -> exchanged block
 
 
 _ENV = threading.local()
@@ -263,7 +264,11 @@ def _apply(api: str, x: Any, axis_name: AxisName, kind: str, params: tuple = (),
     def one(leaf):
         if isinstance(leaf, Tensor):
             leaf_params = check(leaf, n) if check is not None else params
-            out = _Collective.apply(leaf, frame.token, Op(kind, axes, leaf_params))
+            if frame.direct is not None:  # a real mesh: plain local tensors, no vmap levels
+                out = frame.direct(kind, axes, leaf_params, leaf)
+            else:
+                _count_implicit_pvary(frame, leaf, axes)
+                out = _Collective.apply(leaf, frame.token, Op(kind, axes, leaf_params))
             stats.record(kind, axes, n, leaf, pairs)
             stats.count_transpose(out, kind, axes, n, pairs)
             return out
@@ -275,6 +280,22 @@ def _apply(api: str, x: Any, axis_name: AxisName, kind: str, params: tuple = (),
         )
 
     return tree_map(one, x)
+
+
+def _count_implicit_pvary(frame: Frame, leaf: Tensor, axes: tuple[str, ...]) -> None:
+    """Count the gradient all-reduce of a collective's input replicated over some of its axes.
+
+    (The real mesh sums that input's cotangent over those axes; in-process vmap's broadcast
+    does it, so only the traffic is counted, as for every implicit pvary.)
+    """
+    if not frame.levels or not (leaf.is_floating_point() or leaf.is_complex()):
+        return
+    from ._mode import batched_levels
+
+    varying = {frame.levels[lv] for lv in batched_levels(leaf, frame.levels)}
+    inv = tuple(a for a in axes if a not in varying)
+    if inv:
+        stats.count_transpose(leaf, "pvary", inv, frame.mesh.axis_size(inv))
 
 
 def psum(x: Any, axis_name: AxisName) -> Any:
@@ -402,6 +423,8 @@ def pvary(x: Any, axis_name: AxisName) -> Any:
     n = frame.mesh.axis_size(axes)
 
     def one(t: Tensor) -> Tensor:
+        if frame.direct is not None:  # a real mesh counts the sum where it issues it
+            return frame.direct("pvary", axes, (), t)
         stats.count_transpose(t, "pvary", axes, n)
         return _Collective.apply(t, frame.token, Op("pvary", axes))
 

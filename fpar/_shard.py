@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch._C._functorch import maybe_current_level
 
+from . import _stats as stats
 from ._collectives import Frame, frames
 from ._errors import ReplicationError, SpecError
 from ._mesh import Mesh
@@ -35,7 +36,9 @@ Tensor = torch.Tensor
 # API ----------------------------------------------------------------------------------------
 
 
-def shard(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any, *, check_rep: bool = True) -> Callable:
+def shard(
+    f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any, *, check_rep: bool = True, bucket_mb: float = 25.0
+) -> Callable:
     """Map a per-device function over a mesh: global tensors in, global tensors out.
 
     ``f`` sees each device's block of each argument (per ``in_specs``) and may call fpar's
@@ -55,6 +58,9 @@ def shard(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any, *, check_rep: 
       check_rep: check that promise statically (a value varies over an axis if it depends on an
         input split over it or on a collective that leaves it varying, and stops varying after
         psum/pmean/pmax/pmin over it).  With ``False`` the block at coordinate 0 is returned.
+      bucket_mb: real mesh only: the gradient all-reduces of replicated inputs are grouped into
+        buckets of at most this many megabytes, each launched asynchronously as soon as its
+        gradients exist in the backward pass (as ``DistributedDataParallel``'s ``bucket_cap_mb``).
 
     Returns:
       The global function.  It raises ``fpar.SpecError``/``TypeError`` for bad specs or arguments,
@@ -74,6 +80,14 @@ def shard(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any, *, check_rep: 
     _check_spec_tree(fname, "in_specs", in_specs, mesh)
     _check_spec_tree(fname, "out_specs", out_specs, mesh)
 
+    real = None
+    if mesh.backend == "dist":
+        from ._dist_shard import DistShard
+
+        if not isinstance(bucket_mb, (int, float)) or isinstance(bucket_mb, bool) or not bucket_mb > 0:
+            raise ValueError(f"fpar.shard({fname}): bucket_mb must be a positive number of megabytes, got {bucket_mb!r}.")
+        real = DistShard(f, fname, mesh, in_specs, out_specs, bool(check_rep), _prefix, float(bucket_mb))
+
     @functools.wraps(f)
     def sharded(*args: Any, **kwargs: Any) -> Any:
         if kwargs:
@@ -81,6 +95,14 @@ def shard(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any, *, check_rep: 
                 f"fpar.shard({fname}): got keyword arguments {sorted(kwargs)}; a sharded function "
                 f"takes positional arguments only (their specs are matched by position)."
             )
+        if real is not None:
+            if frames() and frames()[-1].token is not None:
+                raise NotImplementedError(
+                    f"fpar.shard({fname}) was called inside another fpar.shard "
+                    f"({frames()[-1].fname}); nested shard is not supported. Call the inner per-device "
+                    f"function directly: it already runs per device."
+                )
+            return real(args)
         call = _Call(f, fname, mesh, in_specs, out_specs, bool(check_rep))
         return call.run(args)
 
@@ -234,9 +256,11 @@ class _Call:
             if broken and self.check_rep:
                 raise ReplicationError(_replication_message(where, spec, broken))
             self.present.append([a for a in self.axes if a in named or a in broken])
-            self.replicated_named.append(
-                tuple(a for a in self.axes if a in named and _level_of(frame, a) not in varying)
-            )
+            rep = tuple(a for a in self.axes if a in named and _level_of(frame, a) not in varying)
+            if rep and (leaf.is_floating_point() or leaf.is_complex()):
+                # one copy per device along rep: the transpose sums (counted, as on a real mesh)
+                stats.count_transpose(leaf, "pvary", rep, self.mesh.axis_size(rep))
+            self.replicated_named.append(rep)
             self.out_slots.append(j)
             self.out_specs_flat.append(spec)
             tensors.append(leaf)
