@@ -1,7 +1,8 @@
 """Gradient all-reduces of replicated values on a real mesh, bucketed and overlapped like DDP.
 
-A bucket is a group of tensors replicated over the same axes, with the same dtype, up to
-``bucket_mb`` megabytes.  Each bucket is two identity nodes in the autograd graph, created when
+A bucket is a group of tensors replicated over the same axes, with the same dtype, in the
+order their gradients are expected (the reverse of their first use), closed once it holds
+``bucket_mb`` megabytes (the first one at 1 MB, as DDP).  Each bucket is two identity nodes in the autograd graph, created when
 the sharded function is entered, in this order::
 
     x_1..x_k  ->  _Wait  ->  _Launch  ->  the function's uses
@@ -17,7 +18,7 @@ the sharded function is entered, in this order::
   gradient: not ``AccumulateGrad``, not a hook, not ``torch.autograd.grad``'s capture, not an
   op outside the sharded function.
 
-The all-reduce is itself a differentiable Function (its transpose is the all-reduce again), so
+The all-reduce is itself a differentiable Function (a psum, whose transpose is pvary), so
 grad-of-grad stays right.
 
 ``no_sync()`` defers the reductions: inside it, ``_Launch`` passes the local cotangents through
@@ -38,6 +39,7 @@ __all__ = ["no_sync", "reduce_inputs"]
 
 Tensor = torch.Tensor
 _ENV = threading.local()
+FIRST_BUCKET_MB = 1.0  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES)
 
 
 @contextlib.contextmanager
@@ -123,7 +125,7 @@ class _AllReduceFlat(torch.autograd.Function):
     """Start the all-reduce of a bucket's cotangents; returns views of the (pending) flat sum.
 
     A Function of its own so that a transform above (``torch.func.grad``) hands it plain tensors
-    and, for a gradient that is itself differentiated, gets its transpose: the all-reduce again.
+    and, for a gradient that is itself differentiated, gets its transpose (psum's: pvary).
     """
 
     @staticmethod
@@ -145,9 +147,11 @@ class _AllReduceFlat(torch.autograd.Function):
     def backward(ctx, *gs):
         from ._dist import _Exchange
 
+        # The all-reduce is a psum (local -> replicated); it transposes to pvary: the identity
+        # on the replicated cotangent, whose own transpose is the psum again.
         ctx.state.wait()
         axes, mg = ctx.bucket
-        return (None, None, *(_Exchange.apply(g, "psum", (), 0, axes, mg) for g in gs))
+        return (None, None, *(_Exchange.apply(g, "pvary", (), 0, axes, mg) for g in gs))
 
 
 def reduce_inputs(sources: list[tuple[int, Tensor, tuple[str, ...]]], mg, bucket_mb: float) -> dict[int, Tensor]:
@@ -157,7 +161,7 @@ def reduce_inputs(sources: list[tuple[int, Tensor, tuple[str, ...]]], mg, bucket
       sources: ``(slot, tensor, axes)`` in the order their gradients are expected to be ready
         (the reverse of their first use in the forward pass).
       mg: the mesh's process groups.
-      bucket_mb: the largest bucket, in megabytes (at least one tensor per bucket).
+      bucket_mb: a bucket closes once it holds this many megabytes (the first at 1 MB).
 
     Returns:
       ``{slot: wrapped tensor}``: the identity on values.
@@ -165,22 +169,24 @@ def reduce_inputs(sources: list[tuple[int, Tensor, tuple[str, ...]]], mg, bucket
     out: dict[int, Tensor] = {}
     if deferring():
         return out
-    cap = bucket_mb * 2**20
-    open_: dict = {}  # (axes, dtype, device) -> [slots, tensors, bytes]
+    open_: dict = {}  # (axes, dtype, device) -> [slots, tensors, bytes, axes], not yet full
     buckets: list = []
     for slot, x, axes in sources:
         if not x.requires_grad and not _tracked(x):
             continue  # no gradient will flow: nothing to reduce
         key = (axes, x.dtype, x.device)
         b = open_.get(key)
-        size = x.numel() * x.element_size()
-        if b is None or (b[2] and b[2] + size > cap):
-            b = [[], [], 0, axes]
-            open_[key] = b
+        if b is None:
+            b = open_[key] = [[], [], 0, axes]
             buckets.append(b)
         b[0].append(slot)
         b[1].append(x)
-        b[2] += size
+        b[2] += x.numel() * x.element_size()
+        # As DDP: a bucket closes once it reaches its cap; the first one is small (1 MB), so the
+        # last layer's gradients start their all-reduce while the earlier layers' backward runs.
+        cap = (FIRST_BUCKET_MB if len(buckets) == 1 else bucket_mb) * 2**20
+        if b[2] >= cap:
+            del open_[key]
     for slots, xs, _, axes in buckets:
         n = mg.mesh.axis_size(axes)
         for x in xs:

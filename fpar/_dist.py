@@ -536,6 +536,7 @@ def launch(fn: Callable, nprocs: int, *args: Any, timeout: float = 60.0, backend
 
     if nprocs < 1:
         raise ValueError(f"fpar.launch: nprocs must be at least 1, got {nprocs}.")
+    _check_launchable(fn)
     ctx = mp.get_context("spawn")
     results: dict[int, Any] = {}
     with tempfile.TemporaryDirectory(prefix="fpar-launch-") as tmp:
@@ -584,6 +585,48 @@ def launch(fn: Callable, nprocs: int, *args: Any, timeout: float = 60.0, backend
                     p.join()
             q.close()
     return [results[r] for r in range(nprocs)]
+
+
+def _check_launchable(fn: Callable) -> None:
+    """Refuse, with the fix, what a spawned process could not run (before starting any)."""
+    import multiprocessing as mp
+    import sys
+
+    if mp.parent_process() is not None:
+        raise RuntimeError(
+            "fpar.launch was called while a process it started was importing your script: the "
+            "script calls fpar.launch at import time. Put the call under "
+            '`if __name__ == "__main__":` (each process re-imports the script to find fn).'
+        )
+    name = getattr(fn, "__qualname__", "")
+    if not callable(fn):
+        raise TypeError(f"fpar.launch: fn must be a function, got {fn!r}.")
+    if "<lambda>" in name or "<locals>" in name:
+        raise TypeError(
+            f"fpar.launch: fn {name!r} is a lambda or a function defined inside another function; the "
+            f"processes are spawned and must import fn by name. Define it at the top level of a "
+            f"module (or of the script, under an `if __name__ == \"__main__\":` guard) and pass "
+            f"its arguments through *args."
+        )
+    if getattr(fn, "__module__", None) == "__main__":
+        main = sys.modules.get("__main__")
+        path = getattr(main, "__file__", None)
+        if path is None:
+            raise TypeError(
+                f"fpar.launch: fn {name!r} is defined in an interactive session (__main__ has no "
+                f"file), which spawned processes cannot import. Put it in a module file and import it."
+            )
+        try:
+            with open(path, encoding="utf-8") as fh:
+                source = fh.read()
+        except OSError:
+            return
+        if "__main__" not in source:
+            raise RuntimeError(
+                f"fpar.launch: {path} calls fpar.launch without an `if __name__ == \"__main__\":` "
+                f"guard. Each spawned process re-imports the script to find {name!r}, and would "
+                f"launch again. Put the script's top-level code under that guard."
+            )
 
 
 def _blame(procs, results: dict, r: int, payload: str) -> str:

@@ -110,6 +110,16 @@ class DistShard:
     # -- a call ----------------------------------------------------------------------------
 
     def __call__(self, args: tuple) -> Any:
+        if torch.compiler.is_compiling():
+            # pytorch#193279: Dynamo drops a custom autograd.Function's backward under
+            # torch.compile(torch.func.grad(f)), which here would return each rank's *local*
+            # gradient without an error.  Refuse rather than risk a silently wrong gradient.
+            raise NotImplementedError(
+                f"fpar.shard({self.fname}): torch.compile over a sharded function on a real mesh is "
+                f"not supported (its gradient all-reduces are custom autograd Functions, whose "
+                f"backward Dynamo can drop: pytorch#193279). Compile the per-device code inside the "
+                f"sharded function instead, e.g. fpar.shard(torch.compile(f), ...)."
+            )
         leaves, treedef = tree_flatten(args)
         specs = self.spec_cache.get(treedef)
         if specs is None:
@@ -198,6 +208,7 @@ class DistShard:
             for i, x in reduce_inputs(sources, mg, self.bucket_mb).items():
                 local[i] = x
         frames().append(frame)
+        ok = False
         try:
             if tracker is not None:
                 with tracker:
@@ -211,8 +222,11 @@ class DistShard:
                         f"fpar.shard({self.fname}): the output structure changed between calls with "
                         f"the same argument shapes ({plan.out_treedef} then {treedef_out})."
                     )
+            ok = True
         finally:
             frames().pop()
+            if not ok:
+                agree.settle()  # the function raised: complete the check, keep its error
         agree.wait()
         if tracker is not None:
             tracker.finish()
@@ -324,6 +338,12 @@ class _Agreement:
         if hi == -neg_lo:
             return
         self._raise()
+
+    def settle(self) -> None:
+        """Complete the pending check without raising (another error is on its way)."""
+        work, self.work = self.work, None
+        if work is not None:
+            work.wait()
 
     def _raise(self) -> None:
         owner = self.owner
