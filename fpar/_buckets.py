@@ -20,49 +20,19 @@ the sharded function is entered, in this order::
 
 The all-reduce is itself a differentiable Function (a psum, whose transpose is pvary), so
 grad-of-grad stays right.
-
-``no_sync()`` defers the reductions: inside it, ``_Launch`` passes the local cotangents through
-unreduced and tells the caller which gradients still need a sum (see ``fpar.optim.accumulate``).
 """
 
 from __future__ import annotations
-
-import contextlib
-import threading
 
 import torch
 import torch.distributed as dist
 
 from . import _stats as stats
 
-__all__ = ["no_sync", "reduce_inputs"]
+__all__ = ["reduce_inputs"]
 
 Tensor = torch.Tensor
-_ENV = threading.local()
 FIRST_BUCKET_MB = 1.0  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES)
-
-
-@contextlib.contextmanager
-def no_sync():
-    """Within this context, real-mesh gradient all-reduces of replicated inputs are skipped.
-
-    The gradients of replicated inputs are then each process's *local* contribution; sum them
-    over the microbatches and reduce once with ``fpar.optim.accumulate`` (which uses this), as
-    ``DistributedDataParallel.no_sync`` does.  Only the all-reduces at replicated inputs are
-    deferred (by linearity they commute with the accumulation); collectives the function itself
-    calls run as usual.  The in-process mesh ignores it (its sums cost nothing).
-    """
-    prev = getattr(_ENV, "defer", False)
-    _ENV.defer = True
-    try:
-        yield
-    finally:
-        _ENV.defer = prev
-
-
-def deferring() -> bool:
-    """Whether ``no_sync()`` is active in this thread."""
-    return getattr(_ENV, "defer", False)
 
 
 class _State:
@@ -167,8 +137,6 @@ def reduce_inputs(sources: list[tuple[int, Tensor, tuple[str, ...]]], mg, bucket
       ``{slot: wrapped tensor}``: the identity on values.
     """
     out: dict[int, Tensor] = {}
-    if deferring():
-        return out
     open_: dict = {}  # (axes, dtype, device) -> [slots, tensors, bytes, axes], not yet full
     buckets: list = []
     for slot, x, axes in sources:
