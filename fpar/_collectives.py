@@ -59,7 +59,6 @@ class Frame:
     mesh: Any
     fname: str
     exchange: Callable[[Op, Tensor], Tensor]  # performs an op on explicit-axis dims
-    sum_cotangent: Callable | None = None  # real mesh: identity whose backward all-reduces
     pvaried: dict = dataclasses.field(default_factory=dict)  # (id, axes) -> (tensor, its pvary)
     backend: str = "local"  # "local" (in-process) or "dist" (one process per device)
     levels: dict[int, str] = dataclasses.field(default_factory=dict)  # vmap level -> axis
@@ -195,12 +194,9 @@ class _Collective(torch.autograd.Function):
 def _last_level(frame: Frame, level: int, op: Op) -> bool:
     """Whether the exchange runs now, on dims made explicit so far.
 
-    In-process, once every axis of the collective is explicit, plain tensor ops on the other
-    levels' BatchedTensors do the rest.  On a real mesh the exchange calls the process group,
-    which takes plain tensors, so every mesh level (all of size 1) is peeled first.
+    Once every axis of the collective is explicit, plain tensor ops on the other levels'
+    BatchedTensors do the rest.
     """
-    if frame.backend == "dist":
-        return level == min(frame.levels)
     return len(op.explicit) == len(op.axes)
 
 
@@ -437,9 +433,9 @@ def implicit_pvary(frame: Frame, t: Tensor, axes: tuple[str, ...]) -> Tensor:
     ``t`` stays unbatched (the op's result varies anyway, and an unbatched operand keeps
     matmuls folded).  Its transpose is a psum over ``axes``, at every level:
 
-    * the gradient of the sharded function (the physical level): in-process, vmap's own
-      broadcast sums the cotangent over the axis, so only the traffic is counted; on a real
-      mesh the block is the only copy, and ``_SumCotangent`` all-reduces the local cotangent;
+    * the gradient of the sharded function (the physical level): vmap's own broadcast sums
+      the cotangent over the axis, so only the traffic is counted (the real mesh does not run
+      this engine: see ``_dist/shard.py``);
     * a gradient taken inside the sharded function (a user's grad transform above the mesh
       levels): an explicit pvary whose transpose psums, exactly as JAX's.  (This is
       what makes inner gradients of tensor-parallel models right; its visible side is JAX's
@@ -457,49 +453,10 @@ def implicit_pvary(frame: Frame, t: Tensor, axes: tuple[str, ...]) -> Tensor:
         # pvary), so its transpose at that level is a psum.  Rare enough that the batched
         # operand's cost does not matter.
         out = _Collective.apply(t, frame.token, Op("pvary", axes))
-    elif frame.backend == "dist":
-        out = _SumCotangent.apply(t, frame.token, frame.sum_cotangent, axes)
     else:
         out = t
     frame.pvaried[key] = (t, out)  # keeps t alive, so its id is not reused within the call
     return out
-
-
-@internal
-class _SumCotangent(torch.autograd.Function):
-    """Identity on a real mesh whose physical backward all-reduces the cotangent over ``axes``.
-
-    Its vmap rule passes ``x`` down unchanged to the lowest mesh level and applies the backend's
-    ``sum_cotangent`` there, so batching is untouched and matmuls stay folded.  (Under a user's
-    transform inside the sharded function the explicit ``pvary`` collective is used instead:
-    functorch does not call a grad-level backward whose output is unbatched at a mesh level
-    while its cotangent arrives batched there.)
-    """
-
-    generate_vmap_rule = False
-
-    @staticmethod
-    def forward(x: Tensor, token: Tensor, sum_cotangent, axes) -> Tensor:
-        return _SumCotangent.apply(x, token, sum_cotangent, axes)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, ct: Tensor):
-        return ct, None, None, None  # unreachable: used only below user transforms
-
-    @staticmethod
-    def jvp(ctx, x_t, *_):
-        return x_t
-
-    @staticmethod
-    def vmap(info, in_dims, x, token, sum_cotangent, axes):
-        level = (maybe_current_level() or 0) + 1
-        if level == min(frames()[-1].levels):
-            return sum_cotangent(x, axes), in_dims[0]
-        return _SumCotangent.apply(x, token, sum_cotangent, axes), in_dims[0]
 
 
 def axis_index(axis_name: AxisName) -> Tensor:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import _stats as stats
+from .. import _stats as stats
 
 __all__ = ["reduce_inputs"]
 
@@ -115,7 +115,7 @@ class _AllReduceFlat(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *gs):
-        from ._dist import _Exchange
+        from .exchange import _Exchange
 
         # The all-reduce is a psum (local -> replicated); it transposes to pvary: the identity
         # on the replicated cotangent, whose own transpose is the psum again.

@@ -2,7 +2,7 @@
 
 On a real mesh every process holds its own blocks, so nothing needs batching: the per-device
 function runs on the plain local tensors, and a collective is a process-group call
-(``_dist.py``'s ``_Exchange``).  What needs care is the gradient of *replicated* values.
+(``exchange.py``'s ``_Exchange``).  What needs care is the gradient of *replicated* values.
 
 **Which cotangents are summed.**  A value replicated over axis ``a`` (the same on every device
 of ``a``) has, in the global function, one copy per device wherever it meets a value varying
@@ -24,7 +24,7 @@ computation are used through a pvary, used replicated into an output, or both.  
 transpose), when every use goes through a pvary, summing the cotangent once at the source is
 the same as summing it at every use.  So later calls run **fast**: no interception at all,
 each such source wrapped once in an identity whose backward all-reduces over its axes (the
-data-parallel gradient all-reduce, bucketed like DDP, see ``_buckets.py``), and no
+data-parallel gradient all-reduce, bucketed like DDP, see ``buckets.py``), and no
 size-1 anything.  A signature for which some source is used both ways, a replicated tensor
 of unknown origin (a closure-captured parameter) meets a varying value, or the function
 differentiates inside itself (an inner ``torch.func.grad``) keeps running traced.
@@ -51,11 +51,11 @@ import torch.distributed as dist
 from torch._C._functorch import maybe_current_level
 from torch.overrides import TorchFunctionMode
 
-from . import _stats as stats
-from ._collectives import Frame, frames
-from ._errors import ReplicationError
-from ._spec import PartitionSpec, check_spec
-from ._tree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from .. import _stats as stats
+from .._collectives import Frame, frames
+from .._errors import ReplicationError
+from .._spec import PartitionSpec, check_spec
+from .._tree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 __all__ = ["DistShard"]
 
@@ -162,7 +162,7 @@ class DistShard:
         return out
 
     def _run(self, plan: _Plan, leaves, treedef, specs, *, traced: bool, first: bool = False):
-        from ._dist import _Exchange, _TakeFirst
+        from .exchange import _Exchange, _TakeFirst
 
         mg = self.mg
         agree = _Agreement(self, plan)
@@ -202,7 +202,7 @@ class DistShard:
                 if spec is not None and isinstance(leaf, Tensor):
                     tracker.enter(i, leaf, spec)
         elif plan.in_reduce:
-            from ._buckets import reduce_inputs
+            from .buckets import reduce_inputs
 
             sources = [(i, leaves[i], plan.in_reduce[i]) for i in plan.in_order]
             for i, x in reduce_inputs(sources, mg, self.bucket_mb).items():
@@ -267,7 +267,7 @@ class DistShard:
             named = set(spec.axes())
             broken = tuple(a for a in self.axes if a not in named and a in varying)
             if broken and self.check_rep:
-                from ._shard import _replication_message
+                from .._shard import _replication_message
 
                 raise ReplicationError(_replication_message(where, spec, list(broken)))
             if first:
@@ -279,7 +279,7 @@ class DistShard:
         """This rank's coordinate per axis, as 0-d int64 tensors on the arguments' device."""
         device = next((x.device for x in leaves if isinstance(x, Tensor)), None)
         if self.index is None or (device is not None and self.index[0] != device):
-            from ._dist import _device
+            from .groups import _device
 
             dev = device if device is not None else _device([])
             self.index = (dev, {a: torch.tensor(self.mg.coords[a], device=dev) for a in self.axes})
@@ -304,7 +304,7 @@ def _wrapped(t: Tensor) -> bool:
 
 def _grad_sum(x: Tensor, axes: tuple[str, ...], mg) -> Tensor:
     """Identity forward; all-reduces the cotangent over ``axes`` backward."""
-    from ._dist import _Exchange
+    from .exchange import _Exchange
 
     stats.count_transpose(x, "pvary", axes, mg.mesh.axis_size(axes))
     return _Exchange.apply(x, "pvary", (), 0, axes, mg)
@@ -324,7 +324,7 @@ class _Agreement:
             return
         self.group = owner.mg.group(axes)
         h = plan.digest
-        from ._dist import _device
+        from .groups import _device
 
         self.buf = torch.tensor([h, -h], dtype=torch.int64, device=_device([]))
         self.work = dist.all_reduce(self.buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
@@ -446,7 +446,7 @@ class _Tracker(TorchFunctionMode):
                 self.unknown = True
 
     def _pvary(self, t: Tensor, axes: tuple[str, ...]) -> Tensor:
-        from ._dist import _Exchange
+        from .exchange import _Exchange
 
         key = (id(t), axes)
         if key in self.pvaried and self.pvaried[key][0] is t:
@@ -490,7 +490,7 @@ class _Tracker(TorchFunctionMode):
     # collectives and outputs
 
     def collective(self, k: int, kind: str, axes: tuple, params: tuple, x: Tensor) -> Tensor:
-        from ._dist import _Exchange
+        from .exchange import _Exchange
 
         with torch._C.DisableTorchFunction():
             v, d = self.info(x)
