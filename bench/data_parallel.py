@@ -8,7 +8,8 @@ float32, MSE loss) on the same global batch split over 2 gloo processes on this 
   ``fpar.device_put``); the per-device loss is ``fpar.pmean(mse, "data")`` and the gradients come
   from ``torch.func.grad(fpar.shard(loss, mesh, (P(), P("data"), P("data")), P()))``.  fpar
   inserts a ``pvary`` wherever a replicated parameter meets the split batch; its transpose, in
-  the backward pass, is the gradient all-reduce (one blocking all-reduce per parameter).
+  the backward pass, is the gradient all-reduce (bucketed, asynchronous, overlapped with the
+  rest of the backward, as DDP's).
   Update: SGD with ``torch._foreach_add_``.
 * **DDP**: the same MLP as an ``nn.Module`` in ``torch.nn.parallel.DistributedDataParallel``
   (gloo, default buckets, its built-in all-reduce overlapped with the backward pass),
@@ -30,7 +31,8 @@ updated parameters (so both do the same work).  Bytes all-reduced per step, per 
   on its second step, after DDP has rebuilt its buckets in gradient-ready order;
 * the formula: parameter bytes x 2(n-1)/n.
 
-Timings are printed, never asserted.
+Also printed: the peak memory of a step (CPU profiler memory events) of each side.  Timings
+are printed, never asserted.
 
 Run:
     python bench/data_parallel.py                     # 20 repeats, D=512 H=2048 B=128 (64/process)
