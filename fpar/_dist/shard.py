@@ -174,8 +174,11 @@ class DistShard:
             for a, t in frame.index.items():
                 tracker._mark(t, frozenset((a,)), frozenset())
         calls = [0]
+        done = [False]  # after the call: collectives come from a recomputation in the backward
 
         def direct(kind: str, axes: tuple, params: tuple, x: Tensor) -> Tensor:
+            if done[0]:
+                return self._recompute(plan, kind, axes, params, x)
             agree.wait()
             k = calls[0]
             calls[0] += 1
@@ -200,7 +203,7 @@ class DistShard:
         if tracker is not None:
             for i, (leaf, spec) in enumerate(zip(leaves, specs)):
                 if spec is not None and isinstance(leaf, Tensor):
-                    tracker.enter(i, leaf, spec)
+                    local[i] = tracker.enter(i, leaf, spec)
         elif plan.in_reduce:
             from .buckets import reduce_inputs
 
@@ -225,6 +228,7 @@ class DistShard:
             ok = True
         finally:
             frames().pop()
+            done[0] = True
             if not ok:
                 agree.settle()  # the function raised: complete the check, keep its error
         agree.wait()
@@ -236,6 +240,23 @@ class DistShard:
                 t = _TakeFirst.apply(t, broken, mg)
             result.append(t)
         return tree_unflatten(plan.out_treedef, result)
+
+    def _recompute(self, plan: _Plan, kind: str, axes: tuple, params: tuple, x: Tensor) -> Tensor:
+        """A collective of the function run again in the backward (``fpar.optim.remat``).
+
+        Right when every sum of the signature sits at its inputs (a fast plan without sums at
+        collective outputs): the recomputed region then needs none of its own.
+        """
+        from .exchange import _Exchange
+
+        if not plan.fast or any(r for _, _, r in plan.coll):
+            raise NotImplementedError(
+                f"fpar.shard({self.fname}) on a real mesh: a recomputation in the backward "
+                f"(fpar.optim.remat) of a function whose replicated values need gradient sums "
+                f"inside the recomputed region is not supported yet; move the remat boundary so "
+                f"replicated parameters enter it as inputs of the sharded function."
+            )
+        return x.view_as(x) if kind == "pvary" else _Exchange.apply(x, kind, params, 0, axes, self.mg)
 
     def _outputs(self, plan: _Plan, tracker: _Tracker, out: Any, first: bool) -> list:
         """Check the outputs against out_specs (first call) and pvary replicated named ones."""
@@ -308,6 +329,35 @@ def _grad_sum(x: Tensor, axes: tuple[str, ...], mg) -> Tensor:
 
     stats.count_transpose(x, "pvary", axes, mg.mesh.axis_size(axes))
     return _Exchange.apply(x, "pvary", (), 0, axes, mg)
+
+
+class _Planned(torch.autograd.Function):
+    """Identity forward; backward sums the cotangent over the axes ``resolve()`` names then.
+
+    The traced call's pvaries: by the time its backward runs the plan is decided, so the sums
+    happen where a fast call would do them (once at each source) or, for a signature that stays
+    traced, at every use.  A recomputation in the backward (``fpar.optim.remat``) then sees the
+    same sums as the forward it replaces.
+    """
+
+    @staticmethod
+    def forward(x, resolve, mg):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.resolve, ctx.mg = inputs
+
+    @staticmethod
+    def backward(ctx, ct):
+        from .exchange import _Exchange
+
+        axes = ctx.resolve()
+        return (_Exchange.apply(ct, "psum", (), 0, axes, ctx.mg) if axes else ct), None, None
+
+    @staticmethod
+    def jvp(ctx, x_t, *_):
+        return x_t
 
 
 # Agreement ------------------------------------------------------------------------------------
@@ -428,11 +478,16 @@ class _Tracker(TorchFunctionMode):
             if isinstance(t, Tensor):
                 self.infos[id(t)] = (t, varying, deps)
 
-    def enter(self, i: int, leaf: Tensor, spec: PartitionSpec) -> None:
+    def enter(self, i: int, leaf: Tensor, spec: PartitionSpec) -> Tensor:
+        """Register input ``i``; a replicated float one gets its source-level sum (planned)."""
         named = frozenset(spec.axes())
         rep = [a for a in self.axes if a not in named]
         deps = frozenset((("in", i), a) for a in rep) if _diff(leaf) else frozenset()
+        if deps:
+            plan = self.plan
+            leaf = _Planned.apply(leaf, lambda: plan.in_reduce.get(i, ()) if plan.fast else (), self.mg)
         self._mark(leaf, named, deps)
+        return leaf
 
     def _use(self, t: Tensor, deps: frozenset, axes: tuple[str, ...]) -> None:
         """``t`` (replicated over ``axes``) is pvaried over them: record its sources' uses."""
@@ -446,13 +501,12 @@ class _Tracker(TorchFunctionMode):
                 self.unknown = True
 
     def _pvary(self, t: Tensor, axes: tuple[str, ...]) -> Tensor:
-        from .exchange import _Exchange
-
         key = (id(t), axes)
         if key in self.pvaried and self.pvaried[key][0] is t:
             return self.pvaried[key][1]
         stats.count_transpose(t, "pvary", axes, self.owner.mesh.axis_size(axes))
-        out = _Exchange.apply(t, "pvary", (), 0, axes, self.mg)
+        plan = self.plan
+        out = _Planned.apply(t, lambda: () if plan.fast else axes, self.mg)
         self.pvaried[key] = (t, out)
         return out
 
@@ -507,6 +561,9 @@ class _Tracker(TorchFunctionMode):
         deps = {e for e in d if e[1] not in axes}
         if kind in _REDUCING and _diff(y):
             deps.update((("coll", k), a) for a in axes)
+            plan = self.plan
+            with torch._C.DisableTorchFunction():
+                y = _Planned.apply(y, lambda: plan.coll[k][2] if plan.fast else (), self.mg)
         self.coll.append((kind, axes))
         self._mark(y, varying, frozenset(deps))
         return y
