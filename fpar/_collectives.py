@@ -59,12 +59,12 @@ class Frame:
     mesh: Any
     fname: str
     exchange: Callable[[Op, Tensor], Tensor]  # performs an op on explicit-axis dims
-    sum_cotangent: Callable | None = None  # real mesh: identity whose backward all-reduces
     pvaried: dict = dataclasses.field(default_factory=dict)  # (id, axes) -> (tensor, its pvary)
     backend: str = "local"  # "local" (in-process) or "dist" (one process per device)
     levels: dict[int, str] = dataclasses.field(default_factory=dict)  # vmap level -> axis
     token: Tensor | None = None  # batched at every mesh level: makes vmap call our rules
     index: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # coordinate per axis
+    direct: Callable | None = None  # real mesh: (kind, axes, params, local block) -> exchanged block
     inputs: dict[int, str] = dataclasses.field(default_factory=dict)  # in-process: storage -> "args[0]"
 
     def release(self) -> None:
@@ -202,12 +202,9 @@ class _Collective(torch.autograd.Function):
 def _last_level(frame: Frame, level: int, op: Op) -> bool:
     """Whether the exchange runs now, on dims made explicit so far.
 
-    In-process, once every axis of the collective is explicit, plain tensor ops on the other
-    levels' BatchedTensors do the rest.  On a real mesh the exchange calls the process group,
-    which takes plain tensors, so every mesh level (all of size 1) is peeled first.
+    Once every axis of the collective is explicit, plain tensor ops on the other levels'
+    BatchedTensors do the rest.
     """
-    if frame.backend == "dist":
-        return level == min(frame.levels)
     return len(op.explicit) == len(op.axes)
 
 
@@ -271,7 +268,11 @@ def _apply(api: str, x: Any, axis_name: AxisName, kind: str, params: tuple = (),
     def one(leaf):
         if isinstance(leaf, Tensor):
             leaf_params = check(leaf, n) if check is not None else params
-            out = _Collective.apply(leaf, frame.token, Op(kind, axes, leaf_params))
+            if frame.direct is not None:  # a real mesh: plain local tensors, no vmap levels
+                out = frame.direct(kind, axes, leaf_params, leaf)
+            else:
+                _count_implicit_pvary(frame, leaf, axes)
+                out = _Collective.apply(leaf, frame.token, Op(kind, axes, leaf_params))
             stats.record(kind, axes, n, leaf, pairs)
             stats.count_transpose(out, kind, axes, n, pairs)
             return out
@@ -283,6 +284,22 @@ def _apply(api: str, x: Any, axis_name: AxisName, kind: str, params: tuple = (),
         )
 
     return tree_map(one, x)
+
+
+def _count_implicit_pvary(frame: Frame, leaf: Tensor, axes: tuple[str, ...]) -> None:
+    """Count the gradient all-reduce of a collective's input replicated over some of its axes.
+
+    (The real mesh sums that input's cotangent over those axes; in-process vmap's broadcast
+    does it, so only the traffic is counted, as for every implicit pvary.)
+    """
+    if not frame.levels or not (leaf.is_floating_point() or leaf.is_complex()):
+        return
+    from ._mode import batched_levels
+
+    varying = {frame.levels[lv] for lv in batched_levels(leaf, frame.levels)}
+    inv = tuple(a for a in axes if a not in varying)
+    if inv:
+        stats.count_transpose(leaf, "pvary", inv, frame.mesh.axis_size(inv))
 
 
 def psum(x: Any, axis_name: AxisName) -> Any:
@@ -410,6 +427,8 @@ def pvary(x: Any, axis_name: AxisName) -> Any:
     n = frame.mesh.axis_size(axes)
 
     def one(t: Tensor) -> Tensor:
+        if frame.direct is not None:  # a real mesh counts the sum where it issues it
+            return frame.direct("pvary", axes, (), t)
         stats.count_transpose(t, "pvary", axes, n)
         return _Collective.apply(t, frame.token, Op("pvary", axes))
 
@@ -422,9 +441,9 @@ def implicit_pvary(frame: Frame, t: Tensor, axes: tuple[str, ...]) -> Tensor:
     ``t`` stays unbatched (the op's result varies anyway, and an unbatched operand keeps
     matmuls folded).  Its transpose is a psum over ``axes``, at every level:
 
-    * the gradient of the sharded function (the physical level): in-process, vmap's own
-      broadcast sums the cotangent over the axis, so only the traffic is counted; on a real
-      mesh the block is the only copy, and ``_SumCotangent`` all-reduces the local cotangent;
+    * the gradient of the sharded function (the physical level): vmap's own broadcast sums
+      the cotangent over the axis, so only the traffic is counted (the real mesh does not run
+      this engine: see ``_dist/shard.py``);
     * a gradient taken inside the sharded function (a user's grad transform above the mesh
       levels): an explicit pvary whose transpose psums, exactly as JAX's.  (This is
       what makes inner gradients of tensor-parallel models right; its visible side is JAX's
@@ -442,49 +461,10 @@ def implicit_pvary(frame: Frame, t: Tensor, axes: tuple[str, ...]) -> Tensor:
         # pvary), so its transpose at that level is a psum.  Rare enough that the batched
         # operand's cost does not matter.
         out = _Collective.apply(t, frame.token, Op("pvary", axes))
-    elif frame.backend == "dist":
-        out = _SumCotangent.apply(t, frame.token, frame.sum_cotangent, axes)
     else:
         out = t
     frame.pvaried[key] = (t, out)  # keeps t alive, so its id is not reused within the call
     return out
-
-
-@internal
-class _SumCotangent(torch.autograd.Function):
-    """Identity on a real mesh whose physical backward all-reduces the cotangent over ``axes``.
-
-    Its vmap rule passes ``x`` down unchanged to the lowest mesh level and applies the backend's
-    ``sum_cotangent`` there, so batching is untouched and matmuls stay folded.  (Under a user's
-    transform inside the sharded function the explicit ``pvary`` collective is used instead:
-    functorch does not call a grad-level backward whose output is unbatched at a mesh level
-    while its cotangent arrives batched there.)
-    """
-
-    generate_vmap_rule = False
-
-    @staticmethod
-    def forward(x: Tensor, token: Tensor, sum_cotangent, axes) -> Tensor:
-        return _SumCotangent.apply(x, token, sum_cotangent, axes)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, ct: Tensor):
-        return ct, None, None, None  # unreachable: used only below user transforms
-
-    @staticmethod
-    def jvp(ctx, x_t, *_):
-        return x_t
-
-    @staticmethod
-    def vmap(info, in_dims, x, token, sum_cotangent, axes):
-        level = (maybe_current_level() or 0) + 1
-        if level == min(frames()[-1].levels):
-            return sum_cotangent(x, axes), in_dims[0]
-        return _SumCotangent.apply(x, token, sum_cotangent, axes), in_dims[0]
 
 
 def axis_index(axis_name: AxisName) -> Tensor:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch._C._functorch import maybe_current_level
 
+from . import _stats as stats
 from ._collectives import Frame, frames
 from ._errors import ReplicationError, SpecError
 from ._mesh import Mesh
@@ -35,7 +36,9 @@ Tensor = torch.Tensor
 # API ----------------------------------------------------------------------------------------
 
 
-def shard(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any, *, check_rep: bool = True) -> Callable:
+def shard(
+    f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any, *, check_rep: bool = True, bucket_mb: float = 25.0
+) -> Callable:
     """Map a per-device function over a mesh: global tensors in, global tensors out.
 
     ``f`` sees each device's block of each argument (per ``in_specs``) and may call fpar's
@@ -58,6 +61,9 @@ def shard(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any, *, check_rep: 
       check_rep: check that promise statically (a value varies over an axis if it depends on an
         input split over it or on a collective that leaves it varying, and stops varying after
         psum/pmean/pmax/pmin over it).  With ``False`` the block at coordinate 0 is returned.
+      bucket_mb: real mesh only: the gradient all-reduces of replicated inputs are grouped into
+        buckets of at most this many megabytes, each launched asynchronously as soon as its
+        gradients exist in the backward pass (as ``DistributedDataParallel``'s ``bucket_cap_mb``).
 
     Returns:
       The global function.  It raises ``fpar.SpecError``/``TypeError`` for bad specs or arguments,
@@ -77,23 +83,48 @@ def shard(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any, *, check_rep: 
     _check_spec_tree(fname, "in_specs", in_specs, mesh)
     _check_spec_tree(fname, "out_specs", out_specs, mesh)
 
+    real = None
+    if mesh.backend == "dist":
+        from ._dist.shard import DistShard
+
+        if not isinstance(bucket_mb, (int, float)) or isinstance(bucket_mb, bool) or not bucket_mb > 0:
+            raise ValueError(f"fpar.shard({fname}): bucket_mb must be a positive number of megabytes, got {bucket_mb!r}.")
+        real = DistShard(f, fname, mesh, in_specs, out_specs, bool(check_rep), _prefix, float(bucket_mb))
+
+    kw_real: dict = {}  # real mesh, keyword calls: (number of args, keyword specs) -> plan
+
     @functools.wraps(f)
     def sharded(*args: Any, **kwargs: Any) -> Any:
+        if real is not None and frames() and frames()[-1].token is not None:
+            raise NotImplementedError(
+                f"fpar.shard({fname}) was called inside another fpar.shard "
+                f"({frames()[-1].fname}); nested shard is not supported. Call the inner per-device "
+                f"function directly: it already runs per device."
+            )
         if kwargs:
-            return _with_kwargs(f, fname, mesh, in_specs, out_specs, bool(check_rep), args, kwargs)
+            g, specs = _with_kwargs(f, fname, in_specs, args, kwargs)
+            args = (*args, kwargs)
+            if real is None:
+                return _Call(g, fname, mesh, specs, out_specs, bool(check_rep)).run(args)
+            key = (len(args), repr(specs[-1]))
+            if key not in kw_real:
+                kw_real[key] = DistShard(g, fname, mesh, specs, out_specs, bool(check_rep), _prefix, float(bucket_mb))
+            return kw_real[key](args)
+        if real is not None:
+            return real(args)
         call = _Call(f, fname, mesh, in_specs, out_specs, bool(check_rep))
         return call.run(args)
 
     return sharded
 
 
-def _with_kwargs(f, fname, mesh, in_specs, out_specs, check_rep, args: tuple, kwargs: dict) -> Any:
-    """Call with keyword arguments: every tensor in them is replicated (``P()``), the rest static.
+def _with_kwargs(f, fname, in_specs, args: tuple, kwargs: dict) -> tuple[Callable, tuple]:
+    """A call with keyword arguments as a positional one: every tensor in them is replicated.
 
-    As with a closed-over value in ``jax.shard_map``, each device sees the whole tensor; split
-    tensors are passed positionally, where ``in_specs`` gives their specs.  The keyword tree
-    travels as one extra positional argument whose spec is ``P()`` per tensor, ``None`` per
-    other value.
+    As with a closed-over value in ``jax.shard_map``, each device sees the whole tensor (``P()``),
+    the rest is static; split tensors are passed positionally, where ``in_specs`` gives their specs.
+    The keyword tree travels as one extra positional argument whose spec is ``P()`` per tensor,
+    ``None`` per other value.  Returns the positional function and its ``in_specs``.
     """
     _prefix(fname, "in_specs", in_specs, args, "the positional arguments")  # the usual error first
     arg_specs = tuple([in_specs] * len(args)) if _is_spec(in_specs) else tuple(in_specs)
@@ -103,8 +134,7 @@ def _with_kwargs(f, fname, mesh, in_specs, out_specs, check_rep, args: tuple, kw
         return f(*flat[:-1], **flat[-1])
 
     with_kwargs.__name__ = fname
-    call = _Call(with_kwargs, fname, mesh, (*arg_specs, kw_specs), out_specs, check_rep)
-    return call.run((*args, kwargs))
+    return with_kwargs, (*arg_specs, kw_specs)
 
 
 # The in-process run ---------------------------------------------------------------------------
@@ -171,7 +201,6 @@ class _Call:
             fname=self.fname,
             exchange=backend.exchange,
             backend=backend.name,
-            sum_cotangent=getattr(backend, "sum_cotangent", None),
             inputs=self.inputs,
         )
         fn = self._innermost(frame, len(views))
@@ -259,9 +288,11 @@ class _Call:
             if broken and self.check_rep:
                 raise ReplicationError(_replication_message(where, spec, broken))
             self.present.append([a for a in self.axes if a in named or a in broken])
-            self.replicated_named.append(
-                tuple(a for a in self.axes if a in named and _level_of(frame, a) not in varying)
-            )
+            rep = tuple(a for a in self.axes if a in named and _level_of(frame, a) not in varying)
+            if rep and (leaf.is_floating_point() or leaf.is_complex()):
+                # one copy per device along rep: the transpose sums (counted, as on a real mesh)
+                stats.count_transpose(leaf, "pvary", rep, self.mesh.axis_size(rep))
+            self.replicated_named.append(rep)
             self.out_slots.append(j)
             self.out_specs_flat.append(spec)
             tensors.append(leaf)
@@ -306,11 +337,7 @@ class _Opaque:
 
 
 def _backend(mesh: Mesh):
-    if mesh.backend == "dist":
-        from ._dist import DistBackend
-
-        return DistBackend(mesh)
-    from ._local import LocalBackend
+    from ._local import LocalBackend  # a real mesh runs _dist/shard.py instead
 
     return LocalBackend(mesh)
 

@@ -430,7 +430,96 @@ def mismatch(axes):
     out["rank"] = _catch(lambda: psum_of(torch.ones(*((2, 3) if r != 1 else (2, 3, 1)), dtype=F64)))
     out["dtype"] = _catch(lambda: psum_of(torch.ones(2, 3, dtype=torch.float32 if r == 1 else F64)))
     out["spec"] = _catch(lambda: psum_of(torch.ones(2, 2, dtype=F64), P(names) if r != 1 else P(None, names)))
+    # a different out_spec with check_rep=False (the value varies: P(names) returns every block)
+    out["out_spec"] = _catch(
+        lambda: fpar.shard(lambda t: t * 2, mesh, P(names), P(names) if r != 1 else P(), check_rep=False)(
+            torch.ones(2, 3, dtype=F64)
+        )
+    )
+    # after the cache is warm: rank 1 alone calls with a new shape
+    warm = fpar.shard(lambda t: fpar.psum(t, names), mesh, P(names), P())
+    for _ in range(2):
+        warm(torch.ones(2, 3, dtype=F64))
+    out["warm"] = _catch(lambda: warm(torch.ones(2 + (r == 1), 3, dtype=F64)))
     out["sync"] = _psum_all(mesh, names)  # still in step afterwards
+    return out
+
+
+def _dp_mlp(params, x, y):
+    h = torch.tanh(x @ params["w1"] + params["b1"])
+    return fpar.pmean(((h @ params["w2"] - y) ** 2).mean(), "data")
+
+
+def _megatron(w_in, w_out, v, x):
+    """Column then row parallel over 'tensor'; w_out (replicated) is used after the psum only."""
+    h = torch.tanh(x @ w_in)  # x replicated over 'tensor', w_in split: a pvary use of x
+    y = fpar.psum(h @ v, "tensor")  # replicated over 'tensor' again
+    return fpar.pmean((y @ w_out).sum(), "data")  # w_out: invariant use only, never summed
+
+
+def fast_paths(axes):
+    """Steady-state real-mesh calls (plan cached) under every way of taking a gradient.
+
+    Each function is called three times (the first call traces and plans); gradients by
+    ``torch.func.grad``, ``torch.autograd.grad`` and ``.backward()`` into existing ``.grad``,
+    with several gradient buckets (``bucket_mb`` tiny) and one; a Megatron-style weight used
+    only after a psum (no all-reduce); a mixed use; a complex parameter; a closure-captured one.
+    """
+    mesh = mesh_for(axes)
+    d, h, c, rows = 4, 6, 3, 2 * mesh.shape["data"]
+    inits = {"w1": randn((d, h), 1), "b1": randn((h,), 2), "w2": randn((h, c), 3)}
+    x, y = randn((rows, d), 4), randn((rows, c), 5)
+    xl, yl = fpar.device_put((x, y), mesh, P("data"))
+    out: dict[str, Any] = {}
+    for name, mb in (("one_bucket", 25.0), ("buckets", 1e-5)):
+        f = fpar.shard(_dp_mlp, mesh, (P(), P("data"), P("data")), P(), bucket_mb=mb)
+        got = [torch.func.grad(f)(inits, xl, yl) for _ in range(3)]
+        out[f"{name}_func_grad"] = got[-1]
+        leaves = {k: v.clone().requires_grad_() for k, v in inits.items()}
+        for _ in range(3):
+            g = torch.autograd.grad(f(leaves, xl, yl), list(leaves.values()))
+        out[f"{name}_autograd_grad"] = dict(zip(leaves, g))
+        for _ in range(3):  # .backward() accumulates into .grad: 3 x the gradient
+            f(leaves, xl, yl).backward()
+        out[f"{name}_backward"] = {k: v.grad for k, v in leaves.items()}
+    # grad of grad through the bucketed reduction
+    f = fpar.shard(_dp_mlp, mesh, (P(), P("data"), P("data")), P())
+
+    def gnorm(p):
+        g = torch.func.grad(f)(p, xl, yl)
+        return sum((t * t).sum() for t in g.values())
+
+    out["grad_of_grad"] = [torch.func.grad(gnorm)(inits) for _ in range(3)][-1]
+    if "tensor" in axes:
+        t = mesh.shape["tensor"]
+        w_in, w_out, v = randn((d, 2 * t), 6), randn((c, 2), 7), randn((2 * t, c), 8)
+        specs = (P(None, "tensor"), P(), P("tensor"), P("data"))
+        meg = fpar.shard(_megatron, mesh, specs, P())
+        args = (fpar.device_put(w_in, mesh, specs[0]), w_out, fpar.device_put(v, mesh, specs[2]), xl)
+        g = [torch.func.grad(meg, argnums=(0, 1, 2))(*args) for _ in range(3)][-1]
+        out["megatron"] = (Blk(g[0], (None, ("tensor",))), g[1], Blk(g[2], (("tensor",),)))
+    # mixed: w meets the split batch and also reaches the (replicated) output directly
+
+    def mixed(w, x):
+        return fpar.psum((x * w).sum(), "data") + w.sum()
+
+    fm = fpar.shard(mixed, mesh, (P(), P("data")), P())
+    w = randn((d,), 9)
+    out["mixed"] = [torch.func.grad(fm)(w, xl) for _ in range(3)][-1]
+    # complex parameter, data parallel
+    wc = torch.complex(randn((d,), 10), randn((d,), 11))
+
+    def cplx(w, x):
+        return fpar.pmean(((x.to(w.dtype) @ w).abs() ** 2).mean(), "data")
+
+    fc = fpar.shard(cplx, mesh, (P(), P("data")), P())
+    out["complex"] = [torch.func.grad(fc)(wc, xl) for _ in range(3)][-1]
+    # a closure-captured replicated parameter
+    wcap = randn((d,), 12).requires_grad_()
+    fcap = fpar.shard(lambda x: fpar.pmean((x @ wcap).sum(), "data"), mesh, P("data"), P())
+    for _ in range(3):
+        (gcap,) = torch.autograd.grad(fcap(xl), [wcap])
+    out["captured"] = gcap
     return out
 
 
@@ -613,6 +702,7 @@ JOBS = {
         replicated_output_grad,
         errors,
         mismatch,
+        fast_paths,
         meshes,
         layouts,
         init_values,

@@ -351,6 +351,7 @@ MISC = {
         ("dtensors", "dtensors", dict(axes={"a": 2, "b": 1})),
         ("errors", "errors", dict(axes={"i": 2})),
         ("mismatch", "mismatch", dict(axes={"i": 2})),
+        ("fast", "fast_paths", dict(axes={"data": 2})),
         ("meshes", "meshes", dict(world=2)),
     ],
     4: [
@@ -361,6 +362,7 @@ MISC = {
         ("dtensors", "dtensors", dict(axes={"a": 2, "b": 2})),
         ("errors", "errors", dict(axes=X2Y2)),
         ("mismatch", "mismatch", dict(axes=X2Y2)),
+        ("fast", "fast_paths", dict(axes={"data": 2, "tensor": 2})),
         ("meshes", "meshes", dict(world=4)),
     ],
     8: [
@@ -599,13 +601,78 @@ def test_errors_identical_on_every_rank(n):
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_mismatched_blocks_raise_on_every_rank(n):
     got = dist_result(n, "mismatch")
-    for what in ("shape", "rank", "dtype", "spec"):
+    for what in ("shape", "rank", "dtype", "spec", "out_spec", "warm"):
         per_rank = [g[what] for g in got]
         for r, p in enumerate(per_rank):
             assert p is not None, f"{what}: rank {r} raised nothing"
             assert p[0] in ("ValueError", "SpecError") and "different shapes" in p[1], (what, r, p)
+    # every rank names the argument, the ranks and what differs
+    for g in got:
+        assert "args[0] has a different dtype" in g["dtype"][1], g["dtype"]
+        assert "rank 1: torch.float32" in g["dtype"][1] and "rank 0: torch.float64" in g["dtype"][1]
+        assert "args[0] has a different shape" in g["warm"][1], g["warm"]
+        assert "rank 1: (3, 3)" in g["warm"][1] and "rank 0: (2, 3)" in g["warm"][1], g["warm"]
+        assert "out_specs/check_rep differ" in g["out_spec"][1], g["out_spec"]
     for g in got:
         torch.testing.assert_close(g["sync"], torch.full((2,), float(n), dtype=F64))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_fast_paths_match_in_process_and_the_unsharded_gradient(n):
+    """Steady-state calls (plan cached, bucketed all-reduces) under every gradient API."""
+    got, expected = check_same_as_local(n, "fast")
+    axes = KWARGS[n]["fast"]["axes"]
+    d, h, c, rows = 4, 6, 3, 2 * axes["data"]
+    inits = {"w1": D.randn((d, h), 1), "b1": D.randn((h,), 2), "w2": D.randn((h, c), 3)}
+    x, y = D.randn((rows, d), 4), D.randn((rows, c), 5)
+
+    def unsharded(p):
+        return ((torch.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] - y) ** 2).mean()
+
+    g = torch.func.grad(unsharded)(inits)
+    gg = torch.func.grad(lambda p: sum((t * t).sum() for t in torch.func.grad(unsharded)(p).values()))(inits)
+    for r in range(n):
+        for name in ("one_bucket", "buckets"):
+            for how, scale in (("func_grad", 1), ("autograd_grad", 1), ("backward", 3)):
+                for k in g:
+                    torch.testing.assert_close(got[r][f"{name}_{how}"][k], scale * g[k])
+        for k in gg:
+            torch.testing.assert_close(got[r]["grad_of_grad"][k], gg[k])
+        w = D.randn((d,), 9)
+        torch.testing.assert_close(got[r]["mixed"], torch.func.grad(lambda w: (x * w).sum() + w.sum())(w))
+        wc = torch.complex(D.randn((d,), 10), D.randn((d,), 11))
+        ref = torch.func.grad(lambda w: ((x.to(w.dtype) @ w).abs() ** 2).mean())(wc)
+        torch.testing.assert_close(got[r]["complex"], ref)
+        torch.testing.assert_close(got[r]["captured"], x.sum(0) / axes["data"])
+    if "tensor" in axes:  # w_out used after the psum only: its gradient is not summed over 'tensor'
+        t = axes["tensor"]
+        w_in, w_out, v = D.randn((d, 2 * t), 6), D.randn((c, 2), 7), D.randn((2 * t, c), 8)
+        ref = torch.func.grad(
+            lambda a, b, e: ((torch.tanh(x @ a) @ e @ b).sum(dim=(-1, -2)) / axes["data"]).sum() * 0
+            + (torch.tanh(x @ a) @ e @ b).sum() / axes["data"],
+            argnums=(0, 1, 2),
+        )(w_in, w_out, v)
+        torch.testing.assert_close(expected["megatron"][1], ref[1])
+        torch.testing.assert_close(expected["megatron"][0].t, ref[0])
+
+
+def test_launch_refuses_what_spawned_processes_cannot_run(tmp_path):
+    with pytest.raises(TypeError, match="lambda or a function defined inside another function"):
+        fpar.launch(lambda: 1, 2)
+
+    def local():
+        return 1
+
+    with pytest.raises(TypeError, match="Define it at the top level of a module"):
+        fpar.launch(local, 2)
+    script = tmp_path / "no_guard.py"
+    script.write_text("import fpar\n\ndef f():\n    return 1\n\nfpar.launch(f, 2)\n")
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert 'without an `if __name__ == "__main__":` guard' in run.stderr, run.stderr
 
 
 def test_rank_raising_stops_the_launch_quickly():

@@ -111,6 +111,11 @@ class _Call:
         fn = self._innermost(rebind)
         for i in reversed(range(len(self.levels))):
             fn = self._level(fn, self.levels[i])
+        if self.frame is not None and getattr(self.frame, "direct", None) is not None:
+            # A real mesh (no vmap levels): rebind the shard call's frame, so the recomputation
+            # in the backward, after the call returned, reaches its collectives.
+            with enter_frame(self.frame):
+                return tuple(_unwrap(fn(*tensors)))
         if not rebind:
             # A user's grad transform inside the sharded function stopped the peeling: the mesh
             # levels are live.  The recompute in backward runs inside torch.autograd.grad, with

@@ -1,0 +1,50 @@
+"""The real mesh: one process per device over ``torch.distributed`` (the only importer of it).
+
+One purpose per file:
+
+* ``groups.py``: ranks <-> mesh coordinates, process groups per set of axes, point-to-point;
+* ``exchange.py``: the collectives on local blocks as differentiable ``autograd.Function``s;
+* ``shard.py``: ``fpar.shard`` on a real mesh: the plan per signature, the traced first call,
+  the fast calls on plain local tensors, the per-call signature agreement;
+* ``buckets.py``: the bucketed, overlapped gradient all-reduces of replicated inputs;
+* ``values.py``: ``device_put``/``gather``/DTensor interop on a real mesh;
+* ``launch.py``: ``init_distributed`` and ``fpar.launch``.
+
+Nothing here imports ``fpar._mesh`` (which imports this package lazily, to attach groups).
+"""
+
+from .exchange import _Exchange, _TakeFirst
+from .groups import (
+    Incoming,
+    MeshGroups,
+    _device,
+    attach,
+    device_type,
+    is_initialized,
+    p2p,
+    rank,
+    world_size,
+)
+from .launch import LaunchError, init_distributed, launch
+from .values import block, from_dtensor, gather, to_dtensor
+
+__all__ = [
+    "Incoming",
+    "LaunchError",
+    "MeshGroups",
+    "attach",
+    "block",
+    "device_type",
+    "from_dtensor",
+    "gather",
+    "init_distributed",
+    "is_initialized",
+    "launch",
+    "p2p",
+    "rank",
+    "to_dtensor",
+    "world_size",
+    "_Exchange",
+    "_TakeFirst",
+    "_device",
+]

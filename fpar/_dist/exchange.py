@@ -1,0 +1,183 @@
+"""Exchanges: the collectives on this process's local blocks, as differentiable Functions.
+
+An exchange is an ``autograd.Function`` around process-group calls; its backward is the
+transpose (DESIGN §3), itself an exchange, so grad-of-grad works.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .._registry import internal
+from .groups import MeshGroups
+
+Tensor = torch.Tensor
+
+
+def _in_group_order(blocks: list[Tensor], members: list[int], group) -> list[Tensor]:
+    """Reorder per-member blocks into the group's rank order."""
+    out: list[Tensor] = [None] * len(blocks)  # type: ignore[list-item]
+    for m, r in enumerate(members):
+        out[dist.get_group_rank(group, r)] = blocks[m]
+    return out
+
+
+def _from_group_order(blocks: list[Tensor], members: list[int], group) -> list[Tensor]:
+    return [blocks[dist.get_group_rank(group, r)] for r in members]
+
+
+_REDUCE = {
+    "psum": dist.ReduceOp.SUM,
+    "pmean": dist.ReduceOp.SUM,
+    "pmax": dist.ReduceOp.MAX,
+    "pmin": dist.ReduceOp.MIN,
+}
+
+
+def _run(kind: str, params: tuple, x: Tensor, nb: int, axes, mg: MeshGroups) -> Tensor:
+    """One collective on this process's local ``x`` (``nb`` batch dims, then the block)."""
+    group, members = mg.group(axes), mg.members(axes)
+    n = len(members)
+    if kind in _REDUCE:
+        y = x.detach().clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(y, op=_REDUCE[kind], group=group)
+        return y / n if kind == "pmean" else y
+    if kind in ("all_gather", "all_gather_invariant"):
+        axis, tiled = params
+        bufs = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(n)]
+        dist.all_gather(bufs, x.contiguous(), group=group)
+        blocks = _from_group_order(bufs, members, group)
+        return torch.cat(blocks, nb + axis) if tiled else torch.stack(blocks, nb + axis)
+    if kind == "psum_scatter":
+        dim, tiled = params
+        chunks = [c.contiguous() for c in x.chunk(n, nb + dim)]
+        out = torch.empty_like(chunks[0])
+        dist.reduce_scatter(out, _in_group_order(chunks, members, group), group=group)
+        return out if tiled else out.squeeze(nb + dim)
+    if kind == "ppermute":
+        return _ppermute(x, params[0], members, mg.rank, group)
+    if kind == "all_to_all":
+        return _all_to_all(x, nb, *params, members, group)
+    raise AssertionError(kind)  # unreachable: pvary never reaches _run
+
+
+def _ppermute(x: Tensor, perm, members: list[int], me_rank: int, group) -> Tensor:
+    me = members.index(me_rank)
+    send_to = [dst for src, dst in perm if src == me]
+    recv_from = [src for src, dst in perm if dst == me]
+    out = torch.zeros_like(x, memory_format=torch.contiguous_format)
+    ops = []
+    if send_to and send_to[0] != me:
+        ops.append(dist.P2POp(dist.isend, x.contiguous(), members[send_to[0]], group))
+    if recv_from and recv_from[0] != me:
+        ops.append(dist.P2POp(dist.irecv, out, members[recv_from[0]], group))
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    if recv_from and recv_from[0] == me:
+        out.copy_(x)
+    return out
+
+
+def _all_to_all(x: Tensor, nb: int, split: int, concat: int, tiled: bool, members, group) -> Tensor:
+    n = len(members)
+    s = nb + split
+    t = x.movedim(s, 0)  # (L_split, *rest)
+    chunks = list(t.unflatten(0, (n, t.shape[0] // n)).unbind(0))  # chunk j goes to member j
+    send = torch.stack(_in_group_order(chunks, members, group)).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    got = torch.stack(_from_group_order(list(recv.unbind(0)), members, group))  # (n_src, c, *rest)
+    got = got.movedim(1, 1 + s)  # each source's chunk back in place: (n_src, *x.shape with c)
+    if not tiled:
+        got = got.squeeze(1 + s)
+    got = got.movedim(0, nb + concat)
+    return got.flatten(nb + concat, nb + concat + 1) if tiled else got
+
+
+@internal
+class _Exchange(torch.autograd.Function):
+    """A collective on local blocks; differentiable, with the transposes of DESIGN §3."""
+
+    @staticmethod
+    def forward(x: Tensor, kind: str, params: tuple, nb: int, axes: tuple, mg: MeshGroups) -> Tensor:
+        if kind == "pvary":
+            return x.view_as(x)
+        return _run(kind, params, x, nb, axes, mg)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, ctx.kind, ctx.params, ctx.nb, ctx.axes, ctx.mg = inputs
+        if ctx.kind in ("pmax", "pmin"):
+            ctx.save_for_backward(x, output)
+            ctx.save_for_forward(x, output)
+
+    @staticmethod
+    def jvp(ctx, x_t: Tensor, *_):
+        """Forward mode: every collective is linear in its input, except pmax/pmin's choice."""
+        if ctx.kind in ("pmax", "pmin"):
+            x, y = ctx.saved_tensors
+            mask = (x == y).to(x_t.dtype)
+            total = _Exchange.apply(x_t * mask, "psum", (), ctx.nb, ctx.axes, ctx.mg)
+            return total / _Exchange.apply(mask, "psum", (), ctx.nb, ctx.axes, ctx.mg)
+        return _Exchange.apply(x_t, ctx.kind, ctx.params, ctx.nb, ctx.axes, ctx.mg)
+
+    @staticmethod
+    def backward(ctx, ct: Tensor):
+        kind, p, nb, axes, mg = ctx.kind, ctx.params, ctx.nb, ctx.axes, ctx.mg
+        n = len(mg.members(axes))
+        if kind == "psum":
+            # The replicated cotangent: psum transposes to pvary, whose own transpose (a second
+            # derivative) is the psum again.
+            g = _Exchange.apply(ct, "pvary", (), nb, axes, mg)
+        elif kind == "pmean":
+            g = _Exchange.apply(ct, "pvary", (), nb, axes, mg) / n
+        elif kind in ("pmax", "pmin"):
+            x, y = ctx.saved_tensors
+            mask = (x == y).to(ct.dtype)
+            g = ct * mask / _Exchange.apply(mask, "psum", (), nb, axes, mg)
+        elif kind == "pvary":
+            g = _Exchange.apply(ct, "psum", (), nb, axes, mg)
+        elif kind == "all_gather":
+            g = _Exchange.apply(ct, "psum_scatter", p, nb, axes, mg)
+        elif kind == "all_gather_invariant":
+            g = _own_chunk(ct, nb + p[0], p[1], mg.me(axes), n)
+        elif kind == "psum_scatter":
+            g = _Exchange.apply(ct, "all_gather", p, nb, axes, mg)
+        elif kind == "ppermute":
+            g = _Exchange.apply(ct, kind, (tuple((d, s) for s, d in p[0]),), nb, axes, mg)
+        else:  # all_to_all
+            split, concat, tiled = p
+            g = _Exchange.apply(ct, kind, (concat, split, tiled), nb, axes, mg)
+        return g, None, None, None, None, None
+
+
+def _own_chunk(ct: Tensor, dim: int, tiled: bool, me: int, n: int) -> Tensor:
+    """This rank's block of a replicated cotangent of a gathered value (no communication)."""
+    return ct.chunk(n, dim)[me] if tiled else ct.select(dim, me)
+
+
+@internal
+class _TakeFirst(torch.autograd.Function):
+    """The block of coordinate 0 along ``axes`` on every process (``check_rep=False`` outputs)."""
+
+    @staticmethod
+    def forward(x: Tensor, axes: tuple, mg: MeshGroups) -> Tensor:
+        y = x.detach().clone(memory_format=torch.contiguous_format)
+        dist.broadcast(y, mg.members(axes)[0], group=mg.group(axes))
+        return y
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.axes, ctx.mg = inputs
+
+    @staticmethod
+    def jvp(ctx, x_t: Tensor, *_):
+        return _TakeFirst.apply(x_t, ctx.axes, ctx.mg)
+
+    @staticmethod
+    def backward(ctx, ct: Tensor):
+        # As in-process: only coordinate 0's block is the output, so only it gets a gradient.
+        first = ctx.mg.me(ctx.axes) == 0
+        return (ct if first else torch.zeros_like(ct)), None, None

@@ -1,0 +1,208 @@
+"""Process groups of a real mesh: rank <-> mesh coordinates, groups per set of axes, p2p.
+
+Groups: a collective over a set of axes runs in the group of ranks that share this rank's
+coordinates on the other axes.  Ranks map to mesh coordinates row-major (as
+``init_device_mesh``).  Within a group, *members* are ordered by the combined index of the axes
+in the order the user wrote them; process groups order ranks by global rank, so every call
+translates between the two.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+Tensor = torch.Tensor
+
+
+def is_initialized() -> bool:
+    """Whether a default process group is up."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size() -> int:
+    """The number of processes in the default group."""
+    return dist.get_world_size()
+
+
+def rank() -> int:
+    """This process's rank in the default group."""
+    return dist.get_rank()
+
+
+def device_type() -> str:
+    """``"cuda"`` when the default group runs NCCL, else ``"cpu"``."""
+    return "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+
+
+class MeshGroups:
+    """The process groups of one real mesh, built on ``DeviceMesh``, plus combined-axis groups.
+
+    A submesh (``view``) shares its parent's groups: a group over some of the submesh's axes is
+    the parent's group over them, which already fixes this rank's coordinates on the others.
+    """
+
+    def __init__(self, mesh, parent: MeshGroups | None = None):
+        self.mesh = mesh
+        self.rank = dist.get_rank()
+        if parent is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.device_mesh = init_device_mesh(
+                device_type(), mesh.axis_sizes, mesh_dim_names=mesh.axis_names
+            )
+            self.coords = dict(zip(mesh.axis_names, _unravel(self.rank, mesh.axis_sizes)))
+            self._groups: dict[frozenset, Any] = {}
+            self.root = self
+            # Create the groups over every set of two or more axes now, while every rank is
+            # here: creating one later is a collective over *all* ranks, which would hang when
+            # only some ranks run (one pipeline stage's shard calls).
+            for k in range(2, len(mesh.axis_names) + 1):
+                for axes in itertools.combinations(mesh.axis_names, k):
+                    self.group(axes)
+        else:
+            self.device_mesh = parent.device_mesh
+            self.coords = parent.coords  # the parent's coordinates: members() needs all of them
+            self._groups = parent._groups
+        self.root = self if parent is None else parent.root
+
+    def view(self, names: tuple[str, ...]) -> MeshGroups:
+        """The groups of the submesh over ``names`` that contains this rank."""
+        view = MeshGroups(self.root.mesh, parent=self)  # groups and members use the full mesh
+        view.device_mesh = self.root.device_mesh[names] if names else None
+        return view
+
+    def group(self, axes: tuple[str, ...]):
+        """The process group over ``axes`` that contains this rank (created on first use)."""
+        key = frozenset(axes)
+        if key not in self._groups:
+            if len(axes) == 1:
+                self._groups[key] = self.root.device_mesh.get_group(axes[0])
+            elif key == frozenset(self.root.mesh.axis_names):
+                self._groups[key] = dist.group.WORLD
+            else:
+                # Every rank calls this for the same axes at the same point (SPMD), as
+                # new_group requires.
+                mine, _ = dist.new_subgroups_by_enumeration(self._partition(key))
+                self._groups[key] = mine
+        return self._groups[key]
+
+    def _partition(self, key: frozenset) -> list[list[int]]:
+        names, sizes = self.mesh.axis_names, self.mesh.axis_sizes
+        others = [i for i, a in enumerate(names) if a not in key]
+        inside = [i for i, a in enumerate(names) if a in key]
+        parts = []
+        for fixed in itertools.product(*(range(sizes[i]) for i in others)):
+            ranks = []
+            for free in itertools.product(*(range(sizes[i]) for i in inside)):
+                coords = [0] * len(names)
+                for i, c in zip(others, fixed):
+                    coords[i] = c
+                for i, c in zip(inside, free):
+                    coords[i] = c
+                ranks.append(_ravel(coords, sizes))
+            parts.append(sorted(ranks))
+        return parts
+
+    def members(self, axes: tuple[str, ...]) -> list[int]:
+        """Global ranks of this rank's group over ``axes``, by combined index in written order."""
+        sizes = [self.mesh.shape[a] for a in axes]
+        out = []
+        for m in range(math.prod(sizes)):
+            coords = dict(self.coords)
+            coords.update(zip(axes, _unravel(m, sizes)))
+            out.append(_ravel([coords[a] for a in self.mesh.axis_names], self.mesh.axis_sizes))
+        return out
+
+    def me(self, axes: tuple[str, ...]) -> int:
+        """This rank's combined index along ``axes`` (written order)."""
+        return self.members(axes).index(self.rank)
+
+
+def _ravel(coords, sizes) -> int:
+    r = 0
+    for c, s in zip(coords, sizes):
+        r = r * s + c
+    return r
+
+
+def _unravel(index: int, sizes) -> list[int]:
+    out = []
+    for s in reversed(list(sizes)):
+        out.append(index % s)
+        index //= s
+    return out[::-1]
+
+
+def p2p(
+    mesh,
+    axis: str,
+    sends: list[tuple[Tensor, int]],
+    recvs: list[tuple[tuple, torch.dtype, int]],
+    *,
+    wait: bool = True,
+):
+    """Point-to-point exchange along one axis: send blocks to, and receive blocks from, neighbours.
+
+    ``sends`` are ``(tensor, index along axis)``; ``recvs`` are ``(shape, dtype, index)``.  All
+    are posted together, so neighbours that both send and receive cannot deadlock.  Not
+    differentiable: a pipeline executor moves activations and cotangents explicitly.
+
+    Returns:
+      With ``wait=True``, the received tensors, in the order of ``recvs``.  With ``wait=False``,
+      ``(pending_sends, incoming)``: the sends' ``(work, tensor)`` pairs (keep them until they
+      complete) and one ``Incoming`` per receive, whose ``wait()`` returns the tensor.
+    """
+    mg = mesh._dist
+    members = mg.members((axis,))
+    group = mg.group((axis,))
+    if wait:
+        ops, out = [], []
+        for t, index in sends:
+            ops.append(dist.P2POp(dist.isend, t.contiguous(), members[index], group))
+        for shape, dtype, index in recvs:
+            buf = torch.empty(shape, dtype=dtype, device=_device([]))
+            out.append(buf)
+            ops.append(dist.P2POp(dist.irecv, buf, members[index], group))
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        return out
+    pending = []
+    for t, index in sends:
+        t = t.contiguous()
+        pending.append((dist.isend(t, members[index], group=group), t))
+    incoming = []
+    for shape, dtype, index in recvs:
+        buf = torch.empty(shape, dtype=dtype, device=_device([]))
+        incoming.append(Incoming(dist.irecv(buf, members[index], group=group), buf))
+    return pending, incoming
+
+
+class Incoming:
+    """A posted receive: ``wait()`` returns the tensor once it has arrived."""
+
+    def __init__(self, work, buf: Tensor):
+        self.work, self.buf = work, buf
+
+    def wait(self) -> Tensor:
+        """Block until the tensor has arrived, and return it."""
+        self.work.wait()
+        return self.buf
+
+
+def attach(mesh) -> None:
+    """Give ``mesh`` its process groups (every rank must call this, as ``make_mesh`` does)."""
+    mesh._dist = MeshGroups(mesh)
+
+
+def _device(checked) -> torch.device:
+    if checked:
+        return checked[0][2].device
+    return (
+        torch.device("cuda", torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")
+    )

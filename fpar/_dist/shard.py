@@ -1,0 +1,598 @@
+"""``fpar.shard`` on a real mesh: a plan per signature, then the function on plain local tensors.
+
+On a real mesh every process holds its own blocks, so nothing needs batching: the per-device
+function runs on the plain local tensors, and a collective is a process-group call
+(``exchange.py``'s ``_Exchange``).  What needs care is the gradient of *replicated* values.
+
+**Which cotangents are summed.**  A value replicated over axis ``a`` (the same on every device
+of ``a``) has, in the global function, one copy per device wherever it meets a value varying
+over ``a`` (JAX's implicit ``pvary``), enters a collective over ``a``, or leaves through an
+output whose spec names ``a``.  The transpose of each such copy sums the cotangent over ``a``.
+Cotangent that flows through replicated computation only (a weight used after a psum over
+'tensor', in Megatron TP) is *not* summed.
+
+**The plan.**  The first call per signature (the function, its specs and ``check_rep``, every
+argument's shape, dtype and ``requires_grad``) runs *traced*: a ``TorchFunctionMode`` tracks
+which mesh axes every value varies over (inputs by their specs, axis indices, collectives by
+their kind) and, JAX-style, inserts a pvary (identity forward, all-reduce of the cotangent
+backward) on every replicated float operand at each such meeting.  That call's values and
+gradients are right by construction.  It also records, for every *source* of a replicated
+value (an input replicated over ``a``; the output of a psum/pmean/pmax/pmin/
+all_gather_invariant over ``a``) and axis, whether the values derived from it by replicated
+computation are used through a pvary, used replicated into an output, or both.  By linearity
+(the derivation is the same on every device of ``a``, so a sum over ``a`` commutes with its
+transpose), when every use goes through a pvary, summing the cotangent once at the source is
+the same as summing it at every use.  So later calls run **fast**: no interception at all,
+each such source wrapped once in an identity whose backward all-reduces over its axes (the
+data-parallel gradient all-reduce, bucketed like DDP, see ``buckets.py``), and no
+size-1 anything.  A signature for which some source is used both ways, a replicated tensor
+of unknown origin (a closure-captured parameter) meets a varying value, or the function
+differentiates inside itself (an inner ``torch.func.grad``) keeps running traced.
+
+**Agreement.**  Every rank must call with the same signature (shapes, dtypes, specs).  Each
+call starts an asynchronous MAX all-reduce of ``[h, -h]`` of the signature's 56-bit hash over
+the mesh's own ranks and waits for it just before the call's first exchange (or before
+returning): the local forward overlaps it, no host sync is added before any real work, and a
+rank whose cache hits cannot be paired with a rank that misses (both always issue it).  On
+mismatch every rank gathers the signatures and raises naming the argument, ranks and what
+differs.  The plan itself holds no state a rank could disagree on.
+
+The plan assumes the data flow (which values meet which, which collectives run in which order)
+depends on shapes, not on values; a changed sequence of collectives in a fast call raises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._functorch import maybe_current_level
+from torch.overrides import TorchFunctionMode
+
+from .. import _stats as stats
+from .._collectives import Frame, frames
+from .._errors import ReplicationError
+from .._spec import PartitionSpec, check_spec
+from .._tree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+
+__all__ = ["DistShard"]
+
+Tensor = torch.Tensor
+_REDUCING = {"psum", "pmean", "pmax", "pmin", "all_gather_invariant"}
+_NOT_OPS = {
+    torch.autograd.grad,
+    torch.autograd.backward,
+    torch.Tensor.backward,
+    torch.Tensor.register_hook,
+    torch.Tensor.requires_grad_,
+}
+
+
+def _diff(t: Tensor) -> bool:
+    """Whether a cotangent can flow to ``t`` (float or complex dtype)."""
+    return t.is_floating_point() or t.is_complex()
+
+
+class _Plan:
+    """What the traced first call learned about one signature."""
+
+    __slots__ = ("digest", "sig", "fast", "in_reduce", "in_order", "coll", "out_broken", "out_specs", "out_treedef")
+
+    def __init__(self, digest: int):
+        self.digest = digest
+        self.sig: list = []  # (argument, spec, shape, dtype) per tensor argument, for messages
+        self.fast = False
+        self.in_reduce: dict[int, tuple[str, ...]] = {}  # tensor slot -> axes to all-reduce
+        self.in_order: list[int] = []  # those slots, latest first use first (gradient-ready order)
+        self.coll: list[tuple[str, tuple, tuple[str, ...]]] = []  # (kind, axes, axes to all-reduce)
+        self.out_broken: list[tuple[str, ...]] = []
+        self.out_specs: list = []
+        self.out_treedef = None
+
+
+class DistShard:
+    """The real-mesh side of one ``fpar.shard(f, mesh, in_specs, out_specs)``: its plan cache."""
+
+    def __init__(self, f, fname: str, mesh, in_specs, out_specs, check_rep: bool, prefix, bucket_mb: float):
+        self.f, self.fname, self.mesh = f, fname, mesh
+        self.bucket_mb = bucket_mb
+        self.in_specs, self.out_specs, self.check_rep = in_specs, out_specs, check_rep
+        self._prefix = prefix  # _shard._prefix: spec tree broadcast with the user-facing errors
+        self.axes = mesh.axis_names
+        self.mg = mesh._dist
+        self.plans: dict[Any, _Plan] = {}
+        self.spec_cache: dict[Any, list] = {}
+        self.static_text = repr((in_specs, out_specs, check_rep))
+        self.index = None
+
+    # -- a call ----------------------------------------------------------------------------
+
+    def __call__(self, args: tuple) -> Any:
+        if torch.compiler.is_compiling():
+            # pytorch#193279: Dynamo drops a custom autograd.Function's backward under
+            # torch.compile(torch.func.grad(f)), which here would return each rank's *local*
+            # gradient without an error.  Refuse rather than risk a silently wrong gradient.
+            raise NotImplementedError(
+                f"fpar.shard({self.fname}): torch.compile over a sharded function on a real mesh is "
+                f"not supported (its gradient all-reduces are custom autograd Functions, whose "
+                f"backward Dynamo can drop: pytorch#193279). Compile the per-device code inside the "
+                f"sharded function instead, e.g. fpar.shard(torch.compile(f), ...)."
+            )
+        leaves, treedef = tree_flatten(args)
+        specs = self.spec_cache.get(treedef)
+        if specs is None:
+            specs = self._prefix(self.fname, "in_specs", self.in_specs, args, "the arguments")
+            self.spec_cache[treedef] = specs
+        key = [treedef]
+        for leaf, spec in zip(leaves, specs):
+            if spec is None:
+                key.append(("static", _static_key(leaf)))
+            elif isinstance(leaf, Tensor):
+                key.append((leaf.shape, leaf.dtype, leaf.requires_grad, _wrapped(leaf)))
+            else:
+                key.append(("bad", type(leaf)))
+        key = tuple(key)
+        plan = self.plans.get(key)
+        if plan is None:
+            return self._first(args, leaves, treedef, specs, key)
+        return self._run(plan, leaves, treedef, specs, traced=not plan.fast)
+
+    def _first(self, args, leaves, treedef, specs, key) -> Any:
+        paths, _, _ = tree_flatten_with_path(args)
+        sig = []
+        for i, (path, leaf, spec) in enumerate(zip(paths, leaves, specs)):
+            where = f"fpar.shard({self.fname}): args{keystr(path)}"
+            if spec is None:
+                continue
+            if not isinstance(leaf, Tensor):
+                raise TypeError(
+                    f"{where} is a {type(leaf).__name__}, not a tensor, but its in_spec is {spec}. "
+                    f"Pass a tensor, or give it the in_spec None to pass it through untouched."
+                )
+            check_spec(spec, tuple(leaf.shape), self.mesh.shape, where=where, blocks=True)
+            sig.append((f"args{keystr(path)}", str(spec), tuple(leaf.shape), str(leaf.dtype)))
+        text = repr((self.fname, self.static_text, sig))
+        digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+        plan = _Plan(digest)
+        plan.sig = sig
+        out = self._run(plan, leaves, treedef, specs, traced=True, first=True)
+        self.plans[key] = plan
+        return out
+
+    def _run(self, plan: _Plan, leaves, treedef, specs, *, traced: bool, first: bool = False):
+        from .exchange import _Exchange, _TakeFirst
+
+        mg = self.mg
+        agree = _Agreement(self, plan)
+        tracker = _Tracker(self, plan) if traced else None
+        frame = Frame(mesh=self.mesh, fname=self.fname, exchange=None, backend="dist")
+        frame.token = _TOKEN
+        frame.index = self._index(leaves)
+        if tracker is not None:
+            for a, t in frame.index.items():
+                tracker._mark(t, frozenset((a,)), frozenset())
+        calls = [0]
+        done = [False]  # after the call: collectives come from a recomputation in the backward
+
+        def direct(kind: str, axes: tuple, params: tuple, x: Tensor) -> Tensor:
+            if done[0]:
+                return self._recompute(plan, kind, axes, params, x)
+            agree.wait()
+            k = calls[0]
+            calls[0] += 1
+            if tracker is not None:
+                return tracker.collective(k, kind, axes, params, x)
+            if k >= len(plan.coll) or plan.coll[k][:2] != (kind, axes):
+                raise RuntimeError(
+                    f"fpar.shard({self.fname}): collective #{k} is {kind} over {axes}, but the first "
+                    f"call with these shapes ran "
+                    + (f"{plan.coll[k][0]} over {plan.coll[k][1]}" if k < len(plan.coll) else "fewer")
+                    + ". The real mesh plans a call once per signature; a function whose sequence of "
+                    "collectives depends on values, not shapes, is not supported."
+                )
+            y = x.view_as(x) if kind == "pvary" else _Exchange.apply(x, kind, params, 0, axes, mg)
+            reduce = plan.coll[k][2]
+            if reduce:
+                y = _grad_sum(y, reduce, mg)
+            return y
+
+        frame.direct = direct
+        local = list(leaves)
+        if tracker is not None:
+            for i, (leaf, spec) in enumerate(zip(leaves, specs)):
+                if spec is not None and isinstance(leaf, Tensor):
+                    local[i] = tracker.enter(i, leaf, spec)
+        elif plan.in_reduce:
+            from .buckets import reduce_inputs
+
+            sources = [(i, leaves[i], plan.in_reduce[i]) for i in plan.in_order]
+            for i, x in reduce_inputs(sources, mg, self.bucket_mb).items():
+                local[i] = x
+        frames().append(frame)
+        ok = False
+        try:
+            if tracker is not None:
+                with tracker:
+                    out = self.f(*tree_unflatten(treedef, local))
+                    outs = self._outputs(plan, tracker, out, first)
+            else:
+                out = self.f(*tree_unflatten(treedef, local))
+                outs, treedef_out = tree_flatten(out)
+                if treedef_out != plan.out_treedef:
+                    raise RuntimeError(
+                        f"fpar.shard({self.fname}): the output structure changed between calls with "
+                        f"the same argument shapes ({plan.out_treedef} then {treedef_out})."
+                    )
+            ok = True
+        finally:
+            frames().pop()
+            done[0] = True
+            if not ok:
+                agree.settle()  # the function raised: complete the check, keep its error
+        agree.wait()
+        if tracker is not None:
+            tracker.finish()
+        result = []
+        for t, spec, broken in zip(outs, plan.out_specs, plan.out_broken):
+            if spec is not None and broken:
+                t = _TakeFirst.apply(t, broken, mg)
+            result.append(t)
+        return tree_unflatten(plan.out_treedef, result)
+
+    def _recompute(self, plan: _Plan, kind: str, axes: tuple, params: tuple, x: Tensor) -> Tensor:
+        """A collective of the function run again in the backward (``fpar.optim.remat``).
+
+        Right when every sum of the signature sits at its inputs (a fast plan without sums at
+        collective outputs): the recomputed region then needs none of its own.
+        """
+        from .exchange import _Exchange
+
+        if not plan.fast or any(r for _, _, r in plan.coll):
+            raise NotImplementedError(
+                f"fpar.shard({self.fname}) on a real mesh: a recomputation in the backward "
+                f"(fpar.optim.remat) of a function whose replicated values need gradient sums "
+                f"inside the recomputed region is not supported yet; move the remat boundary so "
+                f"replicated parameters enter it as inputs of the sharded function."
+            )
+        return x.view_as(x) if kind == "pvary" else _Exchange.apply(x, kind, params, 0, axes, self.mg)
+
+    def _outputs(self, plan: _Plan, tracker: _Tracker, out: Any, first: bool) -> list:
+        """Check the outputs against out_specs (first call) and pvary replicated named ones."""
+        paths, leaves, treedef = tree_flatten_with_path(out)
+        if first:
+            plan.out_treedef = treedef
+            plan.out_specs = self._prefix(self.fname, "out_specs", self.out_specs, out, "the outputs")
+        outs = []
+        for j, (path, leaf, spec) in enumerate(zip(paths, leaves, plan.out_specs)):
+            where = f"fpar.shard({self.fname}): out{keystr(path)}"
+            if spec is None:
+                if isinstance(leaf, Tensor):
+                    raise TypeError(
+                        f"{where} is a tensor but its out_spec is None; give it a fpar.P out_spec "
+                        f"(None is for non-tensor outputs, which are returned as they are)."
+                    )
+                outs.append(leaf)
+                if first:
+                    plan.out_broken.append(())
+                continue
+            if not isinstance(leaf, Tensor):
+                raise TypeError(
+                    f"{where} is a {type(leaf).__name__}, not a tensor, but its out_spec is {spec}; "
+                    f"return a tensor, or give it the out_spec None."
+                )
+            if first:
+                check_spec(spec, tuple(leaf.shape), self.mesh.shape, where=where, blocks=True)
+            varying, _ = tracker.info(leaf)
+            named = set(spec.axes())
+            broken = tuple(a for a in self.axes if a not in named and a in varying)
+            if broken and self.check_rep:
+                from .._shard import _replication_message
+
+                raise ReplicationError(_replication_message(where, spec, list(broken)))
+            if first:
+                plan.out_broken.append(broken)
+            outs.append(tracker.output(leaf, tuple(a for a in self.axes if a in named)))
+        return outs
+
+    def _index(self, leaves) -> dict[str, Tensor]:
+        """This rank's coordinate per axis, as 0-d int64 tensors on the arguments' device."""
+        device = next((x.device for x in leaves if isinstance(x, Tensor)), None)
+        if self.index is None or (device is not None and self.index[0] != device):
+            from .groups import _device
+
+            dev = device if device is not None else _device([])
+            self.index = (dev, {a: torch.tensor(self.mg.coords[a], device=dev) for a in self.axes})
+        return self.index[1]
+
+
+_TOKEN = torch.zeros(())  # any non-None token: marks the frame as a running shard call
+
+
+def _static_key(leaf: Any) -> Any:
+    try:
+        hash(leaf)
+        return (type(leaf), leaf)
+    except TypeError:
+        return (type(leaf), id(leaf))
+
+
+def _wrapped(t: Tensor) -> bool:
+    """Whether ``t`` is wrapped by a functorch transform (a plan per such case)."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+def _grad_sum(x: Tensor, axes: tuple[str, ...], mg) -> Tensor:
+    """Identity forward; all-reduces the cotangent over ``axes`` backward."""
+    from .exchange import _Exchange
+
+    stats.count_transpose(x, "pvary", axes, mg.mesh.axis_size(axes))
+    return _Exchange.apply(x, "pvary", (), 0, axes, mg)
+
+
+class _Planned(torch.autograd.Function):
+    """Identity forward; backward sums the cotangent over the axes ``resolve()`` names then.
+
+    The traced call's pvaries: by the time its backward runs the plan is decided, so the sums
+    happen where a fast call would do them (once at each source) or, for a signature that stays
+    traced, at every use.  A recomputation in the backward (``fpar.optim.remat``) then sees the
+    same sums as the forward it replaces.
+    """
+
+    @staticmethod
+    def forward(x, resolve, mg):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.resolve, ctx.mg = inputs
+
+    @staticmethod
+    def backward(ctx, ct):
+        from .exchange import _Exchange
+
+        axes = ctx.resolve()
+        return (_Exchange.apply(ct, "psum", (), 0, axes, ctx.mg) if axes else ct), None, None
+
+    @staticmethod
+    def jvp(ctx, x_t, *_):
+        return x_t
+
+
+# Agreement ------------------------------------------------------------------------------------
+
+
+class _Agreement:
+    """The per-call signature check: an async all-reduce started now, waited on before exchanges."""
+
+    def __init__(self, owner: DistShard, plan: _Plan):
+        self.owner, self.plan = owner, plan
+        self.work = None
+        axes = owner.axes
+        if not axes or owner.mesh.size == 1:
+            return
+        self.group = owner.mg.group(axes)
+        h = plan.digest
+        from .groups import _device
+
+        self.buf = torch.tensor([h, -h], dtype=torch.int64, device=_device([]))
+        self.work = dist.all_reduce(self.buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        work, self.work = self.work, None
+        work.wait()
+        hi, neg_lo = self.buf.tolist()
+        if hi == -neg_lo:
+            return
+        self._raise()
+
+    def settle(self) -> None:
+        """Complete the pending check without raising (another error is on its way)."""
+        work, self.work = self.work, None
+        if work is not None:
+            work.wait()
+
+    def _raise(self) -> None:
+        owner = self.owner
+        sig = self.plan.sig
+        members = owner.mg.members(owner.axes)
+        sigs: list = [None] * len(members)
+        mine = (owner.fname, owner.static_text, sig)
+        dist.all_gather_object(sigs, mine, group=self.group)
+        by_rank = dict(zip(sorted(members), sigs))  # all_gather_object orders by group rank
+        raise ValueError(f"fpar.shard({owner.fname}): " + _differences(by_rank))
+
+
+def _differences(by_rank: dict) -> str:
+    """Say which argument differs between ranks, and how (shape, dtype, spec)."""
+    ranks = sorted(by_rank)
+    lines = []
+    statics = {r: by_rank[r][1] for r in ranks}
+    if len(set(statics.values())) > 1:
+        lines.append(
+            "in_specs/out_specs/check_rep differ: "
+            + "; ".join(f"rank {r}: {statics[r]}" for r in ranks)
+        )
+    sigs = {r: by_rank[r][2] for r in ranks}
+    lengths = {r: len(s) for r, s in sigs.items()}
+    if len(set(lengths.values())) > 1:
+        lines.append("the number of tensor arguments differs: " + ", ".join(f"rank {r}: {n}" for r, n in lengths.items()))
+    else:
+        fields = ("spec", "shape", "dtype")
+        for i in range(min(lengths.values())):
+            entries = {r: sigs[r][i] for r in ranks if isinstance(sigs[r][i], tuple)}
+            if len(entries) < len(ranks):
+                continue
+            for f, name in enumerate(fields, start=1):
+                values = {r: e[f] for r, e in entries.items()}
+                if len(set(values.values())) > 1:
+                    arg = entries[ranks[0]][0]
+                    lines.append(
+                        f"{arg} has a different {name} on different ranks ("
+                        + ", ".join(f"rank {r}: {v}" for r, v in values.items())
+                        + ")"
+                    )
+    if not lines:
+        lines.append("the ranks called with different signatures")
+    return (
+        "the ranks passed blocks of different shapes, dtypes or specs; every process must pass its "
+        "block of the same global values with the same specs: " + "; ".join(lines) + "."
+    )
+
+
+# The traced run -------------------------------------------------------------------------------
+
+
+class _Tracker(TorchFunctionMode):
+    """Varying-axes tracking, per-use implicit pvary, and the plan's bookkeeping (first call)."""
+
+    def __init__(self, owner: DistShard, plan: _Plan):
+        super().__init__()
+        self.owner, self.plan, self.mg = owner, plan, owner.mg
+        self.axes = owner.axes
+        self.infos: dict[int, tuple[Tensor, frozenset, frozenset]] = {}
+        self.pvaried: dict = {}
+        self.pvary_use: set = set()
+        self.first_use: list = []  # sources in the order of their first pvaried use
+        self.plain_use: set = set()
+        self.unknown = False  # a tracked replicated tensor of unknown origin met a varying value
+        self.inner = False  # the function differentiates inside itself
+        self.base = maybe_current_level()
+        self.coll: list = []
+
+    # bookkeeping
+
+    def info(self, t: Tensor) -> tuple[frozenset, frozenset]:
+        e = self.infos.get(id(t))
+        if e is not None and e[0] is t:
+            return e[1], e[2]
+        return frozenset(), frozenset()
+
+    def _mark(self, result: Any, varying: frozenset, deps: frozenset) -> None:
+        if not varying and not deps:
+            return
+        for t in tree_flatten(result)[0] if not isinstance(result, Tensor) else [result]:
+            if isinstance(t, Tensor):
+                self.infos[id(t)] = (t, varying, deps)
+
+    def enter(self, i: int, leaf: Tensor, spec: PartitionSpec) -> Tensor:
+        """Register input ``i``; a replicated float one gets its source-level sum (planned)."""
+        named = frozenset(spec.axes())
+        rep = [a for a in self.axes if a not in named]
+        deps = frozenset((("in", i), a) for a in rep) if _diff(leaf) else frozenset()
+        if deps:
+            plan = self.plan
+            leaf = _Planned.apply(leaf, lambda: plan.in_reduce.get(i, ()) if plan.fast else (), self.mg)
+        self._mark(leaf, named, deps)
+        return leaf
+
+    def _use(self, t: Tensor, deps: frozenset, axes: tuple[str, ...]) -> None:
+        """``t`` (replicated over ``axes``) is pvaried over them: record its sources' uses."""
+        for a in axes:
+            found = [d for d in deps if d[1] == a]
+            for d in found:
+                if d not in self.pvary_use:
+                    self.pvary_use.add(d)
+                    self.first_use.append(d[0])
+            if not found and stats._tracked(t):
+                self.unknown = True
+
+    def _pvary(self, t: Tensor, axes: tuple[str, ...]) -> Tensor:
+        key = (id(t), axes)
+        if key in self.pvaried and self.pvaried[key][0] is t:
+            return self.pvaried[key][1]
+        stats.count_transpose(t, "pvary", axes, self.owner.mesh.axis_size(axes))
+        plan = self.plan
+        out = _Planned.apply(t, lambda: () if plan.fast else axes, self.mg)
+        self.pvaried[key] = (t, out)
+        return out
+
+    # torch ops
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _NOT_OPS:
+            self.inner = True
+            return func(*args, **kwargs)
+        if self.base != maybe_current_level():
+            self.inner = True  # an op under the user's own transform inside the function
+        leaves, treedef = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(leaves) if isinstance(t, Tensor)]
+        if not idx:
+            return func(*args, **kwargs)
+        infos = [self.info(leaves[i]) for i in idx]
+        union = frozenset().union(*(v for v, _ in infos))
+        deps: set = set()
+        changed = False
+        for i, (v, d) in zip(idx, infos):
+            missing = union - v
+            if missing and _diff(leaves[i]):
+                axes = tuple(a for a in self.axes if a in missing)
+                self._use(leaves[i], d, axes)
+                leaves[i] = self._pvary(leaves[i], axes)
+                changed = True
+            deps.update(x for x in d if x[1] not in missing)
+        if changed:
+            args, kwargs = tree_unflatten(treedef, leaves)
+        result = func(*args, **kwargs)
+        self._mark(result, union, frozenset(deps))
+        return result
+
+    # collectives and outputs
+
+    def collective(self, k: int, kind: str, axes: tuple, params: tuple, x: Tensor) -> Tensor:
+        from .exchange import _Exchange
+
+        with torch._C.DisableTorchFunction():
+            v, d = self.info(x)
+            inv = tuple(a for a in axes if a not in v)
+            if inv and _diff(x):
+                self._use(x, d, inv)
+                x = self._pvary(x, inv)
+            # pvary: identity; the sum over the axes it adds is the implicit pvary above.
+            y = x.view_as(x) if kind == "pvary" else _Exchange.apply(x, kind, params, 0, axes, self.mg)
+        if kind in _REDUCING:
+            varying = v - frozenset(axes)
+        else:
+            varying = v | frozenset(axes)
+        deps = {e for e in d if e[1] not in axes}
+        if kind in _REDUCING and _diff(y):
+            deps.update((("coll", k), a) for a in axes)
+            plan = self.plan
+            with torch._C.DisableTorchFunction():
+                y = _Planned.apply(y, lambda: plan.coll[k][2] if plan.fast else (), self.mg)
+        self.coll.append((kind, axes))
+        self._mark(y, varying, frozenset(deps))
+        return y
+
+    def output(self, t: Tensor, named: tuple[str, ...]) -> Tensor:
+        v, d = self.info(t)
+        rep_named = tuple(a for a in named if a not in v)
+        for a in self.axes:
+            if a not in named and a not in v:
+                self.plain_use.update(e for e in d if e[1] == a)
+        if rep_named and _diff(t):
+            with torch._C.DisableTorchFunction():
+                self._use(t, d, rep_named)
+                t = self._pvary(t, rep_named)
+        return t
+
+    def finish(self) -> None:
+        """Decide the plan: fast unless a source is used both ways or of unknown origin."""
+        plan = self.plan
+        mixed = self.pvary_use & self.plain_use
+        plan.fast = not (mixed or self.unknown or self.inner)
+        reduce: dict = {}
+        for src, a in self.pvary_use:
+            reduce.setdefault(src, []).append(a)
+        order = {a: i for i, a in enumerate(self.axes)}
+        axes_of = {s: tuple(sorted(v, key=order.get)) for s, v in reduce.items()}
+        plan.in_reduce = {s[1]: ax for s, ax in axes_of.items() if s[0] == "in"}
+        seen = dict.fromkeys(s[1] for s in reversed(self.first_use) if s[0] == "in")
+        plan.in_order = list(seen)
+        plan.coll = [(kind, axes, axes_of.get(("coll", k), ())) for k, (kind, axes) in enumerate(self.coll)]
+        self.infos.clear()
+        self.pvaried.clear()
