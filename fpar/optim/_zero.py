@@ -51,6 +51,7 @@ from ._base import GradientTransformation, apply_updates
 from ._internal import block_shape
 from ._precision import MixedPrecision, cast_floating
 from ._remat import remat
+from ._zero_comm import Regather, regather_supported
 
 __all__ = [
     "ZeroLayout",
@@ -303,13 +304,20 @@ def zero_grads(
       n_micro: split each device's batch into this many microbatches along the dim split over
         the data axis and average their gradients (``accumulate``).
       compute_dtype: run ``loss_fn`` in this dtype (floating params and batch leaves are cast).
-      regather: stage 3 only: recompute the forward (gathering the parameters again) in the
-        backward instead of keeping the gathered parameters (``remat``): 3 (N-1)/N Psi of traffic
-        per step instead of 2 (N-1)/N Psi.
+      regather: stage 3 only: keep no gathered parameter from the forward to the backward
+        (FSDP2's ``reshard_after_forward``): every parameter view autograd saves is replaced by
+        a token and all-gathered again when the backward needs it, the next one prefetched
+        asynchronously on a real mesh (``fpar.optim._zero_comm``).  The forward runs once;
+        traffic per step is 2 (N-1)/N Psi + (N-1)/N x (bytes of the saved parameters), at most
+        3 (N-1)/N Psi.  This differentiates with ``torch.autograd`` (saved-tensor hooks); called
+        under a ``torch.func`` transform it falls back to ``remat`` of the gathered forward
+        (the forward recomputed in the backward, 3 (N-1)/N Psi).  ``False`` keeps the gathered
+        parameters: 2 (N-1)/N Psi, Psi more memory.
     """
     mesh, data, n = layout.mesh, layout.data_axis, layout.n
     batch_specs = P(data) if batch_specs is None else batch_specs
     pspecs = layout._tree([lf.spec for lf in layout.leaves])
+    tracking: dict[str, Regather | None] = {"regather": None}  # the running stage-3 forward's
 
     def local_loss(params, batch):
         if compute_dtype is not None:
@@ -333,9 +341,12 @@ def zero_grads(
                 if compute_dtype is not None:  # gather (and reduce-scatter) in the compute dtype
                     chunks = cast_floating(chunks, compute_dtype)
                 params = _map(lambda c, lf, lo: _gather(c, lf, lo, invariant=False), chunks, layout)
+                if tracking["regather"] is not None:
+                    for c, full in zip(tree_flatten(chunks)[0], tree_flatten(params)[0]):
+                        tracking["regather"].track(c, full)
                 return local_loss(params, batch)
 
-            body = remat(gathered_loss) if regather else gathered_loss
+            body = gathered_loss
             in_p = layout.chunk_specs
         else:
 
@@ -344,21 +355,31 @@ def zero_grads(
 
             in_p = layout._tree([P(data, *lf.spec) for lf in layout.leaves])
 
-        def per_device(params, batch, scale):
-            loss = body(params, batch)
-            return (loss * scale).reshape(1), fpar.pmean(loss.detach(), data)
+        def objective_of(body):
+            def per_device(params, batch, scale):
+                loss = body(params, batch)
+                return (loss * scale).reshape(1), fpar.pmean(loss.detach(), data)
 
-        sharded = fpar.shard(per_device, mesh, (in_p, batch_specs, P()), (P(data), P()))
+            sharded = fpar.shard(per_device, mesh, (in_p, batch_specs, P()), (P(data), P()))
 
-        def objective(params, batch, scale):
-            scaled, loss = sharded(params, batch, scale)
-            return scaled.sum() / n, loss  # the mean over data ranks (a rank's own term on a real mesh)
+            def objective(params, batch, scale):
+                scaled, loss = sharded(params, batch, scale)
+                return scaled.sum() / n, loss  # the mean over data ranks (a rank's own term on a real mesh)
+
+            return objective
+
+        objective = objective_of(body)
+        if layout.stage == 3 and regather:
+            hooked = objective
+            objective = objective_of(remat(body))  # under torch.func, which refuses saved-tensor hooks
 
         wrt = (lambda params: params) if layout.stage == 3 else (lambda params: _per_rank(params, layout))
     grad = torch.func.grad(objective, has_aux=True)
     reduce = _reducer(layout) if layout.stage == 2 else None
 
     def one(params, batch, scale):
+        if layout.stage == 3 and regather and regather_supported():
+            return _regathered_grad(hooked, tracking, layout, params, batch, scale)
         g, loss = grad(wrt(params), batch, scale)
         return (reduce(g) if reduce is not None else g), loss
 
@@ -373,6 +394,24 @@ def zero_grads(
         return acc(params, batch, scale)
 
     return grads
+
+
+def _regathered_grad(objective, tracking, layout, params, batch, scale):
+    """Stage 3's gradient with the backward re-gather of ``_zero_comm`` (``torch.autograd``)."""
+    leaves, treedef = tree_flatten(params)
+    inputs = [t.detach().requires_grad_(True) for t in leaves]
+    rg = Regather(layout.mesh, layout.data_axis)
+    tracking["regather"] = rg
+    try:
+        with torch.enable_grad(), rg.hooks():
+            scaled, loss = objective(tree_unflatten(treedef, inputs), batch, scale)
+    finally:
+        tracking["regather"] = None
+    try:
+        g = torch.autograd.grad(scaled, inputs, allow_unused=True, materialize_grads=True)
+    finally:
+        rg.close()
+    return tree_unflatten(treedef, list(g)), loss.detach()
 
 
 def _per_rank(params: Any, layout: ZeroLayout) -> Any:
