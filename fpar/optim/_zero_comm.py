@@ -180,7 +180,7 @@ class _Pending:
         ordered = [dist.get_group_rank(group, r) for r in members] == list(range(n))
         out = torch.empty(n * chunk.numel(), dtype=chunk.dtype, device=chunk.device)
         if ordered:
-            work = dist.all_gather_into_tensor(out, chunk, group=group, async_op=True)
+            work = dist.all_gather_single(out, chunk, group=group, async_op=True)
             return cls(work, None, out)
         bufs = [torch.empty_like(chunk) for _ in range(n)]
         work = dist.all_gather(bufs, chunk, group=group, async_op=True)
