@@ -22,9 +22,9 @@ parameters.
 
 Peak memory per process: torch's CPU allocator accounting as the profiler records it
 (``torch.profiler.profile(profile_memory=True)``: every allocation and free of a CPU tensor,
-in order) over one step: peak = bytes held at the start of the step (the stored parameter
-shards, gradients and optimizer state, counted from the tensors each side keeps) + the highest
-running sum of allocations minus frees during the step.  (tracemalloc does not see torch's
+with its time) over one step: peak = bytes held at the start of the step (the stored parameter
+shards and optimizer state, counted from the tensors each side keeps) + the highest running
+sum of allocations minus frees during the step (see ``peak_bytes``).  (tracemalloc does not see torch's
 allocator; ``ru_maxrss`` is one number per process for both sides.)  Ratio fpar/FSDP2 (target
 <= 1.1).
 
@@ -120,26 +120,44 @@ def held_bytes(*trees) -> int:
     return total
 
 
-def peak_during(step) -> int:
-    """The highest running sum of CPU allocations minus frees during ``step`` (profiler events).
+def peak_bytes(step, held) -> tuple[int, int]:
+    """``(bytes held before, peak bytes)`` of the second of two calls of ``step``.
 
-    The first step run under the profiler also reports frees of blocks allocated before it
-    started; those only lower the running sum, so the peak is never overstated by them.
+    The profiler's allocation events (``profile_memory=True``: every CPU allocation and free
+    with its time) are summed in time order over the second call, starting from ``held()``,
+    the bytes of the tensors the side keeps between steps.  Measuring the second call means
+    every block freed in it was allocated under the profiler (the profiler does not report
+    frees of blocks allocated before it started), so the running sum is exact.
     """
-    from torch.profiler import ProfilerActivity, profile
+    import torch._C._profiler as C
+    from torch.profiler import ProfilerActivity, profile, record_function
 
+    box = {}
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    # An op's own allocations are its self_cpu_memory_usage (at its start); frees, and
-    # allocations outside any op, are "[memory]" events of their own.
-    events = sorted(
-        (e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start
-    )
-    running = peak = 0
-    for e in events:
-        running += e.self_cpu_memory_usage
-        peak = max(peak, running)
-    return peak
+        gc.collect()
+        box["held"] = held()
+        with record_function("measured step"):
+            step()
+    allocs, start = [], None
+
+    def walk(node):
+        nonlocal start
+        if node.name == "measured step":
+            start = node.start_time_ns
+        if isinstance(node.extra_fields, C._ExtraFields_Allocation) and node.extra_fields.device.type == "cpu":
+            allocs.append((node.start_time_ns, node.extra_fields.alloc_size))
+        for child in node.children:
+            walk(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    running = peak = box["held"]
+    for t, size in sorted(allocs):
+        if t >= start:
+            running += size
+            peak = max(peak, running)
+    return box["held"], peak
 
 
 def timed(step) -> float:
@@ -205,12 +223,10 @@ def worker(cfg: dict) -> dict:
         fsdp_step()
 
     # Peak memory of one step each (after warm-up: optimizer state exists on both sides).
-    gc.collect()
-    fpar_held = held_bytes(box["params"], box["state"])
-    fpar_peak = fpar_held + peak_during(fpar_step)
-    gc.collect()
-    fsdp_held = held_bytes(list(model.parameters()), [s for s in topt.state.values()])
-    fsdp_peak = fsdp_held + peak_during(fsdp_step)
+    fpar_held, fpar_peak = peak_bytes(fpar_step, lambda: held_bytes(box["params"], box["state"]))
+    fsdp_held, fsdp_peak = peak_bytes(
+        fsdp_step, lambda: held_bytes(list(model.parameters()), list(topt.state.values()))
+    )
 
     times = {"fpar": [], "fsdp": []}
     steps = {"fpar": fpar_step, "fsdp": fsdp_step}

@@ -11,10 +11,14 @@ Legend: ``N`` = size of the data axis; ``Psi`` = bytes of one device's parameter
 | 0 (DDP) | Psi | Psi | K Psi | all-reduce of grads (psum in the backward): 2 (N-1)/N Psi |
 | 1 | Psi | Psi (per-device, reduced once per step) | K Psi / N | reduce-scatter + all-gather: 2 (N-1)/N Psi |
 | 2 | Psi | Psi / N (reduced per microbatch) | K Psi / N | the same, reduce-scatter per microbatch |
-| 3 | Psi / N | Psi / N | K Psi / N | all-gather fwd + (regather) all-gather bwd + reduce-scatter: 3 (N-1)/N Psi |
+| 3 | Psi / N | Psi / N | K Psi / N | all-gather fwd + (regather) all-gather bwd of the saved params + reduce-scatter: <= 3 (N-1)/N Psi |
 
-(ZeRO, Rajbhandari et al. 2019, arXiv:1910.02054, and ``shared/reference`` §4.)  Stage 3 without
-``regather`` keeps the gathered parameters from the forward to the backward: 2 (N-1)/N Psi.
+(ZeRO, Rajbhandari et al. 2019, arXiv:1910.02054, and ``shared/reference`` §4.)  Stage 3's
+``regather`` (the default) is FSDP2's ``reshard_after_forward``: no gathered parameter is kept
+from the forward to the backward; the backward all-gathers again only the parameters autograd
+saved (``Psi_saved <= Psi``: a bias, or a weight whose input needs no gradient, is not saved),
+prefetching the next one asynchronously on a real mesh (``_zero_comm``), so the forward runs
+once.  Without ``regather`` the gathered parameters are kept: 2 (N-1)/N Psi.
 
 Gradients are always those of the *global* loss (the mean over data ranks of the per-device
 losses, and over microbatches): every step differentiates a sharded function from the outside
