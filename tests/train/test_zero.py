@@ -86,6 +86,34 @@ def test_stage_pads_blocks_not_divisible_by_data(stage):
     _assert_same(traj, ref)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("bucket_bytes", [0, 100])
+def test_bucketed_collectives_follow_adamw_and_count_one_call_per_bucket(stage, bucket_bytes):
+    # data x tensor: leaves split over 'tensor' and replicated ones never share a bucket; a cap
+    # of 0 puts every leaf alone, 100 B groups a few.
+    params, batch = W.tp_problem()
+    ref = _torch_trajectory(params, W.tp_loss_unsharded, batch, 2)
+    mesh = _mesh(data=2, tensor=2)
+    traj, _ = _zero_trajectory(params, W.tp_loss, batch, mesh, W.TP_SPECS, stage, 2, bucket_bytes=bucket_bytes)
+    _assert_same(traj, ref)
+    layout = fo.zero_layout(params, mesh, W.TP_SPECS, stage=stage)
+    leaves = fpar._tree.tree_flatten(params)[0]
+    buckets = fo._zero._buckets(leaves, layout, bucket_bytes)
+    assert sorted(i for b in buckets for i in b) == list(range(len(leaves)))
+    for b in buckets:
+        assert len({layout.leaves[i].split for i in b}) == 1
+        assert len(b) == 1 or sum(2 * layout.leaves[i].chunk * 8 for i in b) <= bucket_bytes
+    stored, state = fo.zero_init(fo.adamw(1e-2), params, layout)
+    step = fo.zero_step(W.tp_loss, fo.adamw(1e-2), layout, bucket_bytes=bucket_bytes)
+    fpar.reset_comm_stats()
+    step(stored, state, batch)
+    data = fpar.comm_stats()["data"]
+    assert data["psum_scatter"]["calls"] == data["all_gather_invariant"]["calls"] == len(buckets)
+    # Leaves in flatten order a1 a2 b1 b2 c g: each weight's per-device bucket share is
+    # 2 x 8 x 8 B = 128 B > 100 (alone); c and g (4 floats each, chunk 2: 32 B) share one.
+    assert buckets == ([[i] for i in range(6)] if bucket_bytes == 0 else [[0], [1], [2], [3], [4, 5]])
+
+
 @pytest.mark.parametrize("loss", ["remat", "deep"])
 def test_stage3_regather_follows_adamw_with_remat_and_deep_models(loss):
     problem, loss_fn = W._LOSSES[loss]
@@ -247,16 +275,17 @@ def _kinds(**kw):
     [
         # DDP: the gradient all-reduce (backward psum of each parameter) 2 (N-1)/N Psi
         (0, 1, True, _kinds(psum=(3, 2 * RING), pmean=(1, LOSS))),
-        # ZeRO-1/2: reduce-scatter + all-gather, 2 (N-1)/N Psi, one call per parameter each
-        (1, 1, True, _kinds(psum_scatter=(3, RING), all_gather_invariant=(3, RING), pmean=(1, LOSS))),
-        (2, 1, True, _kinds(psum_scatter=(3, RING), all_gather_invariant=(3, RING), pmean=(1, LOSS))),
+        # ZeRO-1/2: reduce-scatter + all-gather, 2 (N-1)/N Psi, one call per bucket each (one
+        # bucket: the three leaves are 256 B together)
+        (1, 1, True, _kinds(psum_scatter=(1, RING), all_gather_invariant=(1, RING), pmean=(1, LOSS))),
+        (2, 1, True, _kinds(psum_scatter=(1, RING), all_gather_invariant=(1, RING), pmean=(1, LOSS))),
         # ZeRO-3: all-gather fwd, the saved parameters again in bwd, reduce-scatter
         (3, 1, True, _kinds(all_gather=(4, RING + SAVED), psum_scatter=(3, RING), pmean=(1, LOSS))),
         # ZeRO-3 keeping the gathered parameters to the backward: 2 (N-1)/N Psi
         (3, 1, False, _kinds(all_gather=(3, RING), psum_scatter=(3, RING), pmean=(1, LOSS))),
         # With 2 microbatches: stage 1 reduces once per step, stage 2 once per microbatch
-        (1, 2, True, _kinds(psum_scatter=(3, RING), all_gather_invariant=(3, RING), pmean=(2, 2 * LOSS))),
-        (2, 2, True, _kinds(psum_scatter=(6, 2 * RING), all_gather_invariant=(3, RING), pmean=(2, 2 * LOSS))),
+        (1, 2, True, _kinds(psum_scatter=(1, RING), all_gather_invariant=(1, RING), pmean=(2, 2 * LOSS))),
+        (2, 2, True, _kinds(psum_scatter=(2, 2 * RING), all_gather_invariant=(1, RING), pmean=(2, 2 * LOSS))),
         (3, 2, True, _kinds(all_gather=(8, 2 * (RING + SAVED)), psum_scatter=(6, 2 * RING), pmean=(2, 2 * LOSS))),
     ],
     ids=[
