@@ -11,10 +11,14 @@ Legend: ``N`` = size of the data axis; ``Psi`` = bytes of one device's parameter
 | 0 (DDP) | Psi | Psi | K Psi | all-reduce of grads (psum in the backward): 2 (N-1)/N Psi |
 | 1 | Psi | Psi (per-device, reduced once per step) | K Psi / N | reduce-scatter + all-gather: 2 (N-1)/N Psi |
 | 2 | Psi | Psi / N (reduced per microbatch) | K Psi / N | the same, reduce-scatter per microbatch |
-| 3 | Psi / N | Psi / N | K Psi / N | all-gather fwd + (regather) all-gather bwd + reduce-scatter: 3 (N-1)/N Psi |
+| 3 | Psi / N | Psi / N | K Psi / N | all-gather fwd + (regather) all-gather bwd of the saved params + reduce-scatter: <= 3 (N-1)/N Psi |
 
-(ZeRO, Rajbhandari et al. 2019, arXiv:1910.02054, and ``shared/reference`` §4.)  Stage 3 without
-``regather`` keeps the gathered parameters from the forward to the backward: 2 (N-1)/N Psi.
+(ZeRO, Rajbhandari et al. 2019, arXiv:1910.02054, and ``shared/reference`` §4.)  Stage 3's
+``regather`` (the default) is FSDP2's ``reshard_after_forward``: no gathered parameter is kept
+from the forward to the backward; the backward all-gathers again only the parameters autograd
+saved (``Psi_saved <= Psi``: a bias, or a weight whose input needs no gradient, is not saved),
+prefetching the next one asynchronously on a real mesh (``_zero_comm``), so the forward runs
+once.  Without ``regather`` the gathered parameters are kept: 2 (N-1)/N Psi.
 
 Gradients are always those of the *global* loss (the mean over data ranks of the per-device
 losses, and over microbatches): every step differentiates a sharded function from the outside
@@ -51,6 +55,7 @@ from ._base import GradientTransformation, apply_updates
 from ._internal import block_shape
 from ._precision import MixedPrecision, cast_floating
 from ._remat import remat
+from ._zero_comm import Regather, regather_supported
 
 __all__ = [
     "ZeroLayout",
@@ -217,6 +222,62 @@ def _gather(chunk: Tensor, lf: _Leaf, layout: ZeroLayout, *, invariant: bool) ->
     return gather(chunk, layout.data_axis, tiled=True)[: lf.numel].reshape(lf.block)
 
 
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket cap
+
+
+def _buckets(xs: list[Tensor], layout: ZeroLayout, cap: int) -> list[list[int]]:
+    """Leaf indices grouped into buckets, one collective each (in leaf order).
+
+    A bucket holds leaves of one dtype split over the same non-data axes (so the concatenation
+    varies over the same axes as each leaf), up to ``cap`` bytes of this device's values; a
+    leaf larger than ``cap`` is a bucket of its own.
+    """
+    buckets: list[list[int]] = []
+    open_: dict[tuple, tuple[list[int], int]] = {}
+    for i, (x, lf) in enumerate(zip(xs, layout.leaves)):
+        key = (x.dtype, lf.split)
+        size = layout.n * lf.chunk * x.element_size()
+        group, used = open_.get(key, (None, 0))
+        if group is None or used + size > cap:
+            group, used = [], 0
+            buckets.append(group)
+        group.append(i)
+        open_[key] = (group, used + size)
+    return buckets
+
+
+def _reduce_scatter_all(grads: list[Tensor], layout: ZeroLayout, cap: int) -> list[Tensor]:
+    """``_reduce_scatter`` of every leaf, one ``psum_scatter`` per bucket (the same sums)."""
+    n, leaves = layout.n, layout.leaves
+    out: list[Tensor] = [None] * len(grads)  # type: ignore[list-item]
+    for group in _buckets(grads, layout, cap):
+        if len(group) == 1:
+            out[group[0]] = _reduce_scatter(grads[group[0]], leaves[group[0]], layout)
+            continue
+        # Device k's chunk of every leaf, side by side: row k of an (N, sum of chunks) matrix.
+        rows = [_padded(grads[i], leaves[i], n).reshape(n, leaves[i].chunk) for i in group]
+        mine = fpar.psum_scatter(torch.cat(rows, dim=1).reshape(-1), layout.data_axis, tiled=True)
+        for i, piece in zip(group, mine.split([leaves[i].chunk for i in group])):
+            out[i] = piece
+    return out
+
+
+def _gather_all(chunks: list[Tensor], layout: ZeroLayout, cap: int) -> list[Tensor]:
+    """``_gather(..., invariant=True)`` of every leaf, one ``all_gather_invariant`` per bucket."""
+    n, leaves = layout.n, layout.leaves
+    out: list[Tensor] = [None] * len(chunks)  # type: ignore[list-item]
+    for group in _buckets(chunks, layout, cap):
+        if len(group) == 1:
+            out[group[0]] = _gather(chunks[group[0]], leaves[group[0]], layout, invariant=True)
+            continue
+        sizes = [leaves[i].chunk for i in group]
+        full = fpar.all_gather_invariant(torch.cat([chunks[i] for i in group]), layout.data_axis, tiled=True)
+        for i, block in zip(group, full.reshape(n, sum(sizes)).split(sizes, dim=1)):
+            lf = leaves[i]
+            out[i] = block.reshape(-1)[: lf.numel].reshape(lf.block)
+    return out
+
+
 def _map(fn: Callable, tree: Any, layout: ZeroLayout) -> Any:
     leaves, treedef = tree_flatten(tree)
     return tree_unflatten(treedef, [fn(x, lf, layout) for x, lf in zip(leaves, layout.leaves)])
@@ -287,6 +348,7 @@ def zero_grads(
     n_micro: int = 1,
     compute_dtype: torch.dtype | None = None,
     regather: bool = True,
+    bucket_bytes: int = BUCKET_BYTES,
 ) -> Callable:
     """Build ``grads(params, batch, loss_scale=None) -> (grads, loss)`` for ``layout``'s stage.
 
@@ -303,13 +365,22 @@ def zero_grads(
       n_micro: split each device's batch into this many microbatches along the dim split over
         the data axis and average their gradients (``accumulate``).
       compute_dtype: run ``loss_fn`` in this dtype (floating params and batch leaves are cast).
-      regather: stage 3 only: recompute the forward (gathering the parameters again) in the
-        backward instead of keeping the gathered parameters (``remat``): 3 (N-1)/N Psi of traffic
-        per step instead of 2 (N-1)/N Psi.
+      regather: stage 3 only: keep no gathered parameter from the forward to the backward
+        (FSDP2's ``reshard_after_forward``): every parameter view autograd saves is replaced by
+        a token and all-gathered again when the backward needs it, the next one prefetched
+        asynchronously on a real mesh (``fpar.optim._zero_comm``).  The forward runs once;
+        traffic per step is 2 (N-1)/N Psi + (N-1)/N x (bytes of the saved parameters), at most
+        3 (N-1)/N Psi.  This differentiates with ``torch.autograd`` (saved-tensor hooks); called
+        under a ``torch.func`` transform it falls back to ``remat`` of the gathered forward
+        (the forward recomputed in the backward, 3 (N-1)/N Psi).  ``False`` keeps the gathered
+        parameters: 2 (N-1)/N Psi, Psi more memory.
+      bucket_bytes: stage 2: reduce-scatter the gradients in buckets of up to this many bytes
+        per device (leaves of one dtype and layout, in order), one collective per bucket.
     """
     mesh, data, n = layout.mesh, layout.data_axis, layout.n
     batch_specs = P(data) if batch_specs is None else batch_specs
     pspecs = layout._tree([lf.spec for lf in layout.leaves])
+    tracking: dict[str, Regather | None] = {"regather": None}  # the running stage-3 forward's
 
     def local_loss(params, batch):
         if compute_dtype is not None:
@@ -333,9 +404,12 @@ def zero_grads(
                 if compute_dtype is not None:  # gather (and reduce-scatter) in the compute dtype
                     chunks = cast_floating(chunks, compute_dtype)
                 params = _map(lambda c, lf, lo: _gather(c, lf, lo, invariant=False), chunks, layout)
+                if tracking["regather"] is not None:
+                    for c, full in zip(tree_flatten(chunks)[0], tree_flatten(params)[0]):
+                        tracking["regather"].track(c, full)
                 return local_loss(params, batch)
 
-            body = remat(gathered_loss) if regather else gathered_loss
+            body = gathered_loss
             in_p = layout.chunk_specs
         else:
 
@@ -344,21 +418,31 @@ def zero_grads(
 
             in_p = layout._tree([P(data, *lf.spec) for lf in layout.leaves])
 
-        def per_device(params, batch, scale):
-            loss = body(params, batch)
-            return (loss * scale).reshape(1), fpar.pmean(loss.detach(), data)
+        def objective_of(body):
+            def per_device(params, batch, scale):
+                loss = body(params, batch)
+                return (loss * scale).reshape(1), fpar.pmean(loss.detach(), data)
 
-        sharded = fpar.shard(per_device, mesh, (in_p, batch_specs, P()), (P(data), P()))
+            sharded = fpar.shard(per_device, mesh, (in_p, batch_specs, P()), (P(data), P()))
 
-        def objective(params, batch, scale):
-            scaled, loss = sharded(params, batch, scale)
-            return scaled.sum() / n, loss  # the mean over data ranks (a rank's own term on a real mesh)
+            def objective(params, batch, scale):
+                scaled, loss = sharded(params, batch, scale)
+                return scaled.sum() / n, loss  # the mean over data ranks (a rank's own term on a real mesh)
+
+            return objective
+
+        objective = objective_of(body)
+        if layout.stage == 3 and regather:
+            hooked = objective
+            objective = objective_of(remat(body))  # under torch.func, which refuses saved-tensor hooks
 
         wrt = (lambda params: params) if layout.stage == 3 else (lambda params: _per_rank(params, layout))
     grad = torch.func.grad(objective, has_aux=True)
-    reduce = _reducer(layout) if layout.stage == 2 else None
+    reduce = _reducer(layout, bucket_bytes) if layout.stage == 2 else None
 
     def one(params, batch, scale):
+        if layout.stage == 3 and regather and regather_supported():
+            return _regathered_grad(hooked, tracking, layout, params, batch, scale)
         g, loss = grad(wrt(params), batch, scale)
         return (reduce(g) if reduce is not None else g), loss
 
@@ -375,6 +459,24 @@ def zero_grads(
     return grads
 
 
+def _regathered_grad(objective, tracking, layout, params, batch, scale):
+    """Stage 3's gradient with the backward re-gather of ``_zero_comm`` (``torch.autograd``)."""
+    leaves, treedef = tree_flatten(params)
+    inputs = [t.detach().requires_grad_(True) for t in leaves]
+    rg = Regather(layout.mesh, layout.data_axis)
+    tracking["regather"] = rg
+    try:
+        with torch.enable_grad(), rg.hooks():
+            scaled, loss = objective(tree_unflatten(treedef, inputs), batch, scale)
+    finally:
+        tracking["regather"] = None
+    try:
+        g = torch.autograd.grad(scaled, inputs, allow_unused=True, materialize_grads=True)
+    finally:
+        rg.close()
+    return tree_unflatten(treedef, list(g)), loss.detach()
+
+
 def _per_rank(params: Any, layout: ZeroLayout) -> Any:
     """One copy of each parameter per data rank, ``P(data, *spec)``, without copying."""
     if layout.mesh.backend == "dist":
@@ -382,11 +484,12 @@ def _per_rank(params: Any, layout: ZeroLayout) -> Any:
     return tree_map(lambda t: t.expand(layout.n, *t.shape), params)
 
 
-def _reducer(layout: ZeroLayout) -> Callable:
+def _reducer(layout: ZeroLayout, bucket_bytes: int) -> Callable:
     in_g = layout._tree([P(layout.data_axis, *lf.spec) for lf in layout.leaves])
 
     def reduce(stacked):
-        return _map(lambda g, lf, lo: _reduce_scatter(g.squeeze(0), lf, lo), stacked, layout)
+        leaves, treedef = tree_flatten(stacked)
+        return tree_unflatten(treedef, _reduce_scatter_all([g.squeeze(0) for g in leaves], layout, bucket_bytes))
 
     return fpar.shard(reduce, layout.mesh, (in_g,), layout.chunk_specs)
 
@@ -443,7 +546,9 @@ def _microbatch(batch: Any, i: int, n_micro: int, mesh: fpar.Mesh, batch_specs: 
 # Updates ---------------------------------------------------------------------------------------
 
 
-def zero_update(optimizer: GradientTransformation, layout: ZeroLayout) -> Callable:
+def zero_update(
+    optimizer: GradientTransformation, layout: ZeroLayout, *, bucket_bytes: int = BUCKET_BYTES
+) -> Callable:
     """Build ``update(grads, opt_state, params) -> (params, opt_state)`` for ``layout``'s stage.
 
     Stage 0 updates every (replicated) parameter on every device; stage 1 first reduce-scatters
@@ -451,7 +556,9 @@ def zero_update(optimizer: GradientTransformation, layout: ZeroLayout) -> Callab
     its chunk of the state and all-gather the new parameters (``all_gather_invariant``: they
     leave replicated); stage 3 updates the chunks and keeps them.  The optimizer runs inside
     ``fpar.shard`` on blocks, so global operations in it (``clip_by_global_norm``, the mixed
-    precision overflow check) combine over the devices.
+    precision overflow check) combine over the devices.  Stage 1's reduce-scatter and the
+    all-gathers of stages 1 and 2 go in buckets of up to ``bucket_bytes`` per device (leaves of
+    one dtype and layout, in order): one collective per bucket, the same values and bytes.
     """
     mesh = layout.mesh
     sspecs = layout.state_specs(optimizer)
@@ -463,11 +570,13 @@ def zero_update(optimizer: GradientTransformation, layout: ZeroLayout) -> Callab
             updates, state = optimizer.update(grads, state, params)
             return apply_updates(params, updates), state
         if stage == 1:
-            grads = _map(lambda g, lf, lo: _reduce_scatter(g.squeeze(0), lf, lo), grads, layout)
+            leaves, treedef = tree_flatten(grads)
+            grads = tree_unflatten(treedef, _reduce_scatter_all([g.squeeze(0) for g in leaves], layout, bucket_bytes))
         chunks = _map(_own_chunk, params, layout)
         updates, state = optimizer.update(grads, state, chunks)
         chunks = apply_updates(chunks, updates)
-        return _map(lambda c, lf, lo: _gather(c, lf, lo, invariant=True), chunks, layout), state
+        leaves, treedef = tree_flatten(chunks)
+        return tree_unflatten(treedef, _gather_all(leaves, layout, bucket_bytes)), state
 
     stored = layout.param_specs
     return fpar.shard(per_device, mesh, (gspecs, sspecs, stored), (stored, sspecs))
@@ -481,6 +590,7 @@ def zero_step(
     batch_specs: Any = None,
     n_micro: int = 1,
     regather: bool = True,
+    bucket_bytes: int = BUCKET_BYTES,
 ) -> Callable:
     """Build a training step ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
@@ -503,8 +613,9 @@ def zero_step(
         n_micro=n_micro,
         compute_dtype=policy.compute_dtype if policy is not None else None,
         regather=regather,
+        bucket_bytes=bucket_bytes,
     )
-    update_fn = zero_update(optimizer, layout)
+    update_fn = zero_update(optimizer, layout, bucket_bytes=bucket_bytes)
 
     def step(params, opt_state, batch):
         scale = opt_state.loss_scale if policy is not None and policy.scaled else None

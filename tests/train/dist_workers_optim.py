@@ -89,9 +89,32 @@ def remat_mlp_loss(params, batch):
     return ((h @ params["w2"] - y) ** 2).mean()
 
 
+def deep_problem(d=4, layers=3, batch=8, dtype=F64, seed=0):
+    """``(params, (x, y))`` of a residual tanh MLP of ``layers`` square layers (for ZeRO-3's
+    backward re-gather and its prefetch: every weight but the first is saved by autograd)."""
+    g = torch.Generator().manual_seed(seed)
+    params = {f"w{i}": torch.randn(d, d, generator=g, dtype=dtype) / d**0.5 for i in range(layers)}
+    params.update({f"b{i}": torch.randn(d, generator=g, dtype=dtype) / 4 for i in range(layers)})
+    x = torch.randn(batch, d, generator=g, dtype=dtype)
+    y = torch.randn(batch, d, generator=g, dtype=dtype)
+    return params, (x, y)
+
+
+def deep_loss(params, batch):
+    x, y = batch
+    h = x
+    for i in range(len(params) // 2):
+        h = h + torch.tanh(h @ params[f"w{i}"] + params[f"b{i}"])
+    return ((h - y) ** 2).mean()
+
+
+_LOSSES = {"mlp": (mlp_problem, mlp_loss), "remat": (mlp_problem, remat_mlp_loss), "deep": (deep_problem, deep_loss)}
+
+
 def zero_runs(jobs):
-    """For each ``(stage, steps, remat)``: train AdamW with ZeRO ``stage`` on a data mesh of the
-    world's size (``remat``: with ``remat_mlp_loss``).
+    """For each ``(stage, steps, loss)``: train AdamW with ZeRO ``stage`` on a data mesh of the
+    world's size; ``loss`` is ``"mlp"`` (``mlp_loss``), ``"remat"`` (``remat_mlp_loss``) or
+    ``"deep"`` (``deep_loss``).
 
     Returns per job: the full parameters after each step, the losses, and the communication
     counts of the first step.
@@ -99,14 +122,15 @@ def zero_runs(jobs):
     return [_zero_run(*job) for job in jobs]
 
 
-def _zero_run(stage: int, steps: int, remat: bool = False):
-    params, batch = mlp_problem()
+def _zero_run(stage: int, steps: int, loss: str = "mlp"):
+    problem, loss_fn = _LOSSES[loss]
+    params, batch = problem()
     mesh = fpar.make_mesh((-1,), ("data",), devices=_world())
     layout = fo.zero_layout(params, mesh, P(), stage=stage)
     opt = fo.adamw(1e-2, weight_decay=0.1)
     params, state = fo.zero_init(opt, params, layout)
     batch = fpar.device_put(batch, mesh, P("data"))
-    step = fo.zero_step(remat_mlp_loss if remat else mlp_loss, opt, layout, batch_specs=P("data"))
+    step = fo.zero_step(loss_fn, opt, layout, batch_specs=P("data"))
     history, losses, stats = [], [], None
     for i in range(steps):
         fpar.reset_comm_stats()

@@ -86,6 +86,74 @@ def test_stage_pads_blocks_not_divisible_by_data(stage):
     _assert_same(traj, ref)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("bucket_bytes", [0, 100])
+def test_bucketed_collectives_follow_adamw_and_count_one_call_per_bucket(stage, bucket_bytes):
+    # data x tensor: leaves split over 'tensor' and replicated ones never share a bucket; a cap
+    # of 0 puts every leaf alone, 100 B groups a few.
+    params, batch = W.tp_problem()
+    ref = _torch_trajectory(params, W.tp_loss_unsharded, batch, 2)
+    mesh = _mesh(data=2, tensor=2)
+    traj, _ = _zero_trajectory(params, W.tp_loss, batch, mesh, W.TP_SPECS, stage, 2, bucket_bytes=bucket_bytes)
+    _assert_same(traj, ref)
+    layout = fo.zero_layout(params, mesh, W.TP_SPECS, stage=stage)
+    leaves = fpar._tree.tree_flatten(params)[0]
+    buckets = fo._zero._buckets(leaves, layout, bucket_bytes)
+    assert sorted(i for b in buckets for i in b) == list(range(len(leaves)))
+    for b in buckets:
+        assert len({layout.leaves[i].split for i in b}) == 1
+        assert len(b) == 1 or sum(2 * layout.leaves[i].chunk * 8 for i in b) <= bucket_bytes
+    stored, state = fo.zero_init(fo.adamw(1e-2), params, layout)
+    step = fo.zero_step(W.tp_loss, fo.adamw(1e-2), layout, bucket_bytes=bucket_bytes)
+    fpar.reset_comm_stats()
+    step(stored, state, batch)
+    data = fpar.comm_stats()["data"]
+    assert data["psum_scatter"]["calls"] == data["all_gather_invariant"]["calls"] == len(buckets)
+    # Leaves in flatten order a1 a2 b1 b2 c g: each weight's per-device bucket share is
+    # 2 x 8 x 8 B = 128 B > 100 (alone); c and g (4 floats each, chunk 2: 32 B) share one.
+    assert buckets == ([[i] for i in range(6)] if bucket_bytes == 0 else [[0], [1], [2], [3], [4, 5]])
+
+
+@pytest.mark.parametrize("loss", ["remat", "deep"])
+def test_stage3_regather_follows_adamw_with_remat_and_deep_models(loss):
+    problem, loss_fn = W._LOSSES[loss]
+    params, batch = problem()
+    ref = _torch_trajectory(params, loss_fn, batch, 2)
+    traj, _ = _zero_trajectory(params, loss_fn, batch, _mesh(data=2), P(), 3, 2)
+    _assert_same(traj, ref)
+
+
+def test_stage3_regather_traffic_is_the_saved_parameters():
+    # deep_loss saves w1 and w2 (w0's input x needs no gradient) and no bias: the backward
+    # re-gathers exactly those two, (N-1)/N of their bytes each.
+    params, batch = W.deep_problem(dtype=torch.float32)
+    mesh = _mesh(data=4)
+    layout = fo.zero_layout(params, mesh, P(), stage=3)
+    stored, state = fo.zero_init(fo.adamw(1e-2), params, layout)
+    step = fo.zero_step(W.deep_loss, fo.adamw(1e-2), layout)
+    fpar.reset_comm_stats()
+    step(stored, state, batch)
+    ring = (N - 1) * sum(v.numel() * 4 for v in params.values()) // N
+    saved = 2 * (N - 1) * (4 * 4 * 4) // N
+    assert fpar.comm_stats()["data"]["all_gather"] == {"calls": 6 + 2, "bytes": ring + saved}
+
+
+def test_stage3_regather_under_a_torch_func_transform_falls_back_to_remat():
+    # torch.func refuses saved-tensor hooks; under vmap (here over the loss scale) the step
+    # recomputes the gathered forward instead, with the same gradients.
+    params, batch = W.mlp_problem()
+    mesh = _mesh(data=2)
+    layout = fo.zero_layout(params, mesh, P(), stage=3)
+    stored, _ = fo.zero_init(fo.adamw(1e-2), params, layout)
+    grads = fo.zero_grads(W.mlp_loss, layout)
+    want, _ = grads(stored, batch)
+    scales = torch.tensor([1.0, 2.0], dtype=F64)
+    got, _ = torch.func.vmap(lambda s: grads(stored, batch, s))(scales)
+    for k in want:
+        torch.testing.assert_close(got[k][0], want[k], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got[k][1], 2 * want[k], rtol=1e-12, atol=1e-12)
+
+
 def test_stage3_without_regather_same_trajectory():
     params, batch = W.tp_problem()
     ref = _torch_trajectory(params, W.tp_loss_unsharded, batch, 2)
@@ -192,6 +260,10 @@ PSI = 64 * 4  # bytes of the fp32 MLP
 N = 4
 RING = (N - 1) * PSI // N  # one reduce-scatter or all-gather of all parameters: (N-1)/N Psi
 LOSS = 2 * (N - 1) * 4 // N  # the loss metric's pmean (an fp32 scalar all-reduce)
+# ZeRO-3's backward re-gathers only the parameters autograd saved: of the MLP
+# tanh(x @ w1 + b1) @ w2, only w2 (8 x 3 fp32, kept by the matmul for h's gradient); w1's matmul
+# saves x (w1's gradient is x^T g and x needs none) and the add saves nothing.
+SAVED = (N - 1) * (8 * 3 * 4) // N
 
 
 def _kinds(**kw):
@@ -203,17 +275,18 @@ def _kinds(**kw):
     [
         # DDP: the gradient all-reduce (backward psum of each parameter) 2 (N-1)/N Psi
         (0, 1, True, _kinds(psum=(3, 2 * RING), pmean=(1, LOSS))),
-        # ZeRO-1/2: reduce-scatter + all-gather, 2 (N-1)/N Psi, one call per parameter each
-        (1, 1, True, _kinds(psum_scatter=(3, RING), all_gather_invariant=(3, RING), pmean=(1, LOSS))),
-        (2, 1, True, _kinds(psum_scatter=(3, RING), all_gather_invariant=(3, RING), pmean=(1, LOSS))),
-        # ZeRO-3: all-gather fwd, again in bwd (remat), reduce-scatter: 3 (N-1)/N Psi
-        (3, 1, True, _kinds(all_gather=(6, 2 * RING), psum_scatter=(3, RING), pmean=(1, LOSS))),
+        # ZeRO-1/2: reduce-scatter + all-gather, 2 (N-1)/N Psi, one call per bucket each (one
+        # bucket: the three leaves are 256 B together)
+        (1, 1, True, _kinds(psum_scatter=(1, RING), all_gather_invariant=(1, RING), pmean=(1, LOSS))),
+        (2, 1, True, _kinds(psum_scatter=(1, RING), all_gather_invariant=(1, RING), pmean=(1, LOSS))),
+        # ZeRO-3: all-gather fwd, the saved parameters again in bwd, reduce-scatter
+        (3, 1, True, _kinds(all_gather=(4, RING + SAVED), psum_scatter=(3, RING), pmean=(1, LOSS))),
         # ZeRO-3 keeping the gathered parameters to the backward: 2 (N-1)/N Psi
         (3, 1, False, _kinds(all_gather=(3, RING), psum_scatter=(3, RING), pmean=(1, LOSS))),
         # With 2 microbatches: stage 1 reduces once per step, stage 2 once per microbatch
-        (1, 2, True, _kinds(psum_scatter=(3, RING), all_gather_invariant=(3, RING), pmean=(2, 2 * LOSS))),
-        (2, 2, True, _kinds(psum_scatter=(6, 2 * RING), all_gather_invariant=(3, RING), pmean=(2, 2 * LOSS))),
-        (3, 2, True, _kinds(all_gather=(12, 4 * RING), psum_scatter=(6, 2 * RING), pmean=(2, 2 * LOSS))),
+        (1, 2, True, _kinds(psum_scatter=(1, RING), all_gather_invariant=(1, RING), pmean=(2, 2 * LOSS))),
+        (2, 2, True, _kinds(psum_scatter=(2, 2 * RING), all_gather_invariant=(1, RING), pmean=(2, 2 * LOSS))),
+        (3, 2, True, _kinds(all_gather=(8, 2 * (RING + SAVED)), psum_scatter=(6, 2 * RING), pmean=(2, 2 * LOSS))),
     ],
     ids=[
         "ddp",
@@ -227,7 +300,7 @@ def _kinds(**kw):
     ],
 )
 def test_bytes_per_step_match_formulas(stage, n_micro, regather, want):
-    assert RING == 192 and LOSS == 6
+    assert RING == 192 and LOSS == 6 and SAVED == 72
     assert _one_step_stats(stage, n_micro, regather) == want
 
 
@@ -259,9 +332,11 @@ def test_microbatches_must_divide_the_device_batch():
 
 @pytest.mark.multiprocess
 def test_real_mesh_zero_equals_in_process():
-    # ZeRO-2; ZeRO-3 (its regather is a remat region with an all_gather); DDP with a remat'd layer
-    # (replicated weights inside the region: the recompute's backward all-reduces them).
-    jobs = [(2, 3, False), (3, 2, False), (0, 2, True)]
+    # ZeRO-2; ZeRO-3 (the backward re-gathers the saved parameters), also with a remat'd layer
+    # (its recompute unpacks re-gathered weights) and on a deeper model (prefetch in flight);
+    # DDP with a remat'd layer (replicated weights inside the region: the recompute's backward
+    # all-reduces them).
+    jobs = [(2, 3, "mlp"), (3, 2, "mlp"), (3, 2, "remat"), (3, 2, "deep"), (0, 2, "remat")]
     ranks = fpar.launch(W.zero_runs, 2, jobs, timeout=120.0)
     local = W.zero_runs(jobs)
     for results in ranks:
