@@ -78,3 +78,43 @@ def _global_shape(x: Tensor, spec) -> tuple[int, ...]:
         )
     return global_shape(spec, tuple(x.shape), frame.mesh.shape)
 
+
+
+# Dropout sites inside the parallel layers --------------------------------------------------
+
+
+def check_dropout(api: str, rate, key) -> None:
+    """Validate a layer's ``dropout=`` / ``key=`` pair at its boundary, before any communication."""
+    if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0.0 <= rate < 1.0:
+        raise ValueError(f"fpar.ops.{api}: dropout={rate!r} must be a number in [0, 1) (the drop probability).")
+    if rate and key is None:
+        raise ValueError(
+            f"fpar.ops.{api}: dropout={rate} needs key= (a fpar.random key, e.g. "
+            f"fpar.random.fold_in(fpar.random.key(seed), step), passed into fpar.shard with in_spec P())."
+        )
+    if rate:
+        _random._check_key(api, key)
+
+
+def site_dropout(key, x: Tensor, rate: float, *, axis, split_dim: int | None = None, batch_axes=None) -> Tensor:
+    """Dropout at one site of a layer: dim 0 is the batch, ``split_dim`` (if any) is split over ``axis``.
+
+    The batch dim is split over ``batch_axes`` (major first); ``None`` infers them: the mesh axes
+    ``x`` varies over other than the layer's own ``axis``, in mesh order (``P("data")`` or
+    ``P(("data", "fsdp"))`` in mesh order; pass ``batch_axes`` for another order).
+    """
+    if not rate:
+        return x
+    layer = (axis,) if isinstance(axis, str) else tuple(axis)
+    if batch_axes is None:
+        stack = frames()
+        frame = stack[-1] if stack and stack[-1].token is not None else None
+        varying = set() if frame is None or not frame.levels else {frame.levels[lv] for lv in batched_levels(x, frame.levels)}
+        batch = tuple(a for a in (frame.mesh.axis_names if frame else ()) if a in varying and a not in layer)
+    else:
+        batch = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+    entries = [None] * x.dim()
+    entries[0] = batch or None
+    if split_dim is not None:
+        entries[split_dim] = axis
+    return dropout(key, x, rate, spec=PartitionSpec(*entries))
