@@ -350,3 +350,47 @@ def test_real_mesh_draws_equal_in_process():
     for per_rank in got:
         for g, w in zip(per_rank, want):
             assert torch.equal(g, w)
+
+
+# Dropout in the GPT layers: the same masks at every layout -----------------------------------
+
+
+def _gpt_loss_and_grads(axes: dict, sequence_parallel: bool, rate: float):
+    mesh = _mesh(axes)
+    specs = fpar.ops.gpt_specs(2)
+    params = fpar.init(fpar.ops.init_gpt(32, 16, 2, 8, dtype=torch.float64), mesh, specs, seed=0)
+    g = torch.Generator().manual_seed(0)
+    ids, targets = torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g)
+
+    def loss(params, ids, targets, key):
+        tok = fpar.ops.gpt_loss(
+            params, ids, targets, axis="tensor", n_heads=4, sequence_parallel=sequence_parallel, dropout=rate, key=key
+        )
+        return fpar.pmean(tok.mean(), "data")
+
+    step = fpar.shard(loss, mesh, (specs, P("data"), P("data"), P()), P())
+    key = fpar.random.fold_in(fpar.random.key(0), 17)
+    grads, loss = torch.func.grad(step, has_aux=False)(params, ids, targets, key), step(params, ids, targets, key)
+    return loss, grads
+
+
+@pytest.mark.parametrize(
+    "axes,sp", [({"data": 2, "tensor": 2}, False), ({"data": 2, "tensor": 4}, True)]
+)
+def test_gpt_dropout_does_not_depend_on_the_layout(axes, sp):
+    ref_loss, ref_grads = _gpt_loss_and_grads({"data": 1, "tensor": 1}, False, 0.3)
+    plain_loss, _ = _gpt_loss_and_grads({"data": 1, "tensor": 1}, False, 0.0)
+    loss, grads = _gpt_loss_and_grads(axes, sp, 0.3)
+    assert abs(float(ref_loss - plain_loss)) > 1e-3  # dropout is on
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grads, ref_grads, rtol=1e-8, atol=1e-10)
+
+
+def test_layer_dropout_needs_a_key():
+    mesh = fpar.make_mesh((2,), ("tensor",))
+    params = fpar.init(fpar.ops.init_gpt_block(16), mesh, fpar.ops.gpt_block_specs())
+    f = fpar.shard(
+        lambda p, x: fpar.ops.gpt_block(p, x, axis="tensor", n_heads=2, dropout=0.1), mesh, (fpar.ops.gpt_block_specs(), P()), P()
+    )
+    with pytest.raises(ValueError, match=r"dropout=0.1 needs key="):
+        f(params, torch.randn(2, 4, 16))
