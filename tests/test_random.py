@@ -394,3 +394,29 @@ def test_layer_dropout_needs_a_key():
     )
     with pytest.raises(ValueError, match=r"dropout=0.1 needs key="):
         f(params, torch.randn(2, 4, 16))
+
+
+def test_accumulate_folds_the_microbatch_index_into_the_key():
+    mesh = fpar.make_mesh((2,), ("data",))
+    w = torch.randn(6, 5, dtype=torch.float64)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    k = fpar.random.key(21)
+
+    def loss(w, x, key):
+        return fpar.pmean((fpar.ops.dropout(key, x @ w, 0.5, spec=P("data")) ** 2).mean(), "data")
+
+    sharded = fpar.shard(loss, mesh, (P(), P("data"), P()), P())
+    grad_fn = lambda w, x, key: (torch.func.grad(sharded)(w, x, key), sharded(w, x, key))  # noqa: E731
+    g, value = fpar.optim.accumulate(grad_fn, 2, mesh, P("data"), key_arg=2)(w, x, k)
+
+    def plain(w, rows, key):
+        return (fpar.ops.dropout(key, rows @ w, 0.5) ** 2).mean()
+
+    # microbatch i = piece i of each device's block of rows, with key fold_in(k, i)
+    micro = [x.reshape(2, 2, 2, 6)[:, i].reshape(4, 6) for i in range(2)]
+    want_g = sum(torch.func.grad(plain)(w, micro[i], fpar.random.fold_in(k, i)) for i in range(2)) / 2
+    want_v = sum(plain(w, micro[i], fpar.random.fold_in(k, i)) for i in range(2)) / 2
+    torch.testing.assert_close(g, want_g)
+    torch.testing.assert_close(value, want_v)
+    with pytest.raises(ValueError, match=r"key_arg=1 must be the position"):
+        fpar.optim.accumulate(grad_fn, 2, mesh, P("data"), key_arg=1)
