@@ -65,20 +65,31 @@ def block_words(k0, k1, shape, start, local, words: int, device) -> list[Tensor]
     e = 4 // words
     if local and local[-1] % e == 0:
         # Fast path: the block's rows are whole Philox blocks, so each counter serves e elements.
-        counter = _linear(shape[:-1] + [shape[-1] // e], start[:-1] + [start[-1] // e],
-                          local[:-1] + [local[-1] // e], device)
-        out = _draw_words(counter, k0, k1)
+        counter = _linear(
+            shape[:-1] + [shape[-1] // e], start[:-1] + [start[-1] // e], local[:-1] + [local[-1] // e], device
+        )
+        w4 = words4(counter, k0, k1)  # (..., L/e, 4): the e elements of each counter, in order
         if words == 1:
-            return [torch.stack(out, -1).reshape(local)]
-        return [torch.stack([out[j], out[j + 2]], -1).reshape(local) for j in range(2)]
+            return [w4.reshape(local)]
+        return [w4[..., j :: 2].reshape(local) for j in range(2)]
     index = _linear(shape, start, local, device)
-    out = _draw_words(index // e, k0, k1)
-    sub = index % e
-    if words == 1:
-        first = torch.where(sub == 0, out[0], out[1])
-        second = torch.where(sub == 2, out[2], out[3])
-        return [torch.where(sub < 2, first, second)]
-    return [torch.where(sub == 0, out[j], out[j + 2]) for j in range(2)]
+    w4 = words4(index // e, k0, k1)  # (*local, 4), the counter of each element
+    sub = (index % e) * words
+    return [torch.gather(w4, -1, (sub + j).unsqueeze(-1)).squeeze(-1) for j in range(words)]
+
+
+CHUNK = 1 << 16
+"""Counters per Philox evaluation.  Its ~120 elementwise ops each allocate a temporary of the
+evaluated size, so evaluating a large block in pieces bounds that memory (a few MB here) instead
+of allocating int64 temporaries of 2x the block's size per op."""
+
+
+def words4(counter: Tensor, k0, k1) -> Tensor:
+    """The four Philox words of each counter (int64 >= 0), stacked last: ``(*counter.shape, 4)``."""
+    flat = counter.reshape(-1)
+    parts = [torch.stack(_draw_words(c, k0, k1), -1) for c in flat.split(CHUNK)] if flat.numel() else []
+    out = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else flat.new_zeros((0, 4))
+    return out.reshape(*counter.shape, 4)
 
 
 def _draw_words(counter: Tensor, k0, k1) -> tuple[Tensor, Tensor, Tensor, Tensor]:
