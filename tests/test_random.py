@@ -454,3 +454,37 @@ def test_resumed_run_reproduces_the_losses(tmp_path):
     assert first + _train(mesh, 6, loaded) == whole  # exactly
     one = fpar.make_mesh((1,), ("data",))  # on another mesh: the same masks, sums in another order
     torch.testing.assert_close(first + _train(one, 6, fpar.checkpoint.load(tmp_path, one, P())), whole)
+
+
+# Dropout in the 2D / 2.5D / 3D MLPs: the block of the unsharded MLP's masks -------------------
+
+TP_MODES = {
+    "2d": ((2, 2), ("tensor_row", "tensor_col"), lambda: fpar.ops.specs_2d(ndim=3), fpar.ops.mlp_2d,
+           {"row_axis": "tensor_row", "col_axis": "tensor_col"}),
+    "2.5d": ((2, 2, 2), ("tensor_dep", "tensor_row", "tensor_col"), lambda: fpar.ops.specs_2p5d(ndim=3),
+             fpar.ops.mlp_2p5d, {"dep_axis": "tensor_dep", "row_axis": "tensor_row", "col_axis": "tensor_col"}),
+    "3d": ((2, 2, 2), ("tensor_x", "tensor_y", "tensor_z"), lambda: fpar.ops.specs_3d(ndim=3), fpar.ops.mlp_3d,
+           {"input_axis": "tensor_y", "weight_axis": "tensor_x", "output_axis": "tensor_z"}),
+}
+
+
+@pytest.mark.parametrize("mode", TP_MODES)
+def test_multi_dim_mlp_dropout_is_the_unsharded_mlps(mode):
+    shape, names, specs, mlp, axes = TP_MODES[mode]
+    s = specs()
+    g = torch.Generator().manual_seed(0)
+    p = {k: torch.randn(shp, generator=g, dtype=torch.float64) for k, shp in
+         {"w_in": (8, 16), "b_in": (16,), "w_out": (16, 8), "b_out": (8,)}.items()}
+    x = torch.randn(8, 2, 8, generator=g, dtype=torch.float64)
+    k = fpar.random.key(31)
+    layer = fpar.shard(lambda p, x, k: mlp(p, x, dropout=0.25, key=k, **axes), fpar.make_mesh(shape, names), (s.mlp, s.x, P()), s.x)
+
+    def reference(p, x):
+        h = fpar.ops.dropout(fpar.random.fold_in(k, 0), F.gelu(x @ p["w_in"] + p["b_in"]), 0.25)
+        return fpar.ops.dropout(fpar.random.fold_in(k, 1), h @ p["w_out"] + p["b_out"], 0.25)
+
+    out, vjp = torch.func.vjp(lambda p, x: layer(p, x, k), p, x)
+    ref, ref_vjp = torch.func.vjp(reference, p, x)
+    torch.testing.assert_close(out, ref)
+    cot = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(vjp(cot), ref_vjp(cot))
