@@ -13,7 +13,6 @@ import numbers
 import torch
 
 from .. import random as _random
-from .. import random as _random
 from .._collectives import frames
 from .._errors import SpecError
 from .._mode import batched_levels

@@ -81,18 +81,23 @@ def check_random_op(func, args: tuple, kwargs: dict, fname: str) -> None:
         return
     if func in _DROPOUTS and _inactive_dropout(func, args, kwargs):
         return
-    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
-    module = "torch.Tensor" if name.startswith("TensorBase.") or name.startswith("Tensor.") else (
-        "torch.nn.functional" if getattr(func, "__module__", "") == "torch.nn.functional" else "torch"
-    )
-    name = name.split(".")[-1]
     raise RuntimeError(
-        f"fpar.shard({fname}): {module}.{name} was called inside the sharded function. torch's "
+        f"fpar.shard({fname}): {_display(func)} was called inside the sharded function. torch's "
         f"random ops draw from a per-process generator, so the result would depend on the mesh "
         f"layout (or repeat on every device). Use fpar.random with an explicit key instead: "
         f"{use} (pass the key in with in_spec P(); the draw is the block of one global array, the "
         f"same at any layout), or draw outside fpar.shard and pass the tensor in with a spec."
     )
+
+
+def _display(func) -> str:
+    """``torch.rand``, ``torch.nn.functional.dropout``, ``torch.Tensor.uniform_``."""
+    name = func.__name__
+    if getattr(func, "__module__", None) == "torch.nn.functional":
+        return f"torch.nn.functional.{name}"
+    if getattr(func, "__objclass__", None) is not None or getattr(Tensor, name, None) is func:
+        return f"torch.Tensor.{name}"
+    return f"torch.{name}"
 
 
 def _inactive_dropout(func, args: tuple, kwargs: dict) -> bool:
