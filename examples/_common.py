@@ -326,19 +326,30 @@ def _to_model(tree, specs):
     return optree.tree_unflatten(treedef, out_leaves), optree.tree_unflatten(treedef, out_specs)
 
 
-def save(ckpt_dir: str, step: int, params, opt_state, losses: list[float], mesh, pspecs, sspecs) -> str:
-    """Save parameters, optimizer state and the loss history at ``step`` (a collective on a real mesh)."""
+def save(ckpt_dir: str, step: int, params, opt_state, losses: list[float], mesh, pspecs, sspecs, *, key=None) -> str:
+    """Save parameters, optimizer state and the loss history at ``step`` (a collective on a real mesh).
+
+    ``key``: the run's ``fpar.random`` key (dropout), stored so that a resumed run draws the same masks.
+    """
     tree, specs = _to_model({"params": params, "opt": opt_state}, {"params": pspecs, "opt": sspecs})
     tree["losses"] = torch.tensor(losses, dtype=torch.float64)
     specs["losses"] = P()
+    if key is not None:
+        tree["key"], specs["key"] = key, P()
     return fpar.checkpoint.save(ckpt_dir, tree, mesh, specs, step=step, keep=2)
 
 
-def restore(ckpt_dir: str, params, opt_state, mesh, pspecs, sspecs):
-    """Load the newest checkpoint onto this mesh: ``(step, params, opt_state, losses)``."""
+def restore(ckpt_dir: str, params, opt_state, mesh, pspecs, sspecs, *, key=None):
+    """Load the newest checkpoint onto this mesh: ``(step, params, opt_state, losses)``.
+
+    With ``key`` (the run's ``fpar.random`` key, saved by ``save(..., key=)``) the stored key is
+    appended: ``(step, params, opt_state, losses, key)``.
+    """
     step = fpar.checkpoint.latest_step(ckpt_dir)
     like, specs = _to_model({"params": params, "opt": opt_state}, {"params": pspecs, "opt": sspecs})
     like["losses"], specs["losses"] = None, P()  # any length: None in like= gives only the structure
+    if key is not None:
+        like["key"], specs["key"] = key, P()
     try:
         got = fpar.checkpoint.load(ckpt_dir, mesh, specs, step=step, like=like)
     except fpar.checkpoint.CheckpointError as e:
@@ -352,6 +363,8 @@ def restore(ckpt_dir: str, params, opt_state, mesh, pspecs, sspecs):
     have, treedef = optree.tree_flatten({"params": got["params"], "opt": got["opt"]}, none_is_leaf=True)
     leaves = [h.reshape(w.shape) if isinstance(h, torch.Tensor) else h for h, w in zip(have, want)]
     tree = optree.tree_unflatten(treedef, leaves)
+    if key is not None:
+        return step, tree["params"], tree["opt"], got["losses"].tolist(), got["key"]
     return step, tree["params"], tree["opt"], got["losses"].tolist()
 
 

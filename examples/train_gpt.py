@@ -103,29 +103,52 @@ LAST_SPECS = {"ln_f": ops.layer_norm_specs(), "w_head": P(None, TENSOR)}  # voca
 SPECS = {"stages": C.stacked_specs(BLOCK_SPECS), "first": FIRST_SPECS, "last": LAST_SPECS}
 
 
-def build_step(mesh: fpar.Mesh, schedule, n_heads: int, k: int):
-    """The pipelined training step: ``step(params, xs_MBT, targets_MBT) -> StepResult``."""
+def build_step(mesh: fpar.Mesh, schedule, n_heads: int, k: int, dropout: float = 0.0):
+    """The pipelined training step: ``step(params, xs_MBT, targets_MBT, key) -> StepResult``.
+
+    ``key`` is this step's ``fpar.random`` key for GPT-2's dropout (``dropout > 0``): the
+    embedding uses ``fold_in(key, K)`` and a stage's block ``i`` ``fold_in(key, i)``.  The masks do
+    not depend on the data or tensor layout; the pipeline executor does not yet hand each
+    microbatch and chunk its own key, so they repeat across the microbatches of a step and across
+    stages (see fpar.random in the README).
+    """
     sub = mesh.submesh((DATA, TENSOR))  # each stage's devices
     rows = P(DATA)
+    current = {"key": fpar.random.key(0)}  # this step's key, set by step() below
 
-    def embed(w, ids_BT):  # stage 0, before its blocks: [B, T] -> [B, T, D]
+    def embed(w, ids_BT, key):  # stage 0, before its blocks: [B, T] -> [B, T, D]
         x_BTD = ops.vocab_embedding(ids_BT, w["w_emb"], axis=TENSOR)
-        return x_BTD + w["w_pos"][: ids_BT.shape[1]]
+        x_BTD = x_BTD + w["w_pos"][: ids_BT.shape[1]]
+        return ops.dropout(fpar.random.fold_in(key, k), x_BTD, dropout, spec=rows) if dropout else x_BTD
 
-    def blocks(w, x_BTD):  # one stage: its K blocks, each leaf of w stacked [K, ...]
+    def blocks(w, x_BTD, key):  # one stage: its K blocks, each leaf of w stacked [K, ...]
         for i in range(k):
             layer = optree.tree_map(lambda t, i=i: t[i], w)
-            x_BTD = ops.gpt_block(layer, x_BTD, axis=TENSOR, n_heads=n_heads)
+            drop = dict(dropout=dropout, key=fpar.random.fold_in(key, i), batch_axes=DATA) if dropout else {}
+            x_BTD = ops.gpt_block(layer, x_BTD, axis=TENSOR, n_heads=n_heads, **drop)
         return x_BTD
 
     def head_loss(w, x_BTD, targets_BT):  # the last stage, after its blocks: mean next-byte loss
         logits_BTV = ops.column_linear(ops.layer_norm(w["ln_f"], x_BTD), w["w_head"], axis=TENSOR)
         return fpar.pmean(ops.vocab_cross_entropy(logits_BTV, targets_BT, axis=TENSOR).mean(), DATA)
 
-    stage = fpar.shard(blocks, sub, (C.stacked_specs(BLOCK_SPECS, pipe_dim=False), rows), rows)
-    first = fpar.shard(embed, sub, (FIRST_SPECS, rows), rows)
+    stage_k = fpar.shard(blocks, sub, (C.stacked_specs(BLOCK_SPECS, pipe_dim=False), rows, P()), rows)
+    first_k = fpar.shard(embed, sub, (FIRST_SPECS, rows, P()), rows)
     loss = fpar.shard(head_loss, sub, (LAST_SPECS, rows, rows), P())
-    return pp.pipeline(stage, schedule, mesh, loss=loss, first=first, axis=PIPE)
+
+    def stage(w, x_BTD):
+        return stage_k(w, x_BTD, current["key"])
+
+    def first(w, ids_BT):
+        return first_k(w, ids_BT, current["key"])
+
+    run = pp.pipeline(stage, schedule, mesh, loss=loss, first=first, axis=PIPE)
+
+    def step(params, xs_MBT, targets_MBT, key):
+        current["key"] = key
+        return run(params, xs_MBT, targets_MBT)
+
+    return step
 
 
 def init_params(args, mesh: fpar.Mesh, dtype: torch.dtype) -> dict:
@@ -191,6 +214,7 @@ def main(argv=None) -> Result:
     ap.add_argument("--sample", type=int, default=200, help="bytes to generate at the end")
     ap.add_argument("--prompt", default="def ", help="the sample's first bytes")
     ap.add_argument("--tiny", action="store_true", help="a very small model (smoke tests, torchrun on CPU)")
+    ap.add_argument("--dropout", type=float, default=0.0, help="GPT-2 dropout (GPT-2 used 0.1); fpar.random masks")
     C.add_args(ap, steps=150, batch=32, lr=3e-3, warmup=15)
     args = ap.parse_args(argv)
     if args.tiny:
@@ -221,7 +245,8 @@ def main(argv=None) -> Result:
     )
     C.say(f"peak {peak / 1e9:.1f} GFLOP/s ({C.flops_note(args, mesh)}), {args.dtype}", quiet=quiet)
 
-    step_fn = build_step(mesh, SCHEDULES[args.schedule](s, m), args.heads, args.layers // s)
+    step_fn = build_step(mesh, SCHEDULES[args.schedule](s, m), args.heads, args.layers // s, args.dropout)
+    run_key = fpar.random.key(args.seed)  # dropout: step t uses fold_in(run_key, t)
     params = init_params(args, mesh, dtype)
     warmup = min(args.warmup, args.steps // 2)
     lr = fo.warmup_cosine(args.lr, warmup, args.steps, end=args.lr / 10)
@@ -233,7 +258,9 @@ def main(argv=None) -> Result:
 
     start, losses = 0, []
     if args.resume and fpar.checkpoint.latest_step(ckpt_dir) is not None:
-        start, params, opt_state, losses = C.restore(ckpt_dir, params, opt_state, mesh, SPECS, state_specs)
+        start, params, opt_state, losses, run_key = C.restore(
+            ckpt_dir, params, opt_state, mesh, SPECS, state_specs, key=run_key
+        )
         C.say(f"resumed from {ckpt_dir} at step {start}", quiet=quiet)
     elif args.resume:
         C.say(f"--resume: no checkpoint in {ckpt_dir}; starting at step 0", quiet=quiet)
@@ -249,7 +276,7 @@ def main(argv=None) -> Result:
         ys_MBT = fpar.device_put(targets_BT.unflatten(0, (m, -1)), mesh, P(None, DATA))
         fpar.reset_comm_stats()
         t0 = time.perf_counter()
-        res = step_fn(params, xs_MBT, ys_MBT)  # loss and gradients of the whole model
+        res = step_fn(params, xs_MBT, ys_MBT, fpar.random.fold_in(run_key, step))  # loss and gradients
         grads = res.grads
         params, opt_state = update(grads, opt_state, params)
         seconds.append(time.perf_counter() - t0)
@@ -266,7 +293,7 @@ def main(argv=None) -> Result:
         if step == start:
             bar.write(f"bytes sent per step, per mesh axis: {C.fmt_comm(comm)}; {C.COMM_NOTE[mesh.backend]}")
         if step + 1 == args.steps or (args.ckpt_every and (step + 1) % args.ckpt_every == 0):
-            C.save(ckpt_dir, step + 1, params, opt_state, losses, mesh, SPECS, state_specs)
+            C.save(ckpt_dir, step + 1, params, opt_state, losses, mesh, SPECS, state_specs, key=run_key)
     bar.close()
 
     # --- Summary, evaluation, plot ---------------------------------------------------------------

@@ -100,11 +100,21 @@ def embed(w: dict, x_B64: torch.Tensor, p: int) -> torch.Tensor:
     return torch.cat([cls_B1D, x_BQD], dim=1) + w["pos"]
 
 
-def vit_block(w: dict, x_BSD: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """A pre-LayerNorm block with bidirectional attention: ``[B, S, D] -> [B, S, D]``."""
-    a = ops.attention(w["attn"], ops.layer_norm(w["ln1"], x_BSD), axis=TENSOR, n_heads=n_heads, causal=False)
-    x_BSD = x_BSD + a
-    return x_BSD + ops.mlp(w["mlp"], ops.layer_norm(w["ln2"], x_BSD), axis=TENSOR)
+def vit_block(w: dict, x_BSD: torch.Tensor, n_heads: int, dropout: float = 0.0, key=None) -> torch.Tensor:
+    """A pre-LayerNorm block with bidirectional attention: ``[B, S, D] -> [B, S, D]``.
+
+    With ``dropout`` (training): dropout on the attention probabilities and on the attention and
+    MLP outputs (``fold_in(key, 0 / 1 / 2)``), masks from ``fpar.random`` (the same at any
+    data x tensor layout).
+    """
+    keys = [fpar.random.fold_in(key, i) for i in range(3)] if dropout else [None] * 3
+    x_ln = ops.layer_norm(w["ln1"], x_BSD)
+    a = ops.attention(
+        w["attn"], x_ln, axis=TENSOR, n_heads=n_heads, causal=False, dropout=dropout, key=keys[0], batch_axes=DATA
+    )
+    x_BSD = x_BSD + (ops.dropout(keys[1], a, dropout, spec=P(DATA)) if dropout else a)
+    h = ops.mlp(w["mlp"], ops.layer_norm(w["ln2"], x_BSD), axis=TENSOR)
+    return x_BSD + (ops.dropout(keys[2], h, dropout, spec=P(DATA)) if dropout else h)
 
 
 def head(w: dict, x_BSD: torch.Tensor) -> torch.Tensor:
@@ -112,23 +122,43 @@ def head(w: dict, x_BSD: torch.Tensor) -> torch.Tensor:
     return ops.layer_norm(w["ln_f"], x_BSD[:, 0]) @ w["w_head"] + w["b_head"]
 
 
-def build_step(mesh: fpar.Mesh, schedule, n_heads: int, k: int, patch: int):
-    """The pipelined training step: ``step(params, xs_MB64, ys_MB) -> StepResult``."""
+def build_step(mesh: fpar.Mesh, schedule, n_heads: int, k: int, patch: int, dropout: float = 0.0):
+    """The pipelined training step: ``step(params, xs_MB64, ys_MB, key) -> StepResult``.
+
+    ``key``: this step's ``fpar.random`` key; block ``i`` of a stage uses ``fold_in(key, i)``, the
+    embedding ``fold_in(key, K)``.  The pipeline executor does not yet hand each microbatch and
+    chunk its own key, so the masks repeat across the microbatches of a step and across stages
+    (they do not depend on the data x tensor layout).
+    """
     sub = mesh.submesh((DATA, TENSOR))
     rows = P(DATA)
+    current = {"key": fpar.random.key(0)}  # this step's key, set by step() below
 
-    def blocks(w, x_BSD):  # one stage: its K blocks, each leaf of w stacked [K, ...]
+    def blocks(w, x_BSD, key):  # one stage: its K blocks, each leaf of w stacked [K, ...]
         for i in range(k):
-            x_BSD = vit_block(optree.tree_map(lambda t, i=i: t[i], w), x_BSD, n_heads)
+            x_BSD = vit_block(optree.tree_map(lambda t, i=i: t[i], w), x_BSD, n_heads, dropout, fpar.random.fold_in(key, i))
         return x_BSD
+
+    def embed_drop(w, x, key):
+        x_BSD = embed(w, x, patch)
+        return ops.dropout(fpar.random.fold_in(key, k), x_BSD, dropout, spec=rows) if dropout else x_BSD
 
     def loss(w, x_BSD, y_B):
         return fpar.pmean(F.cross_entropy(head(w, x_BSD), y_B), DATA)
 
-    stage = fpar.shard(blocks, sub, (C.stacked_specs(BLOCK_SPECS, pipe_dim=False), rows), rows)
-    first = fpar.shard(lambda w, x: embed(w, x, patch), sub, (FIRST_SPECS, rows), rows)
+    stage_k = fpar.shard(blocks, sub, (C.stacked_specs(BLOCK_SPECS, pipe_dim=False), rows, P()), rows)
+    first_k = fpar.shard(embed_drop, sub, (FIRST_SPECS, rows, P()), rows)
     last = fpar.shard(loss, sub, (LAST_SPECS, rows, rows), P())
-    return pp.pipeline(stage, schedule, mesh, loss=last, first=first, axis=PIPE)
+    run = pp.pipeline(
+        lambda w, x: stage_k(w, x, current["key"]), schedule, mesh, loss=last,
+        first=lambda w, x: first_k(w, x, current["key"]), axis=PIPE,
+    )
+
+    def step(params, xs_MB64, ys_MB, key):
+        current["key"] = key
+        return run(params, xs_MB64, ys_MB)
+
+    return step
 
 
 def init_params(args, mesh: fpar.Mesh, dtype: torch.dtype) -> dict:
@@ -185,6 +215,7 @@ def main(argv=None) -> Result:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--tiny", action="store_true", help="a very small model (smoke tests, torchrun on CPU)")
+    ap.add_argument("--dropout", type=float, default=0.1, help="dropout (0.1 as in Colossal-AI's ViT tutorial)")
     C.add_args(ap, steps=200, batch=64, lr=5e-3, warmup=20)
     args = ap.parse_args(argv)
     if args.tiny:
@@ -211,7 +242,8 @@ def main(argv=None) -> Result:
     )
     C.say(f"peak {peak / 1e9:.1f} GFLOP/s ({C.flops_note(args, mesh)}), {args.dtype}", quiet=quiet)
 
-    step_fn = build_step(mesh, SCHEDULES[args.schedule](s, m), args.heads, args.layers // s, args.patch)
+    step_fn = build_step(mesh, SCHEDULES[args.schedule](s, m), args.heads, args.layers // s, args.patch, args.dropout)
+    run_key = fpar.random.key(args.seed)  # dropout: step t uses fold_in(run_key, t)
     params = init_params(args, mesh, dtype)
     warmup = min(args.warmup, args.steps // 2)
     lr = fo.warmup_cosine(args.lr, warmup, args.steps, end=args.lr / 10)
@@ -223,7 +255,9 @@ def main(argv=None) -> Result:
 
     start, losses = 0, []
     if args.resume and fpar.checkpoint.latest_step(ckpt_dir) is not None:
-        start, params, opt_state, losses = C.restore(ckpt_dir, params, opt_state, mesh, SPECS, state_specs)
+        start, params, opt_state, losses, run_key = C.restore(
+            ckpt_dir, params, opt_state, mesh, SPECS, state_specs, key=run_key
+        )
         C.say(f"resumed from {ckpt_dir} at step {start}", quiet=quiet)
     elif args.resume:
         C.say(f"--resume: no checkpoint in {ckpt_dir}; starting at step 0", quiet=quiet)
@@ -239,7 +273,7 @@ def main(argv=None) -> Result:
         ys_MB = fpar.device_put(y_B.unflatten(0, (m, -1)), mesh, P(None, DATA))
         fpar.reset_comm_stats()
         t0 = time.perf_counter()
-        res = step_fn(params, xs_MB64, ys_MB)
+        res = step_fn(params, xs_MB64, ys_MB, fpar.random.fold_in(run_key, step))
         grads = res.grads
         params, opt_state = update(grads, opt_state, params)
         seconds.append(time.perf_counter() - t0)
@@ -256,7 +290,7 @@ def main(argv=None) -> Result:
         if step == start:
             bar.write(f"bytes sent per step, per mesh axis: {C.fmt_comm(comm)}; {C.COMM_NOTE[mesh.backend]}")
         if step + 1 == args.steps or (args.ckpt_every and (step + 1) % args.ckpt_every == 0):
-            C.save(ckpt_dir, step + 1, params, opt_state, losses, mesh, SPECS, state_specs)
+            C.save(ckpt_dir, step + 1, params, opt_state, losses, mesh, SPECS, state_specs, key=run_key)
     bar.close()
 
     # --- Summary, evaluation, plot ---------------------------------------------------------------

@@ -52,6 +52,7 @@ from . import checkpoint as checkpoint  # noqa: E402
 from . import ops as ops  # noqa: E402
 from . import optim as optim  # noqa: E402
 from . import pipeline as pipeline  # noqa: E402
+from . import random as random  # noqa: E402
 from . import testing as testing  # noqa: E402
 
 # isort: on
@@ -96,6 +97,7 @@ __all__ = [
     "psum_scatter",
     "pipeline",
     "pvary",
+    "random",
     "reset_comm_stats",
     "shard",
     "spec_rules",

@@ -44,6 +44,7 @@ from torch.overrides import TorchFunctionMode
 from ._collectives import Frame, implicit_pvary
 from ._registry import INTERNAL, internal
 from ._tree import tree_flatten, tree_unflatten
+from .random._guard import RANDOM_OPS, check_random_op
 
 __all__ = ["ShardMode", "batched_levels", "storage_of"]
 
@@ -112,6 +113,8 @@ class ShardMode(TorchFunctionMode):
             return func(*args, **kwargs)  # fpar's own Functions: the token is not an operand
         if func in _NOT_OPS:
             return func(*args, **kwargs)  # their tensors are references (autograd inputs), not operands
+        if func in RANDOM_OPS:
+            check_random_op(func, args, kwargs, self.frame.fname)  # layout-dependent draws: use fpar.random
         if self.frame.inputs:
             self._check_in_place(func, args, kwargs)
         if self.frame.levels:

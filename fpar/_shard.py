@@ -213,10 +213,11 @@ class _Call:
         except RuntimeError as e:
             if "randomness" in str(e):
                 raise RuntimeError(
-                    f"fpar.shard({self.fname}): a random op ran inside the sharded function. fpar "
-                    f"does not yet decide how random draws vary across devices; draw the random "
-                    f"tensor outside and pass it in with a spec (P() for the same draw on every "
-                    f"device, a split spec for different draws)."
+                    f"fpar.shard({self.fname}): a random op ran inside the sharded function; its "
+                    f"draws would depend on the mesh layout. Use fpar.random with an explicit key "
+                    f"(fpar.random.uniform / normal / bernoulli(key, ..., spec=...), "
+                    f"fpar.ops.dropout(key, x, rate, spec=...)), or draw the tensor outside and "
+                    f"pass it in with a spec."
                 ) from e
             raise
         finally:

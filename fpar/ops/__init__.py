@@ -27,6 +27,7 @@ Example:
   >>> step = fpar.shard(loss, mesh, in_specs=(fpar.ops.gpt_specs(2), P("data"), P("data")), out_specs=P())
 """
 
+from ._dropout import dropout as dropout
 from ._gpt import attention_specs as attention_specs
 from ._gpt import gpt as gpt
 from ._gpt import gpt_block as gpt_block
@@ -79,6 +80,7 @@ __all__ = [
     "attention",
     "attention_specs",
     "column_linear",
+    "dropout",
     "gpt",
     "gpt_block",
     "gpt_block_specs",

@@ -32,6 +32,7 @@ import fpar
 from fpar import P
 
 from . import _check as check
+from ._dropout import check_dropout, site_dropout
 from ._megatron import attention, column_linear, mlp, vocab_cross_entropy, vocab_embedding
 from ._sequence import sp_attention, sp_column_linear, sp_mlp, sp_vocab_embedding
 
@@ -66,7 +67,17 @@ def layer_norm(params: dict, x: Tensor) -> Tensor:
     return F.layer_norm(x, x.shape[-1:], params["w"], params["b"], eps=LN_EPS)
 
 
-def gpt_block(params: dict, x: Tensor, *, axis, n_heads: int, sequence_parallel: bool = False) -> Tensor:
+def gpt_block(
+    params: dict,
+    x: Tensor,
+    *,
+    axis,
+    n_heads: int,
+    sequence_parallel: bool = False,
+    dropout: float = 0.0,
+    key: Tensor | None = None,
+    batch_axes=None,
+) -> Tensor:
     """Apply one pre-LayerNorm transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``.
 
     ``x[B, T, D] replicated -> [B, T, D] replicated`` (Megatron 1D: 2 all-reduces forward, 2
@@ -80,19 +91,51 @@ def gpt_block(params: dict, x: Tensor, *, axis, n_heads: int, sequence_parallel:
       axis: the tensor-parallel mesh axis.
       n_heads: total heads, divisible by the size of ``axis``.
       sequence_parallel: use the Megatron-SP layers.
+      dropout: GPT-2's dropout probability, applied to the attention probabilities and to the
+        attention and MLP outputs before each residual add (``fpar.ops.dropout``: the masks do
+        not depend on the layout).  ``0.0`` (default) leaves the block deterministic.
+      key: the ``fpar.random`` key of this block and step (its three sites use ``fold_in(key,
+        0 / 1 / 2)``); needed when ``dropout > 0``.
+      batch_axes: the mesh axes the batch dim is split over (``None``: those ``x`` varies over,
+        other than ``axis``, in mesh order).
     """
     check.params("gpt_block", params, ("ln1", "attn", "ln2", "mlp"), (), "gpt_block", leaves=False)
+    check_dropout("gpt_block", dropout, key)
     attn_fn, mlp_fn = (sp_attention, sp_mlp) if sequence_parallel else (attention, mlp)
-    x = x + attn_fn(params["attn"], layer_norm(params["ln1"], x), axis=axis, n_heads=n_heads, causal=True)
-    return x + mlp_fn(params["mlp"], layer_norm(params["ln2"], x), axis=axis)
+    if not dropout:
+        x = x + attn_fn(params["attn"], layer_norm(params["ln1"], x), axis=axis, n_heads=n_heads, causal=True)
+        return x + mlp_fn(params["mlp"], layer_norm(params["ln2"], x), axis=axis)
+    k_attn, k_res1, k_res2 = (fpar.random.fold_in(key, i) for i in range(3))
+    seq = 1 if sequence_parallel else None
+    drop = dict(axis=axis, split_dim=seq, batch_axes=batch_axes)
+    a = attn_fn(
+        params["attn"], layer_norm(params["ln1"], x), axis=axis, n_heads=n_heads, causal=True,
+        dropout=dropout, key=k_attn, batch_axes=batch_axes,
+    )
+    x = x + site_dropout(k_res1, a, dropout, **drop)
+    return x + site_dropout(k_res2, mlp_fn(params["mlp"], layer_norm(params["ln2"], x), axis=axis), dropout, **drop)
 
 
-def sp_gpt_block(params: dict, x: Tensor, *, axis, n_heads: int) -> Tensor:
+def sp_gpt_block(
+    params: dict, x: Tensor, *, axis, n_heads: int, dropout: float = 0.0, key: Tensor | None = None, batch_axes=None
+) -> Tensor:
     """``gpt_block(..., sequence_parallel=True)``: ``x[B, T/n, D] -> [B, T/n, D]``, split along the sequence."""
-    return gpt_block(params, x, axis=axis, n_heads=n_heads, sequence_parallel=True)
+    return gpt_block(
+        params, x, axis=axis, n_heads=n_heads, sequence_parallel=True, dropout=dropout, key=key, batch_axes=batch_axes
+    )
 
 
-def gpt(params: dict, ids: Tensor, *, axis, n_heads: int, sequence_parallel: bool = False) -> Tensor:
+def gpt(
+    params: dict,
+    ids: Tensor,
+    *,
+    axis,
+    n_heads: int,
+    sequence_parallel: bool = False,
+    dropout: float = 0.0,
+    key: Tensor | None = None,
+    batch_axes=None,
+) -> Tensor:
     """Compute a GPT's vocab-split logits: ``ids[B, T] replicated -> logits[B, T, V/n] varying over axis``.
 
     Vocab-parallel embedding plus learned positions, the blocks, a final LayerNorm and the
@@ -106,6 +149,13 @@ def gpt(params: dict, ids: Tensor, *, axis, n_heads: int, sequence_parallel: boo
       n_heads: total heads, divisible by the size of ``axis``.
       sequence_parallel: Megatron-SP between the parallel regions (``T`` divisible by the size
         of ``axis``); the values are the same.
+      dropout: GPT-2's dropout probability (embedding, attention probabilities, residuals);
+        ``0.0`` (default) gives the deterministic model.
+      key: the ``fpar.random`` key of this step (the embedding uses ``fold_in(key, 0)``, block
+        ``i`` ``fold_in(key, i + 1)``); needed when ``dropout > 0``.  Pass it into
+        ``fpar.shard`` with in_spec ``P()``.
+      batch_axes: the mesh axes the batch dim is split over (``None``: inferred, see
+        ``gpt_block``).
 
     Returns:
       This device's vocabulary slice of the logits, ``[B, T, V/n]``.
@@ -114,6 +164,7 @@ def gpt(params: dict, ids: Tensor, *, axis, n_heads: int, sequence_parallel: boo
     n = check.axis_size(api, axis)
     check.params(api, params, ("w_emb", "w_pos", "blocks", "ln_f"), ("w_head",), "gpt", leaves=False)
     check.integer(api, "ids", check.tensor(api, "ids", ids, ndim=2))
+    check_dropout(api, dropout, key)
     t, w_pos = ids.shape[1], params["w_pos"]
     if t > w_pos.shape[0]:
         raise ValueError(
@@ -127,8 +178,14 @@ def gpt(params: dict, ids: Tensor, *, axis, n_heads: int, sequence_parallel: boo
         x = x + w_pos[:t].unflatten(0, (n, t // n))[fpar.axis_index(axis)]
     else:
         x = vocab_embedding(ids, params["w_emb"], axis=axis) + w_pos[:t]
-    for block in params["blocks"]:
-        x = gpt_block(block, x, axis=axis, n_heads=n_heads, sequence_parallel=sequence_parallel)
+    if dropout:
+        x = site_dropout(
+            fpar.random.fold_in(key, 0), x, dropout, axis=axis, split_dim=1 if sequence_parallel else None,
+            batch_axes=batch_axes,
+        )
+    for i, block in enumerate(params["blocks"]):
+        extra = dict(dropout=dropout, key=fpar.random.fold_in(key, i + 1), batch_axes=batch_axes) if dropout else {}
+        x = gpt_block(block, x, axis=axis, n_heads=n_heads, sequence_parallel=sequence_parallel, **extra)
     x = layer_norm(params["ln_f"], x)
     w_head = params["w_head"] if "w_head" in params else params["w_emb"].t()
     if sequence_parallel:
@@ -137,14 +194,26 @@ def gpt(params: dict, ids: Tensor, *, axis, n_heads: int, sequence_parallel: boo
 
 
 def gpt_loss(
-    params: dict, ids: Tensor, targets: Tensor, *, axis, n_heads: int, sequence_parallel: bool = False
+    params: dict,
+    ids: Tensor,
+    targets: Tensor,
+    *,
+    axis,
+    n_heads: int,
+    sequence_parallel: bool = False,
+    dropout: float = 0.0,
+    key: Tensor | None = None,
+    batch_axes=None,
 ) -> Tensor:
     """Per-token next-token loss of ``gpt``: ``ids, targets[B, T] replicated -> loss[B, T] replicated``.
 
     ``vocab_cross_entropy(gpt(params, ids, ...), targets)``; average it yourself (and ``pmean``
-    over a data axis).
+    over a data axis).  ``dropout``, ``key``, ``batch_axes``: as for ``gpt``.
     """
-    logits = gpt(params, ids, axis=axis, n_heads=n_heads, sequence_parallel=sequence_parallel)
+    logits = gpt(
+        params, ids, axis=axis, n_heads=n_heads, sequence_parallel=sequence_parallel, dropout=dropout, key=key,
+        batch_axes=batch_axes,
+    )
     return vocab_cross_entropy(logits, targets, axis=axis)
 
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 import fpar
 
 from . import _check as check
+from ._dropout import check_dropout, site_dropout
 
 __all__ = [
     "attention",
@@ -121,7 +122,9 @@ def mlp(params: dict, x: Tensor, *, axis) -> Tensor:
 # Attention -------------------------------------------------------------------------------------
 
 
-def attention(params: dict, x: Tensor, *, axis, n_heads: int, causal: bool = True) -> Tensor:
+def attention(
+    params: dict, x: Tensor, *, axis, n_heads: int, causal: bool = True, dropout: float = 0.0, key=None, batch_axes=None
+) -> Tensor:
     """Apply head-parallel multi-head self-attention: ``x[B, T, D] replicated -> [B, T, D] replicated``.
 
     The fused ``q, k, v`` projection is column-split by heads (each device holds ``n_heads/n``
@@ -136,22 +139,34 @@ def attention(params: dict, x: Tensor, *, axis, n_heads: int, causal: bool = Tru
       axis: the tensor-parallel mesh axis.
       n_heads: the total number of heads; must be divisible by the size of ``axis``.
       causal: mask attention to later positions.
+      dropout: drop probability of the attention probabilities (``fpar.ops.dropout``: the mask
+        is the block of one global ``[B, n_heads, T, T]`` mask, the same at every layout).
+      key: the ``fpar.random`` key, needed when ``dropout > 0``.
+      batch_axes: the mesh axes the batch dim is split over (``None``: those ``x`` varies over).
 
     Returns:
       ``[B, T, D]``, replicated over ``axis``.
     """
-    o_BTE = heads_attention(params, x, axis=axis, n_heads=n_heads, causal=causal, api="attention")
+    check_dropout("attention", dropout, key)
+    o_BTE = heads_attention(
+        params, x, axis=axis, n_heads=n_heads, causal=causal, api="attention", dropout=dropout, key=key, batch_axes=batch_axes
+    )
     return row_linear(o_BTE, params["w_o"], params.get("b_o"), axis=axis)
 
 
-def heads_attention(params: dict, x_BTD: Tensor, *, axis, n_heads: int, causal: bool, api: str) -> Tensor:
+def heads_attention(
+    params: dict, x_BTD: Tensor, *, axis, n_heads: int, causal: bool, api: str, dropout: float = 0.0, key=None, batch_axes=None
+) -> Tensor:
     """The column-parallel part of ``attention``: this device's heads' outputs ``[B, T, E]``."""
     h_local, k = check_attention(api, params, x_BTD, axis=axis, n_heads=n_heads)
     w_qkv, b_qkv = params["w_qkv"], params.get("b_qkv")
     b_flat = None if b_qkv is None else b_qkv.reshape(-1)
     qkv = column_linear(x_BTD, w_qkv.reshape(w_qkv.shape[0], -1), b_flat, axis=axis)  # B,T,3E
     q_BTHK, k_BTHK, v_BTHK = qkv.unflatten(-1, (3, h_local, k)).unbind(2)
-    return attend(q_BTHK, k_BTHK, v_BTHK, causal=causal).flatten(2)
+    drop = None
+    if dropout:
+        drop = lambda p_BHTS: site_dropout(key, p_BHTS, dropout, axis=axis, split_dim=1, batch_axes=batch_axes)  # noqa: E731
+    return attend(q_BTHK, k_BTHK, v_BTHK, causal=causal, drop=drop).flatten(2)
 
 
 def check_attention(api: str, params: dict, x_BTD: Tensor, *, axis, n_heads: int) -> tuple[int, int]:
@@ -183,15 +198,21 @@ def attention_heads(api: str, d_model: int, n_heads: int, n: int) -> tuple[int, 
     return n_heads // n, d_model // n_heads
 
 
-def attend(q_BTHK: Tensor, k_BSHK: Tensor, v_BSHK: Tensor, *, causal: bool) -> Tensor:
-    """Scaled dot-product attention over local heads: ``softmax(q k^T / sqrt(K)) v``, ``[B, T, H, K]``."""
+def attend(q_BTHK: Tensor, k_BSHK: Tensor, v_BSHK: Tensor, *, causal: bool, drop=None) -> Tensor:
+    """Scaled dot-product attention over local heads: ``softmax(q k^T / sqrt(K)) v``, ``[B, T, H, K]``.
+
+    ``drop``, if given, is applied to the probabilities ``[B, H, T, S]`` (attention dropout).
+    """
     q_BHTK, k_BHSK, v_BHSK = (t.transpose(1, 2) for t in (q_BTHK, k_BSHK, v_BSHK))
     s_BHTS = (q_BHTK * q_BHTK.shape[-1] ** -0.5) @ k_BHSK.transpose(-1, -2)
     if causal:
         t, s = s_BHTS.shape[-2:]
         future_TS = torch.ones(t, s, dtype=torch.bool, device=s_BHTS.device).triu(1)
         s_BHTS = s_BHTS.masked_fill(future_TS, -math.inf)
-    return (torch.softmax(s_BHTS, dim=-1) @ v_BHSK).transpose(1, 2)
+    p_BHTS = torch.softmax(s_BHTS, dim=-1)
+    if drop is not None:
+        p_BHTS = drop(p_BHTS)
+    return (p_BHTS @ v_BHSK).transpose(1, 2)
 
 
 # Vocabulary-parallel embedding and cross-entropy -------------------------------------------------

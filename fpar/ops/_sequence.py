@@ -33,6 +33,7 @@ import torch.nn.functional as F
 import fpar
 
 from . import _check as check
+from ._dropout import check_dropout
 from ._megatron import (
     attend,
     attention_heads,
@@ -122,7 +123,9 @@ def sp_mlp(params: dict, x: Tensor, *, axis) -> Tensor:
     return sp_row_linear(h, params["w_out"], params.get("b_out"), axis=axis)
 
 
-def sp_attention(params: dict, x: Tensor, *, axis, n_heads: int, causal: bool = True) -> Tensor:
+def sp_attention(
+    params: dict, x: Tensor, *, axis, n_heads: int, causal: bool = True, dropout: float = 0.0, key=None, batch_axes=None
+) -> Tensor:
     """Head-parallel self-attention on sequence shards: ``x[B, T/n, D] -> [B, T/n, D]``.
 
     The sequence is all-gathered entering the column-parallel ``q, k, v`` projection and the
@@ -135,10 +138,15 @@ def sp_attention(params: dict, x: Tensor, *, axis, n_heads: int, causal: bool = 
       axis: the tensor-parallel mesh axis.
       n_heads: total heads, divisible by the size of ``axis``.
       causal: mask attention to later positions (by global position).
+      dropout, key, batch_axes: attention-probability dropout, as for ``fpar.ops.attention``.
     """
     check_attention("sp_attention", params, x, axis=axis, n_heads=n_heads)  # before any communication
+    check_dropout("sp_attention", dropout, key)
     x_BTD = fpar.all_gather(x, axis, axis=1, tiled=True)
-    o_BTE = heads_attention(params, x_BTD, axis=axis, n_heads=n_heads, causal=causal, api="sp_attention")
+    o_BTE = heads_attention(
+        params, x_BTD, axis=axis, n_heads=n_heads, causal=causal, api="sp_attention", dropout=dropout, key=key,
+        batch_axes=batch_axes,
+    )
     return sp_row_linear(o_BTE, params["w_o"], params.get("b_o"), axis=axis)
 
 

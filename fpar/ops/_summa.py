@@ -35,6 +35,10 @@ import torch.nn.functional as F
 
 import fpar
 from fpar import P
+from fpar.random import fold_in
+
+from ._dropout import check_dropout
+from ._dropout import dropout as _dropout
 
 __all__ = [
     "TensorParallelSpecs",
@@ -295,6 +299,8 @@ def mlp_2d(
     row_axis: AxisName,
     col_axis: AxisName,
     activation: Callable[[Tensor], Tensor] = F.gelu,
+    dropout: float = 0.0,
+    key: Tensor | None = None,
 ) -> Tensor:
     """Apply a 2D-parallel MLP: ``x_BD -> act(x @ w_in + b_in) @ w_out + b_out -> y_BD``.
 
@@ -308,14 +314,24 @@ def mlp_2d(
       row_axis: the mesh axis (or tuple) indexing grid rows.
       col_axis: the mesh axis (or tuple) indexing grid columns.
       activation: the elementwise nonlinearity.
+      dropout: drop probability on the hidden activation and on the output (as Colossal-AI's
+        ViT MLP), masks from ``fpar.ops.dropout`` on the activations' global layout (the same at
+        every layout); ``0.0`` (default) changes nothing.
+      key: the ``fpar.random`` key (hidden: ``fold_in(key, 0)``, output: ``fold_in(key, 1)``),
+        needed when ``dropout > 0``.
 
     Returns:
       The block of the MLP's output, spec ``.x``.
     """
     check_params("mlp_2d", params, ("w_in", "w_out"), ("b_in", "b_out"))
+    check_dropout("mlp_2d", dropout, key)
     axes = {"row_axis": row_axis, "col_axis": col_axis}
     h_BH = activation(linear_2d(x, params["w_in"], params.get("b_in"), **axes))
-    return linear_2d(h_BH, params["w_out"], params.get("b_out"), **axes)
+    if not dropout:
+        return linear_2d(h_BH, params["w_out"], params.get("b_out"), **axes)
+    spec = specs_2d(row_axis, col_axis, ndim=x.dim()).x
+    h_BH = _dropout(fold_in(key, 0), h_BH, dropout, spec=spec)
+    return _dropout(fold_in(key, 1), linear_2d(h_BH, params["w_out"], params.get("b_out"), **axes), dropout, spec=spec)
 
 
 # 2.5D layers --------------------------------------------------------------------------------
@@ -399,6 +415,8 @@ def mlp_2p5d(
     row_axis: AxisName,
     col_axis: AxisName,
     activation: Callable[[Tensor], Tensor] = F.gelu,
+    dropout: float = 0.0,
+    key: Tensor | None = None,
 ) -> Tensor:
     """Apply a 2.5D-parallel MLP: ``x_BD -> act(x @ w_in + b_in) @ w_out + b_out -> y_BD``.
 
@@ -410,14 +428,24 @@ def mlp_2p5d(
       row_axis: the mesh axis (or tuple) indexing grid rows.
       col_axis: the mesh axis (or tuple) indexing grid columns.
       activation: the elementwise nonlinearity.
+      dropout: drop probability on the hidden activation and on the output (as Colossal-AI's
+        ViT MLP), masks from ``fpar.ops.dropout`` on the activations' global layout (the same at
+        every layout); ``0.0`` (default) changes nothing.
+      key: the ``fpar.random`` key (hidden: ``fold_in(key, 0)``, output: ``fold_in(key, 1)``),
+        needed when ``dropout > 0``.
 
     Returns:
       The block of the MLP's output, spec ``.x``.
     """
     check_params("mlp_2p5d", params, ("w_in", "w_out"), ("b_in", "b_out"))
+    check_dropout("mlp_2p5d", dropout, key)
     axes = {"dep_axis": dep_axis, "row_axis": row_axis, "col_axis": col_axis}
     h_BH = activation(linear_2p5d(x, params["w_in"], params.get("b_in"), **axes))
-    return linear_2p5d(h_BH, params["w_out"], params.get("b_out"), **axes)
+    if not dropout:
+        return linear_2p5d(h_BH, params["w_out"], params.get("b_out"), **axes)
+    spec = specs_2p5d(dep_axis, row_axis, col_axis, ndim=x.dim()).x
+    h_BH = _dropout(fold_in(key, 0), h_BH, dropout, spec=spec)
+    return _dropout(fold_in(key, 1), linear_2p5d(h_BH, params["w_out"], params.get("b_out"), **axes), dropout, spec=spec)
 
 
 def _vary_over_depth(*params: Tensor | None, dep_axis: AxisName) -> tuple[Tensor | None, ...]:

@@ -34,6 +34,10 @@ import torch.nn.functional as F
 
 import fpar
 from fpar import P
+from fpar.random import fold_in
+
+from ._dropout import check_dropout
+from ._dropout import dropout as _dropout
 
 from ._summa import (
     AxisName,
@@ -210,6 +214,8 @@ def mlp_3d(
     weight_axis: AxisName,
     output_axis: AxisName,
     activation: Callable[[Tensor], Tensor] = F.gelu,
+    dropout: float = 0.0,
+    key: Tensor | None = None,
 ) -> Tensor:
     """Apply a 3D-parallel MLP: ``x_BD -> act(x @ w_in + b_in) @ w_out + b_out -> y_BD``.
 
@@ -224,15 +230,25 @@ def mlp_3d(
       weight_axis: both layers' weight axis.
       output_axis: the first layer's output axis.
       activation: the elementwise nonlinearity.
+      dropout: drop probability on the hidden activation and on the output (as Colossal-AI's
+        ViT MLP), masks from ``fpar.ops.dropout`` on the activations' global layout (the same at
+        every layout); ``0.0`` (default) changes nothing.
+      key: the ``fpar.random`` key (hidden: ``fold_in(key, 0)``, output: ``fold_in(key, 1)``),
+        needed when ``dropout > 0``.
 
     Returns:
       The block of the MLP's output, spec ``.x``.
     """
     check_params("mlp_3d", params, ("w_in", "w_out"), ("b_in", "b_out"))
+    check_dropout("mlp_3d", dropout, key)
     first = {"input_axis": input_axis, "weight_axis": weight_axis, "output_axis": output_axis}
     second = {"input_axis": output_axis, "weight_axis": weight_axis, "output_axis": input_axis}
     h_BH = activation(linear_3d(x, params["w_in"], params.get("b_in"), **first))
-    return linear_3d(h_BH, params["w_out"], params.get("b_out"), **second)
+    if not dropout:
+        return linear_3d(h_BH, params["w_out"], params.get("b_out"), **second)
+    specs = specs_3d(input_axis, weight_axis, output_axis, ndim=x.dim())
+    h_BH = _dropout(fold_in(key, 0), h_BH, dropout, spec=specs.y)
+    return _dropout(fold_in(key, 1), linear_3d(h_BH, params["w_out"], params.get("b_out"), **second), dropout, spec=specs.x)
 
 
 # Error checking and messages ---------------------------------------------------------------

@@ -494,7 +494,9 @@ def _reducer(layout: ZeroLayout, bucket_bytes: int) -> Callable:
     return fpar.shard(reduce, layout.mesh, (in_g,), layout.chunk_specs)
 
 
-def accumulate(grad_fn: Callable, n_micro: int, mesh: fpar.Mesh, batch_specs: Any) -> Callable:
+def accumulate(
+    grad_fn: Callable, n_micro: int, mesh: fpar.Mesh, batch_specs: Any, *, key_arg: int | None = None
+) -> Callable:
     """Average ``grad_fn``'s gradients over ``n_micro`` microbatches of each device's batch.
 
     ``grad_fn(params, batch, *rest) -> (grads, aux)``; the result has the same signature.  Each
@@ -502,21 +504,40 @@ def accumulate(grad_fn: Callable, n_micro: int, mesh: fpar.Mesh, batch_specs: An
     ``n_micro`` consecutive pieces, so microbatch ``i`` takes piece ``i`` of every device's block);
     leaves whose specs split no dim go whole to every microbatch.  With a loss that is a mean
     over the batch, this equals one step on the whole batch, holding 1/n_micro of the activations.
+
+    ``key_arg``: the position in ``grad_fn``'s arguments (>= 2, counting ``params`` and ``batch``)
+    of a ``fpar.random`` key; microbatch ``i`` then gets ``fpar.random.fold_in(key, i)`` there (also
+    when ``n_micro == 1``), so its dropout masks differ from the other microbatches'.
     """
+    if key_arg is not None and (isinstance(key_arg, bool) or not isinstance(key_arg, int) or key_arg < 2):
+        raise ValueError(
+            f"fpar.optim.accumulate: key_arg={key_arg!r} must be the position (>= 2) of the key among "
+            f"grad_fn's arguments (params, batch, *rest)."
+        )
     if n_micro < 1:
         raise ValueError(f"fpar.optim.accumulate: n_micro must be >= 1, got {n_micro}.")
-    if n_micro == 1:
+    if n_micro == 1 and key_arg is None:
         return grad_fn
 
     def accumulated(params, batch, *rest):
         total_g = total_aux = None
         for i in range(n_micro):
-            g, aux = grad_fn(params, _microbatch(batch, i, n_micro, mesh, batch_specs), *rest)
+            args = _fold_key(rest, key_arg, i)
+            g, aux = grad_fn(params, _microbatch(batch, i, n_micro, mesh, batch_specs), *args)
             total_g = g if total_g is None else tree_map(torch.add, total_g, g)
             total_aux = aux if total_aux is None else tree_map(torch.add, total_aux, aux)
         return tree_map(lambda t: t / n_micro, total_g), tree_map(lambda t: t / n_micro, total_aux)
 
     return accumulated
+
+
+def _fold_key(rest: tuple, key_arg: int | None, i: int) -> tuple:
+    if key_arg is None:
+        return rest
+    if key_arg - 2 >= len(rest):
+        raise ValueError(f"fpar.optim.accumulate: key_arg={key_arg} but grad_fn got only {len(rest) + 2} arguments.")
+    j = key_arg - 2
+    return (*rest[:j], fpar.random.fold_in(rest[j], i), *rest[j + 1 :])
 
 
 def _microbatch(batch: Any, i: int, n_micro: int, mesh: fpar.Mesh, batch_specs: Any) -> Any:
