@@ -171,6 +171,9 @@ def moe(
     return y_TD.reshape(shape), aux
 
 
+_moe_layer = moe  # moe_block's keyword ``moe`` shadows the function
+
+
 def _axes(axis) -> tuple:
     return () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
 
@@ -289,7 +292,7 @@ def moe_block(params: dict, x: Tensor, *, axis, n_heads: int, moe: dict) -> tupl
 
     check.params("moe_block", params, ("ln1", "attn", "ln2", "moe"), (), "gpt", leaves=False)
     x = x + attention(params["attn"], layer_norm(params["ln1"], x), axis=axis, n_heads=n_heads, causal=True)
-    y, aux = fpar.ops.moe(params["moe"], layer_norm(params["ln2"], x), tensor_axis=axis, **moe)
+    y, aux = _moe_layer(params["moe"], layer_norm(params["ln2"], x), tensor_axis=axis, **moe)
     return x + y, aux
 
 
