@@ -211,7 +211,9 @@ def gpt_block_specs(axis="tensor") -> dict:
     }
 
 
-def gpt_specs(n_layers: int, axis="tensor", *, tied: bool = True, moe: bool = False, expert_axis="expert") -> dict:
+def gpt_specs(
+    n_layers: int, axis="tensor", *, tied: bool = True, moe: bool = False, expert_axis="expert"
+) -> dict:
     """Return the specs of ``gpt``'s parameters: the embedding (and head) split over the vocabulary.
 
     Args:

@@ -125,7 +125,9 @@ def moe(
         check.axis_size(api, tensor_axis)
     d, e = router.shape
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e:
-        raise ValueError(f"fpar.ops.{api}: top_k must be an int with 1 <= top_k <= E = {e} experts, got {top_k!r}.")
+        raise ValueError(
+            f"fpar.ops.{api}: top_k must be an int with 1 <= top_k <= E = {e} experts, got {top_k!r}."
+        )
     if e % n:
         raise ValueError(
             f"fpar.ops.{api}: the router has E = {e} experts, not divisible by the size {n} of axis "
@@ -143,7 +145,8 @@ def moe(
     )
     check.same(api, "w_in.shape[1] != D (router.shape[0])", w_in.shape[1], d, "w_in is [E, D, H].")
     check.same(api, "w_out.shape[0] != w_in.shape[0]", w_out.shape[0], w_in.shape[0], "w_out is [E, H, D].")
-    check.same(api, "w_out.shape[1] != w_in.shape[2] (H)", w_out.shape[1], w_in.shape[2], "w_out is [E, H, D].")
+    h_in, h_out = w_in.shape[2], w_out.shape[1]
+    check.same(api, "w_out.shape[1] != w_in.shape[2] (H)", h_out, h_in, "w_out is [E, H, D].")
     check.same(api, "w_out.shape[2] != D (router.shape[0])", w_out.shape[2], d, "w_out is [E, H, D].")
     token_axes = _token_axes(api, axis, token_axes)
     if tensor_axis is not None and set(_axes(tensor_axis)) & set(_axes(axis) + token_axes):
@@ -183,7 +186,9 @@ def _token_axes(api: str, axis, token_axes) -> tuple:
         return _axes(axis)
     names = _axes(token_axes)
     if not all(isinstance(a, str) for a in names):
-        raise TypeError(f"fpar.ops.{api}: token_axes must be a mesh axis name or a tuple of names, got {token_axes!r}.")
+        raise TypeError(
+            f"fpar.ops.{api}: token_axes must be a mesh axis name or a tuple of names, got {token_axes!r}."
+        )
     for a in names:
         check.axis_size(api, a)
     missing = [a for a in _axes(axis) if a not in names]
@@ -325,7 +330,7 @@ def init_moe(
     out_std: float | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> dict:
-    """Return ``fpar.init`` leaves for ``moe``: normal router and expert weights (``out_std`` for ``w_out``)."""
+    """Return ``fpar.init`` leaves for ``moe``: normal router and experts (``out_std`` for ``w_out``)."""
     for name, v in (("d_model", d_model), ("d_hidden", d_hidden), ("n_experts", n_experts)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise TypeError(f"fpar.ops.init_moe: {name} must be a positive int, got {v!r}.")
