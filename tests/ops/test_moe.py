@@ -294,3 +294,21 @@ def test_real_mesh_equals_in_process():
     for rank, got in enumerate(results):
         assert_tree_close(got[:3], want[:3], what=f"rank {rank}")
         assert got[3] == want[3], f"rank {rank} traffic"
+
+
+# The example --------------------------------------------------------------------------------------------
+
+
+def test_example_parallel_equals_single_device():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import train_moe_gpt
+
+    small = ["--steps", "3", "--quiet", "--d-model", "16", "--d-hidden", "16", "--layers", "2"]
+    small += ["--heads", "2", "--seq", "16", "--batch", "8", "--max-bytes", "50000"]
+    parallel = train_moe_gpt.main([*small, "--dp", "2", "--expert", "2", "--tensor", "2"])
+    single = train_moe_gpt.main([*small, "--single-device"])
+    assert single[-1] < single[0]
+    torch.testing.assert_close(parallel, single, rtol=1e-4, atol=1e-5)
