@@ -236,8 +236,10 @@ def main(argv=None) -> None:
         for kk in medg:
             print(f"  {kk:15s} median {medg[kk]:8.1f} ms   min {min(r0['times'][kk]) * 1e3:8.1f}")
         print(f"  ratio fpar EP / local torch MoE {medg['fpar'] / medg['torch']:.2f}x")
-        print(f"  bytes/device fwd+bwd (rank 0): all_to_all {st['all_to_all']['bytes']:,} B "
-              f"(formula {formg['all_to_all']:,}), psum {st['psum']['bytes']:,} B (formula {formg['psum']:,})")
+        print(
+            f"  bytes/device fwd+bwd (rank 0): all_to_all {st['all_to_all']['bytes']:,} B "
+            f"(formula {formg['all_to_all']:,}), psum {st['psum']['bytes']:,} B (formula {formg['psum']:,})"
+        )
         rows.append((f"{NPROCS} gloo procs, T/{NPROCS} each", medg["fpar"], medg["torch"], st, formg))
 
     print()

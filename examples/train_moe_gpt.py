@@ -122,13 +122,17 @@ def main(argv=None) -> list[float]:
     step_loss, specs = build(args, mesh)
     tokens_N, source = load_corpus(args.data, args.max_bytes)
     say(f"corpus: {len(tokens_N):,} bytes from {source}")
+    kind = "real" if mesh.backend == "dist" else "in-process"
     say(
-        f"mesh {dict(mesh.shape)} ({'real' if mesh.backend == 'dist' else 'in-process'}); MoE GPT d={args.d_model} "
-        f"layers={args.layers} (MoE: {list(range(1, args.layers, 2))}) experts={args.experts} top-{args.top_k}"
+        f"mesh {dict(mesh.shape)} ({kind}); MoE GPT d={args.d_model} layers={args.layers} "
+        f"(MoE: {list(range(1, args.layers, 2))}) experts={args.experts} top-{args.top_k}"
     )
-    init = ops.init_gpt(VOCAB, args.d_model, args.layers, args.seq, d_hidden=args.d_hidden, n_experts=args.experts)
+    init = ops.init_gpt(
+        VOCAB, args.d_model, args.layers, args.seq, d_hidden=args.d_hidden, n_experts=args.experts
+    )
     params = fpar.init(init, mesh, specs, seed=args.seed)
-    opt = fo.adamw(fo.warmup_cosine(args.lr, args.steps // 10, args.steps, end=args.lr / 10), weight_decay=0.0)
+    lr = fo.warmup_cosine(args.lr, args.steps // 10, args.steps, end=args.lr / 10)
+    opt = fo.adamw(lr, weight_decay=0.0)
     state = opt.init(params)
 
     def objective(p, ids, targets):
