@@ -33,7 +33,7 @@ from fpar import P
 
 from . import _check as check
 from ._megatron import attention, column_linear, mlp, vocab_cross_entropy, vocab_embedding
-from ._moe import init_moe, moe_block, moe_specs
+from ._moe import check_moe_args, init_moe, moe_block, moe_specs
 from ._sequence import sp_attention, sp_column_linear, sp_mlp, sp_vocab_embedding
 
 __all__ = [
@@ -127,6 +127,7 @@ def gpt(
             f"fpar.ops.{api}: ids has {t} positions but w_pos only {w_pos.shape[0]}; use sequences of "
             f"at most max_seq_len={w_pos.shape[0]} or build the model with a larger max_seq_len."
         )
+    _check_moe(api, params, moe, sequence_parallel, axis)
     if sequence_parallel:
         check.divisible(api, "the sequence length", t, n, "Sequence parallelism splits it over the axis.")
         x = sp_vocab_embedding(ids, params["w_emb"], axis=axis)
@@ -134,7 +135,6 @@ def gpt(
         x = x + w_pos[:t].unflatten(0, (n, t // n))[fpar.axis_index(axis)]
     else:
         x = vocab_embedding(ids, params["w_emb"], axis=axis) + w_pos[:t]
-    _check_moe(api, params["blocks"], moe, sequence_parallel)
     aux = 0.0
     for block in params["blocks"]:
         if "moe" in block:
@@ -343,7 +343,9 @@ def init_gpt(
     return p
 
 
-def _check_moe(api: str, blocks, moe, sequence_parallel: bool) -> None:
+def _check_moe(api: str, params: dict, moe, sequence_parallel: bool, axis) -> None:
+    """A MoE GPT's arguments, every MoE block's included, before the first collective."""
+    blocks = params["blocks"]
     has_moe = any("moe" in b for b in blocks)
     if has_moe and moe is None:
         raise ValueError(
@@ -357,6 +359,18 @@ def _check_moe(api: str, blocks, moe, sequence_parallel: bool) -> None:
         )
     if moe is not None and sequence_parallel:
         raise ValueError(f"fpar.ops.{api}: moe and sequence_parallel=True do not combine yet; pick one.")
+    if moe is None:
+        return
+    if not isinstance(moe, dict) or set(moe) - {"top_k", "axis", "token_axes"}:
+        raise TypeError(
+            f"fpar.ops.{api}: moe must be a dict with keys among 'top_k', 'axis', 'token_axes' (the "
+            f"keyword arguments of fpar.ops.moe; the tensor axis is the GPT's), got {moe!r}."
+        )
+    d = params["w_emb"].shape[1]
+    for i, block in enumerate(blocks):
+        if "moe" in block:
+            kw = {"top_k": 2, "axis": None, "token_axes": None, **moe}
+            check_moe_args(f"{api} (blocks[{i}])", block["moe"], d, tensor_axis=axis, **kw)
 
 
 def _replicated(specs: dict) -> dict:

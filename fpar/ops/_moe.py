@@ -113,10 +113,38 @@ def moe(
       ...                (fpar.ops.moe_specs("expert"), P("expert")), (P("expert"), P()))
       >>> y, aux = f(params, x)
     """
-    api = "moe"
+    check.floating("moe", "x", check.tensor("moe", "x", x, min_ndim=2))
+    n, token_axes = check_moe_args("moe", params, x.shape[-1], top_k, axis, token_axes, tensor_axis)
+    router, w_in, w_out = params["router"], params["w_in"], params["w_out"]
+    d = router.shape[0]
+    shape = x.shape
+    x_TD = x.reshape(-1, d)
+    probs_TE = torch.softmax(x_TD @ router, dim=-1)
+    w_TK, idx_TK = probs_TE.topk(top_k, dim=-1)
+    w_TK = w_TK / w_TK.sum(-1, keepdim=True)
+    aux = _aux_loss(probs_TE, idx_TK, token_axes)
+    if axis is None:
+        t = x_TD.shape[0]
+        pairs = torch.arange(t * top_k, device=x.device) // top_k
+        y_TKD = _grouped_ffn(x_TD, pairs, idx_TK.reshape(-1), None, w_in, w_out).view(t, top_k, d)
+    else:
+        y_TKD = _expert_parallel(x_TD, idx_TK, w_in, w_out, axis, n)
+    y_TD = (w_TK.unsqueeze(-1) * y_TKD).sum(1)
+    if tensor_axis is not None:
+        y_TD = fpar.psum(y_TD, tensor_axis)
+    return y_TD.reshape(shape), aux
+
+
+def check_moe_args(
+    api: str, params, d_x: int, top_k, axis, token_axes, tensor_axis
+) -> tuple[int, tuple]:
+    """Check ``moe``'s arguments (``d_x``: the tokens' width); return the axis size and the token axes.
+
+    Raises before any communication, naming the argument and the fix (``fpar.ops.gpt`` calls it
+    for every MoE block before its first block runs).
+    """
     check.params(api, params, ("router", "w_in", "w_out"), (), "moe")
     router, w_in, w_out = params["router"], params["w_in"], params["w_out"]
-    check.floating(api, "x", check.tensor(api, "x", x, min_ndim=2))
     check.tensor(api, "params['router']", router, ndim=2)
     check.tensor(api, "params['w_in']", w_in, ndim=3)
     check.tensor(api, "params['w_out']", w_out, ndim=3)
@@ -134,14 +162,19 @@ def moe(
             f"{axis!r}; expert parallelism puts E/n experts on each device. Use a number of experts "
             f"divisible by {n}."
         )
-    spec = f"P({axis!r}, None, ...)" if axis is not None else "P() on dim 0"
-    check.same(api, "x's last dim != router.shape[0]", x.shape[-1], d, "x is [T, D] and router [D, E].")
+    fix = (
+        f"Give w_in and w_out the spec P({axis!r}, ...) on dim 0 (fpar.ops.moe_specs({axis!r})), the "
+        f"router [D, E] replicated."
+        if axis is not None
+        else "With axis=None every device holds all E experts: w_in is [E, D, H], w_out [E, H, D]."
+    )
+    check.same(api, "x's last dim != router.shape[0]", d_x, d, "x is [T, D] and router [D, E].")
     check.same(
         api,
         f"w_in.shape[0] (experts on this device) != E / n = {e} / {n}",
         w_in.shape[0],
         e // n,
-        f"Give w_in and w_out the spec {spec} (fpar.ops.moe_specs), router [D, E] replicated.",
+        fix,
     )
     check.same(api, "w_in.shape[1] != D (router.shape[0])", w_in.shape[1], d, "w_in is [E, D, H].")
     check.same(api, "w_out.shape[0] != w_in.shape[0]", w_out.shape[0], w_in.shape[0], "w_out is [E, H, D].")
@@ -155,23 +188,7 @@ def moe(
             f"{token_axes!r}; expert-TP splits each expert's hidden dim over an axis the tokens are "
             f"replicated over."
         )
-
-    shape = x.shape
-    x_TD = x.reshape(-1, d)
-    probs_TE = torch.softmax(x_TD @ router, dim=-1)
-    w_TK, idx_TK = probs_TE.topk(top_k, dim=-1)
-    w_TK = w_TK / w_TK.sum(-1, keepdim=True)
-    aux = _aux_loss(probs_TE, idx_TK, token_axes)
-    if axis is None:
-        t = x_TD.shape[0]
-        pairs = torch.arange(t * top_k, device=x.device) // top_k
-        y_TKD = _grouped_ffn(x_TD, pairs, idx_TK.reshape(-1), None, w_in, w_out).view(t, top_k, d)
-    else:
-        y_TKD = _expert_parallel(x_TD, idx_TK, w_in, w_out, axis, n)
-    y_TD = (w_TK.unsqueeze(-1) * y_TKD).sum(1)
-    if tensor_axis is not None:
-        y_TD = fpar.psum(y_TD, tensor_axis)
-    return y_TD.reshape(shape), aux
+    return n, token_axes
 
 
 _moe_layer = moe  # moe_block's keyword ``moe`` shadows the function

@@ -242,6 +242,14 @@ def test_moe_gpt_needs_the_moe_option():
     run = fpar.shard(lambda p, i: ops.gpt(p, i, axis="tensor", n_heads=2), one, (specs, P()), logits)
     with pytest.raises(ValueError, match="params have MoE blocks but moe is None"):
         run(params, ids)
+    run = fpar.shard(
+        lambda p, i: ops.gpt(p, i, axis="tensor", n_heads=2, moe=dict(top_k=3)), one, (specs, P()), logits
+    )
+    fpar.reset_comm_stats()
+    msg = r"gpt \(blocks\[1\]\): top_k must be an int with 1 <= top_k <= E = 2"
+    with pytest.raises(ValueError, match=msg):
+        run(params, ids)
+    assert fpar.comm_stats() == {}  # before the embedding's psum
 
 
 # Bad input: a clear error, before any communication ----------------------------------------------------
