@@ -15,6 +15,8 @@ axis with ``axis=``; parameters are plain tensor dicts, and ``*_specs`` / ``init
 * Colossal-AI multi-dimensional TP (``_summa.py``, ``_summa_3d.py``): 2D SUMMA ``summa_matmul``,
   ``linear_2d``, ``layer_norm_2d``, ``mlp_2d``; 2.5D ``linear_2p5d`` ...; 3D ``linear_3d`` ...; and
   ``specs_2d`` / ``specs_2p5d`` / ``specs_3d`` giving every operand's ``P``.
+* Mixture of experts (``_moe.py``): ``moe`` (dropless top-k, expert parallel over ``all_to_all``,
+  expert-TP), ``moe_block``, ``moe_specs``, ``init_moe``.
 * Configuration (``_layout.py``): ``tensor_layout`` / ``TensorLayout`` map a Colossal-AI style
   tensor-parallel config onto mesh axis names and shapes.
 
@@ -51,6 +53,10 @@ from ._megatron import mlp as mlp
 from ._megatron import row_linear as row_linear
 from ._megatron import vocab_cross_entropy as vocab_cross_entropy
 from ._megatron import vocab_embedding as vocab_embedding
+from ._moe import init_moe as init_moe
+from ._moe import moe as moe
+from ._moe import moe_block as moe_block
+from ._moe import moe_specs as moe_specs
 from ._sequence import ring_attention as ring_attention
 from ._sequence import ring_self_attention as ring_self_attention
 from ._sequence import sp_attention as sp_attention
@@ -91,6 +97,7 @@ __all__ = [
     "init_gpt_block",
     "init_layer_norm",
     "init_mlp",
+    "init_moe",
     "layer_norm",
     "layer_norm_2d",
     "layer_norm_2p5d",
@@ -104,6 +111,9 @@ __all__ = [
     "mlp_2p5d",
     "mlp_3d",
     "mlp_specs",
+    "moe",
+    "moe_block",
+    "moe_specs",
     "ring_attention",
     "ring_self_attention",
     "row_linear",

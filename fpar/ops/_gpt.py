@@ -34,6 +34,7 @@ from fpar import P
 from . import _check as check
 from ._dropout import check_dropout, site_dropout
 from ._megatron import attention, column_linear, mlp, vocab_cross_entropy, vocab_embedding
+from ._moe import check_moe_args, init_moe, moe_block, moe_specs
 from ._sequence import sp_attention, sp_column_linear, sp_mlp, sp_vocab_embedding
 
 __all__ = [
@@ -135,7 +136,8 @@ def gpt(
     dropout: float = 0.0,
     key: Tensor | None = None,
     batch_axes=None,
-) -> Tensor:
+    moe: dict | None = None,
+):
     """Compute a GPT's vocab-split logits: ``ids[B, T] replicated -> logits[B, T, V/n] varying over axis``.
 
     Vocab-parallel embedding plus learned positions, the blocks, a final LayerNorm and the
@@ -156,9 +158,13 @@ def gpt(
         ``fpar.shard`` with in_spec ``P()``.
       batch_axes: the mesh axes the batch dim is split over (``None``: inferred, see
         ``gpt_block``).
+      moe: for a MoE GPT (``init_gpt(..., n_experts=E)``), the keyword arguments of
+        ``fpar.ops.moe`` (``top_k``, ``axis``, ``token_axes``); its blocks with a ``"moe"`` MLP
+        run ``fpar.ops.moe_block`` (expert-TP over ``axis``), and the result is ``(logits,
+        aux_loss)``, ``aux_loss`` the sum over the MoE blocks.
 
     Returns:
-      This device's vocabulary slice of the logits, ``[B, T, V/n]``.
+      This device's vocabulary slice of the logits, ``[B, T, V/n]`` (with ``moe``: and the aux loss).
     """
     api = "gpt"
     n = check.axis_size(api, axis)
@@ -171,6 +177,7 @@ def gpt(
             f"fpar.ops.{api}: ids has {t} positions but w_pos only {w_pos.shape[0]}; use sequences of "
             f"at most max_seq_len={w_pos.shape[0]} or build the model with a larger max_seq_len."
         )
+    _check_moe(api, params, moe, sequence_parallel, axis)
     if sequence_parallel:
         check.divisible(api, "the sequence length", t, n, "Sequence parallelism splits it over the axis.")
         x = sp_vocab_embedding(ids, params["w_emb"], axis=axis)
@@ -183,14 +190,20 @@ def gpt(
             fpar.random.fold_in(key, 0), x, dropout, axis=axis, split_dim=1 if sequence_parallel else None,
             batch_axes=batch_axes,
         )
+    aux = 0.0
     for i, block in enumerate(params["blocks"]):
         extra = dict(dropout=dropout, key=fpar.random.fold_in(key, i + 1), batch_axes=batch_axes) if dropout else {}
+        if "moe" in block:
+            x, block_aux = moe_block(block, x, axis=axis, n_heads=n_heads, moe=moe, **extra)
+            aux = aux + block_aux
+            continue
         x = gpt_block(block, x, axis=axis, n_heads=n_heads, sequence_parallel=sequence_parallel, **extra)
     x = layer_norm(params["ln_f"], x)
     w_head = params["w_head"] if "w_head" in params else params["w_emb"].t()
     if sequence_parallel:
         return sp_column_linear(x, w_head, axis=axis)
-    return column_linear(x, w_head, axis=axis)
+    logits = column_linear(x, w_head, axis=axis)
+    return logits if moe is None else (logits, aux)
 
 
 def gpt_loss(
@@ -204,17 +217,21 @@ def gpt_loss(
     dropout: float = 0.0,
     key: Tensor | None = None,
     batch_axes=None,
-) -> Tensor:
+    moe: dict | None = None,
+):
     """Per-token next-token loss of ``gpt``: ``ids, targets[B, T] replicated -> loss[B, T] replicated``.
 
     ``vocab_cross_entropy(gpt(params, ids, ...), targets)``; average it yourself (and ``pmean``
-    over a data axis).  ``dropout``, ``key``, ``batch_axes``: as for ``gpt``.
+    over a data axis).  ``dropout``, ``key``, ``batch_axes``, ``moe``: as for ``gpt``; with ``moe``
+    (a MoE GPT) it returns ``(loss, aux_loss)``.
     """
-    logits = gpt(
+    out = gpt(
         params, ids, axis=axis, n_heads=n_heads, sequence_parallel=sequence_parallel, dropout=dropout, key=key,
-        batch_axes=batch_axes,
+        batch_axes=batch_axes, moe=moe,
     )
-    return vocab_cross_entropy(logits, targets, axis=axis)
+    if moe is None:
+        return vocab_cross_entropy(out, targets, axis=axis)
+    return vocab_cross_entropy(out[0], targets, axis=axis), out[1]
 
 
 # Parameter specs --------------------------------------------------------------------------------------
@@ -257,13 +274,18 @@ def gpt_block_specs(axis="tensor") -> dict:
     }
 
 
-def gpt_specs(n_layers: int, axis="tensor", *, tied: bool = True) -> dict:
+def gpt_specs(
+    n_layers: int, axis="tensor", *, tied: bool = True, moe: bool = False, expert_axis="expert"
+) -> dict:
     """Return the specs of ``gpt``'s parameters: the embedding (and head) split over the vocabulary.
 
     Args:
       n_layers: the number of blocks.
       axis: the tensor-parallel mesh axis.
       tied: the head reuses the embedding; ``False`` adds ``"w_head"`` (``[D, V]`` by columns).
+      moe: a MoE GPT (``init_gpt(..., n_experts=E)``): every other block (1, 3, ...) has a
+        ``"moe"`` MLP, its experts split over ``expert_axis`` (``None``: replicated) and their
+        hidden dim over ``axis``.
     """
     _check_layers("gpt_specs", n_layers)
     specs = {
@@ -274,6 +296,10 @@ def gpt_specs(n_layers: int, axis="tensor", *, tied: bool = True) -> dict:
     }
     if not tied:
         specs["w_head"] = P(None, axis)
+    for i in range(1, n_layers, 2) if moe else ():
+        block = specs["blocks"][i]
+        del block["mlp"]
+        block["moe"] = moe_specs(expert_axis, tensor_axis=axis)
     return specs
 
 
@@ -350,8 +376,12 @@ def init_gpt(
     tied: bool = True,
     std: float = 0.02,
     dtype: torch.dtype = torch.float32,
+    n_experts: int | None = None,
 ) -> dict:
     """Return ``fpar.init`` leaves for ``gpt`` (GPT-2 init: residual projections get ``std / sqrt(2 L)``).
+
+    ``n_experts``: a MoE GPT, every other block (1, 3, ...) with a ``"moe"`` MLP of that many
+    experts of hidden size ``d_hidden`` (see ``gpt_specs(..., moe=True)``).
 
     Example:
       >>> params = fpar.init(init_gpt(256, 64, 2, 64), mesh, gpt_specs(2, "tensor"), seed=0)
@@ -368,7 +398,42 @@ def init_gpt(
     }
     if not tied:
         p["w_head"] = fpar.normal((d_model, vocab_size), std=std, dtype=dtype)
+    for i in range(1, n_layers, 2) if n_experts is not None else ():
+        block = p["blocks"][i]
+        del block["mlp"]
+        hidden = 4 * d_model if d_hidden is None else d_hidden
+        block["moe"] = init_moe(d_model, hidden, n_experts, std=std, out_std=out_std, dtype=dtype)
     return p
+
+
+def _check_moe(api: str, params: dict, moe, sequence_parallel: bool, axis) -> None:
+    """A MoE GPT's arguments, every MoE block's included, before the first collective."""
+    blocks = params["blocks"]
+    has_moe = any("moe" in b for b in blocks)
+    if has_moe and moe is None:
+        raise ValueError(
+            f"fpar.ops.{api}: params have MoE blocks but moe is None; pass moe=dict(top_k=..., "
+            f"axis=<expert axis>) (the result is then (logits, aux_loss))."
+        )
+    if moe is not None and not has_moe:
+        raise ValueError(
+            f"fpar.ops.{api}: moe={moe!r} but params have no MoE block; build them with "
+            f"init_gpt(..., n_experts=E) and gpt_specs(..., moe=True)."
+        )
+    if moe is not None and sequence_parallel:
+        raise ValueError(f"fpar.ops.{api}: moe and sequence_parallel=True do not combine yet; pick one.")
+    if moe is None:
+        return
+    if not isinstance(moe, dict) or set(moe) - {"top_k", "axis", "token_axes"}:
+        raise TypeError(
+            f"fpar.ops.{api}: moe must be a dict with keys among 'top_k', 'axis', 'token_axes' (the "
+            f"keyword arguments of fpar.ops.moe; the tensor axis is the GPT's), got {moe!r}."
+        )
+    d = params["w_emb"].shape[1]
+    for i, block in enumerate(blocks):
+        if "moe" in block:
+            kw = {"top_k": 2, "axis": None, "token_axes": None, **moe}
+            check_moe_args(f"{api} (blocks[{i}])", block["moe"], d, tensor_axis=axis, **kw)
 
 
 def _replicated(specs: dict) -> dict:

@@ -1,0 +1,255 @@
+"""Expert-parallel MoE layer (``fpar.ops.moe``) against a plain torch MoE, side by side, with bytes moved.
+
+The layer: ``T`` tokens of width ``D``, ``E`` experts of hidden width ``H``, top-``k`` routing,
+float32, one forward + backward of ``<y, ct> + aux`` w.r.t. the parameters and the tokens.
+
+* **in-process**: ``fpar.shard(moe, axis="expert")`` on the in-process mesh of ``n`` devices
+  (``T`` global tokens) against the same global layer in plain torch (the loop-over-experts MoE
+  of HF Mixtral / torchtitan's reference: ``nonzero`` per expert, one matmul per expert,
+  ``index_add_`` back), which does the whole mesh's work in one process;
+* **gloo**: the same layer on 2 gloo processes (``fpar.launch``, 1 thread each), ``T / 2`` tokens
+  per process, against the plain torch MoE of ``T / 2`` tokens and all experts on each process:
+  the same per-device tokens, with no exchange;
+* **fpar, unsharded**: ``fpar.ops.moe`` with ``axis=None`` (tile-grouped compute, no exchange)
+  against the same plain torch MoE: the cost of fixed-shape grouping alone.
+
+Both sides are warmed up and timed interleaved (the order alternates every repeat); medians and
+ratios are printed, never asserted.  Checked once first: fpar's values and gradients equal the
+plain torch MoE's.
+
+Bytes per device per layer, fwd + bwd (``fpar.comm_stats()``, ring counting: ``(n-1)/n`` of an
+all_to_all's block leaves the device), against the static-slot formula of ``fpar/ops/_moe.py``
+with ``C = T_local * min(E/n, k)`` rows per (source -> destination) slot and ``s`` bytes/element::
+
+    forward   2 (n-1) C D s  +  (n-1) C 8         payload dispatch + combine, int64 expert ids
+    backward  2 (n-1) C D s                       the two payload transposes
+    psum      [2, E] aux sums forward, the replicated router's [D, E] gradient backward:
+              2 (n-1)/n * (2 E + D E) s
+
+and, for reference, what an exchange of exact counts would move when routing is balanced:
+``(n-1)/n * T_local k D s`` per payload all_to_all.
+
+Run:
+    python bench/moe.py                       # T=2048 D=256 H=512 E=8 k=2, n=2, 10 repeats
+    python bench/moe.py --tokens 4096 --experts 16 --top-k 4 --repeats 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import optree
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+try:
+    import fpar
+except ImportError:  # run from a checkout without installing: use the repo's fpar/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import fpar
+import fpar.ops as ops
+from fpar import P
+
+NPROCS = 2
+
+
+def torch_moe(params, x_TD, k):
+    """A plain torch MoE (Mixtral style): per expert, select its tokens, one matmul each, add back."""
+    router, w_in, w_out = params["router"], params["w_in"], params["w_out"]
+    e = router.shape[1]
+    probs_TE = torch.softmax(x_TD @ router, dim=-1)
+    w_TK, idx_TK = probs_TE.topk(k, dim=-1)
+    w_TK = w_TK / w_TK.sum(-1, keepdim=True)
+    y_TD = torch.zeros_like(x_TD)
+    for ex in range(e):
+        tok, slot = (idx_TK == ex).nonzero(as_tuple=True)
+        h = F.gelu(x_TD[tok] @ w_in[ex]) @ w_out[ex]
+        y_TD = y_TD.index_add(0, tok, h * w_TK[tok, slot].unsqueeze(1))
+    f_E = torch.bincount(idx_TK.reshape(-1), minlength=e).to(x_TD.dtype) / idx_TK.numel()
+    return y_TD, e * (f_E * probs_TE.mean(0)).sum()
+
+
+def make(cfg, t):
+    gen = torch.Generator().manual_seed(0)
+    d, h, e = cfg["dim"], cfg["hidden"], cfg["experts"]
+    params = {
+        "router": torch.randn(d, e, generator=gen),
+        "w_in": torch.randn(e, d, h, generator=gen) * d**-0.5,
+        "w_out": torch.randn(e, h, d, generator=gen) * h**-0.5,
+    }
+    x = torch.randn(t, d, generator=gen)
+    ct = torch.randn(t, d, generator=gen)
+    return params, x, ct
+
+
+def _obj(fn, p, x, ct):
+    y, aux = fn(p, x)
+    return (y * ct).sum() + aux
+
+
+def objective(fn, ct):
+    return torch.func.grad(lambda p, x: _obj(fn, p, x, ct), argnums=(0, 1))
+
+
+def check_same(a, b, what):
+    for u, v in zip(optree.tree_leaves(a), optree.tree_leaves(b)):
+        torch.testing.assert_close(u, v, rtol=1e-3, atol=1e-4, msg=lambda m: f"{what}: {m}")
+
+
+def time_pair(steps: dict, repeats: int, warmup: int, sync=None) -> dict:
+    names = list(steps)
+    for _ in range(warmup):
+        for s in steps.values():
+            s()
+    times = {k: [] for k in names}
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(repeats):
+            for name in names if i % 2 == 0 else names[::-1]:
+                if sync is not None:
+                    sync()
+                t0 = time.perf_counter()
+                steps[name]()
+                times[name].append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
+    return times
+
+
+def formula(cfg, n, t_local, itemsize=4):
+    d, e, k = cfg["dim"], cfg["experts"], cfg["top_k"]
+    cap = t_local * min(e // n, k)
+    payload = (n - 1) * cap * d * itemsize
+    ids = (n - 1) * cap * 8
+    aux = 2 * (n - 1) * (2 * e + d * e) * itemsize // n  # aux sums forward, router gradient backward
+    balanced = (n - 1) * t_local * k * d * itemsize // n
+    return {"all_to_all": 4 * payload + ids, "psum": aux, "balanced_payload": balanced, "cap": cap}
+
+
+def expert_layer(mesh, k):
+    def per_device(p, x):
+        return ops.moe(p, x, top_k=k, axis="expert")
+
+    return fpar.shard(per_device, mesh, (ops.moe_specs("expert"), P("expert")), (P("expert"), P()))
+
+
+def worker(cfg: dict) -> dict:
+    """On each of the 2 gloo processes: check, count bytes, time fpar EP vs the local torch MoE."""
+    torch.set_num_threads(cfg["threads"])
+    n = dist.get_world_size()
+    mesh = fpar.make_mesh((n,), ("expert",))
+    params, x, ct = make(cfg, cfg["tokens"])
+    specs = ops.moe_specs("expert")
+    p_local = fpar.device_put(params, mesh, specs)
+    x_local, ct_local = fpar.device_put((x, ct), mesh, P("expert"))
+    ep = objective(expert_layer(mesh, cfg["top_k"]), ct_local)
+    base = objective(lambda p, x: torch_moe(p, x, cfg["top_k"]), ct_local)
+    fpar.reset_comm_stats()
+    ep(p_local, x_local)
+    stats = fpar.comm_stats()
+    times = time_pair(
+        {"fpar": lambda: ep(p_local, x_local), "torch": lambda: base(params, x_local)},
+        cfg["repeats"],
+        cfg["warmup"],
+        sync=dist.barrier,
+    )
+    return {"times": times, "stats": stats}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=2048, help="T, global tokens")
+    ap.add_argument("--dim", type=int, default=256, help="D")
+    ap.add_argument("--hidden", type=int, default=512, help="H, each expert's hidden width")
+    ap.add_argument("--experts", type=int, default=8, help="E")
+    ap.add_argument("--top-k", type=int, default=2, help="k")
+    ap.add_argument("--devices", type=int, default=2, help="n, the in-process expert axis")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (per process under gloo)")
+    ap.add_argument("--skip-gloo", action="store_true", help="in-process only")
+    args = ap.parse_args(argv)
+    cfg = {
+        "tokens": args.tokens, "dim": args.dim, "hidden": args.hidden, "experts": args.experts,
+        "top_k": args.top_k, "repeats": args.repeats, "warmup": args.warmup, "threads": args.threads,
+    }
+    torch.set_num_threads(args.threads)
+    t, n, k = args.tokens, args.devices, args.top_k
+    head = (
+        f"MoE fwd+bwd T={t} D={args.dim} H={args.hidden} E={args.experts} k={k} fp32, "
+        f"{args.threads} thread(s), {args.repeats} repeats, torch {torch.__version__}"
+    )
+    print(head)
+    rows = []
+
+    # Equal work: fpar's values and gradients are the plain torch MoE's.
+    params, x, ct = make(cfg, t)
+    mesh = fpar.make_mesh((n,), ("expert",))
+    ep = objective(expert_layer(mesh, k), ct)
+    unsharded = objective(lambda p, x: ops.moe(p, x, top_k=k), ct)
+    base = objective(lambda p, x: torch_moe(p, x, k), ct)
+    want = base(params, x)
+    check_same(ep(params, x), want, "in-process EP vs torch")
+    check_same(unsharded(params, x), want, "fpar unsharded vs torch")
+    print("checked: fpar (EP in-process, unsharded) gives the plain torch MoE's gradients")
+
+    fpar.reset_comm_stats()
+    ep(params, x)
+    stats = fpar.comm_stats()["expert"]
+    form = formula(cfg, n, t // n)
+    times = time_pair(
+        {"fpar EP": lambda: ep(params, x), "fpar unsharded": lambda: unsharded(params, x),
+         "torch": lambda: base(params, x)},
+        args.repeats,
+        args.warmup,
+    )
+    med = {kk: statistics.median(v) * 1e3 for kk, v in times.items()}
+    print(f"in-process, expert={n}: C = {form['cap']} rows per (source -> destination) slot")
+    for kk in med:
+        print(f"  {kk:15s} median {med[kk]:8.1f} ms   min {min(times[kk]) * 1e3:8.1f}")
+    print(f"  ratio EP / torch {med['fpar EP'] / med['torch']:.2f}x, unsharded / torch "
+          f"{med['fpar unsharded'] / med['torch']:.2f}x")
+    bytes_line = (
+        f"all_to_all {stats['all_to_all']['bytes']:,} B (formula {form['all_to_all']:,}), "
+        f"psum {stats['psum']['bytes']:,} B (formula {form['psum']:,}); balanced exact-count payload "
+        f"would be {form['balanced_payload']:,} B per all_to_all"
+    )
+    print(f"  bytes/device fwd+bwd: {bytes_line}")
+    rows.append((f"in-process expert={n}, T={t}", med["fpar EP"], med["torch"], stats, form))
+    rows.append(("unsharded (axis=None), same T", med["fpar unsharded"], med["torch"], None, None))
+
+    if not args.skip_gloo:
+        res = fpar.launch(worker, NPROCS, cfg, timeout=600.0)
+        r0 = res[0]
+        medg = {kk: statistics.median(v) * 1e3 for kk, v in r0["times"].items()}
+        st = r0["stats"]["expert"]
+        formg = formula(cfg, NPROCS, t // NPROCS)
+        print(f"gloo, {NPROCS} processes x {args.threads} thread(s), T/{NPROCS} tokens each:")
+        for kk in medg:
+            print(f"  {kk:15s} median {medg[kk]:8.1f} ms   min {min(r0['times'][kk]) * 1e3:8.1f}")
+        print(f"  ratio fpar EP / local torch MoE {medg['fpar'] / medg['torch']:.2f}x")
+        print(
+            f"  bytes/device fwd+bwd (rank 0): all_to_all {st['all_to_all']['bytes']:,} B "
+            f"(formula {formg['all_to_all']:,}), psum {st['psum']['bytes']:,} B (formula {formg['psum']:,})"
+        )
+        rows.append((f"{NPROCS} gloo procs, T/{NPROCS} each", medg["fpar"], medg["torch"], st, formg))
+
+    print()
+    print("| bench/moe.py | fpar (ms) | torch MoE (ms) | ratio | all_to_all B/device fwd+bwd (formula) |")
+    print("|---|---|---|---|---|")
+    for name, a, b, st, fm in rows:
+        byt = "–" if st is None else f"{st['all_to_all']['bytes']:,} ({fm['all_to_all']:,})"
+        print(f"| {name} | {a:.1f} | {b:.1f} | {a / b:.2f}x | {byt} |")
+    print(f"<!-- {platform.processor() or platform.machine()}, torch {torch.__version__} -->")
+
+
+if __name__ == "__main__":
+    main()

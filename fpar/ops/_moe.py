@@ -1,0 +1,383 @@
+"""A dropless mixture-of-experts layer with expert parallelism over ``all_to_all``.
+
+``moe`` is the top-k MoE MLP of Switch / GShard / Mixtral (Fedus et al. 2021, arXiv:2101.03961;
+Lepikhin et al. 2020, arXiv:2006.16668) without a capacity factor: no token is ever dropped,
+however skewed the routing.  Unsharded it computes, for tokens ``x[T, D]``::
+
+    probs  = softmax(x @ router)                       # [T, E]
+    w, idx = topk(probs, top_k)                        # ties as torch.topk
+    w      = w / w.sum(-1, keepdim=True)
+    y[t]   = sum_j w[t, j] * gelu(x[t] @ w_in[idx[t, j]]) @ w_out[idx[t, j]]     # exact erf gelu
+    aux    = E * sum_e f_e * P_e                       # Switch load-balancing loss
+
+with ``f_e`` the fraction of the ``T * top_k`` (token, choice) pairs routed to expert ``e`` (no
+gradient) and ``P_e`` the mean router probability of ``e``, both over *all* tokens.
+
+**Grouped expert compute with fixed shapes.**  Inside ``fpar.shard`` every per-device function
+runs under ``torch.func.vmap`` (one level per mesh axis, on the in-process mesh and, with levels
+of size 1, on the real mesh), so no shape may depend on the routing.  The (token, choice) rows are
+grouped by expert into *tiles* of ``b`` rows that each belong to one expert (megablocks' block
+sparse layout, Gale et al. 2022, arXiv:2211.15841): every expert's group is padded to a multiple
+of ``b``, so ``R`` rows need at most ``ceil(R / b) + E`` tiles, a static bound.  Each tile is one
+``[b, D] @ [D, H]`` matmul with its expert's weights, all tiles in one batched matmul; with
+``b = ceil(R / (2 E))`` at most ``3 E`` tiles and ``1.5 R`` rows are computed.  No Python loop runs
+over tokens or experts.
+
+**Expert parallelism** (``axis="expert"``): tokens are split over the axis, experts too (``E / n``
+per device, ``w_in``/``w_out`` split on dim 0), the router is replicated.  Each device sends every
+(token, choice) pair to the device owning its expert and gets the expert's output back, with two
+``all_to_all`` of the payload (plus one of the local expert ids).  Counts vary per device and per
+step, and vmap forbids data-dependent shapes, so each (source -> destination) slot is padded to
+its *static* worst case: a token picks ``top_k`` distinct experts, at most ``min(E/n, top_k)`` of
+them on one device, so a slot holds ``C = T_local * min(E/n, top_k)`` rows.  (Exchanging the
+counts first and padding to their maximum needs a host sync of a data-dependent size, impossible
+under vmap; it becomes possible once a real mesh runs the function on plain tensors.)
+
+Per-device bytes of one forward, ``s`` the element size, counted as fpar counts an all_to_all
+(``(n-1)/n`` of the block leaves the device)::
+
+    2 * (n - 1) * C * D * s        the dispatch and the combine  (n * C * D elements each)
+    + (n - 1) * C * 8              the local expert id of every slot (int64)
+
+and the backward sends the two payload all_to_alls' transposes, ``2 (n-1) C D s`` again.  When
+routing is balanced an exchange of counts would move about ``(n-1)/n * T_local * top_k * D``
+elements per all_to_all; the static slots move ``n`` times that (if ``E/n >= top_k``), the price
+of a dropless layer with shapes fixed ahead of the routing.
+
+Composition: ``token_axes`` names every mesh axis the tokens are split over (default ``axis``),
+so the aux loss is the global one, e.g. tokens over ``("data", "expert")`` with experts over
+``"expert"``; ``tensor_axis`` splits every expert's hidden dim ``H`` (expert-TP: ``w_in``
+column-split, ``w_out`` row-split, one psum of ``[T_local, D]`` over it).
+
+Shape suffixes, per device inside ``fpar.shard``: ``T`` tokens, ``D`` model dim, ``E`` experts
+(``E/n`` local), ``H`` expert hidden dim (``H/t`` under expert-TP), ``K`` = top_k.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+import fpar
+from fpar import P
+
+from . import _check as check
+
+__all__ = ["init_moe", "moe", "moe_block", "moe_specs"]
+
+Tensor = torch.Tensor
+
+# Tiles per expert that the rows would fill if spread evenly: tile rows b = ceil(R / (2 E)).
+_TILES_PER_EXPERT = 2
+
+
+def moe(
+    params: dict,
+    x: Tensor,
+    *,
+    top_k: int = 2,
+    axis=None,
+    token_axes=None,
+    tensor_axis=None,
+) -> tuple[Tensor, Tensor]:
+    """Apply a dropless top-k mixture-of-experts MLP; return ``(y, aux_loss)``.
+
+    Args:
+      params: ``{"router": [D, E], "w_in": [E, D, H], "w_out": [E, H, D]}`` (global shapes; inside
+        ``fpar.shard`` the blocks of ``fpar.ops.moe_specs(axis, tensor_axis=...)``).
+      x: tokens ``[T, D]`` (leading dims are flattened into tokens and restored in ``y``); with
+        ``axis`` this device's block of the tokens.
+      top_k: experts per token, ``1 <= top_k <= E``.
+      axis: the expert-parallel mesh axis (or tuple of axes): experts and tokens are split over
+        it and pairs travel by ``all_to_all``.  ``None``: every expert is local.
+      token_axes: every mesh axis the tokens are split over, for the global aux loss (default:
+        ``axis``, or none).  Tokens over ``("data", "expert")`` need ``token_axes=("data",
+        "expert")``.  Naming an axis the tokens are *not* split over counts them twice.
+      tensor_axis: expert tensor parallelism: ``w_in`` split on ``H`` (dim 2), ``w_out`` on ``H``
+        (dim 1) over this axis, ``x`` and the router replicated over it; one psum of ``y``.
+
+    Returns:
+      ``y`` shaped like ``x`` (split like it) and ``aux_loss``, a 0-d tensor replicated over
+      ``token_axes`` (and ``tensor_axis``).
+
+    Raises:
+      TypeError / ValueError: naming the argument, before any communication, for a bad
+        ``top_k``, experts not divisible over ``axis``, or router / expert / token shapes that
+        disagree.  (Tokens not divisible over the axis are rejected by ``fpar.shard`` itself.)
+
+    Example:
+      >>> mesh = fpar.make_mesh((4,), ("expert",))
+      >>> f = fpar.shard(lambda p, x: fpar.ops.moe(p, x, axis="expert"), mesh,
+      ...                (fpar.ops.moe_specs("expert"), P("expert")), (P("expert"), P()))
+      >>> y, aux = f(params, x)
+    """
+    check.floating("moe", "x", check.tensor("moe", "x", x, min_ndim=2))
+    n, token_axes = check_moe_args("moe", params, x.shape[-1], top_k, axis, token_axes, tensor_axis)
+    router, w_in, w_out = params["router"], params["w_in"], params["w_out"]
+    d = router.shape[0]
+    shape = x.shape
+    x_TD = x.reshape(-1, d)
+    probs_TE = torch.softmax(x_TD @ router, dim=-1)
+    w_TK, idx_TK = probs_TE.topk(top_k, dim=-1)
+    w_TK = w_TK / w_TK.sum(-1, keepdim=True)
+    aux = _aux_loss(probs_TE, idx_TK, token_axes)
+    if axis is None:
+        t = x_TD.shape[0]
+        pairs = torch.arange(t * top_k, device=x.device) // top_k
+        y_TKD = _grouped_ffn(x_TD, pairs, idx_TK.reshape(-1), None, w_in, w_out).view(t, top_k, d)
+    else:
+        y_TKD = _expert_parallel(x_TD, idx_TK, w_in, w_out, axis, n)
+    y_TD = (w_TK.unsqueeze(-1) * y_TKD).sum(1)
+    if tensor_axis is not None:
+        y_TD = fpar.psum(y_TD, tensor_axis)
+    return y_TD.reshape(shape), aux
+
+
+def check_moe_args(
+    api: str, params, d_x: int, top_k, axis, token_axes, tensor_axis
+) -> tuple[int, tuple]:
+    """Check ``moe``'s arguments (``d_x``: the tokens' width); return the axis size and the token axes.
+
+    Raises before any communication, naming the argument and the fix (``fpar.ops.gpt`` calls it
+    for every MoE block before its first block runs).
+    """
+    check.params(api, params, ("router", "w_in", "w_out"), (), "moe")
+    router, w_in, w_out = params["router"], params["w_in"], params["w_out"]
+    check.tensor(api, "params['router']", router, ndim=2)
+    check.tensor(api, "params['w_in']", w_in, ndim=3)
+    check.tensor(api, "params['w_out']", w_out, ndim=3)
+    n = 1 if axis is None else check.axis_size(api, axis)
+    if tensor_axis is not None:
+        check.axis_size(api, tensor_axis)
+    d, e = router.shape
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e:
+        raise ValueError(
+            f"fpar.ops.{api}: top_k must be an int with 1 <= top_k <= E = {e} experts, got {top_k!r}."
+        )
+    if e % n:
+        raise ValueError(
+            f"fpar.ops.{api}: the router has E = {e} experts, not divisible by the size {n} of axis "
+            f"{axis!r}; expert parallelism puts E/n experts on each device. Use a number of experts "
+            f"divisible by {n}."
+        )
+    fix = (
+        f"Give w_in and w_out the spec P({axis!r}, ...) on dim 0 (fpar.ops.moe_specs({axis!r})), the "
+        f"router [D, E] replicated."
+        if axis is not None
+        else "With axis=None every device holds all E experts: w_in is [E, D, H], w_out [E, H, D]."
+    )
+    check.same(api, "x's last dim != router.shape[0]", d_x, d, "x is [T, D] and router [D, E].")
+    check.same(
+        api,
+        f"w_in.shape[0] (experts on this device) != E / n = {e} / {n}",
+        w_in.shape[0],
+        e // n,
+        fix,
+    )
+    check.same(api, "w_in.shape[1] != D (router.shape[0])", w_in.shape[1], d, "w_in is [E, D, H].")
+    check.same(api, "w_out.shape[0] != w_in.shape[0]", w_out.shape[0], w_in.shape[0], "w_out is [E, H, D].")
+    h_in, h_out = w_in.shape[2], w_out.shape[1]
+    check.same(api, "w_out.shape[1] != w_in.shape[2] (H)", h_out, h_in, "w_out is [E, H, D].")
+    check.same(api, "w_out.shape[2] != D (router.shape[0])", w_out.shape[2], d, "w_out is [E, H, D].")
+    token_axes = _token_axes(api, axis, token_axes)
+    if tensor_axis is not None and set(_axes(tensor_axis)) & set(_axes(axis) + token_axes):
+        raise ValueError(
+            f"fpar.ops.{api}: tensor_axis={tensor_axis!r} overlaps axis={axis!r} / token_axes="
+            f"{token_axes!r}; expert-TP splits each expert's hidden dim over an axis the tokens are "
+            f"replicated over."
+        )
+    return n, token_axes
+
+
+_moe_layer = moe  # moe_block's keyword ``moe`` shadows the function
+
+
+def _axes(axis) -> tuple:
+    return () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def _token_axes(api: str, axis, token_axes) -> tuple:
+    if token_axes is None:
+        return _axes(axis)
+    names = _axes(token_axes)
+    if not all(isinstance(a, str) for a in names):
+        raise TypeError(
+            f"fpar.ops.{api}: token_axes must be a mesh axis name or a tuple of names, got {token_axes!r}."
+        )
+    for a in names:
+        check.axis_size(api, a)
+    missing = [a for a in _axes(axis) if a not in names]
+    if missing:
+        raise ValueError(
+            f"fpar.ops.{api}: token_axes={token_axes!r} leaves out {missing}, but expert parallelism "
+            f"splits the tokens over axis={axis!r}; list every axis the tokens are split over, e.g. "
+            f"token_axes={tuple(names) + tuple(missing)!r}."
+        )
+    return names
+
+
+def _aux_loss(probs_TE: Tensor, idx_TK: Tensor, token_axes: tuple) -> Tensor:
+    """Switch's ``E * sum_e f_e P_e`` over the tokens of every device along ``token_axes``."""
+    t, e = probs_TE.shape
+    k = idx_TK.shape[1]
+    counts_E = F.one_hot(idx_TK, e).sum((0, 1)).to(probs_TE.dtype)
+    sums_2E = torch.stack([probs_TE.sum(0), counts_E.detach()])
+    total = t
+    if token_axes:
+        sums_2E = fpar.psum(sums_2E, token_axes)  # one all-reduce of 2E numbers
+        total = t * fpar.axis_size(token_axes)
+    p_E = sums_2E[0] / total
+    f_E = sums_2E[1].detach() / (total * k)
+    return e * (f_E * p_E).sum()
+
+
+def _expert_parallel(x_TD: Tensor, idx_TK: Tensor, w_in: Tensor, w_out: Tensor, axis, n: int) -> Tensor:
+    """Send each (token, choice) pair to its expert's device, apply it, bring it back: ``[T, K, D]``."""
+    t, d = x_TD.shape
+    k = idx_TK.shape[1]
+    e_local = w_in.shape[0]
+    cap = t * min(e_local, k)  # static worst case of one (source -> destination) slot
+    expert = idx_TK.reshape(-1)
+    dest, local = expert // e_local, expert % e_local
+    pos = dest * cap + _rank_in_group(dest, n)  # this pair's row in the [n, cap] send buffer
+    device = x_TD.device
+    token = torch.arange(t * k, device=device) // k
+    slot_token = torch.full((n * cap,), t, dtype=torch.long, device=device).scatter(0, pos, token)
+    slot_expert = torch.full((n * cap,), -1, dtype=torch.long, device=device).scatter(0, pos, local)
+    x_pad = torch.cat([x_TD, x_TD.new_zeros(1, d)])  # row t: the zeros of an empty slot
+    send = x_pad[slot_token].view(n, cap, d)
+    recv = fpar.all_to_all(send, axis, 0, 0).reshape(n * cap, d)  # rows from every source device
+    recv_expert = fpar.all_to_all(slot_expert.view(n, cap), axis, 0, 0).reshape(n * cap)
+    rows = torch.arange(n * cap, device=device)
+    out = _grouped_ffn(recv, rows, recv_expert.clamp(min=0), recv_expert >= 0, w_in, w_out)
+    back = fpar.all_to_all(out.view(n, cap, d), axis, 0, 0).reshape(n * cap, d)
+    return back[pos].view(t, k, d)
+
+
+def _rank_in_group(group: Tensor, n: int) -> Tensor:
+    """For each row, how many earlier rows share its group (``group`` in ``[0, n)``)."""
+    onehot = F.one_hot(group, n)
+    return ((onehot.cumsum(0) - onehot) * onehot).sum(1)
+
+
+def _grouped_ffn(
+    x: Tensor, src: Tensor, expert: Tensor, valid: Tensor | None, w_in: Tensor, w_out: Tensor
+) -> Tensor:
+    """``gelu(x[src[r]] @ w_in[expert[r]]) @ w_out[expert[r]]`` for every row ``r`` (0 where not ``valid``).
+
+    Rows are grouped by expert into tiles of ``b`` rows of one expert (each group padded to a
+    multiple of ``b``), then every tile is multiplied by its expert's weights in one batched
+    matmul.  All shapes depend only on the number of rows and experts, never on the routing.
+    """
+    r, e, d = src.shape[0], w_in.shape[0], x.shape[1]
+    b = max(1, math.ceil(r / (_TILES_PER_EXPERT * e)))
+    tiles = math.ceil(r / b) + e
+    slots = tiles * b
+    onehot = F.one_hot(expert, e)
+    if valid is not None:
+        onehot = onehot * valid.unsqueeze(1)
+    padded = (onehot.sum(0) + b - 1) // b * b
+    end = padded.cumsum(0)
+    pos = (end - padded)[expert] + ((onehot.cumsum(0) - onehot) * onehot).sum(1)
+    if valid is not None:
+        pos = torch.where(valid, pos, slots)  # the dump slot
+    slot_src = torch.full((slots + 1,), x.shape[0], dtype=torch.long, device=x.device).scatter(0, pos, src)
+    x_pad = torch.cat([x, x.new_zeros(1, d)])
+    tiles_BD = x_pad[slot_src[:slots]].view(tiles, b, d)
+    starts = torch.arange(tiles, device=x.device) * b
+    tile_expert = (end.unsqueeze(0) <= starts.unsqueeze(1)).sum(1).clamp(max=e - 1)
+    h = F.gelu(tiles_BD @ w_in[tile_expert])
+    out = (h @ w_out[tile_expert]).reshape(slots, d)
+    return torch.cat([out, out.new_zeros(1, d)])[pos]
+
+
+def moe_block(
+    params: dict,
+    x: Tensor,
+    *,
+    axis,
+    n_heads: int,
+    moe: dict,
+    dropout: float = 0.0,
+    key: Tensor | None = None,
+    batch_axes=None,
+) -> tuple[Tensor, Tensor]:
+    """A pre-LayerNorm transformer block with a MoE MLP: ``x + attn(ln1(x))``, then ``x + moe(ln2(x))``.
+
+    Attention is Megatron 1D over ``axis`` (as in ``fpar.ops.gpt_block``); the experts are split
+    over ``axis`` too on their hidden dim (expert-TP) and over ``moe["axis"]`` by expert.
+
+    Args:
+      params: ``{"ln1", "attn", "ln2", "moe"}`` (see ``fpar.ops.gpt_specs(..., moe=True)``).
+      x: the residual stream ``[B, T, D]``, replicated over ``axis``.
+      axis: the tensor-parallel mesh axis.
+      n_heads: total heads.
+      moe: keyword arguments of ``fpar.ops.moe`` (``top_k``, ``axis``, ``token_axes``).
+      dropout, key, batch_axes: as for ``fpar.ops.gpt_block`` (attention probabilities and the
+        two residual branches; the router and the experts see no dropout).
+
+    Returns:
+      ``(x, aux_loss)``.
+    """
+    from ._dropout import check_dropout, site_dropout
+    from ._gpt import layer_norm
+    from ._megatron import attention
+
+    check.params("moe_block", params, ("ln1", "attn", "ln2", "moe"), (), "gpt", leaves=False)
+    check_dropout("moe_block", dropout, key)
+    if not dropout:
+        x = x + attention(params["attn"], layer_norm(params["ln1"], x), axis=axis, n_heads=n_heads, causal=True)
+        y, aux = _moe_layer(params["moe"], layer_norm(params["ln2"], x), tensor_axis=axis, **moe)
+        return x + y, aux
+    k_attn, k_res1, k_res2 = (fpar.random.fold_in(key, i) for i in range(3))
+    a = attention(
+        params["attn"], layer_norm(params["ln1"], x), axis=axis, n_heads=n_heads, causal=True,
+        dropout=dropout, key=k_attn, batch_axes=batch_axes,
+    )
+    x = x + site_dropout(k_res1, a, dropout, axis=axis, batch_axes=batch_axes)
+    y, aux = _moe_layer(params["moe"], layer_norm(params["ln2"], x), tensor_axis=axis, **moe)
+    return x + site_dropout(k_res2, y, dropout, axis=axis, batch_axes=batch_axes), aux
+
+
+def moe_specs(axis="expert", *, tensor_axis=None) -> dict:
+    """Return the ``fpar.P`` of each ``moe`` parameter: experts split over ``axis`` on dim 0.
+
+    ``tensor_axis`` additionally splits each expert's hidden dim (expert-TP); the router is
+    replicated.  ``axis=None`` keeps every expert on every device.
+    """
+    return {
+        "router": P(),
+        "w_in": _clean(P(axis, None, tensor_axis)),
+        "w_out": _clean(P(axis, tensor_axis, None)),
+    }
+
+
+def _clean(spec: P) -> P:
+    parts = tuple(spec)
+    while parts and parts[-1] is None:
+        parts = parts[:-1]
+    return P(*parts)
+
+
+def init_moe(
+    d_model: int,
+    d_hidden: int,
+    n_experts: int,
+    *,
+    std: float = 0.02,
+    out_std: float | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> dict:
+    """Return ``fpar.init`` leaves for ``moe``: normal router and experts (``out_std`` for ``w_out``)."""
+    for name, v in (("d_model", d_model), ("d_hidden", d_hidden), ("n_experts", n_experts)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise TypeError(f"fpar.ops.init_moe: {name} must be a positive int, got {v!r}.")
+    return {
+        "router": fpar.normal((d_model, n_experts), std=std, dtype=dtype),
+        "w_in": fpar.normal((n_experts, d_model, d_hidden), std=std, dtype=dtype),
+        "w_out": fpar.normal(
+            (n_experts, d_hidden, d_model), std=std if out_std is None else out_std, dtype=dtype
+        ),
+    }

@@ -1,0 +1,322 @@
+"""fpar.ops.moe against a plain per-token loop: values, grads, aux loss, meshes, dtypes, traffic, errors."""
+
+from __future__ import annotations
+
+import math
+
+import moe_dist_workers
+import optree
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import assume, given
+from hypothesis import strategies as st
+from opstest import FEW, assert_tree_close, randn
+
+import fpar
+import fpar.ops as ops
+from fpar import P
+
+# The reference ---------------------------------------------------------------------------------
+
+
+def reference(params, x, top_k):
+    """The issue's semantics, one token and one choice at a time (no grouping, no sorting)."""
+    router, w_in, w_out = params["router"], params["w_in"], params["w_out"]
+    t_all, e = x.shape[0], router.shape[1]
+    ys, load, prob_sum = [], [0] * e, 0
+    for t in range(t_all):
+        probs = torch.softmax(x[t] @ router, dim=-1)
+        prob_sum = prob_sum + probs
+        w, idx = torch.topk(probs, top_k)
+        w = w / w.sum()
+        y = 0
+        for j in range(top_k):
+            ex = int(idx[j])
+            load[ex] += 1
+            y = y + w[j] * (F.gelu(x[t] @ w_in[ex]) @ w_out[ex])
+        ys.append(y)
+    f = torch.tensor(load, dtype=x.dtype) / (t_all * top_k)
+    return torch.stack(ys), e * (f * prob_sum / t_all).sum()
+
+
+def make(t, d, h, e, *, seed=0, skew=0.0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    params = {
+        "router": torch.randn(d, e, generator=gen, dtype=torch.float64),
+        "w_in": torch.randn(e, d, h, generator=gen, dtype=torch.float64) / math.sqrt(d),
+        "w_out": torch.randn(e, h, d, generator=gen, dtype=torch.float64) / math.sqrt(h),
+    }
+    params["router"][:, 0] += skew  # skew > 0 sends most tokens to expert 0
+    x = torch.randn(t, d, generator=gen, dtype=torch.float64) + 0.5
+    return optree.tree_map(lambda a: a.to(dtype), params), x.to(dtype)
+
+
+def layer(mesh, *, top_k, axis="expert", token_spec=None, token_axes=None, tensor_axis=None):
+    """The sharded layer: tokens split over ``token_spec`` (default ``P(axis)``), experts over ``axis``."""
+    specs = ops.moe_specs(axis, tensor_axis=tensor_axis)
+    tokens = P(axis) if token_spec is None else token_spec
+
+    def per_device(p, x):
+        return ops.moe(p, x, top_k=top_k, axis=axis, token_axes=token_axes, tensor_axis=tensor_axis)
+
+    return fpar.shard(per_device, mesh, (specs, tokens), (tokens, P()))
+
+
+def check(fn, params, x, top_k, *, grads=True):
+    """``fn(params, x) == reference``: y, aux, and the gradients of <y, ct> + 3 aux."""
+    want = reference(params, x, top_k)
+    assert_tree_close(fn(params, x), want)
+    if not grads:
+        return
+    ct = randn(*x.shape, seed=7)
+
+    def objective(f):
+        def o(p, x):
+            y, aux = f(p, x)
+            return (y * ct).sum() + 3 * aux
+
+        return o
+
+    got = torch.func.grad(objective(fn), argnums=(0, 1))(params, x)
+    want = torch.func.grad(objective(lambda p, x: reference(p, x, top_k)), argnums=(0, 1))(params, x)
+    assert_tree_close(got, want, "grad")
+
+
+# Unsharded ------------------------------------------------------------------------------------------
+
+
+@FEW
+@given(
+    t=st.integers(1, 8),
+    e=st.integers(1, 6),
+    k=st.integers(1, 3),
+    skew=st.sampled_from([0.0, 3.0, 30.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_unsharded_equals_per_token_loop(t, e, k, skew, seed):
+    assume(k <= e)
+    params, x = make(t, 3, 5, e, seed=seed, skew=skew)
+    check(lambda p, x: ops.moe(p, x, top_k=k), params, x, k)
+
+
+def test_ties_follow_torch_topk():
+    params, x = make(6, 3, 4, 5)
+    params["router"] = torch.zeros_like(params["router"])  # every probability equal: pure ties
+    check(lambda p, x: ops.moe(p, x, top_k=2), params, x, 2)
+
+
+def test_leading_dims_are_tokens():
+    params, x = make(12, 3, 4, 4)
+    y, aux = ops.moe(params, x.view(3, 4, 3), top_k=2)
+    y_ref, aux_ref = reference(params, x, 2)
+    assert_tree_close((y.reshape(12, 3), aux), (y_ref, aux_ref))
+
+
+# Expert parallel ------------------------------------------------------------------------------------
+
+
+@FEW
+@given(
+    n=st.sampled_from([1, 2, 4]),
+    per_device=st.integers(1, 2),
+    tokens=st.integers(1, 3),
+    k=st.integers(1, 3),
+    skew=st.sampled_from([0.0, 3.0, 30.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_expert_parallel_equals_per_token_loop(n, per_device, tokens, k, skew, seed):
+    e = n * per_device
+    assume(k <= e)
+    params, x = make(n * tokens, 3, 4, e, seed=seed, skew=skew)
+    check(layer(fpar.make_mesh((n,), ("expert",)), top_k=k), params, x, k)
+
+
+def test_all_tokens_on_one_expert_are_not_dropped():
+    """Every pair goes to device 0: the static slots hold them all (dropless)."""
+    params, x = make(8, 3, 4, 4, skew=1e3)
+    check(layer(fpar.make_mesh((4,), ("expert",)), top_k=1), params, x, 1)
+    params, x = make(8, 3, 4, 8, skew=0.0)
+    params["router"][:, 4:] -= 1e3  # devices 2, 3 get nothing, devices 0, 1 everything
+    check(layer(fpar.make_mesh((4,), ("expert",)), top_k=2), params, x, 2)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_low_precision_values(dtype, tol):
+    params, x = make(32, 8, 8, 4, seed=5, dtype=dtype)
+    probs = torch.softmax(x.double() @ params["router"].double(), -1).sort(-1, descending=True).values
+    clear = (probs[:, 1] - probs[:, 2]) > 1e-2  # drop near-ties whose rounding could flip the choice
+    x = x[clear][: 2 * (int(clear.sum()) // 2)]
+    assert x.shape[0] >= 16
+    y_ref, aux_ref = reference(optree.tree_map(torch.Tensor.double, params), x.double(), 2)
+    for fn in (lambda p, x: ops.moe(p, x, top_k=2), layer(fpar.make_mesh((2,), ("expert",)), top_k=2)):
+        y, aux = fn(params, x)
+        assert y.dtype == dtype and aux.dtype == dtype
+        torch.testing.assert_close(y.double(), y_ref, rtol=tol, atol=tol)
+        torch.testing.assert_close(aux.double(), aux_ref, rtol=tol, atol=tol)
+
+
+def test_data_times_expert_aux_loss_is_global():
+    mesh = fpar.make_mesh((2, 2), ("data", "expert"))
+    params, x = make(8, 3, 4, 4, seed=1, skew=2.0)
+    tokens = P(("data", "expert"))
+    check(layer(mesh, top_k=2, token_spec=tokens, token_axes=("data", "expert")), params, x, 2)
+    # Leaving "data" out of token_axes gives each data shard's own aux loss, which varies over
+    # "data": fpar.shard's replication check refuses to return it as one value.
+    with pytest.raises(fpar.ReplicationError, match="varies over mesh axis 'data'"):
+        layer(mesh, top_k=2, token_spec=tokens)(params, x)
+
+
+def test_expert_tensor_parallel():
+    mesh = fpar.make_mesh((2, 2), ("expert", "tensor"))
+    params, x = make(6, 3, 6, 4, seed=2, skew=1.0)
+    check(layer(mesh, top_k=2, tensor_axis="tensor"), params, x, 2)
+
+
+def test_experts_replicated_tensor_parallel_only():
+    mesh = fpar.make_mesh((2,), ("tensor",))
+    params, x = make(5, 3, 4, 3, seed=4)
+    check(layer(mesh, top_k=2, axis=None, token_spec=P(), tensor_axis="tensor"), params, x, 2)
+
+
+# Traffic -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, e, k", [(2, 4, 2), (4, 4, 2), (2, 8, 3)])
+def test_bytes_equal_the_static_slot_formula(n, e, k):
+    t_local, d = 3, 5
+    params, x = make(n * t_local, d, 4, e, seed=6)
+    fn = layer(fpar.make_mesh((n,), ("expert",)), top_k=k)
+    cap = t_local * min(e // n, k)
+    payload = (n - 1) * cap * d * 8  # (n-1)/n of an [n, cap, D] float64 block
+    ids = (n - 1) * cap * 8  # the int64 local expert id of every slot
+    fpar.reset_comm_stats()
+    fn(params, x)
+    fwd = fpar.comm_stats()["expert"]
+    assert fwd["all_to_all"]["bytes"] == 2 * payload + ids
+    assert fwd["psum"]["bytes"] == 2 * (n - 1) * (2 * e * 8) // n  # the aux loss's [2, E] sums
+    fpar.reset_comm_stats()
+    torch.func.grad(lambda p, x: fn(p, x)[0].sum(), argnums=(0, 1))(params, x)
+    both = fpar.comm_stats()["expert"]
+    assert both["all_to_all"]["bytes"] == 4 * payload + ids  # the payload's two transposes
+    fpar.reset_comm_stats()
+
+
+# The GPT option -----------------------------------------------------------------------------------------
+
+
+def test_moe_gpt_equals_its_unsharded_run():
+    n_layers, vocab, d, seq = 2, 16, 8, 6
+    init = ops.init_gpt(vocab, d, n_layers, seq, d_hidden=6, n_experts=4, dtype=torch.float64)
+    one = fpar.make_mesh((1,), ("tensor",))
+    params = fpar.init(init, one, ops.gpt_specs(n_layers, moe=True, expert_axis=None), seed=0)
+    assert "moe" in params["blocks"][1] and "mlp" in params["blocks"][0]
+    ids = torch.randint(0, vocab, (4, seq), generator=torch.Generator().manual_seed(0))
+
+    def unsharded(p, ids):
+        loss, aux = ops.gpt_loss(p, ids, ids, axis="tensor", n_heads=2, moe=dict(top_k=2))
+        return loss.mean() + 0.1 * aux
+
+    def sharded(p, ids):
+        moe = dict(top_k=2, axis="expert", token_axes=("data", "expert"))
+        loss, aux = ops.gpt_loss(p, ids, ids, axis="tensor", n_heads=2, moe=moe)
+        return fpar.pmean(loss.mean(), ("data", "expert")) + 0.1 * aux
+
+    mesh = fpar.make_mesh((2, 2, 2), ("data", "expert", "tensor"))
+    want = torch.func.grad_and_value(
+        fpar.shard(unsharded, one, (ops.gpt_specs(n_layers, moe=True, expert_axis=None), P()), P())
+    )(params, ids)
+    got = torch.func.grad_and_value(
+        fpar.shard(sharded, mesh, (ops.gpt_specs(n_layers, moe=True), P(("data", "expert"))), P())
+    )(params, ids)
+    assert_tree_close(got, want)
+
+
+def test_moe_gpt_needs_the_moe_option():
+    init = ops.init_gpt(16, 8, 2, 6, n_experts=2)
+    one = fpar.make_mesh((1,), ("tensor",))
+    specs = ops.gpt_specs(2, moe=True, expert_axis=None)
+    params = fpar.init(init, one, specs, seed=0)
+    ids = torch.zeros(1, 6, dtype=torch.long)
+    logits = P(None, None, "tensor")
+    run = fpar.shard(lambda p, i: ops.gpt(p, i, axis="tensor", n_heads=2), one, (specs, P()), logits)
+    with pytest.raises(ValueError, match="params have MoE blocks but moe is None"):
+        run(params, ids)
+    run = fpar.shard(
+        lambda p, i: ops.gpt(p, i, axis="tensor", n_heads=2, moe=dict(top_k=3)), one, (specs, P()), logits
+    )
+    fpar.reset_comm_stats()
+    msg = r"gpt \(blocks\[1\]\): top_k must be an int with 1 <= top_k <= E = 2"
+    with pytest.raises(ValueError, match=msg):
+        run(params, ids)
+    assert fpar.comm_stats() == {}  # before the embedding's psum
+
+
+# Bad input: a clear error, before any communication ----------------------------------------------------
+
+
+def _error(mesh, params, x, match, exc=ValueError, **kw):
+    specs = ops.moe_specs(None if kw.pop("replicated", False) else "expert")
+
+    def per_device(p, x):
+        return ops.moe(p, x, axis="expert", **kw)
+
+    fn = fpar.shard(per_device, mesh, (specs, P("expert")), (P("expert"), P()))
+    fpar.reset_comm_stats()
+    with pytest.raises(exc, match=match):
+        fn(params, x)
+    assert fpar.comm_stats() == {}
+
+
+def test_bad_input_is_named_before_any_communication():
+    mesh = fpar.make_mesh((2,), ("expert",))
+    params, x = make(4, 3, 4, 4)
+    _error(mesh, params, x, r"top_k must be an int with 1 <= top_k <= E = 4", top_k=5)
+    _error(mesh, params, x, r"top_k must be an int with 1 <= top_k <= E = 4", top_k=0)
+    msg = r"w_in.shape\[0\] \(experts on this device\) != E / n = 4 / 2 \(4 != 2\). Give w_in"
+    _error(mesh, params, x, msg, replicated=True)
+    odd, _ = make(4, 3, 4, 3)
+    msg = r"router has E = 3 experts, not divisible by the size 2 of axis 'expert'"
+    _error(mesh, odd, x, msg, replicated=True)
+    bad = dict(params, router=torch.randn(5, 4, dtype=torch.float64))
+    _error(mesh, bad, x, r"x's last dim != router.shape\[0\] \(3 != 5\)")
+    bad = dict(params, w_out=torch.randn(4, 5, 3, dtype=torch.float64))
+    _error(mesh, bad, x, r"w_out.shape\[1\] != w_in.shape\[2\] \(H\) \(5 != 4\)")
+    _error(mesh, params, x, r"token_axes=\(\) leaves out \['expert'\]", token_axes=())
+    # Tokens not divisible over the axis: fpar.shard's own check, naming the argument.
+    msg = r"args\[1\]: dim 0 of size 3 is not evenly divisible by the mesh axes \(.expert.,\)"
+    _error(mesh, params, x[:3], msg, exc=fpar.SpecError, top_k=2)
+    with pytest.raises(ValueError, match="top_k must be an int"):
+        ops.moe(params, x, top_k=True)
+
+
+# Real mesh ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_real_mesh_equals_in_process():
+    results = fpar.launch(moe_dist_workers.worker, 2, timeout=60.0)
+    want = moe_dist_workers.program(fpar.make_mesh((2,), ("expert",)))
+    params, x, _ = moe_dist_workers.inputs()
+    assert_tree_close(want[:2], reference(params, x, moe_dist_workers.TOP_K))
+    for rank, got in enumerate(results):
+        assert_tree_close(got[:3], want[:3], what=f"rank {rank}")
+        assert got[3] == want[3], f"rank {rank} traffic"
+
+
+# The example --------------------------------------------------------------------------------------------
+
+
+def test_example_parallel_equals_single_device():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import train_moe_gpt
+
+    small = ["--steps", "3", "--quiet", "--d-model", "16", "--d-hidden", "16", "--layers", "2"]
+    small += ["--heads", "2", "--seq", "16", "--batch", "8", "--max-bytes", "50000"]
+    parallel = train_moe_gpt.main([*small, "--dp", "2", "--expert", "2", "--tensor", "2"])
+    single = train_moe_gpt.main([*small, "--single-device"])
+    assert single[-1] < single[0]
+    torch.testing.assert_close(parallel, single, rtol=1e-4, atol=1e-5)
