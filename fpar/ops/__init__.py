@@ -15,6 +15,8 @@ axis with ``axis=``; parameters are plain tensor dicts, and ``*_specs`` / ``init
 * Colossal-AI multi-dimensional TP (``_summa.py``, ``_summa_3d.py``): 2D SUMMA ``summa_matmul``,
   ``linear_2d``, ``layer_norm_2d``, ``mlp_2d``; 2.5D ``linear_2p5d`` ...; 3D ``linear_3d`` ...; and
   ``specs_2d`` / ``specs_2p5d`` / ``specs_3d`` giving every operand's ``P``.
+* Any ``nn.Module`` / Hugging Face model as it is (``_tensor_parallel.py``): ``tensor_parallel``
+  (Megatron plan applied to the module's own forward) and its ``TensorParallelFn``.
 * Configuration (``_layout.py``): ``tensor_layout`` / ``TensorLayout`` map a Colossal-AI style
   tensor-parallel config onto mesh axis names and shapes.
 
@@ -72,6 +74,8 @@ from ._summa_3d import layer_norm_3d as layer_norm_3d
 from ._summa_3d import linear_3d as linear_3d
 from ._summa_3d import mlp_3d as mlp_3d
 from ._summa_3d import specs_3d as specs_3d
+from ._tensor_parallel import TensorParallelFn as TensorParallelFn
+from ._tensor_parallel import tensor_parallel as tensor_parallel
 
 __all__ = [
     "TensorLayout",
@@ -116,6 +120,8 @@ __all__ = [
     "specs_3d",
     "summa_matmul",
     "tensor_layout",
+    "tensor_parallel",
+    "TensorParallelFn",
     "ulysses_attention",
     "vocab_cross_entropy",
     "vocab_embedding",
