@@ -396,25 +396,24 @@ def _out_dims(module: nn.Module) -> dict[str, int]:
 
 
 def _specs(model, modules, layers, params, axis) -> dict[str, P]:
+    """Every parameter's spec, from the layer that owns it; a tied parameter's layers must agree."""
     owner = {id(p): name for name, p in model.named_parameters()}  # tied parameters appear once
-    specs: dict[str, P] = {name: P() for name in params}
-    given: dict[str, tuple[str, P]] = {}
-    for name, layer in layers.items():
-        module = modules[name]
-        for pname, spec in _layer_specs(module, layer.kind, axis).items():
-            p = getattr(module, pname, None)
-            if p is None:
-                continue
-            key = owner[id(p)]
-            if key in given and given[key][1] != spec:
+    specs: dict[str, P] = {}
+    given: dict[str, str] = {}
+    for name, module in modules.items():
+        layer = layers.get(name)
+        own = _layer_specs(module, layer.kind, axis) if layer is not None else {}
+        for pname, p in module.named_parameters(recurse=False):
+            key, spec = owner[id(p)], own.get(pname, P())
+            if key in specs and specs[key] != spec:
                 raise ValueError(
-                    f"{_API}: {key!r} is tied between {given[key][0]!r} and {name!r}, whose plans give it "
-                    f"different layouts ({given[key][1]} and {spec}). Give tied layers the same kind "
+                    f"{_API}: {key!r} is tied between {given[key]!r} and {name!r}, whose plans give it "
+                    f"different layouts ({specs[key]} and {spec}). Give tied layers the same kind "
                     f"(e.g. 'vocab' for a tied embedding and lm_head)."
                 )
-            given[key] = (name, spec)
-            specs[key] = spec
-    return specs
+            specs.setdefault(key, spec)
+            given.setdefault(key, name)
+    return {name: specs[name] for name in params}
 
 
 # Regrouping fused weights ---------------------------------------------------------------------
