@@ -174,18 +174,10 @@ def test_checkpoint_merge_loads_with_from_pretrained(tmp_path):
     ids = tp_models.batch()
     apply_fn, params, specs = fpar.ops.tensor_parallel(model, MESH)
     trained = {k: v + 0.01 * torch.randn_like(v) for k, v in params.items()}  # "after training"
-    fpar.checkpoint.save(tmp_path / "run", {"params": trained}, MESH, {"params": specs}, step=1)
+    fpar.checkpoint.save(tmp_path / "run", trained, MESH, specs, step=1)
     out = tmp_path / "export"
     out.mkdir()
-    fpar.checkpoint.merge(
-        tmp_path / "run", out / "fused.safetensors", transform=lambda t: apply_fn.export(t, prefix="params.")
-    )
-    # from_pretrained wants the module's names: the merged file's names minus the tree prefix.
-    from safetensors.torch import load_file, save_file
-
-    merged = load_file(out / "fused.safetensors")
-    save_file({k.removeprefix("params."): v for k, v in merged.items()}, out / "model.safetensors", {"format": "pt"})
-    (out / "fused.safetensors").unlink()
+    fpar.checkpoint.merge(tmp_path / "run", out / "model.safetensors", transform=apply_fn.export)
     model.config.save_pretrained(out)
     loaded = type(model).from_pretrained(out, attn_implementation="eager", dtype=torch.float64).eval()
     f = fpar.shard(lambda p, x: apply_fn(p, x, use_cache=False).logits, MESH, (specs, P("data")), P("data", None, "tensor"))
