@@ -16,9 +16,9 @@ How the module's own code is made to run on blocks, without touching the user's 
 * Row-parallel layers of the copy get a forward that all-reduces (``fpar.psum``) the partial
   product *before* adding the bias (``addmm``/``F.linear`` would add it on every device);
   vocabulary-parallel embeddings a forward that looks up the owned rows and psums them.
-* On the in-process mesh the copy uses ``eager`` attention: ``sdpa`` has no vmap rule (a slow
-  per-example fallback) and fails on an ``attention_mask`` split over a data axis.  The math is
-  the same.  On a real mesh the model's own attention implementation is kept.
+* The copy uses ``eager`` attention: ``fpar.shard`` runs the per-device function under vmap
+  levels (on a real mesh too), where ``sdpa`` has no batching rule (a slow per-example fallback)
+  and fails on an ``attention_mask`` split over a data axis.  The math is the same.
 * With a vocabulary-parallel ``lm_head`` the logits stay split (``[..., V/n]``); the copy's HF
   causal-LM loss (``labels=``) is replaced by one on ``fpar.ops.vocab_cross_entropy``, which
   never gathers them.
@@ -146,7 +146,7 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, *, axis: str = "tensor", plan:
                 full = f"{name}.{pname}" if name else pname
                 params[full] = _regroup(params[full], layer.groups, n, dim)
                 regrouped[full] = (layer.groups, dim)
-    local = _local_copy(model, modules, layers, n, axis, in_process=mesh.backend != "dist")
+    local = _local_copy(model, modules, layers, n, axis)
     buffers = {name: b.detach() for name, b in local.named_buffers()}
     run = _stateless(local, frozenset(params), buffers)
     return TensorParallelFn(run, local, axis, n, layers, regrouped), params, specs
@@ -435,7 +435,7 @@ def _ungroup(t: Tensor, groups: int, n: int, dim: int) -> Tensor:
 # The local copy ---------------------------------------------------------------------------------
 
 
-def _local_copy(model, modules, layers, n: int, axis: str, *, in_process: bool) -> nn.Module:
+def _local_copy(model, modules, layers, n: int, axis: str) -> nn.Module:
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
     local = copy.deepcopy(model, shared)
     local_modules = dict(local.named_modules())
@@ -464,7 +464,7 @@ def _local_copy(model, modules, layers, n: int, axis: str, *, in_process: bool) 
                     )
                 setattr(parent, attr, value // n)
     config = getattr(local, "config", None)
-    if in_process and getattr(config, "_attn_implementation", None) not in (None, "eager"):
+    if getattr(config, "_attn_implementation", None) not in (None, "eager"):
         local.set_attn_implementation("eager")
     head = local.get_output_embeddings() if hasattr(local, "get_output_embeddings") else None
     names = {id(m): name for name, m in local_modules.items()}

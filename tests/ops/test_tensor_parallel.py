@@ -316,3 +316,20 @@ def test_real_mesh_equals_in_process():
         assert_tree_close(v, value, what=f"rank {rank} loss")
         assert_tree_close(g, grads, what=f"rank {rank} grads")
         assert s == stats, f"rank {rank} traffic"
+
+
+# The example ------------------------------------------------------------------------------------------
+
+
+def test_hf_gpt2_example_trains_and_exports_for_from_pretrained(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import hf_gpt2
+
+    argv = ["--steps", "4", "--batch", "4", "--seq", "16", "--d-model", "32", "--max-bytes", "20000", "--quiet"]
+    result = hf_gpt2.main(argv + ["--export", str(tmp_path / "hf")])
+    assert len(result.losses) == 4 and all(torch.isfinite(torch.tensor(result.losses)))
+    assert result.losses[-1] < result.losses[0]
+    assert abs(result.exported_val_loss - result.val_loss) < 1e-5  # from_pretrained on the merged file
