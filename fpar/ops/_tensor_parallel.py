@@ -92,7 +92,7 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, *, axis: str = "tensor", plan:
     but the values are not the module's: ``apply_fn.export(params)`` undoes it, and
     ``fpar.checkpoint.merge(..., transform=apply_fn.export)`` writes a file that
     ``transformers``' ``from_pretrained`` loads into the original class.  ``apply_fn.regrouped``
-    names the regrouped parameters.
+    names the regrouped parameters.  A user plan's column-parallel ``c_attn`` is regrouped too.
 
     Args:
       model: the module (not modified; its parameters are shared, not copied).  Call
@@ -134,7 +134,10 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, *, axis: str = "tensor", plan:
         raise ValueError(f"{_API}: axis {axis!r} is not an axis of {mesh}; name one of {mesh.axis_names}.")
     n = mesh.shape[axis]
     modules = dict(model.named_modules())
-    layers = _auto_plan(model, modules, n) if isinstance(plan, str) and plan == "auto" else _user_plan(plan, modules)
+    if isinstance(plan, str) and plan == "auto":
+        layers = _auto_plan(model, modules, n)
+    else:
+        layers = _fused_groups(_user_plan(plan, modules), modules)
     for name, layer in layers.items():
         _check_layer(name, modules[name], layer, n)
     params = {name: p.detach() for name, p in model.named_parameters()}
@@ -238,6 +241,18 @@ def _user_plan(plan: Any, modules: dict[str, nn.Module]) -> dict[str, _Layer]:
             )
         for name in hits:
             layers.setdefault(name, _Layer(kind, pattern=pattern))
+    return layers
+
+
+def _fused_groups(layers: dict[str, _Layer], modules: dict[str, nn.Module]) -> dict[str, _Layer]:
+    """A user plan's column-parallel fused layers of recognised families (GPT-2's ``c_attn``) are
+    regrouped as in the auto plan: a contiguous split of ``[q|k|v]`` would be silently wrong."""
+    families = _families()
+    for name, layer in layers.items():
+        parent, _, child = name.rpartition(".")
+        for fused, _, groups in families.get(_family_of(modules[parent], families), ()):
+            if fused == child and groups > 1 and layer.kind == "colwise":
+                layer.groups = groups
     return layers
 
 

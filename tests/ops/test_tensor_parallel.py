@@ -333,3 +333,23 @@ def test_hf_gpt2_example_trains_and_exports_for_from_pretrained(tmp_path):
     assert len(result.losses) == 4 and all(torch.isfinite(torch.tensor(result.losses)))
     assert result.losses[-1] < result.losses[0]
     assert abs(result.exported_val_loss - result.val_loss) < 1e-5  # from_pretrained on the merged file
+
+
+BLOCKS_ONLY = {"*.attn.c_attn": "colwise", "*.attn.c_proj": "rowwise", "*.mlp.c_fc": "colwise", "*.mlp.c_proj": "rowwise"}
+
+
+def test_user_plan_on_gpt2_regroups_c_attn_too():
+    model = tp_models.gpt2()
+    ids = tp_models.batch()
+    apply_fn, params, specs = fpar.ops.tensor_parallel(model, MESH, plan=BLOCKS_ONLY)
+    assert "transformer.h.0.attn.c_attn.weight" in apply_fn.regrouped
+    assert specs["transformer.wte.weight"] == P() and specs["transformer.h.0.mlp.c_fc.weight"] == P(None, "tensor")
+
+    def per_device(p, x):
+        logits = apply_fn(p, x, use_cache=False).logits[:, :-1]
+        return fpar.pmean(F.cross_entropy(logits.reshape(-1, tp_models.V), x[:, 1:].reshape(-1)), "data")
+
+    loss = fpar.shard(per_device, MESH, (specs, P("data")), P())
+    want_loss, want_grads = _unsharded_grads(model, ids)
+    assert_tree_close(loss(params, ids), want_loss, what="loss")
+    assert_tree_close(apply_fn.export(torch.func.grad(loss)(params, ids)), want_grads, what="grads")
