@@ -155,6 +155,20 @@ def test_adamw_steps_match_unsharded():
     assert_tree_close(apply_fn.export(params), ref, what="params after 2 AdamW steps")
 
 
+def test_zero2_step_matches_unsharded_adamw():
+    model = tp_models.gpt2()
+    ids = tp_models.batch()
+    apply_fn, params, specs = fpar.ops.tensor_parallel(model, MESH)
+    opt = fo.adamw(1e-2, weight_decay=0.1)
+    layout = fo.zero_layout(params, MESH, specs, stage=2)
+    zparams, state = fo.zero_init(opt, params, layout)
+    step = fo.zero_step(lambda p, x: apply_fn(p, x, labels=x, use_cache=False).loss, opt, layout)
+    zparams, state, _ = step(zparams, state, ids)
+    ref = {k: p.detach() for k, p in model.named_parameters()}
+    updates, _ = opt.update(torch.func.grad(tp_models.reference_loss(model))(ref, ids), opt.init(ref), ref)
+    assert_tree_close(apply_fn.export(fo.zero_params(zparams, layout)), fo.apply_updates(ref, updates), what="ZeRO-2 step")
+
+
 def test_remat_of_the_whole_forward():
     model = tp_models.llama()
     ids = tp_models.batch()
