@@ -48,15 +48,28 @@ from fpar import P
 
 NPROCS = 2
 LR = 1e-3
-PLAN = {"*.attn.c_attn": "colwise", "*.attn.c_proj": "rowwise", "*.mlp.c_fc": "colwise", "*.mlp.c_proj": "rowwise"}
+PLAN = {
+    "*.attn.c_attn": "colwise",
+    "*.attn.c_proj": "rowwise",
+    "*.mlp.c_fc": "colwise",
+    "*.mlp.c_proj": "rowwise",
+}
 
 
 def build(cfg: dict):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        vocab_size=cfg["vocab"], n_positions=cfg["seq"], n_embd=cfg["d_model"], n_layer=cfg["layers"],
-        n_head=cfg["heads"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        vocab_size=cfg["vocab"],
+        n_positions=cfg["seq"],
+        n_embd=cfg["d_model"],
+        n_layer=cfg["layers"],
+        n_head=cfg["heads"],
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config).eval()
@@ -71,7 +84,12 @@ def dtensor_model(model, n: int):
 
     model = copy.deepcopy(model)
     for block in model.transformer.h:
-        for owner, name in ((block.attn, "c_attn"), (block.attn, "c_proj"), (block.mlp, "c_fc"), (block.mlp, "c_proj")):
+        for owner, name in (
+            (block.attn, "c_attn"),
+            (block.attn, "c_proj"),
+            (block.mlp, "c_fc"),
+            (block.mlp, "c_proj"),
+        ):
             conv = getattr(owner, name)
             linear = nn.Linear(conv.nx, conv.nf)
             with torch.no_grad():
@@ -110,7 +128,9 @@ def worker(cfg: dict) -> dict:
     torch.set_num_threads(cfg["threads"])
     n = dist.get_world_size()
     model = build(cfg)
-    ids = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=torch.Generator().manual_seed(1)
+    )
 
     # (a) fpar on the unmodified model
     mesh = fpar.make_mesh((n,), ("tensor",))
@@ -144,7 +164,10 @@ def worker(cfg: dict) -> dict:
     from torch.distributed.tensor import DTensor
 
     dparams = list(dmodel.parameters())
-    groups = [[p for p in dparams if isinstance(p, DTensor)], [p for p in dparams if not isinstance(p, DTensor)]]
+    groups = [
+        [p for p in dparams if isinstance(p, DTensor)],
+        [p for p in dparams if not isinstance(p, DTensor)],
+    ]
 
     def dtensor_step():
         loss = dmodel(ids, labels=ids, use_cache=False).loss

@@ -74,7 +74,9 @@ def add_args(ap: argparse.ArgumentParser, *, steps: int, batch: int, lr: float, 
     g = ap.add_argument_group("parallelism")
     g.add_argument("--parallel", help='e.g. "pipeline=2,data=2,tensor=2" (data=-1: inferred)')
     g.add_argument("--pp", type=int, help="pipeline stages (default 2 when any of --pp/--dp/--tp is given)")
-    g.add_argument("--dp", type=int, help="data-parallel size (-1, the default with --pp/--tp: devices / (pp * tp))")
+    g.add_argument(
+        "--dp", type=int, help="data-parallel size (-1, the default with --pp/--tp: devices / (pp * tp))"
+    )
     g.add_argument("--tp", type=int, help="tensor-parallel size, Megatron 1D (default 2 with --pp/--dp)")
     g.add_argument("--devices", type=int, default=8, help="in-process devices (torchrun: the world size)")
     g.add_argument(

@@ -49,8 +49,16 @@ def build_model(args):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        vocab_size=256, n_positions=args.seq, n_embd=args.d_model, n_layer=args.layers, n_head=args.heads,
-        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        vocab_size=256,
+        n_positions=args.seq,
+        n_embd=args.d_model,
+        n_layer=args.layers,
+        n_head=args.heads,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )  # dropout off: the per-device forward draws no random numbers
     torch.manual_seed(args.seed)
     return GPT2LMHeadModel(config).eval()

@@ -96,8 +96,8 @@ def spec_rules(
     ``functionalize`` as it is (``"h.0.attn.c_attn.weight"``), ``"params.w1"`` for
     ``{"params": {"w1": ...}}``.  Rules are tried in order and the first whose pattern matches
     the *whole* name wins, so put specific rules before general ones.  Nothing is replicated
-silently: a rule that matches no name is an error, and so are names no rule matches unless
-``default`` is given.
+    silently: a rule that matches no name is an error, and so are names no rule matches unless
+    ``default`` is given.
 
     Args:
       params: a pytree of tensors (typically ``params`` from ``functionalize``).

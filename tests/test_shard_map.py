@@ -17,7 +17,10 @@ def _loss(w, x):
 
 def test_shard_map_equals_shard_and_the_unsharded_function():
     gen = torch.Generator().manual_seed(0)
-    w, x = torch.randn(3, 4, generator=gen, dtype=torch.float64), torch.randn(6, 3, generator=gen, dtype=torch.float64)
+    w, x = (
+        torch.randn(3, 4, generator=gen, dtype=torch.float64),
+        torch.randn(6, 3, generator=gen, dtype=torch.float64),
+    )
     specs = (P(None, "tensor"), P("data"))
     mapped = fpar.shard_map(_loss, mesh=MESH, in_specs=specs, out_specs=P())
     plain = fpar.shard(_loss, MESH, specs, P())

@@ -245,8 +245,10 @@ def _user_plan(plan: Any, modules: dict[str, nn.Module]) -> dict[str, _Layer]:
 
 
 def _fused_groups(layers: dict[str, _Layer], modules: dict[str, nn.Module]) -> dict[str, _Layer]:
-    """A user plan's column-parallel fused layers of recognised families (GPT-2's ``c_attn``) are
-    regrouped as in the auto plan: a contiguous split of ``[q|k|v]`` would be silently wrong."""
+    """Regroup a user plan's column-parallel fused layers of recognised families, as ``auto`` does.
+
+    GPT-2's ``c_attn``: a contiguous split of ``[q|k|v]`` would be silently wrong.
+    """
     families = _families()
     for name, layer in layers.items():
         parent, _, child = name.rpartition(".")
@@ -310,7 +312,12 @@ def _families() -> dict[type, tuple]:
     from transformers.models.llama import modeling_llama as llama
     from transformers.models.mistral import modeling_mistral as mistral
 
-    qkvo = (("q_proj", "colwise", 1), ("k_proj", "colwise", 1), ("v_proj", "colwise", 1), ("o_proj", "rowwise", 1))
+    qkvo = (
+        ("q_proj", "colwise", 1),
+        ("k_proj", "colwise", 1),
+        ("v_proj", "colwise", 1),
+        ("o_proj", "rowwise", 1),
+    )
     gud = (("gate_proj", "colwise", 1), ("up_proj", "colwise", 1), ("down_proj", "rowwise", 1))
     out: dict[type, tuple] = {
         gpt2.GPT2Attention: (("c_attn", "colwise", 3), ("c_proj", "rowwise", 1)),
@@ -370,7 +377,9 @@ def _check_layer(name: str, module: nn.Module, layer: _Layer, n: int) -> None:
                 f"{where}: a vocabulary-parallel embedding cannot use max_norm, sparse or "
                 f"scale_grad_by_freq (they need the whole table); mark it 'replicate'."
             )
-        _divides(where, "vocabulary size", module.num_embeddings, n, "mark it 'replicate', or pad the vocabulary")
+        _divides(
+            where, "vocabulary size", module.num_embeddings, n, "mark it 'replicate', or pad the vocabulary"
+        )
         return
     if not (isinstance(module, nn.Linear) or _is_conv1d(module)):
         raise TypeError(
@@ -387,7 +396,9 @@ def _check_layer(name: str, module: nn.Module, layer: _Layer, n: int) -> None:
 
 def _divides(where: str, what: str, size: int, n: int, fix: str) -> None:
     if size % n:
-        raise ValueError(f"{where}: its {what} ({size}) are not divisible by the tensor axis size {n}; {fix}.")
+        raise ValueError(
+            f"{where}: its {what} ({size}) are not divisible by the tensor axis size {n}; {fix}."
+        )
 
 
 def _layer_specs(module: nn.Module, kind: str, axis: str) -> dict[str, P]:
@@ -466,7 +477,9 @@ def _local_copy(model, modules, layers, n: int, axis: str) -> nn.Module:
         elif isinstance(module, nn.Embedding):
             module.forward = functools.partial(_vocab_embedding, module, axis)
         else:
-            module.forward = functools.partial(_row_conv1d if _is_conv1d(module) else _row_linear, module, axis)
+            module.forward = functools.partial(
+                _row_conv1d if _is_conv1d(module) else _row_linear, module, axis
+            )
     for name in parents:
         parent = local_modules[name]
         for attr in _HEAD_ATTRS:

@@ -16,7 +16,9 @@ import fpar
 import fpar.optim as fo
 from fpar import P
 
-transformers = pytest.importorskip("transformers", reason="the hf extra (pip install fpar[hf]) is not installed")
+transformers = pytest.importorskip(
+    "transformers", reason="the hf extra (pip install fpar[hf]) is not installed"
+)
 
 import tp_models  # noqa: E402  (needs transformers)
 import tp_workers  # noqa: E402
@@ -57,7 +59,9 @@ def test_auto_plan_splits_heads_and_mlp_and_vocab():
     assert specs["model.embed_tokens.weight"] == P("tensor", None)
     assert specs["lm_head.weight"] == P("tensor", None)
     assert specs["model.norm.weight"] == P()
-    assert {k: tuple(v.shape) for k, v in params.items()} == {k: tuple(p.shape) for k, p in model.named_parameters()}
+    assert {k: tuple(v.shape) for k, v in params.items()} == {
+        k: tuple(p.shape) for k, p in model.named_parameters()
+    }
     assert apply_fn.regrouped == {}
 
 
@@ -82,7 +86,9 @@ def test_gpt2_c_attn_regrouped_per_device_and_export_undoes_it():
     q, k, v = w.split(32, dim=1)
     want = torch.cat([q[:, :16], k[:, :16], v[:, :16], q[:, 16:], k[:, 16:], v[:, 16:]], dim=1)
     assert torch.equal(params[name], want)  # device 0's block holds its heads of q, k AND v
-    assert set(apply_fn.regrouped) == {f"transformer.h.{i}.attn.c_attn.{p}" for i in (0, 1) for p in ("weight", "bias")}
+    assert set(apply_fn.regrouped) == {
+        f"transformer.h.{i}.attn.c_attn.{p}" for i in (0, 1) for p in ("weight", "bias")
+    }
     exported = apply_fn.export(params)
     assert all(torch.equal(exported[k], p) for k, p in model.named_parameters() if k in exported)
     assert model.transformer.h[1].attn.c_attn.weight.data_ptr() == w.data_ptr()  # the model is untouched
@@ -109,7 +115,9 @@ def test_logits_stay_vocab_split_and_padding_row_gets_no_gradient():
     ids = tp_models.batch()
     ids[:, -2:] = 0
     apply_fn, params, specs = fpar.ops.tensor_parallel(model, MESH)
-    f = fpar.shard(lambda p, x: fpar.psum(apply_fn(p, x).last_hidden_state.sum(), "data"), MESH, (specs, P("data")), P())
+    f = fpar.shard(
+        lambda p, x: fpar.psum(apply_fn(p, x).last_hidden_state.sum(), "data"), MESH, (specs, P("data")), P()
+    )
     with torch.no_grad():
         want = model(ids).last_hidden_state.sum()
     assert_tree_close(f(params, ids), want, what="value")
@@ -125,7 +133,9 @@ def test_two_all_reduces_per_block_forward(family):
     model = tp_models.FAMILIES[family]()
     mesh = fpar.make_mesh((2,), ("tensor",))
     apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh)
-    logits = fpar.shard(lambda p, x: apply_fn(p, x, use_cache=False).logits, mesh, (specs, P()), P(None, None, "tensor"))
+    logits = fpar.shard(
+        lambda p, x: apply_fn(p, x, use_cache=False).logits, mesh, (specs, P()), P(None, None, "tensor")
+    )
     ids = tp_models.batch()
     fpar.reset_comm_stats()
     logits(params, ids)
@@ -166,7 +176,9 @@ def test_zero2_step_matches_unsharded_adamw():
     zparams, state, _ = step(zparams, state, ids)
     ref = {k: p.detach() for k, p in model.named_parameters()}
     updates, _ = opt.update(torch.func.grad(tp_models.reference_loss(model))(ref, ids), opt.init(ref), ref)
-    assert_tree_close(apply_fn.export(fo.zero_params(zparams, layout)), fo.apply_updates(ref, updates), what="ZeRO-2 step")
+    assert_tree_close(
+        apply_fn.export(fo.zero_params(zparams, layout)), fo.apply_updates(ref, updates), what="ZeRO-2 step"
+    )
 
 
 def test_remat_of_the_whole_forward():
@@ -194,7 +206,12 @@ def test_checkpoint_merge_loads_with_from_pretrained(tmp_path):
     fpar.checkpoint.merge(tmp_path / "run", out / "model.safetensors", transform=apply_fn.export)
     model.config.save_pretrained(out)
     loaded = type(model).from_pretrained(out, attn_implementation="eager", dtype=torch.float64).eval()
-    f = fpar.shard(lambda p, x: apply_fn(p, x, use_cache=False).logits, MESH, (specs, P("data")), P("data", None, "tensor"))
+    f = fpar.shard(
+        lambda p, x: apply_fn(p, x, use_cache=False).logits,
+        MESH,
+        (specs, P("data")),
+        P("data", None, "tensor"),
+    )
     with torch.no_grad():
         assert_tree_close(loaded(ids, use_cache=False).logits, f(trained, ids), what="from_pretrained logits")
 
@@ -203,7 +220,9 @@ def test_merge_transform_must_keep_names_and_shapes(tmp_path):
     mesh = fpar.make_mesh((2,), ("tensor",))
     fpar.checkpoint.save(tmp_path / "run", {"w": torch.ones(4, 2)}, mesh, {"w": P("tensor")}, step=1)
     with pytest.raises(ValueError, match="transform must return the same names, shapes and dtypes"):
-        fpar.checkpoint.merge(tmp_path / "run", tmp_path / "m.safetensors", transform=lambda t: {"w": t["w"][:2]})
+        fpar.checkpoint.merge(
+            tmp_path / "run", tmp_path / "m.safetensors", transform=lambda t: {"w": t["w"][:2]}
+        )
 
 
 # A plain nn.Module with a user plan --------------------------------------------------------------
@@ -244,7 +263,9 @@ def test_user_plan_on_a_plain_module():
     apply_fn, params, specs = fpar.ops.tensor_parallel(model, MESH, plan=PLAN)
     assert specs["fc2.weight"] == P(None, "tensor") and specs["fc2.bias"] == P()
     assert specs["norm.weight"] == P()
-    f = fpar.shard(lambda p, x: fpar.pmean(apply_fn(p, x).square().mean(), "data"), MESH, (specs, P("data")), P())
+    f = fpar.shard(
+        lambda p, x: fpar.pmean(apply_fn(p, x).square().mean(), "data"), MESH, (specs, P("data")), P()
+    )
     ref = {k: p.detach() for k, p in model.named_parameters()}
 
     def want(p):
@@ -261,12 +282,16 @@ def test_user_plan_on_a_plain_module():
 
 
 def test_error_pattern_naming_no_module():
-    with pytest.raises(ValueError, match=r"plan pattern 'mlp\.fc9' matches no module of Block\. Patterns are globs"):
+    with pytest.raises(
+        ValueError, match=r"plan pattern 'mlp\.fc9' matches no module of Block\. Patterns are globs"
+    ):
         fpar.ops.tensor_parallel(Block(), MESH, plan={"mlp.fc9": "colwise"})
 
 
 def test_error_unsplittable_module_type():
-    with pytest.raises(TypeError, match=r"'norm' \(LayerNorm, plan 'norm'\): cannot split a LayerNorm; 'colwise' applies"):
+    with pytest.raises(
+        TypeError, match=r"'norm' \(LayerNorm, plan 'norm'\): cannot split a LayerNorm; 'colwise' applies"
+    ):
         fpar.ops.tensor_parallel(Block(), MESH, plan={"norm": "colwise"})
 
 
@@ -283,15 +308,22 @@ def test_error_bad_kind_and_plan_type():
 
 def test_error_sizes_not_divisible():
     mesh3 = fpar.make_mesh((3,), ("tensor",))
-    with pytest.raises(ValueError, match=r"GPT2LMHeadModel has 4 attention heads, not divisible by the size 3"):
+    with pytest.raises(
+        ValueError, match=r"GPT2LMHeadModel has 4 attention heads, not divisible by the size 3"
+    ):
         fpar.ops.tensor_parallel(tp_models.gpt2(), mesh3)
-    with pytest.raises(ValueError, match=r"'fc1' \(Linear, plan 'fc1'\): its output features \(64\) are not divisible"):
+    with pytest.raises(
+        ValueError, match=r"'fc1' \(Linear, plan 'fc1'\): its output features \(64\) are not divisible"
+    ):
         fpar.ops.tensor_parallel(Block(), mesh3, plan={"fc1": "colwise"})
 
 
 def test_error_gqa_kv_heads_not_divisible():
     mesh4 = fpar.make_mesh((4,), ("tensor",))
-    with pytest.raises(ValueError, match=r"MistralForCausalLM has 2 key/value heads \(grouped-query attention\), not divisible by the size 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"MistralForCausalLM has 2 key/value heads \(grouped-query attention\), not divisible by the size 4",
+    ):
         fpar.ops.tensor_parallel(tp_models.mistral(), mesh4)
 
 
@@ -309,14 +341,21 @@ def test_error_forward_that_reshapes_with_global_heads():
     model = GlobalReshape().double()
     apply_fn, params, specs = fpar.ops.tensor_parallel(model, MESH, plan={"q": "colwise", "out": "rowwise"})
     f = fpar.shard(lambda p, x: apply_fn(p, x), MESH, (specs, P("data")), P("data"))
-    with pytest.raises(ValueError, match=r"the forward of '<root>' \(GlobalReshape\) failed on this device's blocks \(2-way split over 'tensor'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"the forward of '<root>' \(GlobalReshape\) failed on this device's blocks \(2-way split over 'tensor'\)",
+    ):
         f(params, torch.zeros(2, 3, 16, dtype=torch.float64))
 
 
 def test_error_tied_layers_with_different_kinds():
     model = tp_models.gpt2()
-    with pytest.raises(ValueError, match=r"'transformer.wte.weight' is tied between 'transformer.wte' and 'lm_head'"):
-        fpar.ops.tensor_parallel(model, MESH, plan={"transformer.wte": "vocab", "lm_head": "replicate", "*c_fc": "colwise"})
+    with pytest.raises(
+        ValueError, match=r"'transformer.wte.weight' is tied between 'transformer.wte' and 'lm_head'"
+    ):
+        fpar.ops.tensor_parallel(
+            model, MESH, plan={"transformer.wte": "vocab", "lm_head": "replicate", "*c_fc": "colwise"}
+        )
 
 
 # The real mesh ------------------------------------------------------------------------------------
@@ -342,14 +381,31 @@ def test_hf_gpt2_example_trains_and_exports_for_from_pretrained(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
     import hf_gpt2
 
-    argv = ["--steps", "4", "--batch", "4", "--seq", "16", "--d-model", "32", "--max-bytes", "20000", "--quiet"]
+    argv = [
+        "--steps",
+        "4",
+        "--batch",
+        "4",
+        "--seq",
+        "16",
+        "--d-model",
+        "32",
+        "--max-bytes",
+        "20000",
+        "--quiet",
+    ]
     result = hf_gpt2.main(argv + ["--export", str(tmp_path / "hf")])
     assert len(result.losses) == 4 and all(torch.isfinite(torch.tensor(result.losses)))
     assert result.losses[-1] < result.losses[0]
     assert abs(result.exported_val_loss - result.val_loss) < 1e-5  # from_pretrained on the merged file
 
 
-BLOCKS_ONLY = {"*.attn.c_attn": "colwise", "*.attn.c_proj": "rowwise", "*.mlp.c_fc": "colwise", "*.mlp.c_proj": "rowwise"}
+BLOCKS_ONLY = {
+    "*.attn.c_attn": "colwise",
+    "*.attn.c_proj": "rowwise",
+    "*.mlp.c_fc": "colwise",
+    "*.mlp.c_proj": "rowwise",
+}
 
 
 def test_user_plan_on_gpt2_regroups_c_attn_too():
@@ -357,7 +413,9 @@ def test_user_plan_on_gpt2_regroups_c_attn_too():
     ids = tp_models.batch()
     apply_fn, params, specs = fpar.ops.tensor_parallel(model, MESH, plan=BLOCKS_ONLY)
     assert "transformer.h.0.attn.c_attn.weight" in apply_fn.regrouped
-    assert specs["transformer.wte.weight"] == P() and specs["transformer.h.0.mlp.c_fc.weight"] == P(None, "tensor")
+    assert specs["transformer.wte.weight"] == P() and specs["transformer.h.0.mlp.c_fc.weight"] == P(
+        None, "tensor"
+    )
 
     def per_device(p, x):
         logits = apply_fn(p, x, use_cache=False).logits[:, :-1]

@@ -37,7 +37,11 @@ def bert(**kw):
     from transformers import BertConfig, BertModel
 
     cfg = dict(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=V,
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=V,
         max_position_embeddings=16,
     )
     return _ready(BertModel(BertConfig(**{**cfg, **kw})))
@@ -48,8 +52,16 @@ FAMILIES = {"gpt2": gpt2, "llama": llama, "mistral": mistral, "bert": bert}
 
 def _decoder() -> dict:
     return dict(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-        vocab_size=V, max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=V,
+        max_position_embeddings=16,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
     )
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
+import tp_models
 
 import fpar
-import tp_models
 
 
 def worker():

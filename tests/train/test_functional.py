@@ -343,7 +343,8 @@ def test_gpt2_megatron_rules_fsdp_sharded_equals_module():
 def test_spec_rules_rule_matching_nothing_lists_the_names():
     _, params = fpar.functionalize(nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2)))
     with pytest.raises(
-        ValueError, match=r"rule\(s\) \['fc1\\\\.weight'\] match no parameter .* the names are: '0.bias', '0.weight', '1.bias', '1.weight'\."
+        ValueError,
+        match=r"rule\(s\) \['fc1\\\\.weight'\] match no parameter .* the names are: '0.bias', '0.weight', '1.bias', '1.weight'\.",
     ):
         fpar.spec_rules(params, {r"0\.weight": P(), r"fc1\.weight": P()}, default=P())
     # A rule shadowed by an earlier one still matches names: not an error (first match wins).
