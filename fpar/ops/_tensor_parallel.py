@@ -66,6 +66,8 @@ _HEAD_ATTRS = (
     "all_head_size",
 )
 _API = "fpar.ops.tensor_parallel"
+# Words of torch's shape-mismatch errors (view/reshape/matmul/broadcast) that local sizes cause.
+_SHAPE_WORDS = ("shape", "size", "mat1", "dimension")
 
 
 # API ----------------------------------------------------------------------------------------
@@ -178,12 +180,22 @@ class TensorParallelFn:
             return self._run(params, *args, **kwargs)
         except RuntimeError as e:
             where = _failing_module(e, self._names)
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
             if where is None:
                 raise
             name, module = where
+            head = f"{_API}: the forward of {name or '<root>'!r} ({type(module).__name__})"
+            if "data-dependent control flow" in first:
+                raise ValueError(
+                    f"{head} tests a tensor's values in Python, which fpar.shard's vmap levels cannot: "
+                    f"{first} Hugging Face's attention-mask helpers do this with a 2-D padding mask: "
+                    f"pass the mask already in 4-D additive form [B, 1, T or 1, S] (0 where attended, "
+                    f"torch.finfo(dtype).min elsewhere; add the causal triangle for a decoder)."
+                ) from e
+            if not any(word in first for word in _SHAPE_WORDS):
+                raise
             raise ValueError(
-                f"{_API}: the forward of {name or '<root>'!r} ({type(module).__name__}) failed on this "
-                f"device's blocks ({self.n}-way split over {self.axis!r}): {str(e).splitlines()[0]} "
+                f"{head} failed on this device's blocks ({self.n}-way split over {self.axis!r}): {first} "
                 f"Its forward probably reshapes with a global size: use -1 for the head count in "
                 f"view/reshape, or keep the count in an attribute named one of {list(_HEAD_ATTRS)} (which "
                 f"tensor_parallel divides by {self.n}), or mark its layers 'replicate' in the plan."

@@ -425,3 +425,25 @@ def test_user_plan_on_gpt2_regroups_c_attn_too():
     want_loss, want_grads = _unsharded_grads(model, ids)
     assert_tree_close(loss(params, ids), want_loss, what="loss")
     assert_tree_close(apply_fn.export(torch.func.grad(loss)(params, ids)), want_grads, what="grads")
+
+
+def test_padding_mask_split_over_data_as_4d_additive_mask():
+    ids = tp_models.batch()
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0
+    mask[2, -2:] = 0
+    additive = (1.0 - mask[:, None, None, :].double()) * torch.finfo(torch.float64).min
+    model = tp_models.bert()
+    apply_fn, params, specs = fpar.ops.tensor_parallel(model, MESH)
+
+    def hidden(p, x, m):
+        return apply_fn(p, x, attention_mask=m).last_hidden_state
+
+    f = fpar.shard(hidden, MESH, (specs, P("data"), P("data")), P("data"))
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).last_hidden_state
+    assert_tree_close(f(params, ids, additive), want, what="hidden states with padding")
+    with pytest.raises(
+        ValueError, match=r"the forward of '<root>' \(BertModel\) tests a tensor's values .* 4-D additive"
+    ):
+        f(params, ids, mask)  # HF's 2-D mask helper calls padding_mask.all()
