@@ -112,7 +112,8 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, *, axis: str = "tensor", plan:
       function (a ``TensorParallelFn``) returning what the module returns, with column- and
       vocab-parallel outputs left split; ``params`` is ``{name: global tensor}``; ``specs`` is
       ``{name: fpar.P}``.  Pass ``use_cache=False`` to HF decoders when training (else the
-      forward builds a KV cache the out_specs must cover).
+      forward builds a KV cache the out_specs must cover).  A padding mask goes in 4-D additive
+      form (HF's helpers for a 2-D mask test its values, which vmap cannot).
 
     Raises:
       TypeError: ``model`` is not a module, ``mesh`` not a ``fpar.Mesh``, a bad plan value, or a
