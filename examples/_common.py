@@ -9,7 +9,7 @@ around it:
 * ``add_args`` / ``build_mesh``: the parallel layout, from ``--parallel "pipeline=2,data=2,tensor=2"``,
   ``--pp/--dp/--tp``, a Colossal-AI style ``--config`` (``fpar.mesh_from_config``) or
   ``--single-device``; the mesh axes are always named ``pipeline``, ``data``, ``tensor``;
-* ``measure_peak_flops``, ``Bar``, ``comm_bytes``: throughput, MFU and traffic meters;
+* ``peak_flops``, ``Bar`` (tqdm), ``comm_bytes``: throughput, MFU (per-device peak) and traffic meters;
 * ``save`` / ``restore``: ``fpar.checkpoint`` in the *model* layout (layers stacked on one dim
   split over ``pipeline``), so a run can resume on any layout, ``--single-device`` included;
 * ``plot_losses``: the loss-curve PNG (matplotlib if installed).
@@ -73,9 +73,11 @@ def say(*args, quiet: bool = False) -> None:
 def add_args(ap: argparse.ArgumentParser, *, steps: int, batch: int, lr: float, warmup: int) -> None:
     g = ap.add_argument_group("parallelism")
     g.add_argument("--parallel", help='e.g. "pipeline=2,data=2,tensor=2" (data=-1: inferred)')
-    g.add_argument("--pp", type=int, default=2, help="pipeline stages")
-    g.add_argument("--dp", type=int, default=-1, help="data-parallel size (-1: devices / (pp * tp))")
-    g.add_argument("--tp", type=int, default=2, help="tensor-parallel size (Megatron 1D)")
+    g.add_argument("--pp", type=int, help="pipeline stages (default 2 when any of --pp/--dp/--tp is given)")
+    g.add_argument(
+        "--dp", type=int, help="data-parallel size (-1, the default with --pp/--tp: devices / (pp * tp))"
+    )
+    g.add_argument("--tp", type=int, help="tensor-parallel size, Megatron 1D (default 2 with --pp/--dp)")
     g.add_argument("--devices", type=int, default=8, help="in-process devices (torchrun: the world size)")
     g.add_argument(
         "--config",
@@ -159,10 +161,30 @@ def build_mesh(args) -> fpar.Mesh:
             return mesh
         # mesh_from_config leaves out axes of size 1; the example always names all three.
         return fpar.make_mesh(tuple(mesh.shape.get(a, 1) for a in AXES), AXES, devices=devices)
-    sizes = {PIPE: args.pp, DATA: args.dp, TENSOR: args.tp}
-    sizes.update(parse_parallel(args.parallel or ""))
+    if args.parallel or any(v is not None for v in (args.pp, args.dp, args.tp)):
+        sizes = {PIPE: _given(args.pp, 2), DATA: _given(args.dp, -1), TENSOR: _given(args.tp, 2)}
+        sizes.update(parse_parallel(args.parallel or ""))
+    else:
+        sizes = default_layout(torch.distributed.get_world_size() if real else args.devices)
     shape = tuple(sizes[a] for a in AXES)
     return fpar.make_mesh(shape, AXES, devices=devices if -1 in shape else None)
+
+
+def default_layout(devices: int) -> dict:
+    """The layout with no flags: every axis that fits gets 2 devices, data first, then pipeline,
+    then tensor; data takes whatever is left.  8 devices: 2 x 2 x 2; 4 (``torchrun
+    --nproc-per-node 4``): pipeline=2, data=2, so the data axis is exercised; 2: data=2.
+    """
+    sizes, rest = {}, devices
+    for axis in (DATA, PIPE, TENSOR):
+        sizes[axis] = 2 if rest % 2 == 0 else 1
+        rest //= sizes[axis]
+    sizes[DATA] *= rest
+    return sizes
+
+
+def _given(value, default: int) -> int:
+    return default if value is None else value
 
 
 def microbatches(args, mesh: fpar.Mesh) -> int:
@@ -199,22 +221,57 @@ def measure_peak_flops(dtype: torch.dtype, seconds: float = 0.3) -> float:
 
 
 def peak_flops(args, mesh: fpar.Mesh, dtype: torch.dtype) -> float:
-    """The peak FLOP/s MFU is measured against: ``--peak-tflops``, or a matmul measured here.
+    """The peak FLOP/s MFU is measured against: one device's peak x the devices computing at once.
 
-    In-process every virtual device shares this process's threads, so the peak is what they
-    reach; on a real mesh each process measures its share (all at once, at start-up) and the
-    peak is that times the number of processes.
+    One device's peak is ``--peak-tflops``, or a matmul measured by rank 0 alone (the others wait,
+    so it is not a share of a contended core) and broadcast.  In-process every virtual device
+    shares this process's threads: one device.  On a real mesh, processes that share cores do not
+    add peak: at most ``cores // threads`` of them compute at once (4 processes on 2 cores are 2
+    devices' worth, not 4).
     """
+    return device_peak_flops(args, dtype) * parallel_devices(args, mesh)
+
+
+def device_peak_flops(args, dtype: torch.dtype) -> float:
+    """One device's peak FLOP/s: ``--peak-tflops``, or measured on rank 0 alone and broadcast."""
     if args.peak_tflops:
         return args.peak_tflops * 1e12
-    return measure_peak_flops(dtype) * (mesh.size if mesh.backend == "dist" else 1)
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return measure_peak_flops(dtype)
+    peak = torch.tensor([measure_peak_flops(dtype) if dist.get_rank() == 0 else 0.0], dtype=torch.float64)
+    dist.broadcast(peak, src=0)
+    return float(peak)
 
 
-def flops_note(args, mesh: fpar.Mesh) -> str:
+def parallel_devices(args, mesh: fpar.Mesh) -> int:
+    """How many devices compute at once: 1 in-process; on a real mesh, processes up to the cores."""
+    if mesh.backend != "dist":
+        return 1
     if args.peak_tflops:
-        return "--peak-tflops"
-    where = f"x {mesh.size} processes" if mesh.backend == "dist" else f"{torch.get_num_threads()} thread(s)"
-    return f"measured: {args.dtype} 512x512 matmul, {where}"
+        return mesh.size
+    return max(1, min(mesh.size, _cores() // max(1, torch.get_num_threads())))
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def flops_note(args, mesh: fpar.Mesh, peak: float | None = None) -> str:
+    """How the peak was obtained: one device's peak (from the total ``peak``, if given) and the devices counted."""
+    k = parallel_devices(args, mesh)
+    per = f"{peak / k / 1e9:.1f} GFLOP/s per device, " if peak else ""
+    if args.peak_tflops:
+        source = f"--peak-tflops {args.peak_tflops} per device"
+    else:
+        source = f"measured: {args.dtype} 512x512 matmul, {torch.get_num_threads()} thread(s), rank 0 alone"
+    if mesh.backend != "dist":
+        return f"{per}{source}; in-process: all {mesh.size} virtual devices share it"
+    shared = f", {mesh.size} processes share {_cores()} cores" if k < mesh.size else ""
+    return f"{per}{source}; x {k} devices computing at once{shared}"
 
 
 def mfu(flops_per_step: float, seconds: float, peak: float) -> float:
@@ -277,34 +334,40 @@ def fmt_si(x: float) -> str:
 
 
 class Bar:
-    """A one-line text progress bar on a terminal (rank 0); elsewhere only the logged lines."""
+    """The progress bar (rank 0): ``tqdm.auto``, so it shows in a terminal, a notebook and a log file.
 
-    def __init__(self, total: int, start: int, enabled: bool, width: int = 24):
-        self.total, self.start, self.width = total, start, width
+    Without tqdm installed (it comes with ``pip install fpar[examples]``) only the logged lines print.
+    """
+
+    def __init__(self, total: int, start: int, enabled: bool):
         self.enabled = enabled and rank() == 0
-        self.tty = self.enabled and sys.stderr.isatty()
-        self.t0 = time.perf_counter()
+        self.bar = None
+        if self.enabled:
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:
+                return
+            # In a log (no TTY) every refresh is a line: refresh rarely there.
+            every = 0.1 if sys.stderr.isatty() else 30.0
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, mininterval=every)
 
     def update(self, step: int, text: str) -> None:
-        if not self.tty:
-            return
-        done = (step + 1) / self.total
-        fill = int(self.width * done)
-        rate = (time.perf_counter() - self.t0) / max(1, step + 1 - self.start)
-        eta = rate * (self.total - step - 1)
-        bar = "#" * fill + "-" * (self.width - fill)
-        sys.stderr.write(f"\r[{bar}] {step + 1}/{self.total} {text} eta {eta:4.0f}s ")
-        sys.stderr.flush()
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+            self.bar.update(step + 1 - self.bar.n)
 
     def write(self, line: str) -> None:
-        if self.enabled:
-            if self.tty:
-                sys.stderr.write("\r\033[K")  # clear the bar's line
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(line)
+            sys.stdout.flush()
+        else:
             print(line, flush=True)
 
     def close(self) -> None:
-        if self.tty:
-            sys.stderr.write("\n")
+        if self.bar is not None:
+            self.bar.close()
 
 
 # Checkpoints --------------------------------------------------------------------------------------

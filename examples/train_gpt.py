@@ -20,8 +20,9 @@ checkpoint holds the model's layout (layers stacked, split over ``pipeline``), s
 resume on another mesh, or ``--single-device``.
 
 Meters: tokens/s; MFU = model FLOPs per step (6 per weight per token, plus PaLM's attention term
-12 L T D per token) / step time / a peak FLOP/s measured at start-up (a 512x512 matmul on this
-process's threads; ``--peak-tflops`` to give your own); bytes sent per step per mesh axis, from
+12 L T D per token) / step time / the peak: one device's FLOP/s (a 512x512 matmul measured at
+start-up by rank 0 alone, or ``--peak-tflops``) times the devices computing at once (processes
+sharing cores count once per core; in-process, one); the peak used is printed; bytes sent per step per mesh axis, from
 ``fpar.comm_stats()`` (reset every step) plus the pipeline's point-to-point sends, which the
 example counts itself.  At the end: a held-out loss, a sample, and the loss curve as a PNG.
 
@@ -33,6 +34,10 @@ The same file runs under torchrun, one process per device (a real mesh over gloo
     python examples/train_gpt.py --config "dict(pipeline=2, tensor=dict(size=2, mode='1d'))"
     python examples/train_gpt.py --steps 400 --resume             # continue the last run
     torchrun --nproc-per-node 8 examples/train_gpt.py --steps 20 --tiny
+    torchrun --nproc-per-node 4 examples/train_gpt.py --steps 20 --tiny   # pipeline=2 x data=2
+
+With no layout flags the mesh is ``_common.default_layout`` of the devices: data, pipeline and
+tensor get 2 each in that order while they fit (8: 2 x 2 x 2; 4: pipeline=2 x data=2; 2: data=2).
 
 Shape suffixes (torchtitan style); inside ``fpar.shard`` they name the per-device block:
     N corpus bytes   M microbatches   B batch rows (B/M per microbatch, /data per device)
@@ -243,7 +248,7 @@ def main(argv=None) -> Result:
         f"{n_params:,} parameters; batch {args.batch} = {m} microbatches, {args.schedule} schedule",
         quiet=quiet,
     )
-    C.say(f"peak {peak / 1e9:.1f} GFLOP/s ({C.flops_note(args, mesh)}), {args.dtype}", quiet=quiet)
+    C.say(f"peak {peak / 1e9:.1f} GFLOP/s ({C.flops_note(args, mesh, peak)}), {args.dtype}", quiet=quiet)
 
     step_fn = build_step(mesh, SCHEDULES[args.schedule](s, m), args.heads, args.layers // s, args.dropout)
     run_key = fpar.random.key(args.seed)  # dropout: step t uses fold_in(run_key, t)

@@ -41,6 +41,7 @@ from ._global import zeros as zeros
 from ._mesh import Mesh as Mesh
 from ._mesh import make_mesh as make_mesh
 from ._shard import shard as shard
+from ._shard_map import shard_map as shard_map
 from ._spec import P as P
 from ._spec import PartitionSpec as PartitionSpec
 from ._stats import comm_stats as comm_stats
@@ -100,6 +101,7 @@ __all__ = [
     "random",
     "reset_comm_stats",
     "shard",
+    "shard_map",
     "spec_rules",
     "testing",
     "to_dtensor",

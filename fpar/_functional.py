@@ -61,9 +61,17 @@ def functionalize(module: nn.Module, *, buffers: bool = False) -> tuple:
       TypeError: ``module`` is not an ``nn.Module``.
 
     Example:
+      >>> model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
       >>> apply_fn, params = fpar.functionalize(model.eval())
-      >>> specs = fpar.spec_rules(params, {r".*\.fc1\.weight": P("tensor", None)}, default=P())
-      >>> sharded = fpar.shard(lambda p, x: apply_fn(p, x), mesh, (specs, P("data")), P("data"))
+      >>> list(params)
+      ['0.weight', '0.bias', '2.weight', '2.bias']
+      >>> specs = fpar.spec_rules(params, {r"\d+\.(weight|bias)": P()})  # replicated: data parallel
+      >>> mesh = fpar.make_mesh((4,), ("data",))
+      >>> y = fpar.shard(apply_fn, mesh, (specs, P("data")), P("data"))(params, torch.randn(16, 8))
+
+      Splitting a layer's weight by name alone does not make the forward tensor parallel (a
+      row-split layer needs an all-reduce before its bias): ``fpar.ops.tensor_parallel`` does that
+      for an unmodified module.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fpar.functionalize: expected a torch.nn.Module, got {type(module).__name__}.")
@@ -87,7 +95,9 @@ def spec_rules(
     A parameter's name is its pytree path joined with dots: a key of the flat dict from
     ``functionalize`` as it is (``"h.0.attn.c_attn.weight"``), ``"params.w1"`` for
     ``{"params": {"w1": ...}}``.  Rules are tried in order and the first whose pattern matches
-    the *whole* name wins, so put specific rules before general ones.
+    the *whole* name wins, so put specific rules before general ones.  Nothing is replicated
+    silently: a rule that matches no name is an error, and so are names no rule matches unless
+    ``default`` is given.
 
     Args:
       params: a pytree of tensors (typically ``params`` from ``functionalize``).
@@ -109,17 +119,21 @@ def spec_rules(
 
     Raises:
       TypeError: a rule's spec is not a ``fpar.P``, or a pattern is not a string.
-      ValueError: an unknown ``syntax``, an invalid regex, parameters no rule matches and no
-        ``default``, or a spec longer than its parameter's rank.
+      ValueError: an unknown ``syntax``, an invalid regex, a rule that matches no parameter name,
+        parameters no rule matches and no ``default`` (both list the names), or a spec longer than
+        its parameter's rank.
       fpar.SpecError: with ``mesh``: an unknown axis or a dim the mesh does not divide.
     """
     matchers = _compile(rules, syntax)
     if default is not _NO_DEFAULT and not isinstance(default, PartitionSpec):
         raise TypeError(f"fpar.spec_rules: default must be a fpar.P (e.g. P()), got {default!r}.")
     paths, leaves, treedef = tree_flatten_with_path(params)
+    names = [".".join(str(k) for k in path) for path in paths]
+    unused = [pattern for pattern, match, _ in matchers if not any(match(name) for name in names)]
+    if unused:
+        raise ValueError(_unused_message(unused, names))
     specs, unmatched = [], []
-    for path, leaf in zip(paths, leaves):
-        name = ".".join(str(k) for k in path)
+    for name, leaf in zip(names, leaves):
         spec, pattern = _first_match(matchers, name)
         if spec is None:
             if default is _NO_DEFAULT:
@@ -242,6 +256,16 @@ def _check_fits(spec: PartitionSpec, name: str, leaf: Any, pattern: str, mesh: M
         )
     if mesh is not None:
         check_spec(spec, shape, mesh.shape, where=f"fpar.spec_rules: {name!r} (rule {pattern!r})")
+
+
+def _unused_message(unused: list[str], names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:20])
+    more = f" and {len(names) - 20} more" if len(names) > 20 else ""
+    return (
+        f"fpar.spec_rules: rule(s) {unused} match no parameter (a typo would otherwise leave the "
+        f"parameters it meant replicated). A pattern must match a whole dotted name; the names are: "
+        f"{shown}{more}. Fix the pattern or remove the rule."
+    )
 
 
 def _unmatched_message(unmatched: list[str], matchers) -> str:

@@ -181,7 +181,9 @@ def _check_like(like: Any, stored: list[dict], out: list, where: str) -> None:
             )
 
 
-def merge(path: str | os.PathLike, out_file: str | os.PathLike, *, step: int | None = None) -> str:
+def merge(
+    path: str | os.PathLike, out_file: str | os.PathLike, *, step: int | None = None, transform=None
+) -> str:
     """Merge a checkpoint's blocks into ONE safetensors file of full tensors (like OSLO's merge).
 
     The file's tensor names are the leaves' dotted names (``params.w1``; for a tree that is the
@@ -193,6 +195,9 @@ def merge(path: str | os.PathLike, out_file: str | os.PathLike, *, step: int | N
       path: as for ``load``.
       out_file: the file to write (atomically).
       step: which step of a run directory.
+      transform: optional ``{name: full tensor} -> {name: full tensor}`` applied before writing,
+        keeping every name, shape and dtype (e.g. ``apply_fn.export`` of
+        ``fpar.ops.tensor_parallel``, which undoes GPT-2's per-device ``c_attn`` regrouping).
 
     Returns:
       ``out_file``.
@@ -206,11 +211,21 @@ def merge(path: str | os.PathLike, out_file: str | os.PathLike, *, step: int | N
             if leaf["kind"] == "tensor":
                 tensors[leaf["name"]] = _load_leaf(leaf, PartitionSpec(), None, None, files, merged, where)
             leaves.append(record)
+    if transform is not None:
+        tensors = _transformed(transform, tensors, where)
     header = _header(FORMAT + ".merged", meta.get("step"), meta.get("mesh"))
     header.update(tree=meta["tree"], leaves=leaves)
     out_file = os.fspath(out_file)
     _io.write_safetensors(out_file, tensors, header)
     return out_file
+
+
+def _transformed(transform, tensors: dict, where: str) -> dict:
+    out = transform(dict(tensors))
+    same = isinstance(out, dict) and set(out) == set(tensors)
+    if not same or any(out[k].shape != t.shape or out[k].dtype != t.dtype for k, t in tensors.items()):
+        raise ValueError(f"{where}: transform must return the same names, shapes and dtypes it was given.")
+    return out
 
 
 def latest_step(path: str | os.PathLike) -> int | None:

@@ -17,6 +17,8 @@ axis with ``axis=``; parameters are plain tensor dicts, and ``*_specs`` / ``init
   ``specs_2d`` / ``specs_2p5d`` / ``specs_3d`` giving every operand's ``P``.
 * Mixture of experts (``_moe.py``): ``moe`` (dropless top-k, expert parallel over ``all_to_all``,
   expert-TP), ``moe_block``, ``moe_specs``, ``init_moe``.
+* Any ``nn.Module`` / Hugging Face model as it is (``_tensor_parallel.py``): ``tensor_parallel``
+  (Megatron plan applied to the module's own forward) and its ``TensorParallelFn``.
 * Configuration (``_layout.py``): ``tensor_layout`` / ``TensorLayout`` map a Colossal-AI style
   tensor-parallel config onto mesh axis names and shapes.
 
@@ -79,6 +81,8 @@ from ._summa_3d import layer_norm_3d as layer_norm_3d
 from ._summa_3d import linear_3d as linear_3d
 from ._summa_3d import mlp_3d as mlp_3d
 from ._summa_3d import specs_3d as specs_3d
+from ._tensor_parallel import TensorParallelFn as TensorParallelFn
+from ._tensor_parallel import tensor_parallel as tensor_parallel
 
 __all__ = [
     "TensorLayout",
@@ -128,6 +132,8 @@ __all__ = [
     "specs_3d",
     "summa_matmul",
     "tensor_layout",
+    "tensor_parallel",
+    "TensorParallelFn",
     "ulysses_attention",
     "vocab_cross_entropy",
     "vocab_embedding",

@@ -338,3 +338,27 @@ def test_gpt2_megatron_rules_fsdp_sharded_equals_module():
     grads = torch.func.grad(lambda p: sharded(p, ids).square().mean())(params)
     for n, p in model.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-9, atol=1e-12, msg=n)
+
+
+def test_spec_rules_rule_matching_nothing_lists_the_names():
+    _, params = fpar.functionalize(nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2)))
+    with pytest.raises(
+        ValueError,
+        match=r"rule\(s\) \['fc1\\\\.weight'\] match no parameter .* the names are: '0.bias', '0.weight', '1.bias', '1.weight'\.",
+    ):
+        fpar.spec_rules(params, {r"0\.weight": P(), r"fc1\.weight": P()}, default=P())
+    # A rule shadowed by an earlier one still matches names: not an error (first match wins).
+    fpar.spec_rules(params, {r".*": P(), r"0\.weight": P()})
+
+
+def test_functionalize_docstring_example_runs_with_its_names():
+    doc = fpar.functionalize.__doc__
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+    apply_fn, params = fpar.functionalize(model.eval())
+    assert str(list(params)) in doc
+    specs = fpar.spec_rules(params, {r"\d+\.(weight|bias)": P()})
+    assert r'{r"\d+\.(weight|bias)": P()}' in doc
+    mesh = fpar.make_mesh((4,), ("data",))
+    x = torch.randn(16, 8)
+    y = fpar.shard(apply_fn, mesh, (specs, P("data")), P("data"))(params, x)
+    torch.testing.assert_close(y, model(x))
