@@ -5,8 +5,10 @@ so the executor drives the pipeline from Python.  Each stage's compute is a func
 chunk's parameters and one microbatch's activation, typically ``fpar.shard(f,
 mesh.submesh(other_axes), ...)``, which brings tensor and data parallelism inside the stage for
 free.  Forward actions record the autograd graph (the *stash*); ``BW`` runs the whole backward
-with ``torch.autograd.grad``; ``B`` computes only the input gradient (keeping the graph) and
-``W`` then the parameter gradient, freeing it.
+with ``torch.autograd.backward``.  Forwards run under ``_split.capture``, so the backward of the
+stage's linear layers computes only input gradients and leaves their weight gradients to ``W``,
+which computes them as their own matmuls (accumulated in place, fused into the matmul): ``B``
+is that backward (freeing the graph), ``W`` runs later, and ``BW`` is ``B`` then ``W``.
 
 * In-process (``mesh.backend == "local"``) the driver loops over ticks and, within a tick, over
   stages; a send hands the tensor to the receiving stage's inbox.
@@ -33,7 +35,8 @@ import torch
 from .. import _dist
 from .._mesh import Mesh
 from .._tree import tree_flatten, tree_map, tree_unflatten
-from ._schedule import COMPUTE, Action, Schedule, next_stage, prev_stage
+from ._schedule import COMPUTE, Action, Schedule, locate, next_stage, prev_stage, virtual
+from ._split import capture, weight_grads
 from ._timeline import Timeline
 from ._validate import validate
 
@@ -143,40 +146,41 @@ class _Stashed:
     x: Tensor | None  # the received activation, a leaf (None on virtual stage 0)
     out: Tensor  # the activation sent on, or the loss on the last virtual stage
     leaves: list[Tensor]  # the parameter leaves it differentiates (gradients accumulate in .grad)
-    dy: Tensor | None = None  # the output gradient, kept from B for W
-    groups: Any = None  # what B left for W: where parameter gradients flow in (exact split)
+    records: list | None = None  # split backward: the weight gradients B leaves to W (``_split``)
 
 
 class _Stage:
     """One pipeline stage during one step: its parameters as leaves, its stash, its gradients."""
 
     def __init__(self, s: int, schedule: Schedule, fns: _Fns, chunks: list, first: Any, last: Any):
-        self.s, self.p, self.v, self.m = s, schedule.p, schedule.v, schedule.m
+        self.s, self.p, self.v, self.m, self.layout = s, schedule.p, schedule.v, schedule.m, schedule.layout
+        self.last_k = self.p * self.v - 1  # the last virtual stage
         self.fns = fns
         self.groups: dict[str, list] = {}  # group -> per chunk: (leaves, treedef)
         self.groups["stages"] = [_leaves(c) for c in chunks]
         self.groups["first"] = [_leaves(first)] if s == 0 else [([], None)]
-        self.groups["last"] = [_leaves(last)] if s == (self.p * self.v - 1) % self.p else [([], None)]
+        self.groups["last"] = [_leaves(last)] if s == last_stage(schedule) else [([], None)]
         self.stash: dict[tuple[int, int], _Stashed] = {}
         self.inbox: dict[tuple[str, int, int], Tensor] = {}  # received, not yet used
         self.outbox: dict[tuple[str, int, int], Tensor] = {}  # computed, not yet sent
         self.out_shapes: dict[int, tuple] = {}  # chunk -> (shape, dtype) of what F sends on
+        self.deferred: dict[int, Tensor] = {}  # id(leaf) -> weight gradient accumulated by W
         self.loss_sum: Tensor | None = None
-        self.busy, self.peak, self.peak_inbox, self.seconds = 0, 0, 0, 0.0
+        self.busy, self.peak, self.peak_inbox, self.seconds, self.waited = 0, 0, 0, 0.0, 0.0
 
     # -- compute ------------------------------------------------------------------------------
 
     def run(self, a: Action, xs: Tensor, targets: Any) -> None:
         """Run one compute action; what it sends on waits in the outbox for its SEND."""
-        start = time.perf_counter()
+        start, waited = time.perf_counter(), self.waited
         out = None
         if a.kind == "F":
             out = self.forward(a.microbatch, a.chunk, xs, targets)
         elif a.kind == "W":
-            _weight_grad(self.stash.pop((a.microbatch, a.chunk)))
+            weight_grads(self.stash.pop((a.microbatch, a.chunk)).records, self.deferred)
         else:
             out = self.backward(a.microbatch, a.chunk, split=a.kind == "B")
-        self.seconds += time.perf_counter() - start
+        self.seconds += time.perf_counter() - start - (self.waited - waited)  # compute, not waiting
         self.busy += 1
         if out is not None:
             self.outbox[("F" if a.kind == "F" else "B", a.microbatch, a.chunk)] = out
@@ -184,7 +188,11 @@ class _Stage:
     def take(self, key: tuple) -> Tensor:
         """A received value, waiting for it if it is still arriving (real mesh)."""
         value = self.inbox.pop(key)
-        return value.wait() if isinstance(value, _dist.Incoming) else value
+        if isinstance(value, _dist.Incoming):
+            start = time.perf_counter()
+            value = value.wait()
+            self.waited += time.perf_counter() - start
+        return value
 
     def to_send(self, a: Action) -> Tensor:
         """The value a SEND action sends (computed at this tick or earlier)."""
@@ -192,10 +200,11 @@ class _Stage:
 
     def forward(self, j: int, c: int, xs: Tensor, targets: Any) -> Tensor | None:
         """F: run chunk ``c`` on microbatch ``j``, stash its graph; return what it sends on."""
-        k = c * self.p + self.s
-        leaves = self._params(c, first=k == 0, last=k == self.p * self.v - 1)
+        k = virtual(self.s, c, self.p, self.v, self.layout)
+        leaves = self._params(c, first=k == 0, last=k == self.last_k)
         args = self._trees(c, k)
-        with torch.enable_grad():
+        records: list = []
+        with torch.enable_grad(), capture(leaves, records):
             if k == 0:
                 x = None
                 h = xs[j] if self.fns.first is None else self.fns.first(args["first"], xs[j])
@@ -203,9 +212,9 @@ class _Stage:
                 x = self.take(("F", j, c)).detach().requires_grad_()
                 h = x
             y = self.fns.stage(args["stages"], h)
-            last = k == self.p * self.v - 1
+            last = k == self.last_k
             out = self.fns.loss(args["last"], y, None if targets is None else targets[j]) if last else y
-        self.stash[(j, c)] = _Stashed(x, out, leaves)
+        self.stash[(j, c)] = _Stashed(x, out, leaves, records)
         self.peak = max(self.peak, len(self.stash))
         if last:
             value = out.detach()
@@ -217,18 +226,19 @@ class _Stage:
     def backward(self, j: int, c: int, *, split: bool) -> Tensor | None:
         """BW (or B, with ``split``): the input gradient it sends back, if any."""
         st = self.stash[(j, c)]
-        k = c * self.p + self.s
-        if k == self.p * self.v - 1:
+        if virtual(self.s, c, self.p, self.v, self.layout) == self.last_k:
             dy = torch.full_like(st.out, 1.0 / self.m)  # d(mean over microbatches)/d(loss_j)
         else:
             dy = self.take(("B", j, c))
+        # The captured linear layers leave their weight gradients to W (``_split``); the other
+        # parameter gradients accumulate in .grad (AccumulateGrad), like torch's.  BW is B then W.
+        _backward(st.out, dy, ([st.x] if st.x is not None else []) + st.leaves)
+        dx = st.x.grad if st.x is not None else None
         if split:
-            dx = _input_grad(st, dy)
-        else:  # parameter gradients accumulate in place in .grad (AccumulateGrad), like torch's
-            _backward(st.out, dy, ([st.x] if st.x is not None else []) + st.leaves, retain=False)
-            dx = st.x.grad if st.x is not None else None
-            del self.stash[(j, c)]
-        return dx if prev_stage(self.s, c, self.p, self.v) is not None else None
+            st.out = st.x = None  # the graph is freed; W needs only st.records
+        else:
+            weight_grads(self.stash.pop((j, c)).records, self.deferred)
+        return dx if prev_stage(self.s, c, self.p, self.v, self.layout) is not None else None
 
     # -- parameters and gradients ---------------------------------------------------------------
 
@@ -237,12 +247,12 @@ class _Stage:
         pairs = {"stages": self.groups["stages"][c], "first": ([], None), "last": ([], None)}
         if k == 0:
             pairs["first"] = self.groups["first"][0]
-        if k == self.p * self.v - 1:
+        if k == self.last_k:
             pairs["last"] = self.groups["last"][0]
         return {g: None if td is None else tree_unflatten(td, lv) for g, (lv, td) in pairs.items()}
 
     def _params(self, c: int, *, first: bool, last: bool) -> list[Tensor]:
-        """The parameter leaves virtual stage ``c * p + s`` differentiates."""
+        """The parameter leaves chunk ``c`` differentiates (with first/last on those virtual stages)."""
         leaves = []
         for g, cc, on in (("stages", c, True), ("first", 0, first), ("last", 0, last)):
             if on:
@@ -256,9 +266,17 @@ class _Stage:
             if td is None:
                 out.append(None)
                 continue
-            gs = [t.grad if isinstance(t, Tensor) and t.grad is not None else _zeros(t) for t in leaves]
-            out.append(tree_unflatten(td, gs))
+            out.append(tree_unflatten(td, [self._grad(t) for t in leaves]))
         return out
+
+    def _grad(self, t: Any) -> Any:
+        """A leaf's gradient: what autograd accumulated plus what W computed (zeros if neither)."""
+        if not isinstance(t, Tensor):
+            return t
+        g, w = t.grad, self.deferred.get(id(t))
+        if g is None and w is None:
+            return torch.zeros_like(t)
+        return w if g is None else (g if w is None else g + w)
 
     def note_inbox(self) -> None:
         self.peak_inbox = max(self.peak_inbox, len(self.inbox))
@@ -271,57 +289,16 @@ def _leaves(tree: Any) -> tuple[list, Any]:
     return [_leaf(t) for t in leaves], td
 
 
-def _zeros(t: Any) -> Any:
-    return torch.zeros_like(t) if isinstance(t, Tensor) else t
-
-
 def _leaf(t: Any) -> Any:
     if isinstance(t, Tensor) and t.is_floating_point():
         return t.detach().requires_grad_()
     return t
 
 
-def _backward(out: Tensor, dy: Tensor, inputs: list, *, retain: bool) -> None:
-    """Accumulate the gradients of ``out`` (cotangent ``dy``) into ``inputs``' ``.grad``."""
+def _backward(out: Tensor, dy: Tensor, inputs: list) -> None:
+    """Accumulate the gradients of ``out`` (cotangent ``dy``) into ``inputs``' ``.grad``; frees the graph."""
     if inputs and out.requires_grad:
-        torch.autograd.backward(out, dy, inputs=inputs, retain_graph=retain)
-
-
-# The split backward (zero-bubble B and W).  B computes the input gradient and records, at each
-# node where a parameter's subgraph joins the input's path, the gradient flowing in; W then runs
-# only those parameter subgraphs, so B + W costs one backward (arXiv:2401.10241 §2).  torch's
-# pipelining schedules do this with ``stage_backward_input``/``stage_backward_weight``, which
-# are used here; without them, W re-runs the backward from the output for the parameters only.
-
-
-def _input_grad(st: _Stashed, dy: Tensor) -> Tensor | None:
-    """B: the gradient w.r.t. the stage's input; keeps what W needs in ``st``."""
-    st.dy = dy
-    if st.x is None or not st.out.requires_grad:
-        return None  # the first virtual stage has no input gradient; W does the whole backward
-    split = _torch_split()
-    if split is None:
-        _backward(st.out, dy, [st.x], retain=True)
-        return st.x.grad
-    out = st.out.clone() if st.out._is_view() else st.out  # torch's B detaches it in place
-    (dx,), st.groups = split[0]([out], [dy], [st.x], iter(st.leaves))
-    return dx
-
-
-def _weight_grad(st: _Stashed) -> None:
-    """W: accumulate the stage's parameter gradients into ``.grad`` (frees the stash's graph)."""
-    if st.groups is None:
-        _backward(st.out, st.dy, st.leaves, retain=False)
-    else:
-        _torch_split()[1](iter(st.leaves), st.groups)
-
-
-def _torch_split():
-    try:
-        from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-    except ImportError:  # pragma: no cover - torch without pipelining
-        return None
-    return stage_backward_input, stage_backward_weight
+        torch.autograd.backward(out, dy, inputs=inputs)
 
 
 # In-process driver ----------------------------------------------------------------------------
@@ -357,16 +334,15 @@ class _LocalDriver:
         if "first" in params:
             grads["first"] = stages[0].grads("first")[0] if params["first"] is not None else None
         if "last" in params:
-            grads["last"] = stages[-1].grads("last")[0] if params["last"] is not None else None
-        loss = stages[(p * v - 1) % p].loss_sum / sch.m
+            grads["last"] = stages[last_stage(sch)].grads("last")[0] if params["last"] is not None else None
+        loss = stages[last_stage(sch)].loss_sum / sch.m
         stats = _timeline(sch, stages, wall)
         return StepResult(loss, grads, stats)
 
     def _deliver(self, a: Action, stages: list) -> None:
         """In-process send and receive: the value moves to the peer stage's inbox."""
-        to = (next_stage if a.kind == "SEND_F" else prev_stage)(
-            a.stage, a.chunk, self.schedule.p, self.schedule.v
-        )
+        sch = self.schedule
+        to = (next_stage if a.kind == "SEND_F" else prev_stage)(a.stage, a.chunk, sch.p, sch.v, sch.layout)
         stages[to[0]].inbox[(a.kind[-1], a.microbatch, to[1])] = stages[a.stage].to_send(a)
 
 
@@ -374,7 +350,7 @@ def _stack_chunks(per_stage: list[list], like: Any) -> Any:
     """Stack per-(stage, chunk) gradient trees in stage-major order: row s * v + c."""
     flat = [tree_flatten(g)[0] for chunks in per_stage for g in chunks]
     _, td = tree_flatten(like)
-    return tree_unflatten(td, [torch.stack(col) for col in zip(*flat)])
+    return tree_unflatten(td, [_stack(col) for col in zip(*flat)])
 
 
 def _timeline(sch: Schedule, stages: list, wall: float) -> Timeline:
@@ -415,6 +391,7 @@ class _DistDriver:
         stacked = params["stages"]
         chunks = [tree_map(lambda t, c=c: t[c], stacked) for c in range(sch.v)]
         st = _Stage(self.me, sch, self.fns, chunks, params.get("first"), params.get("last"))
+        self.device = _device_of(stacked)
         start = time.perf_counter()
         sending: list = []
         for actions in self.ticks:
@@ -428,7 +405,7 @@ class _DistDriver:
         wall = time.perf_counter() - start
         loss, stats = self._finish(st, wall, _dist)
         grads = {"stages": tree_unflatten(tree_flatten(stacked)[1], _stack_local(st.grads("stages")))}
-        owners = {"first": 0, "last": (sch.p * sch.v - 1) % sch.p}
+        owners = {"first": 0, "last": last_stage(sch)}
         for g in ("first", "last"):
             if g in params:
                 grads[g] = self._share(_local_group(st, g, params[g]), owners[g])
@@ -457,12 +434,12 @@ class _DistDriver:
 
     def _exchange(self, actions: list, st: _Stage, _dist) -> list:
         """Post this tick's sends and receives (after shape headers, if any); return the sends."""
-        p, v, me = self.schedule.p, self.schedule.v, self.me
+        p, v, me, layout = self.schedule.p, self.schedule.v, self.me, self.schedule.layout
         sends, recvs, heads_out, heads_in = [], [], [], []
         for a in sorted(actions, key=_wire_order):
             if a.kind in ("SEND_F", "SEND_B"):
                 value = st.to_send(a)
-                peer = (next_stage if a.kind == "SEND_F" else prev_stage)(a.stage, a.chunk, p, v)
+                peer = (next_stage if a.kind == "SEND_F" else prev_stage)(a.stage, a.chunk, p, v, layout)
                 if peer[0] == me:  # a chunk of this stage feeds another of its chunks (p = 1)
                     st.inbox[(a.kind[-1], a.microbatch, peer[1])] = value
                     continue
@@ -470,7 +447,7 @@ class _DistDriver:
                     heads_out.append((_header(value), peer[0]))
                 sends.append((value, peer[0]))
             elif a.kind in ("RECV_F", "RECV_B"):
-                peer = (prev_stage if a.kind == "RECV_F" else next_stage)(a.stage, a.chunk, p, v)
+                peer = (prev_stage if a.kind == "RECV_F" else next_stage)(a.stage, a.chunk, p, v, layout)
                 if peer[0] == me:
                     continue
                 recvs.append(a)
@@ -489,8 +466,8 @@ class _DistDriver:
         return sending
 
     def _peer(self, a: Action) -> int:
-        p, v = self.schedule.p, self.schedule.v
-        return (prev_stage if a.kind == "RECV_F" else next_stage)(a.stage, a.chunk, p, v)[0]
+        sch = self.schedule
+        return (prev_stage if a.kind == "RECV_F" else next_stage)(a.stage, a.chunk, sch.p, sch.v, sch.layout)[0]
 
     def _shape(self, a: Action, st: _Stage) -> tuple:
         if a.kind == "RECV_B":
@@ -500,27 +477,21 @@ class _DistDriver:
     def _finish(self, st: _Stage, wall: float, _dist) -> tuple[Tensor, Timeline]:
         """Share the loss (from the last stage) and every stage's stats along the pipe axis."""
         sch = self.schedule
-        p, last = sch.p, (sch.p * sch.v - 1) % sch.p
-        mine = torch.tensor(
-            [
-                float(st.loss_sum / sch.m) if st.loss_sum is not None else 0.0,
-                st.busy,
-                st.peak,
-                st.peak_inbox,
-                st.seconds,
-            ],
-            dtype=torch.float64,
-        )
+        p, last = sch.p, last_stage(sch)
+        counts = torch.tensor([st.busy, st.peak, st.peak_inbox, st.seconds], dtype=torch.float64)
+        loss_row = (st.loss_sum / sch.m).reshape(1) if st.loss_sum is not None else torch.zeros(1)
+        # On the stage's device (NCCL sends device tensors only); one message per peer.
+        mine = torch.cat([loss_row.to(self.device, torch.float64), counts.to(self.device)])
         peers = [q for q in range(p) if q != self.me]
         got = _dist.p2p(
             self.mesh, self.axis, [(mine, q) for q in peers], [((5,), torch.float64, q) for q in peers]
         )
-        rows = dict(zip(peers, got))
-        rows[self.me] = mine
+        rows = {q: r.tolist() for q, r in zip(peers, got)}  # one host sync per step, at the end
+        rows[self.me] = mine.tolist()
         if st.loss_sum is not None:
             loss = st.loss_sum / sch.m
         else:  # sent as float64, which holds every lower precision exactly
-            loss = rows[last][0].to(_float_dtype(st))
+            loss = torch.tensor(rows[last][0], dtype=torch.float64, device=self.device).to(_float_dtype(st))
         stats = Timeline(
             sch.name,
             sch.num_ticks,
@@ -531,6 +502,19 @@ class _DistDriver:
             wall,
         )
         return loss, stats
+
+
+def last_stage(sch: Schedule) -> int:
+    """The stage that holds the last virtual stage (and so the loss)."""
+    return locate(sch.p * sch.v - 1, sch.p, sch.v, sch.layout)[0]
+
+
+def _device_of(tree: Any) -> torch.device:
+    """The device of the stage's parameters: every tensor the executor sends lives there."""
+    for t in tree_flatten(tree)[0]:
+        if isinstance(t, Tensor):
+            return t.device
+    return torch.device("cpu")
 
 
 def _float_dtype(st: _Stage) -> torch.dtype:
@@ -567,7 +551,8 @@ def _header(t: Tensor) -> Tensor:
             f"fpar.pipeline: cannot send an activation of shape {tuple(t.shape)} and dtype {t.dtype} "
             f"between stages (at most {_HEADER - 2} dims, dtypes {_DTYPES})."
         )
-    return torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (_HEADER - 2 - t.dim()))
+    fields = [_DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (_HEADER - 2 - t.dim())
+    return torch.tensor(fields, dtype=torch.int64, device=t.device)  # on the stage's device (NCCL)
 
 
 def _unheader(h: Tensor) -> tuple:
@@ -577,7 +562,12 @@ def _unheader(h: Tensor) -> tuple:
 
 def _stack_local(per_chunk: list) -> list:
     flat = [tree_flatten(g)[0] for g in per_chunk]
-    return [torch.stack(col) for col in zip(*flat)]
+    return [_stack(col) for col in zip(*flat)]
+
+
+def _stack(col) -> Tensor:
+    """``torch.stack``, without a copy for one chunk."""
+    return col[0].unsqueeze(0) if len(col) == 1 else torch.stack(col)
 
 
 def _local_group(st: _Stage, group: str, given: Any) -> Any:

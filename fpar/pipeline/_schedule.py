@@ -32,8 +32,10 @@ __all__ = [
     "gpipe",
     "interleaved_1f1b",
     "one_f_one_b",
+    "dualpipe_v",
     "place",
     "zb_h1",
+    "zb_v",
 ]
 
 COMPUTE = ("F", "B", "W", "BW")
@@ -94,6 +96,10 @@ class Schedule:
       actions: every action, sorted by (tick, stage).
       stash_bound: per stage, the most microbatch-chunks whose activations may be stashed at
         once; ``validate`` enforces it.  ``None``: no bound.
+      layout: where the model's chunks live (see ``virtual``): ``"interleaved"`` (Megatron's,
+        chunk ``c`` of stage ``s`` is virtual stage ``c p + s``) or ``"v"`` (two chunks per
+        stage in a V: stage ``s`` holds virtual stages ``s`` and ``2 p - 1 - s``, so the turn at
+        stage ``p - 1`` and the loss on stage 0 need no message).
     """
 
     name: str
@@ -102,6 +108,7 @@ class Schedule:
     v: int
     actions: tuple[Action, ...]
     stash_bound: tuple[int, ...] | None = None
+    layout: str = "interleaved"
 
     def __post_init__(self):
         object.__setattr__(self, "actions", tuple(sorted(self.actions)))
@@ -139,16 +146,33 @@ class Schedule:
 # Virtual stages -----------------------------------------------------------------------------
 
 
-def next_stage(s: int, c: int, p: int, v: int) -> tuple[int, int] | None:
-    """The (stage, chunk) after virtual stage ``c * p + s``, or None after the last one."""
-    k = c * p + s + 1
-    return None if k == p * v else (k % p, k // p)
+LAYOUTS = ("interleaved", "v")
 
 
-def prev_stage(s: int, c: int, p: int, v: int) -> tuple[int, int] | None:
-    """The (stage, chunk) before virtual stage ``c * p + s``, or None before the first one."""
-    k = c * p + s - 1
-    return None if k < 0 else (k % p, k // p)
+def virtual(s: int, c: int, p: int, v: int, layout: str = "interleaved") -> int:
+    """The virtual stage (model chunk index) of chunk ``c`` on stage ``s``."""
+    if layout == "v":
+        return s if c == 0 else 2 * p - 1 - s
+    return c * p + s
+
+
+def locate(k: int, p: int, v: int, layout: str = "interleaved") -> tuple[int, int]:
+    """The (stage, chunk) that holds virtual stage ``k``: the inverse of ``virtual``."""
+    if layout == "v":
+        return (k, 0) if k < p else (2 * p - 1 - k, 1)
+    return k % p, k // p
+
+
+def next_stage(s: int, c: int, p: int, v: int, layout: str = "interleaved") -> tuple[int, int] | None:
+    """The (stage, chunk) after chunk ``c`` of stage ``s``, or None after the last virtual stage."""
+    k = virtual(s, c, p, v, layout) + 1
+    return None if k == p * v else locate(k, p, v, layout)
+
+
+def prev_stage(s: int, c: int, p: int, v: int, layout: str = "interleaved") -> tuple[int, int] | None:
+    """The (stage, chunk) before chunk ``c`` of stage ``s``, or None before the first virtual stage."""
+    k = virtual(s, c, p, v, layout) - 1
+    return None if k < 0 else locate(k, p, v, layout)
 
 
 # Builders -----------------------------------------------------------------------------------
@@ -256,6 +280,143 @@ def zb_h1(p: int, m: int) -> Schedule:
     return place(orders, m=m, name="ZB-H1", stash_bound=[min(p, m)] * p)
 
 
+def zb_v(p: int, m: int) -> Schedule:
+    """ZB-V (arXiv:2401.10241 §6): two chunks per stage in a V, split backward, 1F1B's memory.
+
+    Stage ``s`` holds virtual stages ``s`` and ``2 p - 1 - s`` (``layout="v"``): a microbatch
+    goes down the stages on chunk 0 and back up on chunk 1, so the loss and the first layers
+    share stage 0.  The order per stage is the paper's (and ``torch.distributed.pipelining``'s
+    ``ScheduleZBVZeroBubble``): ``2 (p - s) - 1`` chunk-0 forwards, ``s`` pairs of chunk-1 and
+    chunk-0 forwards, ``p - s`` rounds of (F, B, W) on chunk 1, then steady (F, B, W) rounds on
+    both chunks, then the remaining Bs with the Ws filling the cool-down.  With
+    t_F = t_B = t_W and ``m >= 2 p`` it has no bubble beyond the fill and drain of
+    ``p - 1`` units each way; every stage stashes at most ``2 p`` microbatch-chunks, i.e. the
+    ``p`` stage-microbatches of 1F1B's first stage.
+    """
+    check_sizes("zb_v", p, m, 2)
+    n = max(2 * p - 1, m)  # the order for enough microbatches to fill the V; extra ones dropped
+    orders = []
+    for s in range(p):
+        order: list[tuple[str, int, int]] = []
+        f, b = [0, 0], [0, 0]
+
+        def add(kind: str, c: int, count: list) -> None:
+            order.append((kind, count[c], c))
+            count[c] += 1
+
+        for _ in range(2 * (p - s) - 1):
+            add("F", 0, f)
+        for _ in range(s):
+            add("F", 1, f)
+            add("F", 0, f)
+        for _ in range(p - s):
+            add("F", 1, f)
+            order += [("B", b[1], 1), ("W", b[1], 1)]
+            b[1] += 1
+        while f[1] < f[0] or f[0] < n:
+            if f[0] < n:
+                add("F", 0, f)
+            order += [("B", b[0], 0), ("W", b[0], 0)]
+            b[0] += 1
+            add("F", 1, f)
+            order += [("B", b[1], 1), ("W", b[1], 1)]
+            b[1] += 1
+        w = list(b)
+        for _ in range(s):
+            add("B", 0, b)
+            add("B", 1, b)
+        for _ in range(p - s):
+            add("B", 0, b)
+            add("W", 0, w)
+        order += [("W", j, 1) for j in range(w[1], b[1])] + [("W", j, 0) for j in range(w[0], b[0])]
+        orders.append([u for u in order if u[1] < m])
+    return place(orders, m=m, v=2, name="ZB-V", stash_bound=[2 * p] * p, layout="v")
+
+
+def dualpipe_v(p: int, m: int) -> Schedule:
+    """DualPipeV (DeepSeek-V3, arXiv:2412.19437 §3.2.1, the V-shaped "cut-in-half" DualPipe).
+
+    Two chunks per stage in a V (``layout="v"``), as ``zb_v``.  The steady phase pairs the
+    forward of one microbatch on one chunk with the full backward of another on the other
+    chunk (``F`` then ``BW``, back to back: DeepSeek overlaps the pair's compute with its
+    communication, which this executor gets from posting sends and receives without waiting);
+    the warm-up uses zero-bubble (B, W, F) rounds and the cool-down splits the second half of
+    its backwards, its Ws filling the drain.  The order per stage is DeepSeek's
+    (``deepseek-ai/DualPipe`` ``dualpipev.py``, as ported by ``torch.distributed.pipelining``'s
+    ``ScheduleDualPipeV``).
+
+    Raises:
+      ScheduleError: ``m < 2 p`` (DualPipeV needs at least as many microbatches as virtual stages).
+    """
+    check_sizes("dualpipe_v", p, m, 2)
+    if m < 2 * p:
+        raise ScheduleError(
+            f"fpar.pipeline.dualpipe_v: m={m} microbatches for p={p} stages; DualPipeV needs at "
+            f"least 2 p = {2 * p} microbatches (one per virtual stage). Use m >= {2 * p} or zb_v."
+        )
+    orders = []
+    for s in range(p):
+        order: list[tuple[str, int, int]] = []
+        f, b = [0, 0], [0, 0]
+        pending: list[tuple[int, int]] = []  # (chunk, microbatch) whose W is still to run
+
+        def fwd(c: int) -> None:
+            order.append(("F", f[c], c))
+            f[c] += 1
+
+        def bwd(c: int, split: bool) -> None:
+            order.append(("B" if split else "BW", b[c], c))
+            if split:
+                pending.append((c, b[c]))
+            b[c] += 1
+
+        def weight() -> None:
+            if pending:
+                c, j = pending.pop(0)
+                order.append(("W", j, c))
+
+        for _ in range(2 * (p - s - 1)):
+            fwd(0)
+        for _ in range(s + 1):
+            fwd(0)
+            fwd(1)
+        for _ in range(p - s - 1):
+            bwd(1, True)
+            weight()
+            fwd(1)
+        for _ in range(m - 2 * p + s + 1):
+            fwd(0)
+            bwd(1, False)
+            fwd(1)
+            bwd(0, False)
+        for _ in range(p - s - 1):
+            bwd(1, False)
+            fwd(1)
+            bwd(0, False)
+        split = False
+        for i in range(s + 1):
+            if i == (s + 1) // 2 and s % 2 == 1:
+                split = True
+            bwd(1, split)
+            if i == (s + 1) // 2 and s % 2 == 0:
+                split = True
+            bwd(0, split)
+        for _ in range(p - s - 1):
+            weight()
+            bwd(0, split)
+        while pending:
+            weight()
+        orders.append(order)
+    return place(orders, m=m, v=2, name="DualPipeV", stash_bound=[2 * p + 1] * p, layout="v")
+
+
+def check_layout(api: str, layout: str, v: int) -> None:
+    if layout not in LAYOUTS:
+        raise ScheduleError(f"fpar.pipeline.{api}: layout must be one of {LAYOUTS}, got {layout!r}.")
+    if layout == "v" and v != 2:
+        raise ScheduleError(f"fpar.pipeline.{api}: the 'v' layout has v=2 chunks per stage, got v={v}.")
+
+
 def check_sizes(api: str, p: int, m: int, v: int) -> None:
     for name, val in (("p", p), ("m", m), ("v", v)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
@@ -274,6 +435,7 @@ def place(
     v: int = 1,
     name: str = "custom",
     stash_bound: Sequence[int] | None = None,
+    layout: str = "interleaved",
 ) -> Schedule:
     """Build a schedule from each stage's order of compute actions, as early as dependencies allow.
 
@@ -289,6 +451,7 @@ def place(
       v: model chunks per stage.
       name: the schedule's name.
       stash_bound: per stage, the most stashed microbatch-chunks allowed (checked).
+      layout: ``"interleaved"`` or ``"v"`` (see ``Schedule``).
 
     Returns:
       The validated schedule.
@@ -303,11 +466,12 @@ def place(
     p = len(orders)
     if p < 1:
         raise ScheduleError("fpar.pipeline.place: orders is empty; give one list of actions per stage.")
+    check_layout("place", layout, v)
     units = [[_unit(s, i, u) for i, u in enumerate(order)] for s, order in enumerate(orders)]
     _check_orders(units, p, m, v)
-    actions = _asap(units, p, v)
+    actions = _asap(units, p, v, layout)
     bound = tuple(stash_bound) if stash_bound is not None else None
-    schedule = Schedule(name, p, m, v, tuple(actions), bound)
+    schedule = Schedule(name, p, m, v, tuple(actions), bound, layout)
     from ._validate import validate
 
     return validate(schedule)
@@ -378,21 +542,21 @@ def _check_unit_order(s: int, j: int, c: int, seen: dict) -> None:
         )
 
 
-def needs(s: int, kind: str, j: int, c: int, p: int, v: int) -> list[tuple[str, int, int, int]]:
+def needs(s: int, kind: str, j: int, c: int, p: int, v: int, layout: str = "interleaved") -> list[tuple[str, int, int, int]]:
     """What a compute action waits for: (kind, stage, microbatch, chunk) of other actions."""
     if kind == "F":
-        prev = prev_stage(s, c, p, v)
+        prev = prev_stage(s, c, p, v, layout)
         return [] if prev is None else [("F", prev[0], j, prev[1])]
     if kind == "W":
         return [("B", s, j, c)]
     need = [("F", s, j, c)]
-    nxt = next_stage(s, c, p, v)
+    nxt = next_stage(s, c, p, v, layout)
     if nxt is not None:
         need.append(("grad", nxt[0], j, nxt[1]))  # its B or BW, whichever it runs
     return need
 
 
-def _asap(units: list[list[tuple]], p: int, v: int) -> list[Action]:
+def _asap(units: list[list[tuple]], p: int, v: int, layout: str) -> list[Action]:
     done: dict[tuple, int] = {}  # (kind, stage, mb, chunk) -> tick; "grad" for B or BW
     pos = [0] * p
     actions: list[Action] = []
@@ -403,33 +567,33 @@ def _asap(units: list[list[tuple]], p: int, v: int) -> list[Action]:
             if pos[s] == len(units[s]):
                 continue
             kind, j, c = units[s][pos[s]]
-            if all(done.get(n, tick) < tick for n in needs(s, kind, j, c, p, v)):
+            if all(done.get(n, tick) < tick for n in needs(s, kind, j, c, p, v, layout)):
                 ran.append((s, kind, j, c))
         if not ran:
-            raise ScheduleError(_deadlock_message(units, pos, done, p, v, tick))
+            raise ScheduleError(_deadlock_message(units, pos, done, p, v, tick, layout))
         for s, kind, j, c in ran:
             done[(kind, s, j, c)] = tick
             if kind in ("B", "BW"):
                 done[("grad", s, j, c)] = tick
-            actions += _with_comm(Action(tick, s, kind, j, c), p, v)
+            actions += _with_comm(Action(tick, s, kind, j, c), p, v, layout)
             pos[s] += 1
             left -= 1
         tick += 1
     return actions
 
 
-def _with_comm(a: Action, p: int, v: int) -> list[Action]:
+def _with_comm(a: Action, p: int, v: int, layout: str) -> list[Action]:
     """The compute action and the sends/receives of what it produces, at the same tick."""
     out = [a]
     if a.kind == "F":
-        nxt = next_stage(a.stage, a.chunk, p, v)
+        nxt = next_stage(a.stage, a.chunk, p, v, layout)
         if nxt is not None:
             out += [
                 Action(a.tick, a.stage, "SEND_F", a.microbatch, a.chunk),
                 Action(a.tick, nxt[0], "RECV_F", a.microbatch, nxt[1]),
             ]
     elif a.kind in ("B", "BW"):
-        prev = prev_stage(a.stage, a.chunk, p, v)
+        prev = prev_stage(a.stage, a.chunk, p, v, layout)
         if prev is not None:
             out += [
                 Action(a.tick, a.stage, "SEND_B", a.microbatch, a.chunk),
@@ -438,13 +602,13 @@ def _with_comm(a: Action, p: int, v: int) -> list[Action]:
     return out
 
 
-def _deadlock_message(units, pos, done, p, v, tick) -> str:
+def _deadlock_message(units, pos, done, p, v, tick, layout) -> str:
     lines = []
     for s in range(p):
         if pos[s] == len(units[s]):
             continue
         kind, j, c = units[s][pos[s]]
-        waits = [n for n in needs(s, kind, j, c, p, v) if n not in done]
+        waits = [n for n in needs(s, kind, j, c, p, v, layout) if n not in done]
         what = "; ".join(_wait_reason(n) for n in waits)
         lines.append(f"stage {s} waits to run {kind}(microbatch={j}, chunk={c}): {what}")
     return (

@@ -42,7 +42,7 @@ def exec_job(axes: tuple, name: str, p: int, m: int, v: int) -> dict:
     spec = M.stage_spec(mesh)
     rows = P(None, "data") if "data" in mesh.shape else P()
     params = {
-        "stages": fpar.device_put(pp.stage_major(prob["stages"], p, v), mesh, spec),
+        "stages": fpar.device_put(pp.stage_major(prob["stages"], p, v, layout=M.layout(name)), mesh, spec),
         "first": prob["first"],
         "last": prob["last"],
     }
