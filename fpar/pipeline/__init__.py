@@ -14,6 +14,13 @@ Schedules are data (``Schedule`` of ``Action``s on a tick grid), checked by ``va
 measured by ``timeline``/``simulate`` and the executor, and drawn by ``draw``.
 """
 
+from ._builders import dualpipe_v as dualpipe_v
+from ._builders import gpipe as gpipe
+from ._builders import interleaved_1f1b as interleaved_1f1b
+from ._builders import one_f_one_b as one_f_one_b
+from ._builders import place as place
+from ._builders import zb_h1 as zb_h1
+from ._builders import zb_v as zb_v
 from ._draw import draw as draw
 from ._executor import StepResult as StepResult
 from ._executor import pipeline as pipeline
@@ -23,13 +30,6 @@ from ._scan import gpipe_scan as gpipe_scan
 from ._schedule import Action as Action
 from ._schedule import Schedule as Schedule
 from ._schedule import ScheduleError as ScheduleError
-from ._schedule import dualpipe_v as dualpipe_v
-from ._schedule import gpipe as gpipe
-from ._schedule import interleaved_1f1b as interleaved_1f1b
-from ._schedule import one_f_one_b as one_f_one_b
-from ._schedule import place as place
-from ._schedule import zb_h1 as zb_h1
-from ._schedule import zb_v as zb_v
 from ._timeline import Timeline as Timeline
 from ._timeline import simulate as simulate
 from ._timeline import timeline as timeline
