@@ -217,6 +217,19 @@ def test_step_checks_its_arguments(params, xs, phrase):
     assert phrase in str(info.value)
 
 
+def test_a_stage_that_raises_is_named():
+    def stage(w, h):
+        if h.shape[0] and bool((h == 2.0).any()):  # microbatch 1 only
+            raise RuntimeError("bad activation")
+        return h * w["a"][0]
+
+    step = pp.pipeline(stage, pp.one_f_one_b(2, 2), fpar.make_mesh((2,), ("pipe",)), loss=lambda w, h, t: h.sum())
+    xs = torch.tensor([[1.0], [2.0]])
+    with pytest.raises(RuntimeError, match="bad activation") as info:
+        step({"stages": {"a": torch.ones(2, 1)}}, xs, None)
+    assert "raised on pipeline stage 0 running F of microbatch 1, chunk 0" in "".join(info.value.__notes__)
+
+
 def test_stats_table_is_readable():
     _, _, res = _run(fpar.make_mesh((2,), ("pipe",)), "1f1b", 2, 2, 1)
     table = res.stats.table()
