@@ -1,29 +1,35 @@
-"""Pipeline step: fpar's 1F1B and GPipe against torch.distributed.pipelining's, side by side.
+"""Pipeline step: fpar's schedules against torch.distributed.pipelining's, side by side.
 
 Both sides train the same model, cut into ``p`` stages (one gloo process each, 2 by default on
 a 2-core machine), with the same microbatching:
 
 * the model: ``p * layers`` residual MLP blocks ``h + Linear(H, D)(relu(Linear(D, H)(h)))``,
   float32, MSE loss on the last stage; stage ``s`` holds blocks ``s * layers ..``;
-* **fpar**: ``fpar.pipeline.pipeline(stage, one_f_one_b(p, m) | gpipe(p, m), mesh, loss=mse)``
-  on the real mesh ``("pipe",)``; the stage function is ``torch.func.functional_call`` of the
-  same ``nn.Module`` with this rank's parameters (stacked with a leading chunk dim of 1);
-* **torch**: ``PipelineStage(module, rank, p)`` with ``Schedule1F1B`` / ``ScheduleGPipe``
-  (``loss_fn=mse``, ``scale_grads=True``: both compute the gradient of the mean over
-  microbatches), ``module.zero_grad(set_to_none=True)`` before each step.
+* **fpar**: ``fpar.pipeline.pipeline(stage, schedule, mesh, loss=mse)`` on the real mesh
+  ``("pipe",)`` for 1F1B, GPipe, interleaved 1F1B (v=2), ZB-V, DualPipeV and ZB-H1; the stage
+  function is ``torch.func.functional_call`` of the same ``nn.Module`` with this rank's
+  parameters (stacked with a leading chunk dim of v); with two chunks per rank each chunk has
+  half the blocks, placed by virtual stage (interleaved, or the V of ZB-V/DualPipeV);
+* **torch**: ``PipelineStage(module, virtual stage, p v)`` per chunk with ``Schedule1F1B`` /
+  ``ScheduleGPipe`` / ``ScheduleInterleaved1F1B`` / ``ScheduleZBVZeroBubble`` /
+  ``ScheduleDualPipeV`` (``loss_fn=mse``, ``scale_grads=True``: both compute the gradient of
+  the mean over microbatches), ``zero_grad(set_to_none=True)`` before each step; ZB-H1 (torch
+  has none) is compared with fpar's 1F1B.
 
 Checked once, before timing: one step of each gives the same loss and gradients.  Then every
 variant is timed interleaved (order rotating every repeat), each step between two barriers so
 it spans the slowest stage; medians from rank 0.  Peak memory per stage: the most bytes of
 tensors saved for backward alive at once during a step (``saved_tensors_hooks``, counted
-per storage, the same instrument on both sides), and the process's peak RSS.  fpar's executor
+per storage, the same instrument on both sides; it does not see the ``(x, dy)`` pairs fpar's
+split schedules hold from B to W outside autograd), and the process's peak RSS.  fpar's executor
 also reports its peak stash (microbatches) and the seconds each stage computed, from which the
-measured bubble (1 - compute / step time) is printed next to the formula (p - 1)/(m + p - 1).
+measured bubble (1 - compute / step time) is printed next to the tick grid's.
 Timings are printed, never asserted.
 
 Run:
     python bench/pipeline.py                           # p=2, m=8, B=256, D=512, H=2048, 2 blocks/stage
     python bench/pipeline.py --stages 4 --microbatches 8 --repeats 10
+    python bench/pipeline.py --schedules "1F1B,ZB-H1"  # a subset
 """
 
 from __future__ import annotations
@@ -290,7 +296,8 @@ def main() -> None:
             fm = r["memory"][("fpar", name)] / 2**20
             tm = f"{r['memory'][('torch', name)] / 2**20:.1f}" if ("torch", name) in r["memory"] else "-"
             row.append(f"stage {r['rank']}: {fm:.1f} vs {tm}")
-        print(f"  {name}: " + "; ".join(row) + f"; stash {r0['stats'][name].peak_stash}")
+        split = " (excludes (x, dy) held from B to W)" if name in ("ZB-H1", "ZB-V", "DualPipeV") else ""
+        print(f"  {name}: " + "; ".join(row) + f"; stash {r0['stats'][name].peak_stash}{split}")
     print("  peak RSS per process (MiB, all variants): " + ", ".join(f"{r['rss_mb']:.0f}" for r in results))
     print()
     print("fpar measured bubble (1 - stage compute / step wall time, median run); on the tick grid:")
