@@ -6,13 +6,21 @@ Two ways to pipeline a model over a ``"pipe"`` mesh axis:
   with ``ppermute``; differentiating it gives GPipe (or, with several chunks per device, the
   looped breadth-first schedule).
 * ``pipeline(stage, schedule, mesh, loss=...)``: a driver that runs a schedule (``gpipe``,
-  ``one_f_one_b``, ``interleaved_1f1b``, ``zb_h1``, or your own via ``place``) action by
+  ``one_f_one_b``, ``interleaved_1f1b``, ``zb_h1``, the V-shaped ``zb_v`` and ``dualpipe_v``,
+  or your own via ``place``) action by
   action, with explicit sends and receives between neighbouring stages, on either backend.
 
 Schedules are data (``Schedule`` of ``Action``s on a tick grid), checked by ``validate``,
 measured by ``timeline``/``simulate`` and the executor, and drawn by ``draw``.
 """
 
+from ._builders import dualpipe_v as dualpipe_v
+from ._builders import gpipe as gpipe
+from ._builders import interleaved_1f1b as interleaved_1f1b
+from ._builders import one_f_one_b as one_f_one_b
+from ._builders import place as place
+from ._builders import zb_h1 as zb_h1
+from ._builders import zb_v as zb_v
 from ._draw import draw as draw
 from ._executor import StepResult as StepResult
 from ._executor import pipeline as pipeline
@@ -22,11 +30,6 @@ from ._scan import gpipe_scan as gpipe_scan
 from ._schedule import Action as Action
 from ._schedule import Schedule as Schedule
 from ._schedule import ScheduleError as ScheduleError
-from ._schedule import gpipe as gpipe
-from ._schedule import interleaved_1f1b as interleaved_1f1b
-from ._schedule import one_f_one_b as one_f_one_b
-from ._schedule import place as place
-from ._schedule import zb_h1 as zb_h1
 from ._timeline import Timeline as Timeline
 from ._timeline import simulate as simulate
 from ._timeline import timeline as timeline
@@ -39,6 +42,7 @@ __all__ = [
     "StepResult",
     "Timeline",
     "draw",
+    "dualpipe_v",
     "gpipe",
     "gpipe_scan",
     "interleaved_1f1b",
@@ -51,4 +55,5 @@ __all__ = [
     "timeline",
     "validate",
     "zb_h1",
+    "zb_v",
 ]

@@ -7,7 +7,7 @@ also writes it as an image with matplotlib (the optional extra ``fpar[plot]``).
 from __future__ import annotations
 
 from ._schedule import COMPUTE, Schedule
-from ._timeline import replay
+from ._timeline import replay, timeline
 
 __all__ = ["draw"]
 
@@ -63,9 +63,13 @@ def _text(schedule: Schedule) -> str:
     for s, row in enumerate(cells):
         rows.append(f"stage {s:<2}" + " ".join(c.rjust(width) for c in row))
     rows.append(bar)
-    legend = "F forward, B backward" + (", split: B input grad, W weight grad" if _split(schedule) else "")
-    rows.append(legend + ", . idle" + (", a/b/.. model chunk" if v > 1 else ""))
+    rows.append(_legend(schedule) + f"; bubble {timeline(schedule).bubble_fraction:.3f}")
     return "\n".join(r.rstrip() for r in rows)
+
+
+def _legend(schedule: Schedule) -> str:
+    legend = "F forward, B backward" + (", split: B input grad, W weight grad" if _split(schedule) else "")
+    return legend + ", . idle" + (", a/b/.. model chunk" if schedule.v > 1 else "")
 
 
 def _split(schedule: Schedule) -> bool:
@@ -86,7 +90,7 @@ def _image(schedule: Schedule, path: str, durations: dict | None) -> None:
         ) from e
     blocks = _blocks(schedule, durations)
     end = max((start + dur for _, start, dur, _ in blocks), default=1)
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * end + 1.5), 0.55 * schedule.p + 1.2))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * end + 1.5), 0.55 * schedule.p + 1.7))
     for a, start, dur, colour in blocks:
         ax.broken_barh([(start, dur)], (a.stage - 0.42, 0.84), facecolors=colour, edgecolor="white")
         ax.text(start + dur / 2, a.stage, str(a.microbatch), ha="center", va="center", fontsize=7)
@@ -94,9 +98,19 @@ def _image(schedule: Schedule, path: str, durations: dict | None) -> None:
     ax.set_ylim(schedule.p - 0.5, -0.5)
     ax.set_xlim(0, end)
     ax.set_xlabel("time (ticks)" if durations is None else "time")
+    bubble = 1 - sum(dur for _, _, dur, _ in blocks) / (schedule.p * end)
     ax.set_title(
-        f"{schedule.name}: p={schedule.p}, m={schedule.m}" + (f", v={schedule.v}" if schedule.v > 1 else "")
+        f"{schedule.name}: p={schedule.p}, m={schedule.m}"
+        + (f", v={schedule.v}" if schedule.v > 1 else "")
+        + f"; bubble {bubble:.3f}"
     )
+    from matplotlib.patches import Patch
+
+    kinds = [("F", "forward"), ("B", "input grad" if _split(schedule) else "backward")]
+    kinds += [("W", "weight grad")] if _split(schedule) else []
+    handles = [Patch(facecolor=_COLOURS[k][0], label=label) for k, label in kinds]
+    handles.append(Patch(facecolor="white", edgecolor="grey", label="idle"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(handles), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

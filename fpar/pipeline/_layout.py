@@ -15,23 +15,27 @@ from typing import Any
 import torch
 
 from .._tree import tree_map
+from ._schedule import check_layout, locate, virtual
 
 __all__ = ["model_major", "stage_major"]
 
 
-def stage_major(tree: Any, p: int, v: int = 1) -> Any:
+def stage_major(tree: Any, p: int, v: int = 1, *, layout: str = "interleaved") -> Any:
     """Reorder leaves stacked in model order (chunk ``k`` at row ``k``) into stage-major order.
 
-    Row ``s * v + c`` of the result is model chunk ``c * p + s``, so that the in-spec
-    ``P("pipe", ...)`` hands stage ``s`` its ``v`` chunks in chunk order.
+    Row ``s * v + c`` of the result is model chunk ``virtual(s, c)``: ``c * p + s`` in the
+    interleaved layout, ``s`` and ``2 p - 1 - s`` in the V layout (ZB-V, DualPipeV), so that
+    the in-spec ``P("pipe", ...)`` hands stage ``s`` its ``v`` chunks in chunk order.
     """
-    index = torch.tensor([c * p + s for s in range(p) for c in range(v)])
+    check_layout("stage_major", layout, v)
+    index = torch.tensor([virtual(s, c, p, v, layout) for s in range(p) for c in range(v)])
     return tree_map(lambda t: _take(t, index, p * v, "stage_major"), tree)
 
 
-def model_major(tree: Any, p: int, v: int = 1) -> Any:
+def model_major(tree: Any, p: int, v: int = 1, *, layout: str = "interleaved") -> Any:
     """The inverse of ``stage_major``: back to model order (e.g. for gradients)."""
-    index = torch.tensor([(k % p) * v + k // p for k in range(p * v)])
+    check_layout("model_major", layout, v)
+    index = torch.tensor([s * v + c for s, c in (locate(k, p, v, layout) for k in range(p * v))])
     return tree_map(lambda t: _take(t, index, p * v, "model_major"), tree)
 
 

@@ -1,4 +1,8 @@
-"""Pipeline schedules as data: actions on a tick grid, builders, the validator, timelines.
+"""Pipeline schedules as data: actions on a tick grid, and where each model chunk lives.
+
+This module is the data only; everything else is a function over it, importing it (never the
+other way): ``_validate`` (checks), ``_timeline`` (measures), ``_draw`` (pictures) and
+``_builders`` (``gpipe``, ``one_f_one_b``, ..., ``place``, which validate what they build).
 
 A schedule says, for each of ``p`` pipeline stages (devices) and each *tick*, which action the
 stage runs: a compute action on one microbatch of one of its ``v`` model chunks, and the
@@ -22,8 +26,6 @@ last backward action (``BW`` or ``W``: the weight gradient needs the stage's inp
 from __future__ import annotations
 
 import dataclasses
-import re
-from collections.abc import Iterable, Sequence
 
 __all__ = [
     "Action",
@@ -32,8 +34,10 @@ __all__ = [
     "gpipe",
     "interleaved_1f1b",
     "one_f_one_b",
+    "dualpipe_v",
     "place",
     "zb_h1",
+    "zb_v",
 ]
 
 COMPUTE = ("F", "B", "W", "BW")
@@ -82,9 +86,10 @@ class Action:
 class Schedule:
     """A pipeline schedule: every stage's actions on a tick grid.
 
-    Build one with a builder (``gpipe``, ``one_f_one_b``, ``interleaved_1f1b``, ``zb_h1``), with
-    ``place`` from per-stage orders of compute actions, or by hand from explicit actions; check
-    it with ``validate`` (the executors do so before running).
+    Build one with a builder (``gpipe``, ``one_f_one_b``, ``interleaved_1f1b``, ``zb_h1``,
+    ``zb_v``, ``dualpipe_v``), with ``place`` from per-stage orders of compute actions, or by
+    hand from explicit actions; check it with ``validate`` (the executors do so before running)
+    and draw it with ``draw``.
 
     Attributes:
       name: what to call it in charts and messages.
@@ -94,6 +99,10 @@ class Schedule:
       actions: every action, sorted by (tick, stage).
       stash_bound: per stage, the most microbatch-chunks whose activations may be stashed at
         once; ``validate`` enforces it.  ``None``: no bound.
+      layout: where the model's chunks live (see ``virtual``): ``"interleaved"`` (Megatron's,
+        chunk ``c`` of stage ``s`` is virtual stage ``c p + s``) or ``"v"`` (two chunks per
+        stage in a V: stage ``s`` holds virtual stages ``s`` and ``2 p - 1 - s``, so the turn at
+        stage ``p - 1`` and the loss on stage 0 need no message).
     """
 
     name: str
@@ -102,6 +111,7 @@ class Schedule:
     v: int
     actions: tuple[Action, ...]
     stash_bound: tuple[int, ...] | None = None
+    layout: str = "interleaved"
 
     def __post_init__(self):
         object.__setattr__(self, "actions", tuple(sorted(self.actions)))
@@ -131,129 +141,46 @@ class Schedule:
         return out
 
     def __str__(self) -> str:
-        from ._draw import draw
-
-        return draw(self)
+        return f"{self.name}: p={self.p} stages, m={self.m} microbatches, v={self.v}, {self.num_ticks} ticks"
 
 
 # Virtual stages -----------------------------------------------------------------------------
 
 
-def next_stage(s: int, c: int, p: int, v: int) -> tuple[int, int] | None:
-    """The (stage, chunk) after virtual stage ``c * p + s``, or None after the last one."""
-    k = c * p + s + 1
-    return None if k == p * v else (k % p, k // p)
+LAYOUTS = ("interleaved", "v")
 
 
-def prev_stage(s: int, c: int, p: int, v: int) -> tuple[int, int] | None:
-    """The (stage, chunk) before virtual stage ``c * p + s``, or None before the first one."""
-    k = c * p + s - 1
-    return None if k < 0 else (k % p, k // p)
+def virtual(s: int, c: int, p: int, v: int, layout: str = "interleaved") -> int:
+    """The virtual stage (model chunk index) of chunk ``c`` on stage ``s``."""
+    if layout == "v":
+        return s if c == 0 else 2 * p - 1 - s
+    return c * p + s
 
 
-# Builders -----------------------------------------------------------------------------------
+def locate(k: int, p: int, v: int, layout: str = "interleaved") -> tuple[int, int]:
+    """The (stage, chunk) that holds virtual stage ``k``: the inverse of ``virtual``."""
+    if layout == "v":
+        return (k, 0) if k < p else (2 * p - 1 - k, 1)
+    return k % p, k // p
 
 
-def gpipe(p: int, m: int, v: int = 1) -> Schedule:
-    """GPipe (arXiv:1811.06965): every forward, then every backward.
-
-    With ``v > 1`` chunks per stage this is the breadth-first "looped" schedule: all
-    microbatches through chunk 0, then chunk 1, ...; backwards in the reverse chunk order.
-    Stashes all ``v * m`` microbatch-chunks per stage.
-    """
-    check_sizes("gpipe", p, m, v)
-    fwd = [("F", j, c) for c in range(v) for j in range(m)]
-    bwd = [("BW", j, c) for c in reversed(range(v)) for j in range(m)]
-    return place([fwd + bwd] * p, m=m, v=v, name="GPipe", stash_bound=[v * m] * p)
+def next_stage(s: int, c: int, p: int, v: int, layout: str = "interleaved") -> tuple[int, int] | None:
+    """The (stage, chunk) after chunk ``c`` of stage ``s``, or None after the last virtual stage."""
+    k = virtual(s, c, p, v, layout) + 1
+    return None if k == p * v else locate(k, p, v, layout)
 
 
-def one_f_one_b(p: int, m: int) -> Schedule:
-    """1F1B, non-interleaved (PipeDream-Flush, arXiv:2104.04473 §2.2).
-
-    Stage ``s`` runs ``p - s - 1`` warm-up forwards, then alternates one forward and one
-    backward, then drains the remaining backwards; it stashes at most ``p - s`` microbatches.
-    """
-    check_sizes("one_f_one_b", p, m, 1)
-    orders = []
-    for s in range(p):
-        warm = min(p - s - 1, m)
-        order = [("F", j, 0) for j in range(warm)]
-        for i in range(m - warm):
-            order += [("F", warm + i, 0), ("BW", i, 0)]
-        order += [("BW", i, 0) for i in range(m - warm, m)]
-        orders.append(order)
-    return place(orders, m=m, name="1F1B", stash_bound=[min(p - s, m) for s in range(p)])
+def prev_stage(s: int, c: int, p: int, v: int, layout: str = "interleaved") -> tuple[int, int] | None:
+    """The (stage, chunk) before chunk ``c`` of stage ``s``, or None before the first virtual stage."""
+    k = virtual(s, c, p, v, layout) - 1
+    return None if k < 0 else locate(k, p, v, layout)
 
 
-def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
-    """Interleaved 1F1B with ``v`` model chunks per stage, in Megatron-LM's order.
-
-    The k-th forward on a stage is of chunk ``(k // p) % v`` and microbatch
-    ``(k // (p v)) p + k % p`` (microbatches go round in groups of ``p``); backwards visit the
-    chunks in reverse.  Stage ``s`` runs ``2 (p - s - 1) + (v - 1) p`` warm-up forwards
-    (Megatron ``schedules.py``), so it stashes at most that plus one microbatch-chunks: on stage
-    0, ``p v + p - 1`` chunks, i.e. ``p + (p - 1) / v`` stages' worth.  The bubble shrinks to
-    ``(p - 1) / (v m + p - 1)`` of the run.
-
-    Raises:
-      ScheduleError: ``m`` is not a multiple of ``p`` (as in Megatron before its
-        ``microbatch_group_size_per_vp_stage``), or ``v < 2``.
-    """
-    check_sizes("interleaved_1f1b", p, m, v)
-    if v < 2:
-        raise ScheduleError(
-            f"fpar.pipeline.interleaved_1f1b: v={v}; interleaving needs v >= 2 model chunks per "
-            f"stage. For one chunk per stage use one_f_one_b({p}, {m})."
-        )
-    if m % p:
-        raise ScheduleError(
-            f"fpar.pipeline.interleaved_1f1b: the number of microbatches m={m} is not divisible by "
-            f"the number of stages p={p}; the interleaved schedule sends microbatches round in "
-            f"groups of p. Use m={m + (-m) % p} (or {m - m % p}) microbatches."
-        )
-    total = m * v
-
-    def unit(k: int, kind: str) -> tuple[str, int, int]:
-        c = (k // p) % v
-        return kind, (k // (p * v)) * p + k % p, (c if kind == "F" else v - 1 - c)
-
-    orders = []
-    for s in range(p):
-        warm = min(2 * (p - s - 1) + (v - 1) * p, total)
-        order = [unit(k, "F") for k in range(warm)]
-        for i in range(total - warm):
-            order += [unit(warm + i, "F"), unit(i, "BW")]
-        order += [unit(i, "BW") for i in range(total - warm, total)]
-        orders.append(order)
-    bound = [min(2 * (p - s - 1) + (v - 1) * p + 1, total) for s in range(p)]
-    return place(orders, m=m, v=v, name=f"interleaved 1F1B (v={v})", stash_bound=bound)
-
-
-def zb_h1(p: int, m: int) -> Schedule:
-    """ZB-H1, the zero-bubble schedule with 1F1B's memory (arXiv:2401.10241 §3).
-
-    The backward is split into ``B`` (input gradient, on the critical path) and ``W`` (weight
-    gradient, which nothing downstream waits for).  Stage ``s`` runs ``p - s`` forwards, then
-    repeats (B, W, F) with its W passes delayed by ``s`` microbatches, then drains the
-    delayed Ws into what would be the cool-down bubble.  With t_F = t_B = t_W the bubble is
-    ``(p - 1)`` time units against 1F1B's ``3 (p - 1)``; every stage stashes at most ``p``.
-    """
-    check_sizes("zb_h1", p, m, 1)
-    orders = []
-    for s in range(p):
-        warm = min(p - s, m)
-        order = [("F", j, 0) for j in range(warm)]
-        done_w = 0
-        for i in range(m):
-            order.append(("B", i, 0))
-            if i >= s:
-                order.append(("W", done_w, 0))
-                done_w += 1
-            if warm + i < m:
-                order.append(("F", warm + i, 0))
-        order += [("W", j, 0) for j in range(done_w, m)]
-        orders.append(order)
-    return place(orders, m=m, name="ZB-H1", stash_bound=[min(p, m)] * p)
+def check_layout(api: str, layout: str, v: int) -> None:
+    if layout not in LAYOUTS:
+        raise ScheduleError(f"fpar.pipeline.{api}: layout must be one of {LAYOUTS}, got {layout!r}.")
+    if layout == "v" and v != 2:
+        raise ScheduleError(f"fpar.pipeline.{api}: the 'v' layout has v=2 chunks per stage, got v={v}.")
 
 
 def check_sizes(api: str, p: int, m: int, v: int) -> None:
@@ -262,205 +189,18 @@ def check_sizes(api: str, p: int, m: int, v: int) -> None:
             raise ScheduleError(f"fpar.pipeline.{api}: {name} must be a positive int, got {val!r}.")
 
 
-# Placing per-stage orders on the tick grid ----------------------------------------------------
-
-_LABEL = re.compile(r"^(BW|F|B|W)(\d+)(?:\.(\d+))?$")
-
-
-def place(
-    orders: Sequence[Iterable],
-    *,
-    m: int,
-    v: int = 1,
-    name: str = "custom",
-    stash_bound: Sequence[int] | None = None,
-) -> Schedule:
-    """Build a schedule from each stage's order of compute actions, as early as dependencies allow.
-
-    Each stage runs its next action at the first tick at which its inputs have arrived (the
-    activation from the previous virtual stage for ``F``, the gradient from the next one for
-    ``B``/``BW``, the stage's own ``B`` for ``W``); the sends and receives that move them are
-    added at the tick the value is computed.  The result is validated.
-
-    Args:
-      orders: per stage, its compute actions in order: ``(kind, microbatch, chunk)`` tuples or
-        strings like ``"F3"``, ``"BW3"``, ``"B3.1"`` (microbatch 3 of chunk 1).
-      m: number of microbatches.
-      v: model chunks per stage.
-      name: the schedule's name.
-      stash_bound: per stage, the most stashed microbatch-chunks allowed (checked).
-
-    Returns:
-      The validated schedule.
-
-    Raises:
-      ScheduleError: an order that misses or repeats an action, or that can never finish (a
-        deadlock: the message names each stuck stage, the tick and what it waits for).
-
-    Example:
-      >>> s = place([["F0", "F1", "BW0", "BW1"], ["F0", "BW0", "F1", "BW1"]], m=2)
-    """
-    p = len(orders)
-    if p < 1:
-        raise ScheduleError("fpar.pipeline.place: orders is empty; give one list of actions per stage.")
-    units = [[_unit(s, i, u) for i, u in enumerate(order)] for s, order in enumerate(orders)]
-    _check_orders(units, p, m, v)
-    actions = _asap(units, p, v)
-    bound = tuple(stash_bound) if stash_bound is not None else None
-    schedule = Schedule(name, p, m, v, tuple(actions), bound)
-    from ._validate import validate
-
-    return validate(schedule)
-
-
-def _unit(s: int, i: int, u) -> tuple[str, int, int]:
-    if isinstance(u, Action):
-        return u.kind, u.microbatch, u.chunk
-    if isinstance(u, str):
-        match = _LABEL.match(u.strip())
-        if not match:
-            raise ScheduleError(
-                f"fpar.pipeline.place: stage {s}, position {i}: cannot read action {u!r}; write "
-                f"e.g. 'F3', 'BW3', 'B3', 'W3', or 'F3.1' for microbatch 3 of chunk 1."
-            )
-        return match[1], int(match[2]), int(match[3] or 0)
-    if isinstance(u, tuple) and len(u) in (2, 3):
-        kind, j, c = (*u, 0) if len(u) == 2 else u
-        return kind, j, c
-    raise ScheduleError(
-        f"fpar.pipeline.place: stage {s}, position {i}: {u!r} is not an action; give a "
-        f"(kind, microbatch, chunk) tuple or a string like 'F3'."
-    )
-
-
-def _check_orders(units: list[list[tuple]], p: int, m: int, v: int) -> None:
-    for s, order in enumerate(units):
-        seen: dict[tuple, int] = {}
-        for i, (kind, j, c) in enumerate(order):
-            where = f"fpar.pipeline.place: stage {s}, position {i}, action {kind}{j}"
-            if kind not in COMPUTE:
-                raise ScheduleError(
-                    f"{where}: kind {kind!r} is not a compute action {COMPUTE}; sends and receives "
-                    f"are added by place."
-                )
-            if not (0 <= j < m and 0 <= c < v):
-                raise ScheduleError(f"{where}: microbatch {j} / chunk {c} out of range (m={m}, v={v}).")
-            if (kind, j, c) in seen:
-                raise ScheduleError(f"{where}: repeats the action at position {seen[(kind, j, c)]}.")
-            seen[(kind, j, c)] = i
-        for j in range(m):
-            for c in range(v):
-                _check_unit_order(s, j, c, seen)
-
-
-def _check_unit_order(s: int, j: int, c: int, seen: dict) -> None:
-    what = f"microbatch {j}, chunk {c}"
-    where = f"fpar.pipeline.place: stage {s}"
-    f_at = seen.get(("F", j, c))
-    if f_at is None:
-        raise ScheduleError(f"{where}: the order never runs F of {what}.")
-    has_bw, has_b, has_w = (("BW", j, c) in seen), (("B", j, c) in seen), (("W", j, c) in seen)
-    if has_bw and (has_b or has_w):
-        raise ScheduleError(f"{where}: {what} has both a BW and a split B/W backward; use one or the other.")
-    if not has_bw and not (has_b and has_w):
-        missing = "BW (or B and W)" if not (has_b or has_w) else ("W" if has_b else "B")
-        raise ScheduleError(f"{where}: the order never runs {missing} of {what}.")
-    first_back = seen[("BW", j, c)] if has_bw else seen[("B", j, c)]
-    if first_back < f_at:
-        raise ScheduleError(
-            f"{where}, position {first_back}: the backward of {what} comes before its forward "
-            f"(position {f_at})."
-        )
-    if has_w and seen[("W", j, c)] < seen[("B", j, c)]:
-        raise ScheduleError(
-            f"{where}, position {seen[('W', j, c)]}: W of {what} comes before its B "
-            f"(position {seen[('B', j, c)]}); the weight gradient needs the output gradient B receives."
-        )
-
-
-def needs(s: int, kind: str, j: int, c: int, p: int, v: int) -> list[tuple[str, int, int, int]]:
+def needs(s: int, kind: str, j: int, c: int, p: int, v: int, layout: str = "interleaved") -> list[tuple[str, int, int, int]]:
     """What a compute action waits for: (kind, stage, microbatch, chunk) of other actions."""
     if kind == "F":
-        prev = prev_stage(s, c, p, v)
+        prev = prev_stage(s, c, p, v, layout)
         return [] if prev is None else [("F", prev[0], j, prev[1])]
     if kind == "W":
         return [("B", s, j, c)]
     need = [("F", s, j, c)]
-    nxt = next_stage(s, c, p, v)
+    nxt = next_stage(s, c, p, v, layout)
     if nxt is not None:
         need.append(("grad", nxt[0], j, nxt[1]))  # its B or BW, whichever it runs
     return need
-
-
-def _asap(units: list[list[tuple]], p: int, v: int) -> list[Action]:
-    done: dict[tuple, int] = {}  # (kind, stage, mb, chunk) -> tick; "grad" for B or BW
-    pos = [0] * p
-    actions: list[Action] = []
-    tick, left = 0, sum(len(o) for o in units)
-    while left:
-        ran = []
-        for s in range(p):
-            if pos[s] == len(units[s]):
-                continue
-            kind, j, c = units[s][pos[s]]
-            if all(done.get(n, tick) < tick for n in needs(s, kind, j, c, p, v)):
-                ran.append((s, kind, j, c))
-        if not ran:
-            raise ScheduleError(_deadlock_message(units, pos, done, p, v, tick))
-        for s, kind, j, c in ran:
-            done[(kind, s, j, c)] = tick
-            if kind in ("B", "BW"):
-                done[("grad", s, j, c)] = tick
-            actions += _with_comm(Action(tick, s, kind, j, c), p, v)
-            pos[s] += 1
-            left -= 1
-        tick += 1
-    return actions
-
-
-def _with_comm(a: Action, p: int, v: int) -> list[Action]:
-    """The compute action and the sends/receives of what it produces, at the same tick."""
-    out = [a]
-    if a.kind == "F":
-        nxt = next_stage(a.stage, a.chunk, p, v)
-        if nxt is not None:
-            out += [
-                Action(a.tick, a.stage, "SEND_F", a.microbatch, a.chunk),
-                Action(a.tick, nxt[0], "RECV_F", a.microbatch, nxt[1]),
-            ]
-    elif a.kind in ("B", "BW"):
-        prev = prev_stage(a.stage, a.chunk, p, v)
-        if prev is not None:
-            out += [
-                Action(a.tick, a.stage, "SEND_B", a.microbatch, a.chunk),
-                Action(a.tick, prev[0], "RECV_B", a.microbatch, prev[1]),
-            ]
-    return out
-
-
-def _deadlock_message(units, pos, done, p, v, tick) -> str:
-    lines = []
-    for s in range(p):
-        if pos[s] == len(units[s]):
-            continue
-        kind, j, c = units[s][pos[s]]
-        waits = [n for n in needs(s, kind, j, c, p, v) if n not in done]
-        what = "; ".join(_wait_reason(n) for n in waits)
-        lines.append(f"stage {s} waits to run {kind}(microbatch={j}, chunk={c}): {what}")
-    return (
-        f"fpar.pipeline.place: deadlock at tick {tick}: no stage can run its next action, so the "
-        f"schedule never finishes. " + ". ".join(lines) + ". Reorder the stages' actions so every "
-        "value is produced before it is needed."
-    )
-
-
-def _wait_reason(n: tuple) -> str:
-    kind, s, j, c = n
-    if kind == "F":
-        return f"it needs the activation of microbatch {j} from stage {s} (chunk {c}), whose F has not run"
-    if kind == "grad":
-        return f"it needs the gradient of microbatch {j} from stage {s} (chunk {c}), whose B/BW has not run"
-    return f"it needs its own B of microbatch {j} first"
 
 
 def stash_delta(a: Action) -> int:

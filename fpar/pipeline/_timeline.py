@@ -99,7 +99,7 @@ def replay(schedule: Schedule, cost: dict[str, float]) -> dict[Action, float]:
         for s in range(p):
             while pos[s] < len(orders[s]):
                 a = orders[s][pos[s]]
-                deps = needs(s, a.kind, a.microbatch, a.chunk, p, v)
+                deps = needs(s, a.kind, a.microbatch, a.chunk, p, v, schedule.layout)
                 if any(n not in end for n in deps):
                     break
                 starts[a] = max([free[s]] + [end[n] for n in deps])

@@ -9,6 +9,7 @@ from ._schedule import (
     Action,
     Schedule,
     ScheduleError,
+    check_layout,
     check_sizes,
     next_stage,
     prev_stage,
@@ -36,6 +37,7 @@ def validate(schedule: Schedule) -> Schedule:
     """
     p, m, v = schedule.p, schedule.m, schedule.v
     check_sizes("validate", p, m, v)
+    check_layout("validate", schedule.layout, v)
     for a in schedule.actions:
         _check_action(a, p, m, v)
     computed = _check_compute(schedule)
@@ -123,15 +125,15 @@ def _check_comm(schedule: Schedule, computed: dict) -> None:
             if counts[key] > 1:
                 raise _err(a, "appears twice; each value is sent and received once.")
     for a in comm.values():
-        _check_message(a, comm, computed, p, v)
+        _check_message(a, comm, computed, p, v, schedule.layout)
     for a in computed.values():
-        _check_input(a, comm, p, v)
+        _check_input(a, comm, p, v, schedule.layout)
 
 
-def _check_message(a: Action, comm: dict, computed: dict, p: int, v: int) -> None:
+def _check_message(a: Action, comm: dict, computed: dict, p: int, v: int, layout: str) -> None:
     s, j, c = a.stage, a.microbatch, a.chunk
     if a.kind in ("SEND_F", "SEND_B"):
-        peer = next_stage(s, c, p, v) if a.kind == "SEND_F" else prev_stage(s, c, p, v)
+        peer = next_stage(s, c, p, v, layout) if a.kind == "SEND_F" else prev_stage(s, c, p, v, layout)
         if peer is None:
             edge = "last" if a.kind == "SEND_F" else "first"
             raise _err(a, f"this is the {edge} virtual stage of the model; there is nobody to send to.")
@@ -155,7 +157,7 @@ def _check_message(a: Action, comm: dict, computed: dict, p: int, v: int) -> Non
                 f"tick {a.tick}.",
             )
     else:
-        peer = prev_stage(s, c, p, v) if a.kind == "RECV_F" else next_stage(s, c, p, v)
+        peer = prev_stage(s, c, p, v, layout) if a.kind == "RECV_F" else next_stage(s, c, p, v, layout)
         send_kind = "SEND_F" if a.kind == "RECV_F" else "SEND_B"
         snd = comm.get((send_kind, peer[0], j, peer[1])) if peer is not None else None
         if snd is None or snd.tick != a.tick:
@@ -172,11 +174,11 @@ def _check_message(a: Action, comm: dict, computed: dict, p: int, v: int) -> Non
             )
 
 
-def _check_input(a: Action, comm: dict, p: int, v: int) -> None:
+def _check_input(a: Action, comm: dict, p: int, v: int, layout: str) -> None:
     s, j, c = a.stage, a.microbatch, a.chunk
-    if a.kind == "F" and prev_stage(s, c, p, v) is not None:
+    if a.kind == "F" and prev_stage(s, c, p, v, layout) is not None:
         kind, what = "RECV_F", "activation"
-    elif a.kind in ("B", "BW") and next_stage(s, c, p, v) is not None:
+    elif a.kind in ("B", "BW") and next_stage(s, c, p, v, layout) is not None:
         kind, what = "RECV_B", "output gradient"
     else:
         return

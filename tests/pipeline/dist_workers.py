@@ -18,6 +18,7 @@ import torch.distributed as dist
 import fpar
 import fpar.pipeline as pp
 from fpar import P
+from fpar._tree import tree_map
 
 _MESHES: dict = {}
 
@@ -34,15 +35,15 @@ def _pipe_coord(mesh: fpar.Mesh) -> int | None:
     return mesh._dist.coords["pipe"] if mesh.backend == "dist" else None
 
 
-def exec_job(axes: tuple, name: str, p: int, m: int, v: int) -> dict:
+def exec_job(axes: tuple, name: str, p: int, m: int, v: int, device: str = "cpu") -> dict:
     """One step of the executor: loss, gathered gradients, and the measured stats."""
     mesh = mesh_for(axes)
-    prob = M.problem(p, m, v)
+    prob = tree_map(lambda t: t.to(device), M.problem(p, m, v))
     fns = M.stage_fns(mesh)
     spec = M.stage_spec(mesh)
     rows = P(None, "data") if "data" in mesh.shape else P()
     params = {
-        "stages": fpar.device_put(pp.stage_major(prob["stages"], p, v), mesh, spec),
+        "stages": fpar.device_put(pp.stage_major(prob["stages"], p, v, layout=M.layout(name)), mesh, spec),
         "first": prob["first"],
         "last": prob["last"],
     }
@@ -78,6 +79,18 @@ def scan_job(axes: tuple, p: int, m: int, v: int) -> dict:
     value = sharded(stages, h, prob["ts"], prob["last"]["head"])
     grads = torch.func.grad(sharded, argnums=(0, 1))(stages, h, prob["ts"], prob["last"]["head"])
     return {"loss": value, "stages": fpar.gather(grads[0], mesh, spec), "h": grads[1]}
+
+
+def _cpu(t):
+    return t.cpu() if isinstance(t, torch.Tensor) else t
+
+
+def run_jobs_on_cuda(jobs: list) -> list:
+    """``run_jobs`` with every executor job on this rank's CUDA device; results back on the CPU."""
+    if dist.is_available() and dist.is_initialized():
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    out = run_jobs([(kind, (*args, "cuda")) for kind, args in jobs])
+    return [(status, tree_map(_cpu, got) if status == "ok" else got) for status, got in out]
 
 
 def run_jobs(jobs: list) -> list:

@@ -112,4 +112,13 @@ def schedule(name: str, p: int, m: int, v: int = 1) -> pp.Schedule:
         return pp.interleaved_1f1b(p, m, v)
     if name == "zb_h1":
         return pp.zb_h1(p, m)
+    if name == "zb_v":
+        return pp.zb_v(p, m)
+    if name == "dualpipe_v":
+        return pp.dualpipe_v(p, m)
     raise ValueError(name)
+
+
+def layout(name: str | None) -> str:
+    """Where the schedule puts the model's chunks (``Schedule.layout``)."""
+    return "v" if name in ("zb_v", "dualpipe_v") else "interleaved"

@@ -1,7 +1,8 @@
 """Real mesh == in-process mesh for pipelines: one launch of 4 gloo processes runs a sample of jobs.
 
 The jobs (``dist_workers.py``) run the executor for every schedule with tensor and data
-parallelism inside the stages (pipe x data x tensor = 2 x 1 x 2 and 2 x 2 x 1), a pure
+parallelism inside the stages (pipe x data x tensor = 2 x 1 x 2 and 2 x 2 x 1; the V-shaped
+ZB-V and DualPipeV too), a pure
 4-stage pipeline, and ``gpipe_scan`` on pipe x tensor; each is also run in this process on the
 in-process mesh, and every rank's loss, gathered gradients and measured stats must equal those.
 """
@@ -28,6 +29,8 @@ JOBS = [
     ("exec_job", (PDT, "zb_h1", 2, 3, 1)),
     ("exec_job", (PDT2, "gpipe", 2, 3, 1)),
     ("exec_job", (PDT2, "zb_h1", 2, 2, 1)),
+    ("exec_job", (PDT, "zb_v", 2, 4, 2)),
+    ("exec_job", (PDT2, "dualpipe_v", 2, 4, 2)),
     ("exec_job", (PIPE4, "1f1b", 4, 4, 1)),
     ("exec_job", (PIPE4, "interleaved", 4, 4, 2)),
     ("scan_job", (PT, 2, 3, 1)),

@@ -27,14 +27,15 @@ def _run(mesh, name, p, m, v, *, seed=0, schedule=None):
     fns = M.stage_fns(mesh)
     sch = schedule if schedule is not None else M.schedule(name, p, m, v)
     step = pp.pipeline(fns["stage"], sch, mesh, loss=fns["loss"], first=fns["first"])
-    params = {"stages": pp.stage_major(prob["stages"], p, v), "first": prob["first"], "last": prob["last"]}
+    stages = pp.stage_major(prob["stages"], p, v, layout=sch.layout)
+    params = {"stages": stages, "first": prob["first"], "last": prob["last"]}
     return prob, sch, step(params, prob["xs"], prob["ts"])
 
 
-def _check_values(prob, res, p, v):
+def _check_values(prob, res, p, v, layout="interleaved"):
     loss, g_stages, g_first, g_last = M.reference_grads(prob)
     torch.testing.assert_close(res.loss, loss)
-    torch.testing.assert_close(res.grads["stages"], pp.stage_major(g_stages, p, v))
+    torch.testing.assert_close(res.grads["stages"], pp.stage_major(g_stages, p, v, layout=layout))
     torch.testing.assert_close(res.grads["first"], g_first)
     torch.testing.assert_close(res.grads["last"], g_last)
 
@@ -46,46 +47,66 @@ def _expected_stash(name, p, m, v):
         return [min(p - s, m) for s in range(p)]
     if name == "interleaved":
         return [min(2 * (p - s - 1) + (v - 1) * p + 1, v * m) for s in range(p)]
+    if name == "zb_v":
+        return [2 * p] * p  # m >= 2p: p stage-microbatches, 1F1B's first stage
+    if name == "dualpipe_v":
+        return [2 * p + 1] * p
     return [min(p, m)] * p  # zb_h1
+
+
+def _expected_makespan(name, p, m, v):
+    if name == "zb_h1":
+        return 3 * m + p - 1
+    if name == "zb_v":
+        return 6 * m + p - 1  # m >= 2p - 1
+    if name == "dualpipe_v":
+        return 4 * m + 2 * p - 1  # m >= 2p; pairs F with a fused BW, so fewer, longer ticks
+    return 2 * (v * m + p - 1)
 
 
 def _expected_bubble(name, p, m, v):
     if name == "zb_h1":
         return Fraction(p - 1, 3 * m + p - 1)
+    if name == "zb_v":
+        return Fraction(p - 1, 6 * m + p - 1)
     return Fraction(p - 1, v * m + p - 1)
 
 
 def _check_measured(name, sch, stats, p, m, v):
     """What the executor ran (its own counts, its live stash) against the formulas."""
-    per_mb = 3 if name == "zb_h1" else 2  # F + BW, or F + B + W
-    assert stats.busy == (per_mb * v * m,) * p
     assert list(stats.peak_stash) == _expected_stash(name, p, m, v)
-    assert stats.makespan == sch.num_ticks
-    assert Fraction(sum(stats.idle), p * stats.makespan) == _expected_bubble(name, p, m, v)
-    assert stats.bubble_fraction == pytest.approx(float(_expected_bubble(name, p, m, v)))
+    assert stats.makespan == sch.num_ticks == _expected_makespan(name, p, m, v)
+    if name != "dualpipe_v":  # DualPipeV mixes fused and split backwards: busy differs per stage
+        per_mb = 3 if name in ("zb_h1", "zb_v") else 2  # F + B + W, or F + BW
+        assert stats.busy == (per_mb * v * m,) * p
+        bubble = _expected_bubble(name, p, m, v)
+        assert Fraction(sum(stats.idle), p * stats.makespan) == bubble
+        assert stats.bubble_fraction == pytest.approx(float(bubble))
     assert len(stats.compute_s) == p and stats.wall_s > 0
 
 
 @st.composite
 def _cases(draw):
-    name = draw(st.sampled_from(["gpipe", "1f1b", "interleaved", "zb_h1"]))
+    name = draw(st.sampled_from(["gpipe", "1f1b", "interleaved", "zb_h1", "zb_v", "dualpipe_v"]))
     p = draw(st.integers(1, 3))
-    v = draw(st.integers(2, 3)) if name == "interleaved" else 1
+    v = draw(st.integers(2, 3)) if name == "interleaved" else (2 if name in ("zb_v", "dualpipe_v") else 1)
     if name == "interleaved":
         m = p * draw(st.integers(1, 2))
     elif name == "zb_h1":
         m = p + draw(st.integers(0, 2))  # the ZB-H1 bubble formula holds for m >= p
+    elif name in ("zb_v", "dualpipe_v"):
+        m = 2 * p + draw(st.integers(0, 2))  # the V schedules' formulas hold for m >= 2p
     else:
         m = draw(st.integers(1, 4))
     return name, p, m, v, draw(st.integers(0, 9))
 
 
-@settings(max_examples=24)
+@settings(max_examples=30, deadline=None)
 @given(case=_cases())
 def test_every_schedule_equals_the_unpipelined_model(case):
     name, p, m, v, seed = case
     prob, sch, res = _run(fpar.make_mesh((p,), ("pipe",)), name, p, m, v, seed=seed)
-    _check_values(prob, res, p, v)
+    _check_values(prob, res, p, v, sch.layout)
     _check_measured(name, sch, res.stats, p, m, v)
 
 
@@ -97,13 +118,15 @@ def test_every_schedule_equals_the_unpipelined_model(case):
         ((("pipe", 2), ("tensor", 2)), "zb_h1", 2, 1),
         ((("pipe", 2), ("data", 2), ("tensor", 2)), "gpipe", 2, 1),
         ((("pipe", 2), ("data", 2), ("tensor", 2)), "interleaved", 2, 2),
+        ((("pipe", 2), ("data", 2), ("tensor", 2)), "zb_v", 4, 2),
+        ((("pipe", 2), ("tensor", 2)), "dualpipe_v", 4, 2),
     ],
     ids=lambda x: "x".join(f"{n}{s}" for n, s in x) if isinstance(x, tuple) else str(x),
 )
 def test_with_tensor_and_data_parallel_stages(axes, name, m, v):
     mesh = fpar.make_mesh(tuple(s for _, s in axes), tuple(n for n, _ in axes))
     prob, sch, res = _run(mesh, name, 2, m, v)
-    _check_values(prob, res, 2, v)
+    _check_values(prob, res, 2, v, sch.layout)
     _check_measured(name, sch, res.stats, 2, m, v)
 
 
@@ -194,6 +217,19 @@ def test_step_checks_its_arguments(params, xs, phrase):
     assert phrase in str(info.value)
 
 
+def test_a_stage_that_raises_is_named():
+    def stage(w, h):
+        if h.shape[0] and bool((h == 2.0).any()):  # microbatch 1 only
+            raise RuntimeError("bad activation")
+        return h * w["a"][0]
+
+    step = pp.pipeline(stage, pp.one_f_one_b(2, 2), fpar.make_mesh((2,), ("pipe",)), loss=lambda w, h, t: h.sum())
+    xs = torch.tensor([[1.0], [2.0]])
+    with pytest.raises(RuntimeError, match="bad activation") as info:
+        step({"stages": {"a": torch.ones(2, 1)}}, xs, None)
+    assert "raised on pipeline stage 0 running F of microbatch 1, chunk 0" in "".join(info.value.__notes__)
+
+
 def test_stats_table_is_readable():
     _, _, res = _run(fpar.make_mesh((2,), ("pipe",)), "1f1b", 2, 2, 1)
     table = res.stats.table()
@@ -207,11 +243,60 @@ def test_shard_stage_spec_sanity():
     assert M.stage_spec(mesh) == {"a": P("pipe", None, "tensor"), "b": P("pipe", "tensor", None)}
 
 
-def test_split_backward_without_torch_pipelining_helpers(monkeypatch):
-    """B/W use torch's exact split when present; the fallback (W re-runs from the output) agrees."""
-    import fpar.pipeline._executor as ex
+def test_split_backward_defers_the_weight_matmuls():
+    """B leaves the linear layers' weight gradients to W, which computes them from (x, dy) alone."""
+    from fpar.pipeline._split import capture, weight_grads
 
-    monkeypatch.setattr(ex, "_torch_split", lambda: None)
-    prob, sch, res = _run(fpar.make_mesh((3,), ("pipe",)), "zb_h1", 3, 3, 1)
-    _check_values(prob, res, 3, 1)
-    _check_measured("zb_h1", sch, res.stats, 3, 3, 1)
+    g = torch.Generator().manual_seed(0)
+    w1 = torch.randn(5, 4, dtype=torch.float64, generator=g, requires_grad=True)  # F.linear (out, in)
+    b1 = torch.randn(5, dtype=torch.float64, generator=g, requires_grad=True)
+    w2 = torch.randn(1, 5, 3, dtype=torch.float64, generator=g, requires_grad=True)  # used as w2[0]
+    scale = torch.randn(3, dtype=torch.float64, generator=g, requires_grad=True)  # not a matmul
+    x = torch.randn(2, 6, 4, dtype=torch.float64, generator=g, requires_grad=True)
+
+    def f(x):
+        h = torch.tanh(torch.nn.functional.linear(x, w1, b1))
+        return (h @ w2.reshape(5, 3)) * scale
+
+    dy = torch.randn(2, 6, 3, dtype=torch.float64, generator=g)
+    want = torch.autograd.grad(f(x), (x, w1, b1, w2, scale), dy)
+    records: list = []
+    with capture([w1, b1, w2, scale], records):
+        y = f(x)
+    torch.autograd.backward(y, dy, inputs=[x, w1, b1, w2, scale])  # B
+    assert [r.kind for r in records] == ["matmul", "linear"]
+    assert w1.grad is None and b1.grad is None and w2.grad is None  # left to W
+    torch.testing.assert_close(x.grad, want[0])
+    torch.testing.assert_close(scale.grad, want[4])  # not a linear weight: computed in B
+    into: dict = {}
+    weight_grads(records, into)  # W
+    for leaf, expected in ((w1, want[1]), (b1, want[2]), (w2, want[3])):
+        torch.testing.assert_close(into[id(leaf)], expected)
+
+
+def test_split_backward_of_a_module_stage():
+    """ZB-H1 on nn.Linear stages (torch.func.functional_call) equals the unpipelined gradient."""
+    torch.manual_seed(0)
+    mods = [torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 4)) for _ in range(2)]
+    mods = [mod.double() for mod in mods]
+    template = mods[0]
+    stacked = {k: torch.stack([dict(mod.named_parameters())[k].detach() for mod in mods]) for k, _ in template.named_parameters()}
+    xs = torch.randn(3, 5, 4, dtype=torch.float64)
+
+    def stage(w, h):
+        return torch.func.functional_call(template, w, (h,))
+
+    step = pp.pipeline(stage, pp.zb_h1(2, 3), fpar.make_mesh((2,), ("pipe",)), loss=lambda w, h, t: (h**2).mean())
+    res = step({"stages": stacked}, xs, None)
+
+    def ref(stacked):
+        total = 0.0
+        for j in range(3):
+            h = xs[j]
+            for k in range(2):
+                h = stage({n: t[k] for n, t in stacked.items()}, h)
+            total = total + (h**2).mean()
+        return total / 3
+
+    torch.testing.assert_close(res.loss, ref(stacked))
+    torch.testing.assert_close(res.grads["stages"], torch.func.grad(ref)(stacked))

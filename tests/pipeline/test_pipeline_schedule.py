@@ -21,6 +21,7 @@ import re
 from fractions import Fraction
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -230,3 +231,26 @@ def test_interleaved_needs_m_divisible_by_p():
 def test_builders_check_sizes(bad):
     with pytest.raises(ScheduleError, match="must be a positive int"):
         pp.one_f_one_b(bad, 2)
+
+
+def test_v_layout_places_two_chunks_per_stage_in_a_v():
+    """ZB-V/DualPipeV: stage s holds virtual stages s and 2p-1-s; the turn stays on stage p-1."""
+    from fpar.pipeline._schedule import locate, next_stage, virtual
+
+    p = 3
+    assert [virtual(s, c, p, 2, "v") for s in range(p) for c in range(2)] == [0, 5, 1, 4, 2, 3]
+    assert all(locate(virtual(s, c, p, 2, "v"), p, 2, "v") == (s, c) for s in range(p) for c in range(2))
+    assert next_stage(p - 1, 0, p, 2, "v") == (p - 1, 1)  # the turn stays on the last stage
+    assert next_stage(0, 1, p, 2, "v") is None  # the loss is on stage 0
+    stacked = {"w": torch.arange(2 * p)}
+    assert pp.stage_major(stacked, p, 2, layout="v")["w"].tolist() == [0, 5, 1, 4, 2, 3]
+    assert torch.equal(pp.model_major(pp.stage_major(stacked, p, 2, layout="v"), p, 2, layout="v")["w"], stacked["w"])
+
+
+def test_v_schedules_check_their_sizes():
+    with pytest.raises(ScheduleError, match=r"DualPipeV needs at least 2 p = 4 microbatches.*Use m >= 4 or zb_v"):
+        pp.dualpipe_v(2, 3)
+    with pytest.raises(ScheduleError, match=r"the 'v' layout has v=2 chunks per stage, got v=3"):
+        pp.place([["F0", "F0.1", "F0.2", "BW0.2", "BW0.1", "BW0"]], m=1, v=3, layout="v")
+    with pytest.raises(ScheduleError, match=r"layout must be one of \('interleaved', 'v'\), got 'w'"):
+        pp.place([["F0", "BW0"]], m=1, layout="w")

@@ -1,0 +1,225 @@
+"""The real-mesh driver: this rank's stage, its sends and receives posted without waiting.
+
+Every rank runs only its own stage's actions and posts each tick's sends and receives along the
+pipe axis (``_dist.p2p``, not waited for: a receive is waited for by the compute that uses it,
+sends complete in the background).  Values are this rank's blocks over the other axes.  Receive
+shapes: a gradient has the shape of the activation the stage itself sent; the first activation
+over each stage boundary in a step is preceded by a small header with its shape and dtype (all
+microbatches share shapes, as ``xs`` is stacked).  Every tensor sent lives on the stage's
+device (NCCL sends device tensors only).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from .. import _dist
+from .._mesh import Mesh
+from .._tree import tree_flatten, tree_map, tree_unflatten
+from ._schedule import COMPUTE, Action, Schedule, next_stage, prev_stage
+from ._stage import Fns, Stage, StepResult, last_stage, stack
+from ._timeline import Timeline
+
+Tensor = torch.Tensor
+
+
+class DistDriver:
+    """This rank's stage: per tick, its compute, then its sends and receives, posted without waiting.
+
+    A receive is waited for only by the compute that uses it, and sends complete in the
+    background: the stages are coupled by their data alone, not by the tick grid, so a tick
+    with a long action (a backward) on one stage does not hold up its neighbour's short one.
+    Both ends post a pair's messages in the same order (tick, then ``_wire_order``), so they
+    match; and every wait is for a value sent at an earlier tick, so nothing deadlocks.
+    """
+
+    def __init__(self, schedule: Schedule, mesh: Mesh, axis: str, fns: Fns):
+        self.schedule, self.mesh, self.axis, self.fns = schedule, mesh, axis, fns
+        self.me = mesh._dist.coords[axis]
+        self.others = tuple(a for a in mesh.axis_names if a != axis)
+        self.ticks = [[a for a in acts if a.stage == self.me] for acts in schedule.by_tick()]
+        self.header = _first_messages(schedule)
+        self.shapes: dict[int, tuple] = {}  # chunk -> (shape, dtype) of the activations it receives
+
+    def run(self, params: dict, xs: Tensor, targets: Any) -> StepResult:
+        sch = self.schedule
+        stacked = params["stages"]
+        chunks = [tree_map(lambda t, c=c: t[c], stacked) for c in range(sch.v)]
+        st = Stage(self.me, sch, self.fns, chunks, params.get("first"), params.get("last"))
+        self.device = _device_of(stacked)
+        start = time.perf_counter()
+        sending: list = []
+        for actions in self.ticks:
+            for a in actions:
+                if a.kind in COMPUTE:
+                    st.run(a, xs, targets)
+            sending += self._exchange(actions, st, _dist)
+            st.note_inbox()
+        for work, _ in sending:
+            work.wait()
+        wall = time.perf_counter() - start
+        loss, stats = self._finish(st, wall, _dist)
+        grads = {"stages": tree_unflatten(tree_flatten(stacked)[1], _stack_local(st.grads("stages")))}
+        owners = {"first": 0, "last": last_stage(sch)}
+        for g in ("first", "last"):
+            if g in params:
+                grads[g] = self._share(_local_group(st, g, params[g]), owners[g])
+        return StepResult(loss, grads, stats)
+
+    def _share(self, tree: Any, owner: int) -> Any:
+        """The owning stage's gradient of first/last params on every stage.
+
+        Those parameters are replicated over the pipe axis (only one stage uses them), so, as for
+        any replicated value, every rank holds the same, full gradient.
+        """
+        if tree is None or self.schedule.p == 1:
+            return tree
+        leaves, treedef = tree_flatten(tree)
+        tensors = [i for i, t in enumerate(leaves) if isinstance(t, Tensor)]
+        if self.me == owner:
+            peers = [q for q in range(self.schedule.p) if q != owner]
+            _dist.p2p(self.mesh, self.axis, [(leaves[i], q) for q in peers for i in tensors], [])
+            return tree
+        got = _dist.p2p(
+            self.mesh, self.axis, [], [(tuple(leaves[i].shape), leaves[i].dtype, owner) for i in tensors]
+        )
+        for i, t in zip(tensors, got):
+            leaves[i] = t
+        return tree_unflatten(treedef, leaves)
+
+    def _exchange(self, actions: list, st: Stage, _dist) -> list:
+        """Post this tick's sends and receives (after shape headers, if any); return the sends."""
+        p, v, me, layout = self.schedule.p, self.schedule.v, self.me, self.schedule.layout
+        sends, recvs, heads_out, heads_in = [], [], [], []
+        for a in sorted(actions, key=_wire_order):
+            if a.kind in ("SEND_F", "SEND_B"):
+                value = st.to_send(a)
+                peer = (next_stage if a.kind == "SEND_F" else prev_stage)(a.stage, a.chunk, p, v, layout)
+                if peer[0] == me:  # a chunk of this stage feeds another of its chunks (p = 1)
+                    st.inbox[(a.kind[-1], a.microbatch, peer[1])] = value
+                    continue
+                if a.kind == "SEND_F" and a in self.header:
+                    heads_out.append((_header(value), peer[0]))
+                sends.append((value, peer[0]))
+            elif a.kind in ("RECV_F", "RECV_B"):
+                peer = (prev_stage if a.kind == "RECV_F" else next_stage)(a.stage, a.chunk, p, v, layout)
+                if peer[0] == me:
+                    continue
+                recvs.append(a)
+                if a.kind == "RECV_F" and a in self.header:
+                    heads_in.append(a)
+        if heads_out or heads_in:
+            got = _dist.p2p(
+                self.mesh, self.axis, heads_out, [((_HEADER,), torch.int64, self._peer(a)) for a in heads_in]
+            )
+            for a, h in zip(heads_in, got):
+                self.shapes[a.chunk] = _unheader(h)
+        bufs = [(*self._shape(a, st), self._peer(a)) for a in recvs]
+        sending, receiving = _dist.p2p(self.mesh, self.axis, sends, bufs, wait=False)
+        for a, incoming in zip(recvs, receiving):
+            st.inbox[("F" if a.kind == "RECV_F" else "B", a.microbatch, a.chunk)] = incoming
+        return sending
+
+    def _peer(self, a: Action) -> int:
+        sch = self.schedule
+        return (prev_stage if a.kind == "RECV_F" else next_stage)(a.stage, a.chunk, sch.p, sch.v, sch.layout)[0]
+
+    def _shape(self, a: Action, st: Stage) -> tuple:
+        if a.kind == "RECV_B":
+            return st.out_shapes[a.chunk]  # the gradient of what this chunk sent on
+        return self.shapes[a.chunk]
+
+    def _finish(self, st: Stage, wall: float, _dist) -> tuple[Tensor, Timeline]:
+        """Share the loss (from the last stage) and every stage's stats along the pipe axis."""
+        sch = self.schedule
+        p, last = sch.p, last_stage(sch)
+        counts = torch.tensor([st.busy, st.peak, st.peak_inbox, st.seconds], dtype=torch.float64)
+        loss_row = (st.loss_sum / sch.m).reshape(1) if st.loss_sum is not None else torch.zeros(1)
+        # On the stage's device (NCCL sends device tensors only); one message per peer.
+        mine = torch.cat([loss_row.to(self.device, torch.float64), counts.to(self.device)])
+        peers = [q for q in range(p) if q != self.me]
+        got = _dist.p2p(
+            self.mesh, self.axis, [(mine, q) for q in peers], [((5,), torch.float64, q) for q in peers]
+        )
+        rows = {q: r.tolist() for q, r in zip(peers, got)}  # one host sync per step, at the end
+        rows[self.me] = mine.tolist()
+        if st.loss_sum is not None:
+            loss = st.loss_sum / sch.m
+        else:  # sent as float64, which holds every lower precision exactly
+            loss = torch.tensor(rows[last][0], dtype=torch.float64, device=self.device).to(_float_dtype(st))
+        stats = Timeline(
+            sch.name,
+            sch.num_ticks,
+            tuple(int(rows[q][1]) for q in range(p)),
+            tuple(int(rows[q][2]) for q in range(p)),
+            tuple(int(rows[q][3]) for q in range(p)),
+            tuple(float(rows[q][4]) for q in range(p)),
+            wall,
+        )
+        return loss, stats
+
+
+def _device_of(tree: Any) -> torch.device:
+    """The device of the stage's parameters: every tensor the executor sends lives there."""
+    for t in tree_flatten(tree)[0]:
+        if isinstance(t, Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+def _float_dtype(st: Stage) -> torch.dtype:
+    for leaves, _ in st.groups["stages"]:
+        for t in leaves:
+            if isinstance(t, Tensor) and t.is_floating_point():
+                return t.dtype
+    return torch.get_default_dtype()
+
+
+def _wire_order(a: Action) -> tuple:
+    """Order in which both ends post a tick's messages (they must agree per pair of ranks)."""
+    return (a.kind[-1], a.microbatch, a.chunk, a.kind)
+
+
+def _first_messages(schedule: Schedule) -> set[Action]:
+    """The first SEND_F/RECV_F over each stage boundary: they are preceded by a shape header."""
+    firsts: dict[tuple, Action] = {}
+    for a in schedule.actions:  # sorted by tick
+        if a.kind == "SEND_F":
+            firsts.setdefault(("S", a.stage, a.chunk), a)
+        elif a.kind == "RECV_F":
+            firsts.setdefault(("R", a.stage, a.chunk), a)
+    return set(firsts.values())
+
+
+_HEADER = 10  # dtype code, rank, up to 8 dims
+_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool]
+
+
+def _header(t: Tensor) -> Tensor:
+    if t.dim() > _HEADER - 2 or t.dtype not in _DTYPES:
+        raise ValueError(
+            f"fpar.pipeline: cannot send an activation of shape {tuple(t.shape)} and dtype {t.dtype} "
+            f"between stages (at most {_HEADER - 2} dims, dtypes {_DTYPES})."
+        )
+    fields = [_DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (_HEADER - 2 - t.dim())
+    return torch.tensor(fields, dtype=torch.int64, device=t.device)  # on the stage's device (NCCL)
+
+
+def _unheader(h: Tensor) -> tuple:
+    code, rank = int(h[0]), int(h[1])
+    return tuple(int(d) for d in h[2 : 2 + rank]), _DTYPES[code]
+
+
+def _stack_local(per_chunk: list) -> list:
+    flat = [tree_flatten(g)[0] for g in per_chunk]
+    return [stack(col) for col in zip(*flat)]
+
+
+def _local_group(st: Stage, group: str, given: Any) -> Any:
+    if given is None:
+        return None
+    got = st.grads(group)[0]
+    return got if got is not None else tree_map(torch.zeros_like, given)

@@ -1,0 +1,238 @@
+"""One pipeline stage during one step: its parameters as leaves, its stash, its compute actions.
+
+Forward actions record the autograd graph (the *stash*).  Forwards run under ``_split.capture``,
+so the backward of the stage's linear layers computes only input gradients and leaves their
+weight gradients to ``W``, which computes them as their own matmuls (accumulated in place, fused
+into the matmul): ``B`` is that backward (freeing the graph), ``W`` runs later, and ``BW`` is
+``B`` then ``W``.  Both drivers (``_run_local``, ``_run_dist``) run their stages through this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from .. import _dist
+from .._tree import tree_flatten, tree_unflatten
+from ._schedule import Action, Schedule, locate, prev_stage, virtual
+from ._split import capture, weight_grads
+from ._timeline import Timeline
+
+Tensor = torch.Tensor
+
+
+class StepResult(NamedTuple):
+    """What one pipelined step returns.
+
+    Attributes:
+      loss: the mean over microbatches of ``loss``'s value (on a real mesh: on every rank).
+      grads: the gradient of ``loss`` w.r.t. ``params``, the same structure (on a real mesh:
+        this rank's blocks; ``first``/``last``, replicated over the pipe axis, on every rank).
+      stats: what the executor ran, per stage (on a real mesh: gathered from every stage).
+    """
+
+    loss: Tensor
+    grads: dict
+    stats: Timeline
+
+
+@dataclasses.dataclass(frozen=True)
+class Fns:
+    """The model's functions, called by ``Stage.forward`` once per microbatch and chunk.
+
+    ``Stage.forward`` knows the microbatch index ``j`` at the call: per-microbatch randomness
+    (``fold_in(key, j)`` once ``fpar.random`` lands) is to be derived and passed there.
+    """
+
+    stage: Callable
+    loss: Callable
+    first: Callable | None
+
+
+@dataclasses.dataclass
+class Stashed:
+    """What a forward keeps for its backward: the graph (via ``out``) and what to differentiate."""
+
+    x: Tensor | None  # the received activation, a leaf (None on virtual stage 0)
+    out: Tensor  # the activation sent on, or the loss on the last virtual stage
+    leaves: list[Tensor]  # the parameter leaves it differentiates (gradients accumulate in .grad)
+    records: list | None = None  # split backward: the weight gradients B leaves to W (``_split``)
+
+
+class Stage:
+    """One pipeline stage during one step: its parameters as leaves, its stash, its gradients."""
+
+    def __init__(self, s: int, schedule: Schedule, fns: Fns, chunks: list, first: Any, last: Any):
+        self.s, self.p, self.v, self.m, self.layout = s, schedule.p, schedule.v, schedule.m, schedule.layout
+        self.last_k = self.p * self.v - 1  # the last virtual stage
+        self.fns = fns
+        self.groups: dict[str, list] = {}  # group -> per chunk: (leaves, treedef)
+        self.groups["stages"] = [_leaves(c) for c in chunks]
+        self.groups["first"] = [_leaves(first)] if s == 0 else [([], None)]
+        self.groups["last"] = [_leaves(last)] if s == last_stage(schedule) else [([], None)]
+        self.stash: dict[tuple[int, int], Stashed] = {}
+        self.inbox: dict[tuple[str, int, int], Tensor] = {}  # received, not yet used
+        self.outbox: dict[tuple[str, int, int], Tensor] = {}  # computed, not yet sent
+        self.out_shapes: dict[int, tuple] = {}  # chunk -> (shape, dtype) of what F sends on
+        self.deferred: dict[int, Tensor] = {}  # id(leaf) -> weight gradient accumulated by W
+        self.loss_sum: Tensor | None = None
+        self.busy, self.peak, self.peak_inbox, self.seconds, self.waited = 0, 0, 0, 0.0, 0.0
+
+    # -- compute ------------------------------------------------------------------------------
+
+    def run(self, a: Action, xs: Tensor, targets: Any) -> None:
+        """Run one compute action; what it sends on waits in the outbox for its SEND.
+
+        An exception from the model's functions gets a note naming the stage, the action and
+        the microbatch (on a real mesh ``fpar.launch`` then stops the other ranks).
+        """
+        start, waited = time.perf_counter(), self.waited
+        out = None
+        try:
+            if a.kind == "F":
+                out = self.forward(a.microbatch, a.chunk, xs, targets)
+            elif a.kind == "W":
+                weight_grads(self.stash.pop((a.microbatch, a.chunk)).records, self.deferred)
+            else:
+                out = self.backward(a.microbatch, a.chunk, split=a.kind == "B")
+        except Exception as e:
+            e.add_note(
+                f"fpar.pipeline: raised on pipeline stage {self.s} running {a.kind} of microbatch "
+                f"{a.microbatch}, chunk {a.chunk} (virtual stage "
+                f"{virtual(self.s, a.chunk, self.p, self.v, self.layout)}) at tick {a.tick}."
+            )
+            raise
+        self.seconds += time.perf_counter() - start - (self.waited - waited)  # compute, not waiting
+        self.busy += 1
+        if out is not None:
+            self.outbox[("F" if a.kind == "F" else "B", a.microbatch, a.chunk)] = out
+
+    def take(self, key: tuple) -> Tensor:
+        """A received value, waiting for it if it is still arriving (real mesh)."""
+        value = self.inbox.pop(key)
+        if isinstance(value, _dist.Incoming):
+            start = time.perf_counter()
+            value = value.wait()
+            self.waited += time.perf_counter() - start
+        return value
+
+    def to_send(self, a: Action) -> Tensor:
+        """The value a SEND action sends (computed at this tick or earlier)."""
+        return self.outbox.pop((a.kind[-1], a.microbatch, a.chunk))
+
+    def forward(self, j: int, c: int, xs: Tensor, targets: Any) -> Tensor | None:
+        """F: run chunk ``c`` on microbatch ``j``, stash its graph; return what it sends on."""
+        k = virtual(self.s, c, self.p, self.v, self.layout)
+        leaves = self._params(c, first=k == 0, last=k == self.last_k)
+        args = self._trees(c, k)
+        records: list = []
+        with torch.enable_grad(), capture(leaves, records):
+            if k == 0:
+                x = None
+                h = xs[j] if self.fns.first is None else self.fns.first(args["first"], xs[j])
+            else:
+                x = self.take(("F", j, c)).detach().requires_grad_()
+                h = x
+            y = self.fns.stage(args["stages"], h)
+            last = k == self.last_k
+            out = self.fns.loss(args["last"], y, None if targets is None else targets[j]) if last else y
+        self.stash[(j, c)] = Stashed(x, out, leaves, records)
+        self.peak = max(self.peak, len(self.stash))
+        if last:
+            value = out.detach()
+            self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
+            return None
+        self.out_shapes[c] = (tuple(y.shape), y.dtype)
+        return y.detach()
+
+    def backward(self, j: int, c: int, *, split: bool) -> Tensor | None:
+        """BW (or B, with ``split``): the input gradient it sends back, if any."""
+        st = self.stash[(j, c)]
+        if virtual(self.s, c, self.p, self.v, self.layout) == self.last_k:
+            dy = torch.full_like(st.out, 1.0 / self.m)  # d(mean over microbatches)/d(loss_j)
+        else:
+            dy = self.take(("B", j, c))
+        # The captured linear layers leave their weight gradients to W (``_split``); the other
+        # parameter gradients accumulate in .grad (AccumulateGrad), like torch's.  BW is B then W.
+        _backward(st.out, dy, ([st.x] if st.x is not None else []) + st.leaves)
+        dx = st.x.grad if st.x is not None else None
+        if split:
+            st.out = st.x = None  # the graph is freed; W needs only st.records
+        else:
+            weight_grads(self.stash.pop((j, c)).records, self.deferred)
+        return dx if prev_stage(self.s, c, self.p, self.v, self.layout) is not None else None
+
+    # -- parameters and gradients ---------------------------------------------------------------
+
+    def _trees(self, c: int, k: int) -> dict[str, Any]:
+        """The parameter trees chunk ``c`` (virtual stage ``k``) computes with."""
+        pairs = {"stages": self.groups["stages"][c], "first": ([], None), "last": ([], None)}
+        if k == 0:
+            pairs["first"] = self.groups["first"][0]
+        if k == self.last_k:
+            pairs["last"] = self.groups["last"][0]
+        return {g: None if td is None else tree_unflatten(td, lv) for g, (lv, td) in pairs.items()}
+
+    def _params(self, c: int, *, first: bool, last: bool) -> list[Tensor]:
+        """The parameter leaves chunk ``c`` differentiates (with first/last on those virtual stages)."""
+        leaves = []
+        for g, cc, on in (("stages", c, True), ("first", 0, first), ("last", 0, last)):
+            if on:
+                leaves += [t for t in self.groups[g][cc][0] if isinstance(t, Tensor) and t.requires_grad]
+        return leaves
+
+    def grads(self, group: str) -> list:
+        """Per chunk, the gradient tree of ``group`` (zeros where nothing flowed)."""
+        out = []
+        for leaves, td in self.groups[group]:
+            if td is None:
+                out.append(None)
+                continue
+            out.append(tree_unflatten(td, [self._grad(t) for t in leaves]))
+        return out
+
+    def _grad(self, t: Any) -> Any:
+        """A leaf's gradient: what autograd accumulated plus what W computed (zeros if neither)."""
+        if not isinstance(t, Tensor):
+            return t
+        g, w = t.grad, self.deferred.get(id(t))
+        if g is None and w is None:
+            return torch.zeros_like(t)
+        return w if g is None else (g if w is None else g + w)
+
+    def note_inbox(self) -> None:
+        self.peak_inbox = max(self.peak_inbox, len(self.inbox))
+
+
+def _leaves(tree: Any) -> tuple[list, Any]:
+    if tree is None:
+        return [], None
+    leaves, td = tree_flatten(tree)
+    return [_leaf(t) for t in leaves], td
+
+
+def _leaf(t: Any) -> Any:
+    if isinstance(t, Tensor) and t.is_floating_point():
+        return t.detach().requires_grad_()
+    return t
+
+
+def _backward(out: Tensor, dy: Tensor, inputs: list) -> None:
+    """Accumulate the gradients of ``out`` (cotangent ``dy``) into ``inputs``' ``.grad``; frees the graph."""
+    if inputs and out.requires_grad:
+        torch.autograd.backward(out, dy, inputs=inputs)
+
+
+
+def last_stage(sch: Schedule) -> int:
+    """The stage that holds the last virtual stage (and so the loss)."""
+    return locate(sch.p * sch.v - 1, sch.p, sch.v, sch.layout)[0]
+
+
+def stack(col) -> Tensor:
+    """``torch.stack``, without a copy for one chunk."""
+    return col[0].unsqueeze(0) if len(col) == 1 else torch.stack(col)
