@@ -274,6 +274,44 @@ def test_split_backward_defers_the_weight_matmuls():
         torch.testing.assert_close(into[id(leaf)], expected)
 
 
+def test_split_backward_leaves_a_weight_seen_through_a_function_to_b():
+    """A weight viewed by another autograd Function (a real mesh's all-reduce) is not deferred.
+
+    Its gradient must pass through that Function's backward (here: doubled), which a deferred
+    ``dy^T x`` would skip; a plain reshape of the leaf is still deferred.
+    """
+    from fpar.pipeline._split import capture, weight_grads
+
+    class Doubled(torch.autograd.Function):  # identity forward, returns a view, doubles the cotangent
+        @staticmethod
+        def forward(w):
+            return w.view_as(w)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2 * g
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(3, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(4, 2, dtype=torch.float64, generator=g, requires_grad=True)
+    x = torch.randn(5, 3, dtype=torch.float64, generator=g)
+    dy = torch.randn(5, 2, dtype=torch.float64, generator=g)
+    records: list = []
+    with capture([w, v], records):
+        y = x @ Doubled.apply(w) @ v.view(4, 2)
+    torch.autograd.backward(y, dy, inputs=[w, v])
+    assert [r.weight for r in records] == [v]  # only the plain view is deferred
+    into: dict = {}
+    weight_grads(records, into)
+    want_w, want_v = torch.autograd.grad(x @ w @ v, (w, v), dy)
+    torch.testing.assert_close(w.grad, 2 * want_w)
+    torch.testing.assert_close(into[id(v)], want_v)
+
+
 def test_split_backward_of_a_module_stage():
     """ZB-H1 on nn.Linear stages (torch.func.functional_call) equals the unpipelined gradient."""
     torch.manual_seed(0)
