@@ -275,3 +275,65 @@ def test_kit_without_hypothesis():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert "pip install fpar[test]" in out.stdout
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_unprovable_replication_is_a_value_error_with_or_without_grad(grad):
+    """Every copy equals the reference, but fpar.shard would raise ReplicationError: the kit fails too."""
+
+    def gathered(x):
+        return fpar.all_gather(x, "tensor", tiled=True)
+
+    with pytest.raises(AssertionError) as info:
+        assert_equivalent(lambda x: x, gathered, MESH, P("tensor"), P(), X, grad=grad)
+    msg = str(info.value)
+    assert msg.startswith(
+        "value of gathered: every device's copy equals the reference, but fpar cannot prove the "
+        "replication its out_specs promise, so fpar.shard raises: fpar.shard(gathered): out varies "
+        "over mesh axis 'tensor'"
+    )
+
+
+def test_complex_parameter_gradients():
+    """A replicated complex weight meeting a split batch: its gradient is summed over the devices."""
+    w = torch.complex(_rand(6, seed=3), _rand(6, seed=4))
+
+    def loss(w, x):
+        return fpar.psum(((x.to(w.dtype) @ w).abs() ** 2).sum(), "tensor")
+
+    def reference(w, x):
+        return ((x.to(w.dtype) @ w).abs() ** 2).sum()
+
+    assert_equivalent(reference, loss, MESH, (P(), P("tensor")), P(), w, X)
+
+    def forgot_psum(w, x):
+        return ((x.to(w.dtype) @ w).abs() ** 2).sum()
+
+    with pytest.raises(AssertionError, match=r"^value out of forgot_psum differs"):
+        assert_equivalent(reference, forgot_psum, MESH, (P(), P("tensor")), P(), w, X)
+
+
+def test_public_names_and_signatures():
+    """Other code checks these names, parameters and defaults; keep them exactly."""
+    import inspect
+
+    def params(fn):
+        return [
+            (p.name, p.kind.name, None if p.default is inspect.Parameter.empty else p.default)
+            for p in inspect.signature(fn).parameters.values()
+        ]
+
+    assert fpar.testing.__all__ == ["assert_equivalent", "default_tolerance", "distributed"]
+    pos, var, kw = "POSITIONAL_OR_KEYWORD", "VAR_POSITIONAL", "KEYWORD_ONLY"
+    assert params(assert_equivalent) == [
+        *[(n, pos, None) for n in ("reference", "fn", "mesh", "in_specs", "out_specs")],
+        ("args", var, None),
+        ("grad", kw, True),
+        ("rtol", kw, None),
+        ("atol", kw, None),
+        ("seed", kw, 0),
+    ]
+    assert params(fpar.testing.distributed) == [("nprocs", pos, None), ("timeout", pos, 120)]
+    assert params(fst.meshes) == [("max_devices", pos, 8), ("axis_names", pos, ("data", "tensor", "pipe"))]
+    assert params(fst.specs) == [("mesh", pos, None), ("shape", pos, None)]
+    assert params(fst.arrays)[:2] == [("shape", pos, None), ("dtype", pos, torch.float64)]
