@@ -149,7 +149,7 @@ FORMS = (
 )
 
 
-def _product(x, w, b, form):
+def product(x, w, b, form):
     """``x @ w (+ b)`` written in one of the call forms; ``w`` is [K, N] or [G, K, N]."""
     if form == "linear":
         return F.linear(x, w.transpose(-1, -2), b)
@@ -222,7 +222,7 @@ def test_matmul_routing_matches_reference(layout):
     def per_device(c, x, w, b, scale):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             # a bias on a row-parallel product is added once, after the psum
-            y = _product(x, w, None if k_split else b, form)
+            y = product(x, w, None if k_split else b, form)
         if k_split:
             y = c.psum(y, k_split)
             if b is not None:
