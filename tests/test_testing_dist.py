@@ -3,6 +3,7 @@ places global inputs and gathers results there, and locates bugs exactly as in-p
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -320,6 +321,9 @@ def _rank1_raises():
 @distributed(2, timeout=4)
 def _hangs():
     fpar.make_mesh((2,), ("tensor",))
+    pids = os.environ["FPAR_TEST_PIDS"]
+    with open(os.path.join(pids, str(torch.distributed.get_rank())), "w") as f:
+        f.write(str(os.getpid()))
     if torch.distributed.get_rank() == 0:
         time.sleep(600)
     torch.distributed.barrier()
@@ -333,7 +337,8 @@ def test_distributed_names_the_failing_rank():
     assert "rank 1" in msg and "ValueError: only rank 1 fails" in msg
 
 
-def test_distributed_timeout_stops_a_hang():
+def test_distributed_timeout_stops_a_hang(tmp_path, monkeypatch):
+    monkeypatch.setenv("FPAR_TEST_PIDS", str(tmp_path))  # the processes inherit it
     start = time.monotonic()
     with pytest.raises(TimeoutError) as info:
         _hangs()
@@ -343,6 +348,10 @@ def test_distributed_timeout_stops_a_hang():
         "fpar.testing.distributed(_hangs): the body did not finish within 4s on 2 processes"
     )
     assert "--- rank 0 ---" in msg and "_hangs" in msg
+    pids = [int((tmp_path / str(r)).read_text()) for r in range(2)]
+    for pid in pids:  # no process outlives the call
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 def test_distributed_rejects_local_functions():
