@@ -298,8 +298,8 @@ def _low_precision_rule(mesh):
 def test_kit_catches_layout_bugs_on_real_mesh_as_in_process():
     """The issue's "done when" on a real mesh: a missing psum, pmean for psum, a wrong custom
     backward, a value bug on one device and a gradient bug on one block are each caught with the
-    same message as in-process; then complex parameters, keyword arguments and the low-precision
-    rule on the real mesh."""
+    same message as in-process; then complex parameters, keyword arguments, the low-precision
+    rule and bf16/fp16 layers (MLP, ring attention, vocab CE) near the float32 model."""
     from layout_bugs import check_catches, without_numbers
 
     real = fpar.make_mesh((2,), ("tensor",))
@@ -309,6 +309,10 @@ def test_kit_catches_layout_bugs_on_real_mesh_as_in_process():
     _complex_parameter_gradients(real)
     _keyword_arguments(real, local)
     _low_precision_rule(real)
+    from test_reference_dtypes import check_low_precision_layers
+
+    for dtype in (torch.float16, torch.bfloat16):
+        check_low_precision_layers(real, dtype)
 
 
 @distributed(2, timeout=60)
