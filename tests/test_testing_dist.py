@@ -133,10 +133,15 @@ def _matmul_routing_sample(mesh):
     from test_reference_dtypes import FORMS, product
 
     dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.float32)
-    for i, form in enumerate(FORMS):
-        layout, dtype = ("column", "row", "batch")[i % 3], dtypes[i % len(dtypes)]
+    cases = [
+        (form, ("column", "row", "batch")[i % 3], dtypes[i % len(dtypes)], i % 2 == 0)
+        for i, form in enumerate(FORMS)
+    ]
+    # the weight and bias by keyword, replicated, meeting a split batch (implicit pvary of both)
+    cases += [("linear-kw", "batch", torch.float32, True), ("linear-kw", "batch", torch.bfloat16, True)]
+    for form, layout, dtype, bias in cases:
         autocast = dtype == torch.float32
-        bias = dtype.is_floating_point and i % 2 == 0
+        bias = bias and dtype.is_floating_point
         lead = (2,) if form in ("batched @", "broadcast @") else ()
         x_shape, w_shape = (*lead, 4, 4), ((2,) if form == "batched @" else ()) + (4, 6)
         pad_x, pad_w = (None,) * len(lead), (None,) * (len(w_shape) - 2)
