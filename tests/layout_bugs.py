@@ -95,7 +95,8 @@ def _message(reference, fn, mesh, in_specs, out_specs, *args) -> str:
 
 
 def _error_part(start: str) -> str:
-    return re.escape(start) + r" max abs error [0-9.e+-]+, max rel error [0-9.e+-]+ \(rtol=1e-07, atol=1e-07\), "
+    numbers = r" max abs error [0-9.e+-]+, max rel error [0-9.e+-]+ \(rtol=1e-07, atol=1e-07\), "
+    return re.escape(start) + numbers
 
 
 def check_catches(mesh: fpar.Mesh) -> dict[str, str]:

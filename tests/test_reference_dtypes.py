@@ -110,7 +110,9 @@ def check_low_precision_layers(mesh, dtype):
     }
     x = torch.randn(4, 8, generator=gen)
     low = {k: v.to(dtype) for k, v in p.items()}
-    got = run(lambda p, x: fpar.ops.mlp(p, x, axis="tensor"), (fpar.ops.mlp_specs(), P()), P(), low, x.to(dtype))
+    got = run(
+        lambda p, x: fpar.ops.mlp(p, x, axis="tensor"), (fpar.ops.mlp_specs(), P()), P(), low, x.to(dtype)
+    )
     assert got.dtype == dtype
     want = _mlp_fp32(p, x)
     torch.testing.assert_close(got.float(), want, rtol=rtol, atol=atol)
