@@ -455,3 +455,45 @@ def test_replication_becomes_fine_after_reduction(reduce, expected):
 def test_check_rep_false_disables_the_check():
     out = fpar.shard(lambda x: x, mesh_of(IJ), P("i"), P(), check_rep=False)(torch.arange(4.0))
     assert out.tolist() == [0.0, 1.0]
+
+
+# ----------------------------------------------------------------------------------------------
+# fpar.launch refuses, before starting any process, what spawned processes could not run
+
+
+def test_launch_of_a_lambda_or_local_function_says_what_to_do():
+    fix = (
+        "is a lambda or a function defined inside another function; the processes are spawned and "
+        "must import fn by name. Define it at the top level of a module (or of the script, under an "
+        '`if __name__ == "__main__":` guard) and pass its arguments through *args.'
+    )
+    anonymous = lambda: 1  # noqa: E731 - the lambda is the case under test
+    with pytest.raises(TypeError) as info:
+        fpar.launch(anonymous, 2)
+    assert str(info.value) == f"fpar.launch: fn '{anonymous.__qualname__}' {fix}"
+    assert anonymous.__qualname__.endswith("<locals>.<lambda>")
+
+    def local():
+        return 1
+
+    with pytest.raises(TypeError) as info:
+        fpar.launch(local, 2)
+    assert str(info.value) == f"fpar.launch: fn '{local.__qualname__}' {fix}"
+
+
+def test_launch_from_a_script_without_a_main_guard_says_what_to_do(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_guard.py"
+    script.write_text("import fpar\n\n\ndef f():\n    return 1\n\n\nfpar.launch(f, 2)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"RuntimeError: fpar.launch: {script} calls fpar.launch without an `if __name__ == \"__main__\":` "
+        f"guard. Each spawned process re-imports the script to find 'f', and would launch again. Put the "
+        f"script's top-level code under that guard."
+    ), run.stderr

@@ -89,11 +89,20 @@ def _mlp_fp32(p, x):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_low_precision_layers_near_the_float32_model(dtype):
+    check_low_precision_layers(fpar.make_mesh((2,), ("tensor",)), dtype)
+
+
+def check_low_precision_layers(mesh, dtype):
     """bf16/fp16 Megatron MLP, ring attention and vocab-parallel CE against the float32 unsharded
     model, within the kit's tolerance for the dtype (bf16 2e-2 rel + 1e-2 abs, fp16 2e-3 + 1e-3,
-    here scaled by 4 for the longer chains of roundings)."""
+    here scaled by 4 for the longer chains of roundings), on an in-process or real mesh with a
+    2-device 'tensor' axis (test_testing_dist.py runs it on gloo processes)."""
     rtol, atol = (4 * t for t in default_tolerance(dtype))
-    mesh = fpar.make_mesh((2,), ("tensor",))
+
+    def run(f, in_specs, out_specs, *args):
+        blocks = fpar.device_put(args, mesh, in_specs)
+        return fpar.gather(fpar.shard(f, mesh, in_specs, out_specs)(*blocks), mesh, out_specs)
+
     gen = torch.Generator().manual_seed(0)
     p = {
         k: torch.randn(s, generator=gen) * 0.3
@@ -101,20 +110,22 @@ def test_low_precision_layers_near_the_float32_model(dtype):
     }
     x = torch.randn(4, 8, generator=gen)
     low = {k: v.to(dtype) for k, v in p.items()}
-    mlp = fpar.shard(lambda p, x: fpar.ops.mlp(p, x, axis="tensor"), mesh, (fpar.ops.mlp_specs(), P()), P())
-    got = mlp(low, x.to(dtype))
+    got = run(
+        lambda p, x: fpar.ops.mlp(p, x, axis="tensor"), (fpar.ops.mlp_specs(), P()), P(), low, x.to(dtype)
+    )
     assert got.dtype == dtype
     want = _mlp_fp32(p, x)
     torch.testing.assert_close(got.float(), want, rtol=rtol, atol=atol)
 
     q, k, v = (torch.randn(2, 8, 2, 4, generator=gen) for _ in range(3))
-    ring = fpar.shard(
+    got = run(
         lambda q, k, v: fpar.ops.ring_attention(q, k, v, axis="tensor"),
-        mesh,
         P(None, "tensor"),
         P(None, "tensor"),
+        q.to(dtype),
+        k.to(dtype),
+        v.to(dtype),
     )
-    got = ring(q.to(dtype), k.to(dtype), v.to(dtype))
     assert got.dtype == dtype
     want = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
@@ -123,10 +134,13 @@ def test_low_precision_layers_near_the_float32_model(dtype):
 
     logits = torch.randn(6, 10, generator=gen) * 4
     targets = torch.randint(0, 10, (6,), generator=gen)
-    ce = fpar.shard(
-        lambda z, t: fpar.ops.vocab_cross_entropy(z, t, axis="tensor"), mesh, (P(None, "tensor"), P()), P()
+    got = run(
+        lambda z, t: fpar.ops.vocab_cross_entropy(z, t, axis="tensor"),
+        (P(None, "tensor"), P()),
+        P(),
+        logits.to(dtype),
+        targets,
     )
-    got = ce(logits.to(dtype), targets)
     assert got.dtype == dtype
     torch.testing.assert_close(
         got.float(), F.cross_entropy(logits, targets, reduction="none"), rtol=rtol, atol=atol
@@ -149,7 +163,7 @@ FORMS = (
 )
 
 
-def _product(x, w, b, form):
+def product(x, w, b, form):
     """``x @ w (+ b)`` written in one of the call forms; ``w`` is [K, N] or [G, K, N]."""
     if form == "linear":
         return F.linear(x, w.transpose(-1, -2), b)
@@ -222,7 +236,7 @@ def test_matmul_routing_matches_reference(layout):
     def per_device(c, x, w, b, scale):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             # a bias on a row-parallel product is added once, after the psum
-            y = _product(x, w, None if k_split else b, form)
+            y = product(x, w, None if k_split else b, form)
         if k_split:
             y = c.psum(y, k_split)
             if b is not None:

@@ -3,6 +3,7 @@ places global inputs and gathers results there, and locates bugs exactly as in-p
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -19,34 +20,13 @@ def _rand(*shape, seed=0, dtype=torch.float64):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 
 
-def row_parallel(x, w):
-    return fpar.psum(x @ w, "tensor")
+ROW_SPECS = (P(None, "tensor"), P("tensor"))
 
 
-def row_parallel_no_psum(x, w):
-    return x @ w
-
-
-def _kit_on_real_mesh():
-    """assert_equivalent on a real mesh: passes a right layout, locates wrong ones as in-process."""
-    mesh = fpar.make_mesh((2,), ("tensor",))
-    assert mesh.backend == "dist"
-    x, w = _rand(4, 6, seed=1), _rand(6, 5, seed=2)
-    assert_equivalent(torch.matmul, row_parallel, mesh, (P(None, "tensor"), P("tensor")), P(), x, w)
-    with pytest.raises(AssertionError) as info:
-        assert_equivalent(
-            torch.matmul, row_parallel_no_psum, mesh, (P(None, "tensor"), P("tensor")), P(), x, w
-        )
-    msg = str(info.value)
-    assert msg.startswith("value out of row_parallel_no_psum differs from the reference")
-    assert "in the devices at tensor=0; tensor=1 (2 of 2)" in msg
-
-    def bad_block(x):  # rank 1's block is off
-        return torch.where(fpar.axis_index("tensor") == 1, x * 2, x)
-
-    with pytest.raises(AssertionError, match=r"in the devices at tensor=1 \(1 of 2\)"):
-        assert_equivalent(lambda x: x, bad_block, mesh, P("tensor"), P("tensor"), x)
-    # a pytree with a replicated parameter, a split batch, gradients w.r.t. both
+def _pytree_layout(mesh):
+    """A pytree of parameters (column- then row-split) and a replicated batch: values and
+    gradients w.r.t. every leaf on the real mesh (the bug catalogue runs in the test below)."""
+    x = _rand(4, 6, seed=1)
     params = {"w1": _rand(6, 8, seed=3), "w2": _rand(8, 6, seed=4)}
 
     def mlp(p, x):
@@ -82,69 +62,244 @@ def _collective_sample():
     ]
 
 
-@distributed(2, timeout=120)
-def test_kit_and_reference_sample_on_real_mesh():
-    """One launch (processes are slow to start): the kit on a real mesh, then a small sample of the
-    in-process property suite on gloo processes: collectives on bfloat16 (and float32, int64)
-    against the independent reference; matmul routing under autocast, F.linear by keyword, and a
-    keyword argument."""
-    import torch.nn.functional as F
+def _draw(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if not dtype.is_floating_point:
+        return torch.randint(-5, 6, shape, generator=g).to(dtype)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * 4).to(dtype)
 
-    _kit_on_real_mesh()
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
+
+
+def _collectives_on_every_dtype(mesh):
+    """Every collective of the sample on every dtype: the real mesh against the reference."""
     from harness import FPAR
     from reference import shard_reference
 
-    mesh = fpar.make_mesh((2,), ("tensor",))
-    axes = {"tensor": 2}
+    local = fpar.make_mesh((2,), ("tensor",), backend="local")
     for name, prog, block, varies in _collective_sample():
-        for dtype in (
-            (torch.bfloat16, torch.float32, torch.int64)
-            if name in ("psum", "all_gather")
-            else (torch.bfloat16,)
-        ):
-            x = (_rand(2 * block[0], *block[1:], seed=len(name)) * 4).to(dtype)
+        for dtype in DTYPES:
+            x = _draw((2 * block[0], *block[1:]), dtype, seed=len(name))
             out = P("tensor") if varies else P()
 
             def per_device(x, prog=prog):
                 return prog(FPAR, x)
 
             per_device.__name__ = f"{name}_{dtype}"
-            assert_equivalent(
-                shard_reference(prog, axes, P("tensor"), out), per_device, mesh, P("tensor"), out, x
-            )
+            reference = shard_reference(prog, {"tensor": 2}, P("tensor"), out)
+            try:
+                reference(x)
+            except RuntimeError:  # torch has no such op for this dtype (amax of bool): fpar neither
+                for m in (local, mesh):
+                    with pytest.raises(RuntimeError):
+                        fpar.shard(per_device, m, P("tensor"), out)(fpar.device_put(x, m, P("tensor")))
+                continue
+            assert_equivalent(reference, per_device, mesh, P("tensor"), out, x)
 
-    x, w, b = (
-        _rand(4, 6, seed=1, dtype=torch.float32),
-        _rand(8, 6, seed=2, dtype=torch.float32),
-        _rand(8, seed=3, dtype=torch.float32),
-    )
 
-    def linear(x, w, b):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return F.linear(x, weight=w, bias=b)
+def _matmul_routing_sample(mesh):
+    """Each matmul/linear call form once, cycling through column-, row- (with psum) and
+    batch-split layouts, float32 under autocast, bfloat16, float16 and int64, with and without a
+    bias: the real mesh against the reference."""
+    from harness import FPAR
+    from reference import shard_reference
+    from test_reference_dtypes import FORMS, product
 
-    # bf16 arithmetic in fp32 tensors: the replicated x's gradient is summed from two bf16 partial
-    # products on the real mesh, from one in the reference, so bf16's tolerance applies
-    assert_equivalent(
-        linear,
-        linear,
-        mesh,
-        (P(), P("tensor"), P("tensor")),
-        P(None, "tensor"),
-        x,
-        w,
-        b,
-        rtol=2e-2,
-        atol=1e-2,
-    )
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.float32)
+    cases = [
+        (form, ("column", "row", "batch")[i % 3], dtypes[i % len(dtypes)], i % 2 == 0)
+        for i, form in enumerate(FORMS)
+    ]
+    # the weight and bias by keyword, replicated, meeting a split batch (implicit pvary of both)
+    cases += [("linear-kw", "batch", torch.float32, True), ("linear-kw", "batch", torch.bfloat16, True)]
+    for form, layout, dtype, bias in cases:
+        autocast = dtype == torch.float32
+        bias = bias and dtype.is_floating_point
+        lead = (2,) if form in ("batched @", "broadcast @") else ()
+        x_shape, w_shape = (*lead, 4, 4), ((2,) if form == "batched @" else ()) + (4, 6)
+        pad_x, pad_w = (None,) * len(lead), (None,) * (len(w_shape) - 2)
+        x_spec, w_spec, out_spec = {
+            "column": (P(), P(*pad_w, None, "tensor"), P(*pad_x, None, "tensor")),
+            "row": (P(*pad_x, None, "tensor"), P(*pad_w, "tensor"), P()),
+            "batch": (P(*pad_x, "tensor"), P(), P(*pad_x, "tensor")),
+        }[layout]
+        b_spec = P("tensor") if layout == "column" else P()
 
-    def scaled(x, *, s):
-        return x * s
+        def prog(c, x, w, b, layout=layout, form=form, autocast=autocast):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                y = product(x, w, None if layout == "row" else b, form)
+            if layout == "row":
+                y = c.psum(y, "tensor")
+                if b is not None:
+                    y = y + b.to(y.dtype)
+            return y
 
-    got = fpar.shard(scaled, mesh, P("tensor"), P("tensor"))(
-        fpar.device_put(x, mesh, P("tensor")), s=torch.tensor(2.0)
-    )
-    torch.testing.assert_close(fpar.gather(got, mesh, P("tensor")), x * 2)
+        def per_device(x, w, b, prog=prog):
+            return prog(FPAR, x, w, b)
+
+        per_device.__name__ = f"{form}_{layout}_{dtype}{'_autocast' if autocast else ''}"
+        specs = (x_spec, w_spec, b_spec if bias else None)
+        args = (_draw(x_shape, dtype, 1), _draw(w_shape, dtype, 2), _draw((6,), dtype, 3) if bias else None)
+        low = torch.bfloat16 if autocast else dtype
+        rtol, atol = fpar.testing.default_tolerance(low)
+        reference = shard_reference(prog, {"tensor": 2}, specs, out_spec)
+        assert_equivalent(reference, per_device, mesh, specs, out_spec, *args, rtol=2 * rtol, atol=8 * atol)
+
+
+@distributed(2, timeout=150)
+def test_kit_and_reference_sample_on_real_mesh():
+    """One launch (processes are slow to start): a pytree layout, then a sample of the
+    in-process property suite on gloo processes against the independent reference: every
+    collective of the sample on float32, bfloat16, float16, int64, int32 and bool; each matmul and
+    F.linear call form (by keyword too) under autocast and in low precision."""
+    mesh = fpar.make_mesh((2,), ("tensor",))
+    assert mesh.backend == "dist"
+    _pytree_layout(mesh)
+    _collectives_on_every_dtype(mesh)
+    _matmul_routing_sample(mesh)
+
+
+class _CountPlans:
+    """Counts, on this process, the real-mesh plan caches built (``DistShard``) and traced calls."""
+
+    def __enter__(self):
+        from fpar._dist.shard import DistShard
+
+        self.cls, self.shards, self.first = DistShard, [], 0
+        self.init, self.first_call = DistShard.__init__, DistShard._first
+        counter = self
+
+        def init(shard, *args, **kwargs):
+            counter.shards.append(shard)
+            counter.init(shard, *args, **kwargs)
+
+        def first(shard, *args, **kwargs):
+            counter.first += 1
+            return counter.first_call(shard, *args, **kwargs)
+
+        DistShard.__init__, DistShard._first = init, first
+        return self
+
+    def __exit__(self, *exc):
+        self.cls.__init__, self.cls._first = self.init, self.first_call
+
+
+def _complex_parameter_gradients(mesh):
+    """A replicated complex weight meeting a split batch: its implicit pvary sums its gradient
+    over 'tensor', in the traced first call and in the fast later calls."""
+    w = torch.complex(_rand(6, seed=3), _rand(6, seed=4))
+    x = _rand(4, 6, seed=1)
+
+    def complex_loss(w, x):
+        return fpar.psum(((x.to(w.dtype) @ w).abs() ** 2).sum(), "tensor")
+
+    def reference(w, x):
+        return ((x.to(w.dtype) @ w).abs() ** 2).sum()
+
+    assert_equivalent(reference, complex_loss, mesh, (P(), P("tensor")), P(), w, x)
+    wr = w.clone().requires_grad_()
+    (want,) = torch.autograd.grad(reference(wr, x), wr)
+    with _CountPlans() as count:
+        sharded = fpar.shard(complex_loss, mesh, (P(), P("tensor")), P())
+        for call in range(3):
+            wc = w.clone().requires_grad_()
+            (got,) = torch.autograd.grad(sharded(wc, fpar.device_put(x, mesh, P("tensor"))), wc)
+            torch.testing.assert_close(got, want, msg=lambda m, call=call: f"call {call}: {m}")
+    (shard,) = count.shards
+    assert count.first == 1 and [p.fast for p in shard.plans.values()] == [True]
+
+
+def kw_layer(x, w, *, scale, bias, tag):
+    """Row-parallel, with a keyword tensor used before the psum (its gradient is summed over
+    'tensor') and one after it (not summed), and a static keyword."""
+    assert tag == "kw"
+    return fpar.psum((x * scale) @ w, "tensor") + bias
+
+
+def _keyword_arguments(real, local):
+    """Keyword arguments on the real mesh: values and gradients equal the in-process mesh's and
+    the unsharded function's; the second call with the same keywords reuses the plan (fast)."""
+    x, w, scale, bias = _rand(4, 6, seed=1), _rand(6, 5, seed=2), _rand(4, 1, seed=5), _rand(5, seed=6)
+    ct = _rand(4, 5, seed=7)
+    leaves = [t.clone().requires_grad_() for t in (x, w, scale, bias)]
+    want = (leaves[0] * leaves[2]) @ leaves[1] + leaves[3]
+    want_grads = torch.autograd.grad(want, leaves, ct)
+
+    def run(sharded, mesh):
+        xb, wb = (
+            fpar.device_put(t, mesh, s).detach().requires_grad_() for t, s in zip((x, w), ROW_SPECS)
+        )
+        s, b = scale.clone().requires_grad_(), bias.clone().requires_grad_()
+        out = sharded(xb, wb, scale=s, bias=b, tag="kw")
+        grads = list(torch.autograd.grad(out, [xb, wb, s, b], ct))
+        if mesh.backend == "dist":
+            grads[:2] = [fpar.gather(g, mesh, spec) for g, spec in zip(grads[:2], ROW_SPECS)]
+        return out.detach(), grads
+
+    in_process = run(fpar.shard(kw_layer, local, ROW_SPECS, P()), local)
+    torch.testing.assert_close(in_process[0], want.detach())
+    for g, r, name in zip(in_process[1], want_grads, ("x", "w", "scale", "bias")):
+        torch.testing.assert_close(g, r, msg=lambda m, name=name: f"in-process gradient w.r.t. {name}: {m}")
+    with _CountPlans() as count:
+        sharded = fpar.shard(kw_layer, real, ROW_SPECS, P())
+        for call in range(2):
+            out, grads = run(sharded, real)
+            torch.testing.assert_close(out, in_process[0], rtol=1e-12, atol=1e-12)
+            for g, r, name in zip(grads, in_process[1], ("x", "w", "scale", "bias")):
+                torch.testing.assert_close(
+                    g, r, rtol=1e-12, atol=1e-12, msg=lambda m, c=call, n=name: f"call {c}, {n}: {m}"
+                )
+        # the positional call's cache, and one per keyword signature: the second call hit it
+        assert len(count.shards) == 2 and count.first == 1, (count.shards, count.first)
+        assert [p.fast for p in count.shards[1].plans.values()] == [True]
+
+
+def _low_precision_rule(mesh):
+    """fp16/bf16 sums and means over devices accumulate in float32 and round once, on the real
+    mesh as in-process: a pmean whose sum overflows fp16 but whose mean fits returns the mean."""
+    local = fpar.make_mesh((2,), ("tensor",), backend="local")
+    for dtype in (torch.float16, torch.bfloat16):
+        big = torch.full((2, 3), 40000.0 if dtype == torch.float16 else 3e38, dtype=dtype)
+        mean = fpar.shard(lambda x: fpar.pmean(x, "tensor"), mesh, P("tensor"), P())
+        assert torch.equal(mean(fpar.device_put(big, mesh, P("tensor"))), big[:1])
+        x = _rand(2, 8, seed=3, dtype=dtype) * 100 + 1
+        for name, prog, out in (
+            ("psum", lambda x: fpar.psum(x, "tensor"), P()),
+            ("pmean", lambda x: fpar.pmean(x, "tensor"), P()),
+            (
+                "psum_scatter",
+                lambda x: fpar.psum_scatter(x, "tensor", scatter_dimension=1, tiled=True),
+                P(None, "tensor"),
+            ),
+        ):
+            blocks = fpar.device_put(x, mesh, P("tensor"))
+            got = fpar.gather(fpar.shard(prog, mesh, P("tensor"), out)(blocks), mesh, out)
+            want = fpar.shard(prog, local, P("tensor"), out)(x)
+            assert torch.equal(got, want), (name, dtype, got, want)
+
+
+@distributed(2, timeout=150)
+def test_kit_catches_layout_bugs_on_real_mesh_as_in_process():
+    """The issue's "done when" on a real mesh: a missing psum, pmean for psum, a wrong custom
+    backward, a value bug on one device and a gradient bug on one block are each caught with the
+    same message as in-process; then complex parameters, keyword arguments, the low-precision
+    rule and bf16/fp16 layers (MLP, ring attention, vocab CE) near the float32 model."""
+    from layout_bugs import check_catches, without_numbers
+
+    real = fpar.make_mesh((2,), ("tensor",))
+    local = fpar.make_mesh((2,), ("tensor",), backend="local")
+    assert real.backend == "dist" and local.backend == "local"
+    assert without_numbers(check_catches(real)) == without_numbers(check_catches(local))
+    _complex_parameter_gradients(real)
+    _keyword_arguments(real, local)
+    _low_precision_rule(real)
+    from test_reference_dtypes import check_low_precision_layers
+
+    for dtype in (torch.float16, torch.bfloat16):
+        check_low_precision_layers(real, dtype)
 
 
 @distributed(2, timeout=60)
@@ -157,6 +312,9 @@ def _rank1_raises():
 @distributed(2, timeout=4)
 def _hangs():
     fpar.make_mesh((2,), ("tensor",))
+    pids = os.environ["FPAR_TEST_PIDS"]
+    with open(os.path.join(pids, str(torch.distributed.get_rank())), "w") as f:
+        f.write(str(os.getpid()))
     if torch.distributed.get_rank() == 0:
         time.sleep(600)
     torch.distributed.barrier()
@@ -170,7 +328,8 @@ def test_distributed_names_the_failing_rank():
     assert "rank 1" in msg and "ValueError: only rank 1 fails" in msg
 
 
-def test_distributed_timeout_stops_a_hang():
+def test_distributed_timeout_stops_a_hang(tmp_path, monkeypatch):
+    monkeypatch.setenv("FPAR_TEST_PIDS", str(tmp_path))  # the processes inherit it
     start = time.monotonic()
     with pytest.raises(TimeoutError) as info:
         _hangs()
@@ -180,6 +339,23 @@ def test_distributed_timeout_stops_a_hang():
         "fpar.testing.distributed(_hangs): the body did not finish within 4s on 2 processes"
     )
     assert "--- rank 0 ---" in msg and "_hangs" in msg
+    pids = [int((tmp_path / str(r)).read_text()) for r in range(2)]
+    assert not [pid for pid in pids if _running(pid)]  # no process outlives the call
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (exited, not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 def test_distributed_rejects_local_functions():

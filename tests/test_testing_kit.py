@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from layout_bugs import check_catches
 
 import fpar
 from fpar import P
@@ -31,79 +32,13 @@ def _rand(*shape, seed=0, dtype=torch.float64):
 X, W = _rand(4, 6, seed=1), _rand(6, 5, seed=2)
 
 
-def row_parallel(x, w):
-    return fpar.psum(x @ w, "tensor")
-
-
-def row_parallel_no_psum(x, w):
-    return x @ w
-
-
-def row_parallel_pmean(x, w):
-    return fpar.pmean(x @ w, "tensor")
-
-
-def test_correct_row_parallel_passes():
-    assert_equivalent(torch.matmul, row_parallel, MESH, (P(None, "tensor"), P("tensor")), P(), X, W)
-
-
-def test_catches_missing_psum():
-    with pytest.raises(AssertionError) as info:
-        assert_equivalent(
-            torch.matmul, row_parallel_no_psum, MESH, (P(None, "tensor"), P("tensor")), P(), X, W
-        )
-    msg = str(info.value)
-    assert msg.startswith("value out of row_parallel_no_psum differs from the reference: max abs error ")
-    assert "in the devices at tensor=0; tensor=1 (2 of 2)" in msg
-    assert (
-        "Its out_spec P() promises the same value on every device along ('tensor',), but the copies differ"
-        in msg
-    )
-    assert "ReplicationError" not in msg
-
-
-def test_catches_pmean_for_psum():
-    with pytest.raises(AssertionError) as info:
-        assert_equivalent(torch.matmul, row_parallel_pmean, MESH, (P(None, "tensor"), P("tensor")), P(), X, W)
-    msg = str(info.value)
-    assert msg.startswith("value out of row_parallel_pmean differs from the reference: max abs error ")
-    assert "in the devices at tensor=0; tensor=1 (2 of 2)" in msg
-    assert "copies differ" not in msg  # pmean does replicate; it is the wrong value everywhere
-
-
-class _ScaleWrongBackward(torch.autograd.Function):
-    """y = 2x, but the backward forgets the factor 2."""
-
-    @staticmethod
-    def forward(x):
-        return 2 * x
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, g):
-        return g
-
-    @staticmethod
-    def vmap(info, in_dims, x):
-        return _ScaleWrongBackward.apply(x), in_dims[0]
-
-
-def test_catches_wrong_custom_backward():
-    def layer(params, x):
-        return fpar.psum(_ScaleWrongBackward.apply(x) @ params["w"], "tensor")
-
-    def reference(params, x):
-        return (2 * x) @ params["w"]
-
-    with pytest.raises(AssertionError) as info:
-        assert_equivalent(reference, layer, MESH, ({"w": P("tensor")}, P(None, "tensor")), P(), {"w": W}, X)
-    msg = str(info.value)
-    # the value is right: only the gradient w.r.t. x is wrong, on both of its blocks
-    assert msg.startswith("gradient w.r.t. args[1] of layer differs from the reference: max abs error ")
-    assert "in the blocks at tensor=0; tensor=1 (2 of 2)" in msg
+def test_catches_the_issues_layout_bugs():
+    """A missing psum, pmean for psum, a wrong custom backward, a value bug on one device, a
+    gradient bug on one block: each caught, its message pinned (tests/layout_bugs.py; the same
+    catalogue runs on a real mesh in test_testing_dist.py)."""
+    messages = check_catches(MESH)
+    assert "ReplicationError" not in messages["missing psum"]
+    assert "copies differ" not in messages["pmean for psum"]  # pmean replicates: wrong everywhere
 
 
 def test_catches_bug_on_one_device_only():
@@ -275,3 +210,65 @@ def test_kit_without_hypothesis():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert "pip install fpar[test]" in out.stdout
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_unprovable_replication_is_a_value_error_with_or_without_grad(grad):
+    """Every copy equals the reference, but fpar.shard would raise ReplicationError: the kit fails too."""
+
+    def gathered(x):
+        return fpar.all_gather(x, "tensor", tiled=True)
+
+    with pytest.raises(AssertionError) as info:
+        assert_equivalent(lambda x: x, gathered, MESH, P("tensor"), P(), X, grad=grad)
+    msg = str(info.value)
+    assert msg.startswith(
+        "value of gathered: every device's copy equals the reference, but fpar cannot prove the "
+        "replication its out_specs promise, so fpar.shard raises: fpar.shard(gathered): out varies "
+        "over mesh axis 'tensor'"
+    )
+
+
+def test_complex_parameter_gradients():
+    """A replicated complex weight meeting a split batch: its gradient is summed over the devices."""
+    w = torch.complex(_rand(6, seed=3), _rand(6, seed=4))
+
+    def loss(w, x):
+        return fpar.psum(((x.to(w.dtype) @ w).abs() ** 2).sum(), "tensor")
+
+    def reference(w, x):
+        return ((x.to(w.dtype) @ w).abs() ** 2).sum()
+
+    assert_equivalent(reference, loss, MESH, (P(), P("tensor")), P(), w, X)
+
+    def forgot_psum(w, x):
+        return ((x.to(w.dtype) @ w).abs() ** 2).sum()
+
+    with pytest.raises(AssertionError, match=r"^value out of forgot_psum differs"):
+        assert_equivalent(reference, forgot_psum, MESH, (P(), P("tensor")), P(), w, X)
+
+
+def test_public_names_and_signatures():
+    """Other code checks these names, parameters and defaults; keep them exactly."""
+    import inspect
+
+    def params(fn):
+        return [
+            (p.name, p.kind.name, None if p.default is inspect.Parameter.empty else p.default)
+            for p in inspect.signature(fn).parameters.values()
+        ]
+
+    assert fpar.testing.__all__ == ["assert_equivalent", "default_tolerance", "distributed"]
+    pos, var, kw = "POSITIONAL_OR_KEYWORD", "VAR_POSITIONAL", "KEYWORD_ONLY"
+    assert params(assert_equivalent) == [
+        *[(n, pos, None) for n in ("reference", "fn", "mesh", "in_specs", "out_specs")],
+        ("args", var, None),
+        ("grad", kw, True),
+        ("rtol", kw, None),
+        ("atol", kw, None),
+        ("seed", kw, 0),
+    ]
+    assert params(fpar.testing.distributed) == [("nprocs", pos, None), ("timeout", pos, 120)]
+    assert params(fst.meshes) == [("max_devices", pos, 8), ("axis_names", pos, ("data", "tensor", "pipe"))]
+    assert params(fst.specs) == [("mesh", pos, None), ("shape", pos, None)]
+    assert params(fst.arrays)[:2] == [("shape", pos, None), ("dtype", pos, torch.float64)]

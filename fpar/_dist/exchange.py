@@ -104,6 +104,8 @@ class _Exchange(torch.autograd.Function):
     def forward(x: Tensor, kind: str, params: tuple, nb: int, axes: tuple, mg: MeshGroups) -> Tensor:
         if kind == "pvary":
             return x.view_as(x)
+        if kind in _SUMS and (x.dtype in _LOW_PRECISION or x.dtype == torch.bool):
+            return _widened(kind, params, x, nb, axes, mg)
         return _run(kind, params, x, nb, axes, mg)
 
     @staticmethod
@@ -181,3 +183,22 @@ class _TakeFirst(torch.autograd.Function):
         # As in-process: only coordinate 0's block is the output, so only it gets a gradient.
         first = ctx.mg.me(ctx.axes) == 0
         return (ct if first else torch.zeros_like(ct)), None, None
+
+
+_SUMS = ("psum", "pmean", "psum_scatter")
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _widened(kind: str, params: tuple, x: Tensor, nb: int, axes, mg: MeshGroups) -> Tensor:
+    """fpar's rule for sums over devices, as in-process (``_local._reduce``, README "Low precision").
+
+    fp16/bf16 blocks are summed in float32 and rounded once to their dtype; a mean divides each
+    block by the device count first, so it does not overflow where the mean fits.  Bools are
+    counted (int32, as JAX's psum of bools; a mean of them is a float).
+    """
+    if x.dtype == torch.bool:
+        return _run(kind, params, x.to(torch.int64 if kind == "pmean" else torch.int32), nb, axes, mg)
+    wide = x.to(torch.float32)
+    if kind == "pmean":
+        wide, kind = wide / len(mg.members(axes)), "psum"
+    return _run(kind, params, wide, nb, axes, mg).to(x.dtype)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .._errors import ReplicationError
 from .._global import device_put, gather
 from .._mesh import Mesh
 from .._shard import shard
@@ -121,6 +122,8 @@ def assert_equivalent(
         _compare_copies("value", name, where, g, w, spec, mesh, tol)
 
     if not grad:
+        with torch.no_grad():  # fpar.shard's own checks (the replication promise) still apply
+            _sharded(fn, name, mesh, in_specs, out_specs)(*_place(mesh, arg_leaves, arg_specs, arg_def))
         return
     _compare_grads(
         reference, fn, name, mesh, in_specs, out_specs, arg_paths, arg_leaves, arg_specs, arg_def, seed, tol
@@ -227,16 +230,7 @@ def _compare_grads(
     blocks = list(_flat_place(mesh, arg_leaves, arg_specs))
     for i in wrt:
         blocks[i] = blocks[i].detach().requires_grad_()
-    sharded = shard(fn, mesh, in_specs, out_specs)
-    try:
-        got_out = sharded(*tree_unflatten(arg_def, blocks))
-    except ValueError as e:
-        if type(e).__name__ != "ReplicationError":
-            raise
-        raise AssertionError(
-            f"value of {name}: every device's copy equals the reference, but fpar cannot prove the "
-            f"replication its out_specs promise, so fpar.shard raises: {e}"
-        ) from None
+    got_out = _sharded(fn, name, mesh, in_specs, out_specs)(*tree_unflatten(arg_def, blocks))
     got_out = _gather_like(mesh, got_out, out_specs)
     got_grads = _vjp(got_out, _cotangents(got_out, seed, like=cts), [blocks[i] for i in wrt])
     got_grads = [
@@ -244,6 +238,26 @@ def _compare_grads(
     ]
     for i, g, w in zip(wrt, got_grads, want_grads):
         _compare_grad(name, f"args{keystr(arg_paths[i])}", g, w, arg_specs[i], mesh, tol)
+
+
+def _sharded(fn, name, mesh, in_specs, out_specs):
+    """``fpar.shard(fn, ...)`` as the user calls it; a ReplicationError becomes an AssertionError.
+
+    Every device's copy was already compared with the reference, so this error means the copies
+    agree but fpar cannot prove it (e.g. an ``all_gather`` returned under ``P()``).
+    """
+    sharded = shard(fn, mesh, in_specs, out_specs)
+
+    def run(*args):
+        try:
+            return sharded(*args)
+        except ReplicationError as e:
+            raise AssertionError(
+                f"value of {name}: every device's copy equals the reference, but fpar cannot prove "
+                f"the replication its out_specs promise, so fpar.shard raises: {e}"
+            ) from None
+
+    return run
 
 
 def _compare_grad(name, where, got, want, spec, mesh, tol) -> None:
