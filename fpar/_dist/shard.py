@@ -208,7 +208,7 @@ class DistShard:
             from .buckets import reduce_inputs
 
             sources = [(i, leaves[i], plan.in_reduce[i]) for i in plan.in_order]
-            for i, x in reduce_inputs(sources, mg, self.bucket_mb).items():
+            for i, x in reduce_inputs(sources, mg, self.bucket_mb, owner=(self, plan), fname=self.fname).items():
                 local[i] = x
         frames().append(frame)
         ok = False
@@ -324,10 +324,9 @@ def _wrapped(t: Tensor) -> bool:
 
 
 def _grad_sum(x: Tensor, axes: tuple[str, ...], mg) -> Tensor:
-    """Identity forward; all-reduces the cotangent over ``axes`` backward."""
+    """Identity forward; all-reduces the cotangent over ``axes`` backward (counted when issued)."""
     from .exchange import _Exchange
 
-    stats.count_transpose(x, "pvary", axes, mg.mesh.axis_size(axes))
     return _Exchange.apply(x, "pvary", (), 0, axes, mg)
 
 
@@ -504,7 +503,6 @@ class _Tracker(TorchFunctionMode):
         key = (id(t), axes)
         if key in self.pvaried and self.pvaried[key][0] is t:
             return self.pvaried[key][1]
-        stats.count_transpose(t, "pvary", axes, self.owner.mesh.axis_size(axes))
         plan = self.plan
         out = _Planned.apply(t, lambda: () if plan.fast else axes, self.mg)
         self.pvaried[key] = (t, out)
