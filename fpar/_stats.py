@@ -47,8 +47,8 @@ _STATS: dict[str, dict[str, dict[str, int]]] = defaultdict(
 TRANSPOSE = {
     "psum": None,  # pvary: no communication
     "pmean": None,
-    "pmax": None,
-    "pmin": None,
+    "pmax": "psum",  # the backward shares the extreme among its holders: a psum of the mask
+    "pmin": "psum",
     "all_gather": "psum_scatter",
     "all_gather_invariant": None,  # transpose: keep one's own block
     "psum_scatter": "all_gather",
