@@ -81,7 +81,12 @@ class capture(TorchFunctionMode):
         return _Linear.apply(x, w, b, (kind, lw, lb, self.records))
 
     def _leaf(self, t: Tensor) -> Tensor | None:
-        """``t``'s parameter leaf, if ``t`` is one or a contiguous reshape of one."""
+        """``t``'s parameter leaf, if ``t`` is one or a contiguous reshape of one.
+
+        A reshape only: the view's autograd node must lead straight to the leaf.  A view made by
+        another autograd Function (a real mesh's gradient all-reduce returns its input viewed) has
+        a backward of its own, which a deferred weight gradient would skip.
+        """
         if id(t) in self.leaves:
             return t
         base = t._base
@@ -92,9 +97,21 @@ class capture(TorchFunctionMode):
             and t.data_ptr() == base.data_ptr()
             and t.is_contiguous()
             and base.is_contiguous()
+            and _reshape_of(t, base)
         ):
             return base
         return None
+
+
+def _reshape_of(t: Tensor, leaf: Tensor) -> bool:
+    """Whether ``t``'s autograd node is a view op whose input is ``leaf`` itself."""
+    fn = t.grad_fn
+    if fn is None or type(fn).__name__ not in _VIEW_NODES or len(fn.next_functions) != 1:
+        return False
+    return getattr(fn.next_functions[0][0], "variable", None) is leaf
+
+
+_VIEW_NODES = {"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0", "AliasBackward0"}
 
 
 class _Linear(torch.autograd.Function):
