@@ -26,12 +26,18 @@ Run:
 
 from __future__ import annotations
 
-import argparse
-import gc
-import statistics
 import sys
-import time
 from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+# Run as a script, bench/ is sys.path[0], and bench/random.py would shadow the stdlib's random.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import importlib.util  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
 
 import torch
 import torch.distributed as dist
@@ -45,8 +51,10 @@ except ImportError:  # run from a checkout without installing: use the repo's fp
     import fpar
 from fpar import P
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from data_parallel import KEYS, LR, counting_hook, loss_local, make_module  # noqa: E402
+_spec = importlib.util.spec_from_file_location("data_parallel", _HERE / "data_parallel.py")
+_dp = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_dp)
+KEYS, LR, counting_hook, loss_local, make_module = _dp.KEYS, _dp.LR, _dp.counting_hook, _dp.loss_local, _dp.make_module
 
 NPROCS = 2
 N_MICRO = 4
@@ -111,9 +119,10 @@ def worker(cfg: dict) -> dict:
     worst = 0.0
     for k, p0, pf, pd in zip(KEYS, before, plist, model.parameters()):
         uf, ud = pf - p0, pd.detach() - p0
-        worst = max(worst, ((uf - ud).norm() / ud.norm()).item())
-        if not torch.allclose(uf, ud, rtol=1e-4, atol=1e-4 * ud.abs().max().item()):
-            raise AssertionError(f"the update of {k} differs, fpar vs DDP")
+        rel = ((uf - ud).norm() / ud.norm()).item()
+        worst = max(worst, rel)
+        if rel > 1e-4:  # float32 sums of 4 microbatches in different orders: ~1e-5 apart
+            raise AssertionError(f"the update of {k} differs, fpar vs DDP: relative norm diff {rel:.3e}")
 
     # Messages per step (warm): fpar counted where issued; DDP by a counting comm hook.
     counts = {}
