@@ -255,6 +255,7 @@ def _stale_message(stale: list[Deferred]) -> str:
     return (
         f"gradients deferred under fpar.defer_reduction() by {names} were never reduced (they have "
         f"been dropped): the step's last microbatch must call the same sharded function on the same "
-        f"input tensors outside the context, after the deferred calls. If each microbatch passed "
-        f"new tensors (e.g. parameters cast inside the loop), cast them once before the loop."
+        f"input tensors, with the same argument shapes, outside the context, after the deferred "
+        f"calls. If each microbatch passed new tensors (e.g. parameters cast inside the loop), cast "
+        f"them once before the loop."
     )

@@ -25,7 +25,9 @@ transpose), when every use goes through a pvary, summing the cotangent once at t
 the same as summing it at every use.  So later calls run **fast**: no interception at all,
 each such source wrapped once in an identity whose backward all-reduces over its axes (the
 data-parallel gradient all-reduce, bucketed like DDP, see ``buckets.py``), and no
-size-1 anything.  A signature for which some source is used both ways, a replicated tensor
+size-1 anything.  Under ``fpar.defer_reduction()`` those input-source sums are kept locally
+and reduced by the next call outside the context (``buckets.py``, ``fpar/_defer.py``); sums at
+collective outputs and traced calls reduce at once.  A signature for which some source is used both ways, a replicated tensor
 of unknown origin (a closure-captured parameter) meets a varying value, or the function
 differentiates inside itself (an inner ``torch.func.grad``) keeps running traced.
 
