@@ -17,9 +17,11 @@ per-device block size ``S`` (bytes) and the (combined) axis size ``n``:
 it is issued, with the buffer it sends: each collective of ``_dist/exchange.py`` (forward, and
 the backward's transposes when the backward actually runs them), each bucketed gradient
 all-reduce (one ``psum`` call per bucket, with the bucket's bytes, also when it carries the sum
-of microbatches deferred by ``fpar.defer_reduction``), ZeRO-3's backward re-gathers, and every
-point-to-point send and receive (the pipeline executor).  Not counted: the real mesh's per-call
-signature check (a 16-byte all-reduce of a hash, fpar's own control traffic, not the program's).
+of microbatches deferred by ``fpar.defer_reduction``), and every point-to-point send and receive
+(the pipeline executor).  ZeRO-3's backward re-gathers are counted when the backward uses them
+(a prefetch it does not use is issued but not counted).  Not counted: the real mesh's per-call
+signature check (a 16-byte all-reduce of a hash, fpar's own control traffic, not the program's)
+and ``fpar.gather``'s all-gathers (data leaving the mesh, as ``device_put``'s enters it).
 
 **In-process mesh: the same model, no messages.**  All devices live in one process, so nothing
 is sent; each collective is counted at its API on the logical block and each transpose (the
@@ -31,8 +33,10 @@ tensor in-process, one per bucket on a real mesh (the bytes are the same).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import defaultdict
+from collections.abc import Iterator
 
 import torch
 from torch._C._functorch import get_unwrapped, is_gradtrackingtensor, maybe_get_level
@@ -85,7 +89,22 @@ def record_p2p(axis: str, kind: str, t: torch.Tensor) -> None:
     _add(kind, (axis,), t.numel() * t.element_size())
 
 
+_PAUSED = [0]  # > 0 inside ``uncounted()``
+
+
+@contextlib.contextmanager
+def uncounted() -> Iterator[None]:
+    """Count nothing inside (``fpar.gather`` on a real mesh: data leaving the mesh, not the program's)."""
+    _PAUSED[0] += 1
+    try:
+        yield
+    finally:
+        _PAUSED[0] -= 1
+
+
 def _add(kind: str, axes: tuple[str, ...], nbytes: int) -> None:
+    if _PAUSED[0]:
+        return
     with _LOCK:
         entry = _STATS[",".join(axes)][kind]
         entry["calls"] += 1

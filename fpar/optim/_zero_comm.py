@@ -138,10 +138,10 @@ class Regather:
     def _unpack(self, x: Any) -> Tensor:
         if not isinstance(x, _Saved):
             return x
+        # Counted as the all-gather it is on a real mesh (the forward's own gather is counted by
+        # fpar.all_gather): (N-1) x one device's chunk.
+        _stats.record("all_gather", (self.axis,), self.n, x.param.block)
         if self.groups is None:
-            # In-process: counted as the all-gather a real mesh issues (the forward's own gather
-            # is counted by fpar.all_gather): (N-1) x one device's chunk.
-            _stats.record("all_gather", (self.axis,), self.n, x.param.block)
             return x.kept
         pending = self._inflight.pop(x.index, None)
         storage = (pending or self._start(x.param)).wait()
@@ -155,7 +155,6 @@ class Regather:
         self._inflight[index - 1] = self._start(self._saved[index - 1].param)
 
     def _start(self, param: _Param) -> _Pending:
-        _stats.record("all_gather", (self.axis,), self.n, param.block)  # counted as issued
         return _Pending.start(param, self.groups, self.axis)
 
     def close(self) -> None:
