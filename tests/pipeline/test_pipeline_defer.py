@@ -9,7 +9,7 @@ formula (activations, gradients, the shape header, the stats row, the first/last
 
 from __future__ import annotations
 
-import defer_workers as W
+import pipe_defer_workers as W
 import pipe_models as M
 import pytest
 import torch
