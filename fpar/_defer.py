@@ -85,9 +85,13 @@ class defer_reduction:
     def __exit__(self, kind, value, tb) -> bool:
         _ACTIVE.pop()
         if kind is not None and not _ACTIVE:
-            for d in [d for d in _LIVE if d.scope is self]:
-                d.drop()  # the step failed: its deferred sums belong to no step
+            self._discard()  # the step failed: its deferred sums belong to no step
         return False
+
+    def _discard(self) -> None:
+        """Drop this scope's pending sums (a step that failed after its deferred calls)."""
+        for d in [d for d in _LIVE if d.scope is self]:
+            d.drop()
 
     def _check_reduced(self, where: str) -> None:
         """Raise if sums deferred under this scope were not reduced (end of a step)."""

@@ -528,16 +528,20 @@ def accumulate(
     def accumulated(params, batch, *rest):
         total_g = total_aux = None
         scope = fpar.defer_reduction()
-        for i in range(n_micro):
-            args = _fold_key(rest, key_arg, i)
-            mb = _microbatch(batch, i, n_micro, mesh, batch_specs)
-            if i < n_micro - 1:
-                with scope:  # reduced with the last microbatch: one all-reduce per bucket per step
+        try:
+            for i in range(n_micro):
+                args = _fold_key(rest, key_arg, i)
+                mb = _microbatch(batch, i, n_micro, mesh, batch_specs)
+                if i < n_micro - 1:
+                    with scope:  # reduced with the last microbatch: one all-reduce per bucket per step
+                        g, aux = grad_fn(params, mb, *args)
+                else:
                     g, aux = grad_fn(params, mb, *args)
-            else:
-                g, aux = grad_fn(params, mb, *args)
-            total_g = g if total_g is None else tree_map(torch.add, total_g, g)
-            total_aux = aux if total_aux is None else tree_map(torch.add, total_aux, aux)
+                total_g = g if total_g is None else tree_map(torch.add, total_g, g)
+                total_aux = aux if total_aux is None else tree_map(torch.add, total_aux, aux)
+        except BaseException:
+            scope._discard()  # this step failed: its deferred sums belong to no step
+            raise
         scope._check_reduced("fpar.optim.accumulate")
         return tree_map(lambda t: t / n_micro, total_g), tree_map(lambda t: t / n_micro, total_aux)
 
