@@ -27,9 +27,10 @@ each such source wrapped once in an identity whose backward all-reduces over its
 data-parallel gradient all-reduce, bucketed like DDP, see ``buckets.py``), and no
 size-1 anything.  Under ``fpar.defer_reduction()`` those input-source sums are kept locally
 and reduced by the next call outside the context (``buckets.py``, ``fpar/_defer.py``); sums at
-collective outputs and traced calls reduce at once.  A signature for which some source is used both ways, a replicated tensor
-of unknown origin (a closure-captured parameter) meets a varying value, or the function
-differentiates inside itself (an inner ``torch.func.grad``) keeps running traced.
+collective outputs and traced calls reduce at once.  A signature for which some source is used
+both ways, a replicated tensor of unknown origin (a closure-captured parameter) meets a varying
+value, or the function differentiates inside itself (an inner ``torch.func.grad``) keeps running
+traced.
 
 **Agreement.**  Every rank must call with the same signature (shapes, dtypes, specs).  Each
 call starts an asynchronous MAX all-reduce of ``[h, -h]`` of the signature's 56-bit hash over
