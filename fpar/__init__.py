@@ -19,6 +19,7 @@ from ._collectives import psum as psum
 from ._collectives import psum_scatter as psum_scatter
 from ._collectives import pvary as pvary
 from ._config import mesh_from_config as mesh_from_config
+from ._defer import defer_reduction as defer_reduction
 from ._dist import LaunchError as LaunchError
 from ._dist import init_distributed as init_distributed
 from ._dist import launch as launch
@@ -77,6 +78,7 @@ __all__ = [
     "checkpoint",
     "ops",
     "comm_stats",
+    "defer_reduction",
     "device_put",
     "from_dtensor",
     "full",

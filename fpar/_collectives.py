@@ -269,10 +269,9 @@ def _apply(api: str, x: Any, axis_name: AxisName, kind: str, params: tuple = (),
         if isinstance(leaf, Tensor):
             leaf_params = check(leaf, n) if check is not None else params
             if frame.direct is not None:  # a real mesh: plain local tensors, no vmap levels
-                out = frame.direct(kind, axes, leaf_params, leaf)
-            else:
-                _count_implicit_pvary(frame, leaf, axes)
-                out = _Collective.apply(leaf, frame.token, Op(kind, axes, leaf_params))
+                return frame.direct(kind, axes, leaf_params, leaf)  # counted where it is issued
+            _count_implicit_pvary(frame, leaf, axes)
+            out = _Collective.apply(leaf, frame.token, Op(kind, axes, leaf_params))
             stats.record(kind, axes, n, leaf, pairs)
             stats.count_transpose(out, kind, axes, n, pairs)
             return out

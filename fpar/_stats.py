@@ -1,6 +1,6 @@
 """Communication accounting: bytes each collective moves, per device, per mesh axis.
 
-Counts are what one device sends under the standard ring algorithms, computed from the
+Bytes are what one device sends under the standard ring algorithms, computed from the
 per-device block size ``S`` (bytes) and the (combined) axis size ``n``:
 
 | collective | bytes sent per device |
@@ -10,17 +10,33 @@ per-device block size ``S`` (bytes) and the (combined) axis size ``n``:
 | psum_scatter (reduce-scatter) | (n-1)/n S |
 | all_to_all | (n-1)/n S |
 | ppermute | S x (pairs / n), the average over the devices of the axis |
+| broadcast (a ``check_rep=False`` output, real mesh) | (n-1)/n S (a pipelined chain) |
+| send / recv (point-to-point, real mesh) | S sent / S received, by this process |
 
-Both backends count at the same place (the collective's API on the logical block, and an
-identity whose backward records the transpose), so the in-process mesh reports exactly what
-the real mesh would send.  Backward traffic is recorded under the transpose's kind: the
-gradient all-reduce of a replicated parameter (JAX's implicit pvary) appears as ``psum``.
+**Real mesh: counted where issued.**  Every process-group call fpar makes is counted once, when
+it is issued, with the buffer it sends: each collective of ``_dist/exchange.py`` (forward, and
+the backward's transposes when the backward actually runs them), each bucketed gradient
+all-reduce (one ``psum`` call per bucket, with the bucket's bytes, also when it carries the sum
+of microbatches deferred by ``fpar.defer_reduction``), and every point-to-point send and receive
+(the pipeline executor).  ZeRO-3's backward re-gathers are counted when the backward uses them
+(a prefetch it does not use is issued but not counted).  Not counted: the real mesh's per-call
+signature check (a 16-byte all-reduce of a hash, fpar's own control traffic, not the program's)
+and ``fpar.gather``'s all-gathers (data leaving the mesh, as ``device_put``'s enters it).
+
+**In-process mesh: the same model, no messages.**  All devices live in one process, so nothing
+is sent; each collective is counted at its API on the logical block and each transpose (the
+gradient all-reduce of a replicated value, JAX's implicit pvary, appears as ``psum``) when the
+forward creates it, so the in-process mesh reports the bytes the real mesh sends.  The one
+difference is the number of calls of the bucketed gradient all-reduces: one per replicated
+tensor in-process, one per bucket on a real mesh (the bytes are the same).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import defaultdict
+from collections.abc import Iterator
 
 import torch
 from torch._C._functorch import get_unwrapped, is_gradtrackingtensor, maybe_get_level
@@ -35,8 +51,8 @@ _STATS: dict[str, dict[str, dict[str, int]]] = defaultdict(
 TRANSPOSE = {
     "psum": None,  # pvary: no communication
     "pmean": None,
-    "pmax": None,
-    "pmin": None,
+    "pmax": "psum",  # the backward shares the extreme among its holders: a psum of the mask
+    "pmin": "psum",
     "all_gather": "psum_scatter",
     "all_gather_invariant": None,  # transpose: keep one's own block
     "psum_scatter": "all_gather",
@@ -58,6 +74,8 @@ def bytes_sent(kind: str, n: int, block_bytes: int, pairs: int | None = None) ->
         return (n - 1) * block_bytes // n
     if kind == "ppermute":
         return block_bytes * (pairs if pairs is not None else n) // n
+    if kind == "broadcast":
+        return (n - 1) * block_bytes // n
     raise ValueError(kind)
 
 
@@ -66,7 +84,27 @@ def record(kind: str, axes: tuple[str, ...], n: int, block: torch.Tensor, pairs:
     _add(kind, axes, bytes_sent(kind, n, block.numel() * block.element_size(), pairs))
 
 
+def record_p2p(axis: str, kind: str, t: torch.Tensor) -> None:
+    """Count one point-to-point ``"send"`` or ``"recv"`` of ``t`` along ``axis`` (its full bytes)."""
+    _add(kind, (axis,), t.numel() * t.element_size())
+
+
+_PAUSED = [0]  # > 0 inside ``uncounted()``
+
+
+@contextlib.contextmanager
+def uncounted() -> Iterator[None]:
+    """Count nothing inside (``fpar.gather`` on a real mesh: data leaving the mesh, not the program's)."""
+    _PAUSED[0] += 1
+    try:
+        yield
+    finally:
+        _PAUSED[0] -= 1
+
+
 def _add(kind: str, axes: tuple[str, ...], nbytes: int) -> None:
+    if _PAUSED[0]:
+        return
     with _LOCK:
         entry = _STATS[",".join(axes)][kind]
         entry["calls"] += 1

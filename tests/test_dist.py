@@ -24,6 +24,7 @@ import dist_programs as D
 import pytest
 import strategies as S
 import torch
+from harness import without_gradient_sums
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -68,6 +69,11 @@ def block_of(t: torch.Tensor, entries, axes: dict[str, int], r: int) -> torch.Te
 
 def assert_matches(got, expected, axes, r: int, path: str = "result") -> None:
     """Rank r's result ``got`` against the in-process result ``expected`` (Blk: sliced to rank r)."""
+    if isinstance(expected, dict) and path.endswith("['stats']"):
+        # the meshes count gradient sums differently by design (harness.without_gradient_sums);
+        # psums are checked against formulas below and in tests/test_defer.py
+        got, expected = without_gradient_sums(got), without_gradient_sums(expected)
+        path += "(without gradient sums)"
     if isinstance(expected, D.Blk):
         assert isinstance(got, D.Blk), f"{path}: {type(got)}"
         assert got.entries == expected.entries, path
@@ -520,7 +526,7 @@ def test_training_steps_match_in_process(n, case_id):
         torch.testing.assert_close(expected["losses"][s], loss)
         for k in params:
             torch.testing.assert_close(expected["params"][s][k], params[k])
-    # stats are the same numbers on both backends (checked above) and the data axis carries traffic
+    # stats match the in-process ones but for the gradient sums (checked above); data carries traffic
     stats = got[0]["stats"]
     if kw["axes"]["data"] > 1:
         assert stats["data"]["psum"]["bytes"] > 0, stats

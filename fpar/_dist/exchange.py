@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import _stats as stats
 from .._registry import internal
 from .groups import MeshGroups
 
@@ -36,9 +37,13 @@ _REDUCE = {
 
 
 def _run(kind: str, params: tuple, x: Tensor, nb: int, axes, mg: MeshGroups) -> Tensor:
-    """One collective on this process's local ``x`` (``nb`` batch dims, then the block)."""
+    """One collective on this process's local ``x`` (``nb`` batch dims, then the block).
+
+    Counted in ``fpar.comm_stats`` here, where it is issued (forward and backward alike).
+    """
     group, members = mg.group(axes), mg.members(axes)
     n = len(members)
+    stats.record(kind, axes, n, x, len(params[0]) if kind == "ppermute" else None)
     if kind in _REDUCE:
         y = x.detach().clone(memory_format=torch.contiguous_format)
         dist.all_reduce(y, op=_REDUCE[kind], group=group)
@@ -167,6 +172,7 @@ class _TakeFirst(torch.autograd.Function):
     @staticmethod
     def forward(x: Tensor, axes: tuple, mg: MeshGroups) -> Tensor:
         y = x.detach().clone(memory_format=torch.contiguous_format)
+        stats.record("broadcast", axes, len(mg.members(axes)), y)
         dist.broadcast(y, mg.members(axes)[0], group=mg.group(axes))
         return y
 

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _stats as stats
+
 Tensor = torch.Tensor
 
 
@@ -150,7 +152,8 @@ def p2p(
 
     ``sends`` are ``(tensor, index along axis)``; ``recvs`` are ``(shape, dtype, index)``.  All
     are posted together, so neighbours that both send and receive cannot deadlock.  Not
-    differentiable: a pipeline executor moves activations and cotangents explicitly.
+    differentiable: a pipeline executor moves activations and cotangents explicitly.  Each send
+    and receive is counted in ``fpar.comm_stats`` under ``axis`` as ``"send"`` / ``"recv"``.
 
     Returns:
       With ``wait=True``, the received tensors, in the order of ``recvs``.  With ``wait=False``,
@@ -160,6 +163,10 @@ def p2p(
     mg = mesh._dist
     members = mg.members((axis,))
     group = mg.group((axis,))
+    for t, _ in sends:
+        stats.record_p2p(axis, "send", t)
+    for shape, dtype, _ in recvs:
+        stats.record_p2p(axis, "recv", torch.empty(shape, dtype=dtype, device="meta"))
     if wait:
         ops, out = [], []
         for t, index in sends:

@@ -25,9 +25,12 @@ transpose), when every use goes through a pvary, summing the cotangent once at t
 the same as summing it at every use.  So later calls run **fast**: no interception at all,
 each such source wrapped once in an identity whose backward all-reduces over its axes (the
 data-parallel gradient all-reduce, bucketed like DDP, see ``buckets.py``), and no
-size-1 anything.  A signature for which some source is used both ways, a replicated tensor
-of unknown origin (a closure-captured parameter) meets a varying value, or the function
-differentiates inside itself (an inner ``torch.func.grad``) keeps running traced.
+size-1 anything.  Under ``fpar.defer_reduction()`` those input-source sums are kept locally
+and reduced by the next call outside the context (``buckets.py``, ``fpar/_defer.py``); sums at
+collective outputs and traced calls reduce at once.  A signature for which some source is used
+both ways, a replicated tensor of unknown origin (a closure-captured parameter) meets a varying
+value, or the function differentiates inside itself (an inner ``torch.func.grad``) keeps running
+traced.
 
 **Agreement.**  Every rank must call with the same signature (shapes, dtypes, specs).  Each
 call starts an asynchronous MAX all-reduce of ``[h, -h]`` of the signature's 56-bit hash over
@@ -208,7 +211,7 @@ class DistShard:
             from .buckets import reduce_inputs
 
             sources = [(i, leaves[i], plan.in_reduce[i]) for i in plan.in_order]
-            for i, x in reduce_inputs(sources, mg, self.bucket_mb).items():
+            for i, x in reduce_inputs(sources, mg, self.bucket_mb, owner=(self, plan), fname=self.fname).items():
                 local[i] = x
         frames().append(frame)
         ok = False
@@ -324,10 +327,9 @@ def _wrapped(t: Tensor) -> bool:
 
 
 def _grad_sum(x: Tensor, axes: tuple[str, ...], mg) -> Tensor:
-    """Identity forward; all-reduces the cotangent over ``axes`` backward."""
+    """Identity forward; all-reduces the cotangent over ``axes`` backward (counted when issued)."""
     from .exchange import _Exchange
 
-    stats.count_transpose(x, "pvary", axes, mg.mesh.axis_size(axes))
     return _Exchange.apply(x, "pvary", (), 0, axes, mg)
 
 
@@ -504,7 +506,6 @@ class _Tracker(TorchFunctionMode):
         key = (id(t), axes)
         if key in self.pvaried and self.pvaried[key][0] is t:
             return self.pvaried[key][1]
-        stats.count_transpose(t, "pvary", axes, self.owner.mesh.axis_size(axes))
         plan = self.plan
         out = _Planned.apply(t, lambda: () if plan.fast else axes, self.mg)
         self.pvaried[key] = (t, out)

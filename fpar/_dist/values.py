@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _stats as stats
 from .._spec import PartitionSpec, check_spec
 from .exchange import _Exchange
 
@@ -27,11 +28,13 @@ def gather(x: Tensor, spec: PartitionSpec, mesh) -> Tensor:
     """The global tensor on every rank, from each rank's block ``x`` (differentiable).
 
     The result is one replicated value, so the transpose keeps each rank's own block of the
-    cotangent (``all_gather_invariant``), as in-process, where ``gather`` is the identity.
+    cotangent (``all_gather_invariant``), as in-process, where ``gather`` is the identity.  Not
+    counted in ``fpar.comm_stats``: it moves data out of the mesh, like ``device_put`` into it.
     """
-    for d, entry in enumerate(spec.normalized()):
-        if entry:
-            x = _Exchange.apply(x, "all_gather_invariant", (d, True), 0, entry, mesh._dist)
+    with stats.uncounted():
+        for d, entry in enumerate(spec.normalized()):
+            if entry:
+                x = _Exchange.apply(x, "all_gather_invariant", (d, True), 0, entry, mesh._dist)
     return x
 
 

@@ -508,6 +508,12 @@ def accumulate(
     ``key_arg``: the position in ``grad_fn``'s arguments (>= 2, counting ``params`` and ``batch``)
     of a ``fpar.random`` key; microbatch ``i`` then gets ``fpar.random.fold_in(key, i)`` there (also
     when ``n_micro == 1``), so its dropout masks differ from the other microbatches'.
+
+    On a real mesh the data-parallel gradient all-reduces run once per step, not once per
+    microbatch: microbatches ``0 .. n_micro - 2`` run under ``fpar.defer_reduction()`` (their
+    replicated parameters' gradients are kept locally and come back as zeros) and the last one
+    reduces the sum, one all-reduce per bucket; the averaged gradient is the same.  Sums that
+    cannot be deferred (see ``fpar.defer_reduction``) run per microbatch as before.
     """
     if key_arg is not None and (isinstance(key_arg, bool) or not isinstance(key_arg, int) or key_arg < 2):
         raise ValueError(
@@ -521,11 +527,22 @@ def accumulate(
 
     def accumulated(params, batch, *rest):
         total_g = total_aux = None
-        for i in range(n_micro):
-            args = _fold_key(rest, key_arg, i)
-            g, aux = grad_fn(params, _microbatch(batch, i, n_micro, mesh, batch_specs), *args)
-            total_g = g if total_g is None else tree_map(torch.add, total_g, g)
-            total_aux = aux if total_aux is None else tree_map(torch.add, total_aux, aux)
+        scope = fpar.defer_reduction()
+        try:
+            for i in range(n_micro):
+                args = _fold_key(rest, key_arg, i)
+                mb = _microbatch(batch, i, n_micro, mesh, batch_specs)
+                if i < n_micro - 1:
+                    with scope:  # reduced with the last microbatch: one all-reduce per bucket per step
+                        g, aux = grad_fn(params, mb, *args)
+                else:
+                    g, aux = grad_fn(params, mb, *args)
+                total_g = g if total_g is None else tree_map(torch.add, total_g, g)
+                total_aux = aux if total_aux is None else tree_map(torch.add, total_aux, aux)
+        except BaseException:
+            scope._discard()  # this step failed: its deferred sums belong to no step
+            raise
+        scope._check_reduced("fpar.optim.accumulate")
         return tree_map(lambda t: t / n_micro, total_g), tree_map(lambda t: t / n_micro, total_aux)
 
     return accumulated

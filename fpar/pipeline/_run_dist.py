@@ -7,6 +7,11 @@ shapes: a gradient has the shape of the activation the stage itself sent; the fi
 over each stage boundary in a step is preceded by a small header with its shape and dtype (all
 microbatches share shapes, as ``xs`` is stacked).  Every tensor sent lives on the stage's
 device (NCCL sends device tensors only).
+
+Data-parallel gradients of the stage functions (``fpar.shard`` over the other axes) are
+all-reduced once per step: every forward but the one whose backward runs last on its chunk runs
+under ``fpar.defer_reduction()``, so its replicated parameters' gradients are summed locally and
+reduced with the last one's, one all-reduce per bucket (``fpar/_defer.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 import torch
 
 from .. import _dist
+from .._defer import defer_reduction
 from .._mesh import Mesh
 from .._tree import tree_flatten, tree_map, tree_unflatten
 from ._schedule import COMPUTE, Action, Schedule, next_stage, prev_stage
@@ -42,6 +48,7 @@ class DistDriver:
         self.others = tuple(a for a in mesh.axis_names if a != axis)
         self.ticks = [[a for a in acts if a.stage == self.me] for acts in schedule.by_tick()]
         self.header = _first_messages(schedule)
+        self.finals = _last_backwards(self.ticks)
         self.shapes: dict[int, tuple] = {}  # chunk -> (shape, dtype) of the activations it receives
 
     def run(self, params: dict, xs: Tensor, targets: Any) -> StepResult:
@@ -49,6 +56,7 @@ class DistDriver:
         stacked = params["stages"]
         chunks = [tree_map(lambda t, c=c: t[c], stacked) for c in range(sch.v)]
         st = Stage(self.me, sch, self.fns, chunks, params.get("first"), params.get("last"))
+        st.deferral, st.finals = defer_reduction(), self.finals  # DP gradients reduced once per step
         self.device = _device_of(stacked)
         start = time.perf_counter()
         sending: list = []
@@ -60,6 +68,7 @@ class DistDriver:
             st.note_inbox()
         for work, _ in sending:
             work.wait()
+        st.deferral._check_reduced("fpar.pipeline")
         wall = time.perf_counter() - start
         loss, stats = self._finish(st, wall, _dist)
         grads = {"stages": tree_unflatten(tree_flatten(stacked)[1], _stack_local(st.grads("stages")))}
@@ -160,6 +169,20 @@ class DistDriver:
             wall,
         )
         return loss, stats
+
+
+def _last_backwards(ticks: list) -> set[tuple[int, int]]:
+    """Per chunk, ``(microbatch, chunk)`` of the stage's last B/BW: that forward reduces the DP sums.
+
+    Every other forward runs under ``fpar.defer_reduction()``; the final one's backward comes
+    after all of theirs, so it all-reduces the sum of the chunk's microbatches once.
+    """
+    last: dict[int, int] = {}
+    for actions in ticks:
+        for a in actions:
+            if a.kind in ("B", "BW"):
+                last[a.chunk] = a.microbatch
+    return {(j, c) for c, j in last.items()}
 
 
 def _device_of(tree: Any) -> torch.device:

@@ -9,6 +9,7 @@ into the matmul): ``B`` is that backward (freeing the graph), ``W`` runs later, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -81,6 +82,10 @@ class Stage:
         self.deferred: dict[int, Tensor] = {}  # id(leaf) -> weight gradient accumulated by W
         self.loss_sum: Tensor | None = None
         self.busy, self.peak, self.peak_inbox, self.seconds, self.waited = 0, 0, 0, 0.0, 0.0
+        # Real mesh: forwards other than ``finals`` (per chunk, the microbatch whose backward
+        # runs last) run under this fpar.defer_reduction() scope: one DP all-reduce per step.
+        self.deferral: Any = None
+        self.finals: set[tuple[int, int]] = set()
 
     # -- compute ------------------------------------------------------------------------------
 
@@ -94,7 +99,9 @@ class Stage:
         out = None
         try:
             if a.kind == "F":
-                out = self.forward(a.microbatch, a.chunk, xs, targets)
+                defer = self.deferral is not None and (a.microbatch, a.chunk) not in self.finals
+                with self.deferral if defer else contextlib.nullcontext():
+                    out = self.forward(a.microbatch, a.chunk, xs, targets)
             elif a.kind == "W":
                 weight_grads(self.stash.pop((a.microbatch, a.chunk)).records, self.deferred)
             else:

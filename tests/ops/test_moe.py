@@ -9,6 +9,7 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import without_gradient_sums
 from hypothesis import assume, given
 from hypothesis import strategies as st
 from opstest import FEW, assert_tree_close, randn
@@ -301,7 +302,7 @@ def test_real_mesh_equals_in_process():
     assert_tree_close(want[:2], reference(params, x, moe_dist_workers.TOP_K))
     for rank, got in enumerate(results):
         assert_tree_close(got[:3], want[:3], what=f"rank {rank}")
-        assert got[3] == want[3], f"rank {rank} traffic"
+        assert without_gradient_sums(got[3]) == without_gradient_sums(want[3]), f"rank {rank} traffic"
 
 
 # The example --------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ops_dist_workers
 import pytest
+from harness import without_gradient_sums
 from opstest import assert_tree_close
 
 import fpar
@@ -23,4 +24,6 @@ def test_real_mesh_equals_in_process():
             value, grads, stats = got[name]
             assert_tree_close(value, want[name][0], what=f"rank {rank} {name} value")
             assert_tree_close(grads, want[name][1], what=f"rank {rank} {name} grads")
-            assert stats == want[name][2], f"rank {rank} {name} traffic"
+            # every collective but the gradient sums, which the real mesh issues per source
+            # (bucketed) and the in-process mesh counts per use: tests/test_defer.py, test_dist.py
+            assert without_gradient_sums(stats) == without_gradient_sums(want[name][2]), f"rank {rank} {name} traffic"

@@ -1,0 +1,265 @@
+"""``fpar.defer_reduction()``: data-parallel gradients reduced once per step, not per microbatch.
+
+With gradient accumulation every microbatch's backward would all-reduce the gradients of the
+replicated parameters: ``n_micro`` messages per bucket where one is needed.  Under this context
+manager a real mesh's sharded function does not communicate at its *input-source* sums (the
+cotangent of a replicated input, the data-parallel gradient all-reduce): the backward adds the
+local cotangent into a buffer held per (sharded function, signature, input tensors) and gives
+the input no gradient.  The next call of the same function on the same input tensors *outside*
+the context (the step's last microbatch) all-reduces its own cotangent plus the buffer, in the
+usual buckets (``_dist/buckets.py``).  All-reduce is linear, so the sum of the microbatches'
+gradients is the same as without deferral: ``sum_i allreduce(g_i) = allreduce(sum_i g_i)``.
+
+What is *not* deferred (reduced at once, as without the context, which is always right):
+
+* sums that are not at inputs: a signature that keeps running traced (its first call, or one
+  whose plan stays traced, see ``_dist/shard.py``) and sums at collective outputs, whose
+  cotangent flows on through per-microbatch values;
+* inputs under more than one ``torch.func`` level (a ``vmap`` of a ``grad``, a ``grad`` of a
+  ``grad``);
+* the in-process mesh, which sends no messages: the context changes nothing there.
+
+Failure modes are errors, never a wrong gradient: an input modified in place between the
+deferred calls and the final one (``ValueError``); a deferred call whose backward runs after the
+final call's reduction, or not at all before it (``RuntimeError``, in the backward); deferred
+sums that no final call reduced, reported when the next step enters a new
+``defer_reduction()`` (``RuntimeError``; the stale buffers are dropped) and, in
+``fpar.optim.accumulate`` and the pipeline executor, at the end of the step itself.
+
+Example:
+  >>> with fpar.defer_reduction():
+  ...     for mb in microbatches[:-1]:
+  ...         loss_fn(params, mb).backward()   # no gradient communication
+  >>> loss_fn(params, microbatches[-1]).backward()  # one all-reduce per bucket, of the sum
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor, is_gradtrackingtensor
+
+__all__ = ["defer_reduction"]
+
+Tensor = torch.Tensor
+
+_ACTIVE: list[defer_reduction] = []  # entered scopes, outermost first
+_PENDING: dict[tuple, Deferred] = {}  # (sharded function, plan, input identities) -> open buffers
+_LIVE: list[Deferred] = []  # every Deferred not yet fully reduced, in creation order
+
+
+# API ----------------------------------------------------------------------------------------
+
+
+class defer_reduction:
+    """Defer the data-parallel gradient all-reduces of real-mesh ``fpar.shard`` calls.
+
+    Calls made inside the context add their replicated inputs' local gradients into buffers
+    and give those inputs no gradient; the next call of the same sharded function on the same
+    input tensors outside the context reduces its gradient plus the buffers, once per bucket.
+    The sum of all calls' gradients is exactly the sum without deferral, so use it for all
+    microbatches but the last of a step (``fpar.optim.accumulate`` and the pipeline executor do).
+    See the module docstring for what is not deferred and the errors it raises.  On the
+    in-process mesh (no messages) it changes nothing.
+
+    One object is one step: re-entering the same object continues the step; entering a new one
+    while deferred sums of an earlier one were never reduced raises ``RuntimeError``.  If the
+    body raises, its pending sums are dropped.
+
+    Example:
+      >>> with fpar.defer_reduction():
+      ...     g0 = torch.func.grad(loss)(params, mb0)   # zeros for the replicated params
+      >>> g1 = torch.func.grad(loss)(params, mb1)       # reduced sum of both microbatches
+      >>> grads = g0 + g1                                # = the sum without deferral
+    """
+
+    def __enter__(self) -> defer_reduction:
+        if not _ACTIVE:
+            stale = [d for d in _LIVE if d.scope is not self]
+            if stale:
+                for d in stale:
+                    d.drop()
+                raise RuntimeError(_stale_message(stale))
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, kind, value, tb) -> bool:
+        _ACTIVE.pop()
+        if kind is not None and not _ACTIVE:
+            self._discard()  # the step failed: its deferred sums belong to no step
+        return False
+
+    def _discard(self) -> None:
+        """Drop this scope's pending sums (a step that failed after its deferred calls)."""
+        for d in [d for d in _LIVE if d.scope is self]:
+            d.drop()
+
+    def _check_reduced(self, where: str) -> None:
+        """Raise if sums deferred under this scope were not reduced (end of a step)."""
+        stale = [d for d in _LIVE if d.scope is self]
+        if stale:
+            for d in stale:
+                d.drop()
+            raise RuntimeError(f"{where}: " + _stale_message(stale))
+
+
+def current() -> defer_reduction | None:
+    """The outermost active scope, or None outside ``defer_reduction()``."""
+    return _ACTIVE[0] if _ACTIVE else None
+
+
+# The buffers ----------------------------------------------------------------------------------
+
+
+class Deferred:
+    """One sharded function's deferred gradient sums for one set of replicated input tensors.
+
+    One flat buffer per bucket (the buckets of ``_dist/buckets.py``, the same for every call of
+    one signature); ``calls`` deferred calls expect a backward each, ``adds[b]`` of them have
+    added into bucket ``b``.  The final call takes each bucket's buffer once.
+    """
+
+    def __init__(self, scope: defer_reduction, fname: str, key: tuple, bases: list, n_buckets: int):
+        self.scope, self.fname, self.key = scope, fname, key
+        self.bases = bases  # (argument slot, base tensor, version): held, so identities stay unique
+        self.flats: list[Tensor | None] = [None] * n_buckets
+        self.adds = [0] * n_buckets
+        self.taken = [False] * n_buckets
+        self.calls = 0
+        self.final = False  # a final call has claimed the buffers
+        _LIVE.append(self)
+
+    def check_unchanged(self) -> None:
+        """Raise if an input tensor was modified in place since the first deferred call."""
+        for slot, base, version in self.bases:
+            if base._version != version:
+                self.drop()
+                raise ValueError(
+                    f"fpar.shard({self.fname}) under fpar.defer_reduction(): the replicated input "
+                    f"(tensor argument #{slot}) was modified in place between the deferred "
+                    f"microbatches and this call, so their deferred gradients belong to other "
+                    f"values; update parameters only after the step's last microbatch (run outside "
+                    f"the context) has run its backward."
+                )
+
+    def add(self, b: int, cts: list, metas: list) -> None:
+        """A deferred call's backward: add its local cotangents into bucket ``b``'s buffer."""
+        if self.taken[b]:
+            raise RuntimeError(
+                f"fpar.shard({self.fname}): the backward of a call made under "
+                f"fpar.defer_reduction() ran after the final call (outside the context) had "
+                f"already reduced the deferred gradients; its gradient would be lost. Run every "
+                f"deferred microbatch's backward before the last microbatch's backward."
+            )
+        cts = [None if ct is None else self._plain(ct) for ct in cts]
+        with torch._C._DisableFuncTorch():  # the buffer is outside any transform
+            self._add(b, cts, metas)
+        self.adds[b] += 1
+
+    def _add(self, b: int, cts: list, metas: list) -> None:
+        flat = self.flats[b]
+        if flat is None and all(ct is not None for ct in cts):
+            self.flats[b] = torch.cat([ct.detach().reshape(-1) for ct in cts])
+        else:
+            if flat is None:
+                shape, dtype, device = metas[0]
+                total = sum(m[0].numel() for m in metas)
+                flat = self.flats[b] = torch.zeros(total, dtype=dtype, device=device)
+            at = 0
+            for ct, (shape, _, _) in zip(cts, metas):
+                n = shape.numel()
+                if ct is not None:
+                    flat[at : at + n].view(shape).add_(ct.detach())
+                at += n
+
+    def _plain(self, ct: Tensor) -> Tensor:
+        """The cotangent's value under ``torch.func.grad``'s wrapper (its backward runs wrapped)."""
+        while is_gradtrackingtensor(ct):
+            ct = get_unwrapped(ct)
+        if is_functorch_wrapped_tensor(ct):
+            raise NotImplementedError(
+                f"fpar.shard({self.fname}): fpar.defer_reduction() under a vmap of the gradient is "
+                f"not supported; differentiate without an outer vmap, or reduce without deferral."
+            )
+        return ct
+
+    def take(self, b: int) -> Tensor | None:
+        """The final call's backward: bucket ``b``'s summed buffer (``None`` if already taken)."""
+        if self.taken[b]:
+            return None
+        if self.adds[b] != self.calls:
+            missing = self.calls - self.adds[b]
+            self.drop()
+            raise RuntimeError(
+                f"fpar.shard({self.fname}): the final call (outside fpar.defer_reduction()) is "
+                f"reducing the deferred gradients, but {missing} of the {self.calls} deferred "
+                f"calls have not run their backward yet, so their gradients would be lost. Run "
+                f"each microbatch's backward before the next microbatch (the last one outside the "
+                f"context), or one backward over all of them with the last microbatch's forward "
+                f"also inside the context and a final call after it."
+            )
+        self.taken[b] = True
+        flat, self.flats[b] = self.flats[b], None
+        if all(self.taken):
+            self._forget()
+        return flat
+
+    def drop(self) -> None:
+        """Forget this state (its sums are reported lost by the caller)."""
+        self.taken = [True] * len(self.taken)
+        self.flats = [None] * len(self.flats)
+        self._forget()
+
+    def _forget(self) -> None:
+        if _PENDING.get(self.key) is self:
+            del _PENDING[self.key]
+        if self in _LIVE:
+            _LIVE.remove(self)
+
+
+def base_of(t: Tensor) -> Tensor | None:
+    """The plain tensor under at most one ``torch.func.grad`` level, or None (not deferrable)."""
+    if is_functorch_wrapped_tensor(t):
+        if not is_gradtrackingtensor(t):
+            return None
+        t = get_unwrapped(t)
+        if is_functorch_wrapped_tensor(t):
+            return None
+    return t
+
+
+def identity(t: Tensor) -> tuple:
+    """What makes two calls' input "the same tensor": its storage, view and dtype."""
+    return (t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def open_deferred(scope: defer_reduction, fname: str, key: tuple, bases: list, n_buckets: int) -> Deferred:
+    """The open buffers for ``key`` in ``scope``, created on first use."""
+    d = _PENDING.get(key)
+    if d is not None and d.scope is not scope:
+        stale = [d]
+        d.drop()
+        raise RuntimeError(_stale_message(stale))
+    if d is None:
+        d = _PENDING[key] = Deferred(scope, fname, key, bases, n_buckets)
+    d.check_unchanged()
+    return d
+
+
+def claim(key: tuple) -> Deferred | None:
+    """A final call on ``key``: take the open buffers (later deferred calls open new ones)."""
+    d = _PENDING.pop(key, None)
+    if d is not None:
+        d.check_unchanged()
+        d.final = True
+    return d
+
+
+def _stale_message(stale: list[Deferred]) -> str:
+    names = ", ".join(sorted({f"fpar.shard({d.fname})" for d in stale}))
+    return (
+        f"gradients deferred under fpar.defer_reduction() by {names} were never reduced (they have "
+        f"been dropped): the step's last microbatch must call the same sharded function on the same "
+        f"input tensors, with the same argument shapes, outside the context, after the deferred "
+        f"calls. If each microbatch passed new tensors (e.g. parameters cast inside the loop), cast "
+        f"them once before the loop."
+    )
