@@ -40,6 +40,10 @@ def _run(kind: str, params: tuple, x: Tensor, nb: int, axes, mg: MeshGroups) -> 
     group, members = mg.group(axes), mg.members(axes)
     n = len(members)
     if kind in _REDUCE:
+        if params:  # psum/pmean carried by the call's first message (shard.py's _Agreement)
+            y = params[0].reduce(x)
+            if y is not None:
+                return y / n if kind == "pmean" else y
         y = x.detach().clone(memory_format=torch.contiguous_format)
         dist.all_reduce(y, op=_REDUCE[kind], group=group)
         return y / n if kind == "pmean" else y
@@ -109,6 +113,8 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, ctx.kind, ctx.params, ctx.nb, ctx.axes, ctx.mg = inputs
+        if ctx.kind in _REDUCE:
+            ctx.params = ()  # the signature check a first psum/pmean carried is done
         if ctx.kind in ("pmax", "pmin"):
             ctx.save_for_backward(x, output)
             ctx.save_for_forward(x, output)
