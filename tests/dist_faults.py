@@ -92,3 +92,16 @@ def agreement_cases() -> dict:
     out["loss"] = loss(w, xl)
     out["sync"] = fpar.shard(lambda t: fpar.psum(t, "data"), mesh, P(), P())(torch.ones(2, dtype=F64))
     return out
+
+
+def dp_steps(steps: int) -> float:
+    """A few warm data-parallel steps (bucketed async all-reduces), then a clean exit."""
+    mesh = fpar.make_mesh((2,), ("data",))
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(3, 2, generator=gen, dtype=F64), torch.randn(4, 3, generator=gen, dtype=F64)
+    xl = fpar.device_put(x, mesh, P("data"))
+    grad = torch.func.grad(fpar.shard(_loss, mesh, (P(), P("data")), P()))
+    for _ in range(steps):
+        w = w - 0.1 * grad(w, xl)
+    fpar.shard(_loss, mesh, (P(), P("data")), P())(w.requires_grad_(), xl)  # a graph never run backward
+    return float(w.sum())

@@ -67,3 +67,10 @@ def test_partly_carried_check_falls_back_to_the_plain_collective():
     wire = 8 * fpar._dist.shard._WIRE
     assert res[0]["partial_sent"] == [wire, 8]  # carried, then the plain pmean again
     assert res[1]["partial_sent"] == [wire, 8]  # the check alone, then the pmean
+
+
+def test_repeated_launches_exit_cleanly():
+    """Every rank exits with code 0 after delivering (launch checks the exit codes), every time."""
+    results = [fpar.launch(D.dp_steps, 2, 3, timeout=60.0) for _ in range(3)]
+    for res in results:
+        assert res[0] == res[1] == results[0][0]
