@@ -29,13 +29,17 @@ size-1 anything.  A signature for which some source is used both ways, a replica
 of unknown origin (a closure-captured parameter) meets a varying value, or the function
 differentiates inside itself (an inner ``torch.func.grad``) keeps running traced.
 
-**Agreement.**  Every rank must call with the same signature (shapes, dtypes, specs).  Each
-call starts an asynchronous MAX all-reduce of ``[h, -h]`` of the signature's 56-bit hash over
-the mesh's own ranks and waits for it just before the call's first exchange (or before
-returning): the local forward overlaps it, no host sync is added before any real work, and a
-rank whose cache hits cannot be paired with a rank that misses (both always issue it).  On
-mismatch every rank gathers the signatures and raises naming the argument, ranks and what
-differs.  The plan itself holds no state a rank could disagree on.
+**Agreement.**  Every rank must call with the same signature (shapes, dtypes, specs).  No
+message is sent just to check it: every rank's first message of a call is the same 512-byte
+SUM all-reduce over the mesh's own ranks (``_Agreement``), carrying the signature's 56-bit hash
+in a form whose sums show whether all ranks agree, and, when the call's first collective is a
+small float psum/pmean over every mesh axis (a data-parallel loss), that collective's block too;
+otherwise it goes alone just before the first collective or before returning.  Because every
+rank's first message has the same form, a rank whose cache hits pairs with one that misses and
+ranks that disagree never meet in different collectives.  On mismatch every rank gathers the
+signatures and raises naming the argument, ranks and what differs; a rank whose function raises
+before its first collective sends its part flagged, and the others raise naming it.  The plan
+itself holds no state a rank could disagree on.
 
 The plan assumes the data flow (which values meet which, which collectives run in which order)
 depends on shapes, not on values; a changed sequence of collectives in a fast call raises.
