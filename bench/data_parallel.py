@@ -313,8 +313,8 @@ def main(argv=None) -> None:
     sent = r0["fpar_sent"]
     print(
         f"  fpar measured   {int(sum(sent) * ring):,} ({len(sent)} calls of dist.all_reduce on buffers of "
-        f"{', '.join(f'{b:,}' for b in sent)} bytes; the first is fpar.shard's input-shape agreement "
-        f"across ranks, not in comm_stats); {int(sum(sent) * ring) - formula:+,} vs formula"
+        f"{', '.join(f'{b:,}' for b in sent)} bytes; the first is the loss pmean carrying fpar.shard's "
+        f"signature check, 512 bytes, not in comm_stats); {int(sum(sent) * ring) - formula:+,} vs formula"
     )
     print(
         f"  DDP comm hook   {ddp_total:,} ({ddp['calls']} bucket all-reduces of {ddp['buffer_bytes']:,} bytes); "

@@ -103,6 +103,17 @@ def launch(fn: Callable, nprocs: int, *args: Any, timeout: float = 60.0, backend
                 if not ok:
                     raise LaunchError(_blame(procs, results, r, payload))
                 results[r] = torch.load(io.BytesIO(payload), weights_only=False)
+            # Every rank has delivered: let each tear its process group down and exit by itself
+            # (stopping one mid-teardown can abort it while gloo's threads are still running).
+            exit_by = time.monotonic() + 30.0
+            for p in procs:
+                p.join(timeout=max(0.0, exit_by - time.monotonic()))
+            bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if bad:
+                raise LaunchError(
+                    f"fpar.launch: rank {bad[0][0]} delivered its result but then exited with code "
+                    f"{bad[0][1]} (a crash while shutting down)."
+                )
         finally:
             for p in procs:
                 if p.is_alive():
@@ -197,5 +208,11 @@ def _worker(fn, args, rank_: int, world: int, store_path: str, timeout: float, b
     except BaseException:  # report everything, including KeyboardInterrupt, to the parent
         q.put((rank_, False, traceback.format_exc()))
     finally:
+        # Drop what still holds collectives' work handles (an unfinished backward's buckets, a
+        # traceback's frames) while their process group is alive, then tear it down: no handle
+        # outlives its group into interpreter exit.
+        import gc
+
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()

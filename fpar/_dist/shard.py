@@ -32,13 +32,17 @@ both ways, a replicated tensor of unknown origin (a closure-captured parameter) 
 value, or the function differentiates inside itself (an inner ``torch.func.grad``) keeps running
 traced.
 
-**Agreement.**  Every rank must call with the same signature (shapes, dtypes, specs).  Each
-call starts an asynchronous MAX all-reduce of ``[h, -h]`` of the signature's 56-bit hash over
-the mesh's own ranks and waits for it just before the call's first exchange (or before
-returning): the local forward overlaps it, no host sync is added before any real work, and a
-rank whose cache hits cannot be paired with a rank that misses (both always issue it).  On
-mismatch every rank gathers the signatures and raises naming the argument, ranks and what
-differs.  The plan itself holds no state a rank could disagree on.
+**Agreement.**  Every rank must call with the same signature (shapes, dtypes, specs).  No
+message is sent just to check it: every rank's first message of a call is the same 512-byte
+SUM all-reduce over the mesh's own ranks (``_Agreement``), carrying the signature's 56-bit hash
+in a form whose sums show whether all ranks agree, and, when the call's first collective is a
+small float psum/pmean over every mesh axis (a data-parallel loss), that collective's block too;
+otherwise it goes alone just before the first collective or before returning.  Because every
+rank's first message has the same form, a rank whose cache hits pairs with one that misses and
+ranks that disagree never meet in different collectives.  On mismatch every rank gathers the
+signatures and raises naming the argument, ranks and what differs; a rank whose function raises
+before its first collective sends its part flagged, and the others raise naming it.  The plan
+itself holds no state a rank could disagree on.
 
 The plan assumes the data flow (which values meet which, which collectives run in which order)
 depends on shapes, not on values; a changed sequence of collectives in a fast call raises.
@@ -182,10 +186,11 @@ class DistShard:
         def direct(kind: str, axes: tuple, params: tuple, x: Tensor) -> Tensor:
             if done[0]:
                 return self._recompute(plan, kind, axes, params, x)
-            agree.wait()
             k = calls[0]
             calls[0] += 1
             if tracker is not None:
+                if kind != "pvary":
+                    params = agree.carry(kind, axes, x, params)
                 return tracker.collective(k, kind, axes, params, x)
             if k >= len(plan.coll) or plan.coll[k][:2] != (kind, axes):
                 raise RuntimeError(
@@ -195,7 +200,10 @@ class DistShard:
                     + ". The real mesh plans a call once per signature; a function whose sequence of "
                     "collectives depends on values, not shapes, is not supported."
                 )
-            y = x.view_as(x) if kind == "pvary" else _Exchange.apply(x, kind, params, 0, axes, mg)
+            if kind == "pvary":
+                y = x.view_as(x)
+            else:
+                y = _Exchange.apply(x, kind, agree.carry(kind, axes, x, params), 0, axes, mg)
             reduce = plan.coll[k][2]
             if reduce:
                 y = _grad_sum(y, reduce, mg)
@@ -233,8 +241,8 @@ class DistShard:
             frames().pop()
             done[0] = True
             if not ok:
-                agree.settle()  # the function raised: complete the check, keep its error
-        agree.wait()
+                agree.settle()  # the function raised: tell the other ranks, keep its error
+        agree.finish()
         if tracker is not None:
             tracker.finish()
         result = []
@@ -366,46 +374,117 @@ class _Planned(torch.autograd.Function):
 
 
 class _Agreement:
-    """The per-call signature check: an async all-reduce started now, waited on before exchanges."""
+    """The per-call signature check, carried by the call's first message (see the module doc).
+
+    Every rank's first message of a call is the same *wire message*: a SUM all-reduce over the
+    mesh's ranks of ``_WIRE`` float64 values, the header below followed by room for a small
+    payload.  When the call's first collective is a psum/pmean over every mesh axis of a float
+    block of at most ``_ROOM`` elements (a data-parallel loss), its block rides in the room and
+    no other message is sent; otherwise the header goes alone, just before the first collective
+    (or before returning, for a call with none).  Either way the ranks' messages pair up, so a
+    rank whose plan cache hits cannot be paired with one that misses.
+
+    Header: the signature hash as ``_CHUNKS`` chunks of ``_BITS`` bits and their squares (all the
+    same on every rank iff ``n * sum(c**2) == sum(c)**2`` per chunk), whether this rank's block
+    rides along, and whether this rank's function raised before its first collective (count
+    and bitmask of group ranks).  Every rank reads the same sums, so every rank reaches the same
+    verdict: go on; raise naming what differs (after gathering the signatures); raise naming the
+    ranks that failed; or, when only some ranks' blocks rode along (a rank traced this
+    signature while another had it planned), discard the carried sums and run the collective
+    as usual.
+    """
 
     def __init__(self, owner: DistShard, plan: _Plan):
         self.owner, self.plan = owner, plan
-        self.work = None
-        axes = owner.axes
-        if not axes or owner.mesh.size == 1:
-            return
-        self.group = owner.mg.group(axes)
-        h = plan.digest
-        from .groups import _device
+        self.pending = bool(owner.axes) and owner.mesh.size > 1
 
-        self.buf = torch.tensor([h, -h], dtype=torch.int64, device=_device([]))
-        self.work = dist.all_reduce(self.buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+    def carry(self, kind: str, axes: tuple, x: Tensor, params: tuple) -> tuple:
+        """Before a communicating collective: the params to run it with (the check done or carried).
 
-    def wait(self) -> None:
-        if self.work is None:
-            return
-        work, self.work = self.work, None
-        work.wait()
-        hi, neg_lo = self.buf.tolist()
-        if hi == -neg_lo:
-            return
-        self._raise()
+        Returns ``(self,)`` when ``x`` rides in the first message: ``exchange._run`` then calls
+        :meth:`reduce`.  Otherwise the header goes alone first, and ``params`` are returned.
+        """
+        if not self.pending:
+            return params
+        if (
+            kind in ("psum", "pmean")
+            and set(axes) == set(self.owner.axes)
+            and x.is_floating_point()
+            and x.numel() <= _ROOM
+        ):
+            return (self,)
+        self._exchange(None, failed=False)
+        return params
+
+    def reduce(self, x: Tensor) -> Tensor | None:
+        """The carried psum of ``x`` (as ``x.dtype``), or ``None``: run the collective as usual."""
+        return self._exchange(x, failed=False)
+
+    def finish(self) -> None:
+        """Before returning: the check, if no collective carried it."""
+        if self.pending:
+            self._exchange(None, failed=False)
 
     def settle(self) -> None:
-        """Complete the pending check without raising (another error is on its way)."""
-        work, self.work = self.work, None
-        if work is not None:
-            work.wait()
+        """The function raised: send this rank's part, flagged failed, so no rank waits on it."""
+        if self.pending:
+            self._exchange(None, failed=True)
 
-    def _raise(self) -> None:
+    def _exchange(self, x: Tensor | None, *, failed: bool) -> Tensor | None:
+        self.pending = False
         owner = self.owner
-        sig = self.plan.sig
-        members = owner.mg.members(owner.axes)
+        mg = owner.mg
+        group = mg.group(owner.axes)
+        members = mg.members(owner.axes)
+        n = len(members)
+        me = dist.get_group_rank(group, mg.rank)
+        from .groups import _device
+
+        with torch._C.DisableTorchFunction():
+            dev = x.device if x is not None else _device([])
+            h = self.plan.digest
+            chunks = [(h >> (_BITS * i)) & ((1 << _BITS) - 1) for i in range(_CHUNKS)]
+            head = [*chunks, *(c * c for c in chunks), float(x is not None), float(failed)]
+            head.append(float(2**me) if failed and me < _MASK_BITS else 0.0)
+            buf = torch.zeros(_WIRE, dtype=torch.float64, device=dev)
+            buf[: len(head)] = torch.tensor(head, dtype=torch.float64, device=dev)
+            if x is not None:
+                buf[_HEAD : _HEAD + x.numel()] = x.detach().reshape(-1)
+            dist.all_reduce(buf, group=group)
+            sums = [int(v) for v in buf[:_HEAD].tolist()]
+        s, sq = sums[:_CHUNKS], sums[_CHUNKS : 2 * _CHUNKS]
+        carried, n_failed, mask = sums[2 * _CHUNKS :]
+        if n_failed:
+            if failed:
+                return None  # this rank's own error is on its way
+            ranks = [dist.get_global_rank(group, i) for i in range(min(n, _MASK_BITS)) if mask >> i & 1]
+            raise RuntimeError(
+                f"fpar.shard({owner.fname}): {n_failed} of the {n} ranks raised before this call's "
+                f"first collective"
+                + (f" (global rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})" if ranks else "")
+                + "; see their errors. This rank stops here rather than wait for them."
+            )
+        if any(n * q != t * t for t, q in zip(s, sq)):
+            self._raise(group, members)  # every rank (a failed one too) gathers, then raises
+        if failed or x is None or carried != n:
+            return None
+        with torch._C.DisableTorchFunction():
+            return buf[_HEAD : _HEAD + x.numel()].view(x.shape).to(x.dtype)
+
+    def _raise(self, group, members) -> None:
+        owner = self.owner
         sigs: list = [None] * len(members)
-        mine = (owner.fname, owner.static_text, sig)
-        dist.all_gather_object(sigs, mine, group=self.group)
+        mine = (owner.fname, owner.static_text, self.plan.sig)
+        dist.all_gather_object(sigs, mine, group=group)
         by_rank = dict(zip(sorted(members), sigs))  # all_gather_object orders by group rank
         raise ValueError(f"fpar.shard({owner.fname}): " + _differences(by_rank))
+
+
+_BITS, _CHUNKS = 14, 4  # the 56-bit signature hash in chunks whose sums of squares stay exact
+_HEAD = 2 * _CHUNKS + 3  # chunks, squares, carried, failed count, failed mask
+_MASK_BITS = 52  # group ranks below this are named in the failed mask (exact in float64)
+_WIRE = 64  # float64 values in every rank's first message of a call: 512 bytes
+_ROOM = _WIRE - _HEAD  # payload elements a first psum/pmean can carry
 
 
 def _differences(by_rank: dict) -> str:

@@ -1,0 +1,107 @@
+"""Programs for tests/test_dist_faults.py, run on a real mesh by ``fpar.launch`` (importable)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import fpar
+from fpar import P
+from fpar._dist import shard as dist_shard
+
+F64 = torch.float64
+
+
+def _catch(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects type and message
+        return (type(e).__name__, str(e))
+    return None
+
+
+def _loss(w, x):
+    return fpar.pmean(((x @ w) ** 2).mean(), "data")
+
+
+def _sent(fn) -> list[int]:
+    """Bytes of every buffer ``fn`` hands to ``dist.all_reduce`` (fpar calls it through the module)."""
+    sizes, original = [], dist.all_reduce
+
+    def wrapped(tensor, *args, **kwargs):
+        sizes.append(tensor.numel() * tensor.element_size())
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = wrapped
+    try:
+        fn()
+    finally:
+        dist.all_reduce = original
+    return sizes
+
+
+def agreement_cases() -> dict:
+    """Steady-state messages, mismatches after warm-up, a rank failing before its first collective."""
+    mesh = fpar.make_mesh((2,), ("data",))
+    r = dist.get_rank()
+    out: dict = {}
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(3, 2, generator=gen, dtype=F64), torch.randn(4, 3, generator=gen, dtype=F64)
+    xl = fpar.device_put(x, mesh, P("data"))
+    grad = torch.func.grad(fpar.shard(_loss, mesh, (P(), P("data")), P()))
+    grad(w, xl)  # traced: plans the signature
+    out["grad"] = grad(w, xl)
+    out["dp_sent"] = _sent(lambda: grad(w, xl))
+    local = fpar.shard(lambda t: t * 2, mesh, P("data"), P("data"))
+    local(xl)
+    out["local_sent"] = _sent(lambda: local(xl))
+    out["local"] = local(xl)
+
+    # after the cache is warm, rank 1 alone changes dtype: the carried check catches it
+    loss = fpar.shard(_loss, mesh, (P(), P("data")), P())
+    loss(w, xl)
+    loss(w, xl)
+    out["warm_dtype"] = _catch(lambda: loss(w.float(), xl.float()) if r == 1 else loss(w, xl))
+
+    # rank 1's function raises before its first collective on a warm plan: rank 0 must not wait
+    state = {"boom": False}
+
+    def fragile(w, x):
+        if state["boom"]:
+            raise ZeroDivisionError("deliberate failure inside the function")
+        return _loss(w, x)
+
+    f = fpar.shard(fragile, mesh, (P(), P("data")), P())
+    f(w, xl)
+    state["boom"] = r == 1
+    out["raised_before"] = _catch(lambda: f(w, xl))
+    state["boom"] = False
+    out["after_raise"] = f(w, xl)
+
+    # one rank carries its block in the check, the other sends the check alone: the carried sum
+    # is discarded and the collective runs as usual (values still right)
+    g = fpar.shard(_loss, mesh, (P(), P("data")), P())
+    g(w, xl)
+    room = dist_shard._ROOM
+    dist_shard._ROOM = 0 if r == 1 else room
+    try:
+        out["partial"] = g(w, xl)
+        out["partial_sent"] = _sent(lambda: g(w, xl))
+    finally:
+        dist_shard._ROOM = room
+    out["loss"] = loss(w, xl)
+    out["sync"] = fpar.shard(lambda t: fpar.psum(t, "data"), mesh, P(), P())(torch.ones(2, dtype=F64))
+    return out
+
+
+def dp_steps(steps: int) -> float:
+    """A few warm data-parallel steps (bucketed async all-reduces), then a clean exit."""
+    mesh = fpar.make_mesh((2,), ("data",))
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(3, 2, generator=gen, dtype=F64), torch.randn(4, 3, generator=gen, dtype=F64)
+    xl = fpar.device_put(x, mesh, P("data"))
+    grad = torch.func.grad(fpar.shard(_loss, mesh, (P(), P("data")), P()))
+    for _ in range(steps):
+        w = w - 0.1 * grad(w, xl)
+    fpar.shard(_loss, mesh, (P(), P("data")), P())(w.requires_grad_(), xl)  # a graph never run backward
+    return float(w.sum())

@@ -1,0 +1,76 @@
+"""Real-mesh signature agreement without an extra message, and failure behaviour (2 gloo processes)."""
+
+from __future__ import annotations
+
+import dist_faults as D
+import pytest
+import torch
+
+import fpar
+
+pytestmark = pytest.mark.multiprocess
+
+_RUN: list = []
+
+
+def _results() -> list:
+    if not _RUN:
+        _RUN.append(fpar.launch(D.agreement_cases, 2, timeout=60.0))
+    return _RUN[0]
+
+
+def _reference():
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(3, 2, generator=gen, dtype=D.F64), torch.randn(4, 3, generator=gen, dtype=D.F64)
+    loss = lambda w: ((x @ w) ** 2).mean()  # noqa: E731 - the unsharded function
+    return w, x, loss(w), torch.func.grad(loss)(w)
+
+
+def test_steady_state_sends_no_separate_agreement_message():
+    """A warm DP step: one 512-byte message carries the loss pmean and the check, then 1 bucket."""
+    _, x, _, g = _reference()
+    for r, res in enumerate(_results()):
+        torch.testing.assert_close(res["grad"], g)
+        w_bytes = 3 * 2 * 8
+        assert res["dp_sent"] == [8 * fpar._dist.shard._WIRE, w_bytes], res["dp_sent"]
+        # a function with no collective: the check goes alone, once, before returning
+        assert res["local_sent"] == [8 * fpar._dist.shard._WIRE], res["local_sent"]
+        torch.testing.assert_close(res["local"], 2 * x[2 * r : 2 * r + 2])
+
+
+def test_warm_dtype_mismatch_raises_on_every_rank():
+    for res in _results():
+        kind, msg = res["warm_dtype"]
+        assert kind == "ValueError", msg
+        assert "args[0] has a different dtype" in msg and "args[1] has a different dtype" in msg, msg
+        assert "rank 0: torch.float64" in msg and "rank 1: torch.float32" in msg, msg
+
+
+def test_rank_raising_before_first_collective_is_named_not_waited_on():
+    res = _results()
+    assert res[1]["raised_before"] == ("ZeroDivisionError", "deliberate failure inside the function")
+    kind, msg = res[0]["raised_before"]
+    assert kind == "RuntimeError", msg
+    assert "1 of the 2 ranks raised before this call's first collective (global rank 1)" in msg, msg
+    _, _, loss, _ = _reference()
+    for r in res:  # and the ranks stay in step afterwards
+        torch.testing.assert_close(r["after_raise"], loss)
+        torch.testing.assert_close(r["sync"], torch.full((2,), 2.0, dtype=D.F64))
+
+
+def test_partly_carried_check_falls_back_to_the_plain_collective():
+    _, _, loss, _ = _reference()
+    res = _results()
+    for r in res:
+        torch.testing.assert_close(r["partial"], loss)
+        torch.testing.assert_close(r["loss"], loss)
+    wire = 8 * fpar._dist.shard._WIRE
+    assert res[0]["partial_sent"] == [wire, 8]  # carried, then the plain pmean again
+    assert res[1]["partial_sent"] == [wire, 8]  # the check alone, then the pmean
+
+
+def test_repeated_launches_exit_cleanly():
+    """Every rank exits with code 0 after delivering (launch checks the exit codes), every time."""
+    results = [fpar.launch(D.dp_steps, 2, 3, timeout=60.0) for _ in range(3)]
+    for res in results:
+        assert res[0] == res[1] == results[0][0]
