@@ -7,7 +7,8 @@ Both sides train the same model, ``L`` residual MLP layers ``h = h + W2 relu(W1 
   ``zero_step(loss, fpar.optim.adamw(...), layout)`` with the default ``regather=True`` (the
   gathered parameters are not kept from the forward to the backward: the backward re-gathers
   the ones autograd saved, prefetching the next), or ``--no-regather`` (kept: more memory,
-  less traffic).  Each process holds 1/2 of every parameter, its gradient and AdamW state.
+  less traffic); and ``donate=True`` (``--no-donate``: off): the step updates the parameter
+  chunks and AdamW state in place, as ``torch.optim`` does.  Each process holds 1/2 of every parameter, its gradient and AdamW state.
 * **FSDP2**: the same ``nn.Module``, ``fully_shard`` on every layer and on the root (its
   default ``reshard_after_forward=True``: parameters re-gathered in the backward, with
   prefetch), ``loss.backward()``, ``torch.optim.AdamW(foreach=True)``.
@@ -185,7 +186,7 @@ def worker(cfg: dict) -> dict:
     layout = fo.zero_layout(full, mesh, P(), stage=3)
     box = {}
     box["params"], box["state"] = fo.zero_init(opt, full, layout)
-    zstep = fo.zero_step(loss_local, opt, layout, regather=cfg["regather"])
+    zstep = fo.zero_step(loss_local, opt, layout, regather=cfg["regather"], donate=cfg["donate"])
 
     def fpar_step():
         box["params"], box["state"], _ = zstep(box["params"], box["state"], batch)
@@ -260,11 +261,12 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=128, help="B, the global batch (split over 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--no-regather", dest="regather", action="store_false", help="keep gathered params")
+    parser.add_argument("--no-donate", dest="donate", action="store_false", help="functional update (old + new state)")
     parser.add_argument("--timeout", type=float, default=600.0, help="process-group timeout (s)")
     args = parser.parse_args(argv)
     if args.batch % NPROCS:
         parser.error(f"--batch must be divisible by {NPROCS}")
-    keys = ("repeats", "warmup", "layers", "hidden", "dim", "batch", "threads", "regather")
+    keys = ("repeats", "warmup", "layers", "hidden", "dim", "batch", "threads", "regather", "donate")
     cfg = {k: getattr(args, k) for k in keys}
     res = fpar.launch(worker, NPROCS, cfg, timeout=args.timeout)
     r0 = res[0]
@@ -279,7 +281,7 @@ def main(argv=None) -> None:
     ratio = med["fpar"] / med["fsdp"]
     desc = (
         f"ZeRO-3 AdamW step, {args.layers} residual MLP layers D={args.dim} H={args.hidden}, "
-        f"B={args.batch} (global) fp32, regather={args.regather}"
+        f"B={args.batch} (global) fp32, regather={args.regather}, donate={args.donate}"
     )
     print(f"{desc}, {n} gloo processes x {r0['threads']} thread(s), torch {torch.__version__}, {args.repeats} repeats")
     for k, label in (("fpar", "fpar "), ("fsdp", "FSDP2")):

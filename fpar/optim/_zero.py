@@ -51,6 +51,7 @@ import fpar
 from fpar import P
 
 from .._tree import broadcast_prefix, tree_flatten, tree_map, tree_unflatten
+from . import _ops as ops
 from ._base import GradientTransformation, apply_updates
 from ._internal import block_shape
 from ._precision import MixedPrecision, cast_floating
@@ -568,7 +569,11 @@ def _microbatch(batch: Any, i: int, n_micro: int, mesh: fpar.Mesh, batch_specs: 
 
 
 def zero_update(
-    optimizer: GradientTransformation, layout: ZeroLayout, *, bucket_bytes: int = BUCKET_BYTES
+    optimizer: GradientTransformation,
+    layout: ZeroLayout,
+    *,
+    bucket_bytes: int = BUCKET_BYTES,
+    donate: bool = False,
 ) -> Callable:
     """Build ``update(grads, opt_state, params) -> (params, opt_state)`` for ``layout``'s stage.
 
@@ -580,13 +585,29 @@ def zero_update(
     precision overflow check) combine over the devices.  Stage 1's reduce-scatter and the
     all-gathers of stages 1 and 2 go in buckets of up to ``bucket_bytes`` per device (leaves of
     one dtype and layout, in order): one collective per bucket, the same values and bytes.
+
+    ``donate=True`` hands ``grads``, ``opt_state`` and ``params`` over to the update, as JAX's
+    ``donate_argnums`` and as ``torch.optim`` steps in place: on a real mesh the built-in
+    transformations (``adamw``, ``adam``, ``sgd`` without Nesterov, ``scale*``,
+    ``add_decayed_weights``) then write the new state, and for stages 0 and 3 the new
+    parameters, into the given tensors and return them, so the step holds one copy of the state
+    instead of the old and the new together (the same kernels: the same values).  The caller
+    must not use the donated trees afterwards (they hold the new values, or are partly
+    overwritten).  In-process the inputs are shared views of global tensors and the update stays
+    functional.  With a loss-scaled ``mixed_precision`` the inner optimizer is not donated (an
+    overflow keeps its old state).
     """
     mesh = layout.mesh
     sspecs = layout.state_specs(optimizer)
     gspecs = layout.grad_specs
     stage = layout.stage
+    inplace = donate and mesh.backend == "dist"
 
     def per_device(grads, state, params):
+        with ops.donation(inplace):
+            return update_blocks(grads, state, params)
+
+    def update_blocks(grads, state, params):
         if stage == 0 or stage == 3:
             updates, state = optimizer.update(grads, state, params)
             return apply_updates(params, updates), state
@@ -612,10 +633,13 @@ def zero_step(
     n_micro: int = 1,
     regather: bool = True,
     bucket_bytes: int = BUCKET_BYTES,
+    donate: bool = False,
 ) -> Callable:
     """Build a training step ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
     ``zero_grads`` then ``zero_update`` (see both); ``metrics = {"loss": global mean loss}``.
+    ``donate=True``: ``params`` and ``opt_state`` are handed over to the step and updated in
+    place on a real mesh (see ``zero_update``); use only the trees it returns.
     With a ``mixed_precision`` optimizer the loss runs in its compute dtype and is scaled by the
     state's loss scale.
 
@@ -636,7 +660,7 @@ def zero_step(
         regather=regather,
         bucket_bytes=bucket_bytes,
     )
-    update_fn = zero_update(optimizer, layout, bucket_bytes=bucket_bytes)
+    update_fn = zero_update(optimizer, layout, bucket_bytes=bucket_bytes, donate=donate)
 
     def step(params, opt_state, batch):
         scale = opt_state.loss_scale if policy is not None and policy.scaled else None
