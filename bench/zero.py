@@ -8,7 +8,8 @@ Both sides train the same model, ``L`` residual MLP layers ``h = h + W2 relu(W1 
   gathered parameters are not kept from the forward to the backward: the backward re-gathers
   the ones autograd saved, prefetching the next), or ``--no-regather`` (kept: more memory,
   less traffic); and ``donate=True`` (``--no-donate``: off): the step updates the parameter
-  chunks and AdamW state in place, as ``torch.optim`` does.  Each process holds 1/2 of every parameter, its gradient and AdamW state.
+  chunks and AdamW state in place, as ``torch.optim`` does.  Each process holds 1/2 of every
+  parameter, its gradient and AdamW state.
 * **FSDP2**: the same ``nn.Module``, ``fully_shard`` on every layer and on the root (its
   default ``reshard_after_forward=True``: parameters re-gathered in the backward, with
   prefetch), ``loss.backward()``, ``torch.optim.AdamW(foreach=True)``.
