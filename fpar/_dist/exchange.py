@@ -61,7 +61,8 @@ def _run(kind: str, params: tuple, x: Tensor, nb: int, axes, mg: MeshGroups) -> 
         return torch.cat(blocks, nb + axis) if tiled else torch.stack(blocks, nb + axis)
     if kind == "psum_scatter":
         dim, tiled = params
-        if tiled and nb + dim == 0 and _ordered(members, group):  # no per-chunk copies
+        if tiled and nb + dim == 0 and dist.get_backend(group) != "gloo" and _ordered(members, group):
+            # One buffer, no per-chunk copies (gloo's reduce_scatter_single copies it all first).
             out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
             dist.reduce_scatter_single(out, x.contiguous(), group=group)
             return out

@@ -56,7 +56,7 @@ from ._base import GradientTransformation, apply_updates
 from ._internal import block_shape
 from ._precision import MixedPrecision, cast_floating
 from ._remat import remat
-from ._zero_comm import Regather, regather_supported
+from ._zero_comm import Regather, gathered_grad, regather_supported
 
 __all__ = [
     "ZeroLayout",
@@ -382,6 +382,7 @@ def zero_grads(
     batch_specs = P(data) if batch_specs is None else batch_specs
     pspecs = layout._tree([lf.spec for lf in layout.leaves])
     tracking: dict[str, Regather | None] = {"regather": None}  # the running stage-3 forward's
+    gathered_outside = False  # stage 3 on a real mesh: FSDP's schedule (``gathered_grad``)
 
     def local_loss(params, batch):
         if compute_dtype is not None:
@@ -419,7 +420,7 @@ def zero_grads(
 
             in_p = layout._tree([P(data, *lf.spec) for lf in layout.leaves])
 
-        def objective_of(body):
+        def objective_of(body, in_p=in_p):
             def per_device(params, batch, scale):
                 loss = body(params, batch)
                 return (loss * scale).reshape(1), fpar.pmean(loss.detach(), data)
@@ -436,6 +437,11 @@ def zero_grads(
         if layout.stage == 3 and regather:
             hooked = objective
             objective = objective_of(remat(body))  # under torch.func, which refuses saved-tensor hooks
+            if mesh.backend == "dist" and all(lf.block for lf in layout.leaves):
+                # Gathered outside (``gathered_grad``): each rank's gathered block enters as its
+                # own copy, varying over the data axis (its gradient is reduce-scattered there).
+                hooked = objective_of(local_loss, layout._tree([_own_copy_spec(lf, data) for lf in layout.leaves]))
+                gathered_outside = True
 
         wrt = (lambda params: params) if layout.stage == 3 else (lambda params: _per_rank(params, layout))
     grad = torch.func.grad(objective, has_aux=True)
@@ -443,6 +449,8 @@ def zero_grads(
 
     def one(params, batch, scale):
         if layout.stage == 3 and regather and regather_supported():
+            if gathered_outside:
+                return gathered_grad(hooked, layout, params, batch, scale, compute_dtype)
             return _regathered_grad(hooked, tracking, layout, params, batch, scale)
         g, loss = grad(wrt(params), batch, scale)
         return (reduce(g) if reduce is not None else g), loss
@@ -476,6 +484,18 @@ def _regathered_grad(objective, tracking, layout, params, batch, scale):
     finally:
         rg.close()
     return tree_unflatten(treedef, list(g)), loss.detach()
+
+
+def _own_copy_spec(lf: _Leaf, data: str) -> P:
+    """The spec of a rank's whole (gathered) block as its own copy: ``lf.spec`` + data on dim 0.
+
+    On a real mesh a spec only says what the local block varies over; naming the data axis
+    makes each rank's copy a value of its own, so its gradient comes back unreduced.
+    """
+    entries = [tuple(e) for e in lf.spec.normalized()]
+    entries += [()] * (len(lf.block) - len(entries))
+    entries[0] = (*entries[0], data)
+    return P(*[e if e else None for e in entries])
 
 
 def _per_rank(params: Any, layout: ZeroLayout) -> Any:

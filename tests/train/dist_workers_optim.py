@@ -109,14 +109,20 @@ def deep_loss(params, batch):
     return ((h - y) ** 2).mean()
 
 
-_LOSSES = {"mlp": (mlp_problem, mlp_loss), "remat": (mlp_problem, remat_mlp_loss), "deep": (deep_problem, deep_loss)}
+_LOSSES = {
+    "mlp": (mlp_problem, mlp_loss),
+    "remat": (mlp_problem, remat_mlp_loss),
+    "deep": (deep_problem, deep_loss),
+    "odd": (lambda: mlp_problem(hidden=5), mlp_loss),  # blocks of odd sizes: padded chunks
+}
 
 
 def zero_runs(jobs):
     """For each ``(stage, steps, loss[, donate[, opt]])``: train with ZeRO ``stage`` on a data mesh
     of the world's size; ``loss`` is ``"mlp"`` (``mlp_loss``), ``"remat"`` (``remat_mlp_loss``) or
     ``"deep"`` (``deep_loss``); ``donate`` is ``zero_step``'s (default False); ``opt`` is
-    ``"adamw"`` (default) or ``"sgdm"`` (SGD with momentum and weight decay).
+    ``"adamw"`` (default), ``"sgdm"`` (SGD with momentum and weight decay) or ``"bf16"`` (AdamW
+    with bfloat16 compute); ``"odd"`` is ``mlp`` with blocks of odd sizes.
 
     Returns per job: the full parameters after each step, the losses, and the communication
     counts of the first step.
@@ -129,7 +135,11 @@ def _zero_run(stage: int, steps: int, loss: str = "mlp", donate: bool = False, o
     params, batch = problem()
     mesh = fpar.make_mesh((-1,), ("data",), devices=_world())
     layout = fo.zero_layout(params, mesh, P(), stage=stage)
-    opt = fo.adamw(1e-2, weight_decay=0.1) if opt == "adamw" else fo.sgd(1e-2, momentum=0.9, weight_decay=0.1)
+    opt = {
+        "adamw": lambda: fo.adamw(1e-2, weight_decay=0.1),
+        "sgdm": lambda: fo.sgd(1e-2, momentum=0.9, weight_decay=0.1),
+        "bf16": lambda: fo.mixed_precision(fo.adamw(1e-2, weight_decay=0.1), compute_dtype=torch.bfloat16),
+    }[opt]()
     params, state = fo.zero_init(opt, params, layout)
     batch = fpar.device_put(batch, mesh, P("data"))
     step = fo.zero_step(loss_fn, opt, layout, batch_specs=P("data"), donate=donate)
