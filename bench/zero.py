@@ -33,6 +33,7 @@ allocator; ``ru_maxrss`` is one number per process for both sides.)  Ratio fpar/
 Run:
     python bench/zero.py                              # 20 repeats, 3 layers, D=512 H=2048 B=128
     python bench/zero.py --repeats 30 --no-regather
+    python bench/zero.py --profile                    # both sides' torch.profiler op tables
 
 Shape suffixes: B global batch (B/2 per process), D model width, H hidden width, L layers.
 """
@@ -162,6 +163,17 @@ def peak_bytes(step, held) -> tuple[int, int]:
     return box["held"], peak
 
 
+def profile_table(step, repeats: int = 3) -> str:
+    """``torch.profiler``'s op table (self CPU time) of ``repeats`` calls of ``step``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(repeats):
+            step()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
+
+
 def timed(step) -> float:
     dist.barrier()
     t0 = time.perf_counter()
@@ -230,6 +242,9 @@ def worker(cfg: dict) -> dict:
         fsdp_step, lambda: held_bytes(list(model.parameters()), list(topt.state.values()))
     )
 
+    profiles = {}
+    if cfg["profile"]:
+        profiles = {"fpar": profile_table(fpar_step), "FSDP2": profile_table(fsdp_step)}
     times = {"fpar": [], "fsdp": []}
     steps = {"fpar": fpar_step, "fsdp": fsdp_step}
     gc.collect()
@@ -244,6 +259,7 @@ def worker(cfg: dict) -> dict:
     fpar_step()
     return {
         "times": times,
+        "profiles": profiles,
         "worst_rel": worst,
         "mem": {"fpar": (fpar_held, fpar_peak), "fsdp": (fsdp_held, fsdp_peak)},
         "stats": fpar.comm_stats().get("data", {}),
@@ -262,16 +278,19 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=128, help="B, the global batch (split over 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--no-regather", dest="regather", action="store_false", help="keep gathered params")
+    parser.add_argument("--profile", action="store_true", help="print torch.profiler tables of both")
     parser.add_argument("--no-donate", dest="donate", action="store_false", help="functional update (old + new state)")
     parser.add_argument("--timeout", type=float, default=600.0, help="process-group timeout (s)")
     args = parser.parse_args(argv)
     if args.batch % NPROCS:
         parser.error(f"--batch must be divisible by {NPROCS}")
-    keys = ("repeats", "warmup", "layers", "hidden", "dim", "batch", "threads", "regather", "donate")
+    keys = ("repeats", "warmup", "layers", "hidden", "dim", "batch", "threads", "regather", "donate", "profile")
     cfg = {k: getattr(args, k) for k in keys}
     res = fpar.launch(worker, NPROCS, cfg, timeout=args.timeout)
     r0 = res[0]
     n = NPROCS
+    for name, table in r0["profiles"].items():
+        print(f"== rank 0 profile, {name}, 3 steps ==\n{table}")
     print(
         f"starting from the same parameters, one step of each gives the same update: max "
         f"|fpar - FSDP2| / |update| = {max(r['worst_rel'] for r in res):.2e} (over params and ranks)"
