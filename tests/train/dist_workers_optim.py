@@ -158,6 +158,26 @@ def _zero_run(stage: int, steps: int, loss: str = "mlp", donate: bool = False, o
     return history, losses, stats
 
 
+def zero3_tp_run(donate: bool):
+    """ZeRO-3 AdamW on a data=2 x tensor=2 mesh with ``tp_loss`` (Megatron blocks split over
+    'tensor'): the full parameters after each of 2 steps."""
+    params, batch = tp_problem()
+    mesh = fpar.make_mesh((2, 2), ("data", "tensor"), devices=4)
+    if mesh.backend == "dist":
+        params = fpar.device_put(params, mesh, TP_SPECS)
+    layout = fo.zero_layout(params, mesh, TP_SPECS, stage=3)
+    opt = fo.adamw(1e-2, weight_decay=0.1)
+    params, state = fo.zero_init(opt, params, layout)
+    step = fo.zero_step(tp_loss, opt, layout, batch_specs=P("data"), donate=donate)
+    batch = fpar.device_put(batch, mesh, P("data"))
+    history = []
+    for _ in range(2):
+        params, state, _ = step(params, state, batch)
+        full = fpar.gather(fo.zero_params(params, layout), mesh, TP_SPECS)
+        history.append({k: v.clone() for k, v in full.items()})
+    return history
+
+
 def _buffers(*trees) -> list[int]:
     """Addresses of the non-scalar tensors of ``trees`` (what a donated step updates in place)."""
     return [t.data_ptr() for t in optree.tree_leaves(trees) if isinstance(t, torch.Tensor) and t.dim() > 0]

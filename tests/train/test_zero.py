@@ -349,3 +349,13 @@ def test_real_mesh_zero_equals_in_process():
             _assert_same(hist, lhist, tol=1e-13)
             assert [float(v) for v in losses] == pytest.approx([float(v) for v in llosses], rel=1e-13)
             assert stats == lstats
+
+
+@pytest.mark.multiprocess
+def test_real_mesh_zero3_with_tensor_parallel_equals_in_process():
+    # 4 processes, data=2 x tensor=2: stage 3's real-mesh schedule on blocks split over 'tensor'
+    # (chunks over ('tensor', 'data')), donated, against the functional in-process run.
+    ranks = fpar.launch(W.zero3_tp_run, 4, True, timeout=180.0)
+    local = W.zero3_tp_run(False)
+    for hist in ranks:
+        _assert_same(hist, local, tol=1e-13)
