@@ -61,7 +61,7 @@ from ._base import GradientTransformation, apply_updates
 from ._internal import block_shape
 from ._precision import MixedPrecision, cast_floating
 from ._remat import remat
-from ._zero_comm import Regather, gathered_grad, regather_supported
+from ._zero_comm import Regather, gathered_grad, regather_supported, scattered_grad
 
 __all__ = [
     "ZeroLayout",
@@ -381,13 +381,17 @@ def zero_grads(
         (the forward recomputed in the backward, 3 (N-1)/N Psi).  ``False`` keeps the gathered
         parameters: 2 (N-1)/N Psi, Psi more memory.
       bucket_bytes: stage 2: reduce-scatter the gradients in buckets of up to this many bytes
-        per device (leaves of one dtype and layout, in order), one collective per bucket.
+        per device (leaves of one dtype and layout, in order), one collective per bucket.  On a
+        real mesh (not under a ``torch.func`` transform) each bucket's reduce-scatter starts,
+        asynchronously, as soon as autograd has its gradients, overlapping the rest of the
+        backward (``fpar.optim._zero_comm.scattered_grad``).
     """
     mesh, data, n = layout.mesh, layout.data_axis, layout.n
     batch_specs = P(data) if batch_specs is None else batch_specs
     pspecs = layout._tree([lf.spec for lf in layout.leaves])
     tracking: dict[str, Regather | None] = {"regather": None}  # the running stage-3 forward's
     gathered_outside = False  # stage 3 on a real mesh: FSDP's schedule (``gathered_grad``)
+    scatter_early = False  # stage 2 on a real mesh: buckets reduce-scattered in the backward
 
     def local_loss(params, batch):
         if compute_dtype is not None:
@@ -448,6 +452,12 @@ def zero_grads(
                 hooked = objective_of(local_loss, layout._tree([_own_copy_spec(lf, data) for lf in layout.leaves]))
                 gathered_outside = True
 
+        if layout.stage == 2 and mesh.backend == "dist" and all(lf.block for lf in layout.leaves):
+            # Each rank's parameters as its own copy, differentiated by torch.autograd so every
+            # bucket is reduce-scattered as soon as its gradients exist (``scattered_grad``).
+            hooked = objective_of(local_loss, layout._tree([_own_copy_spec(lf, data) for lf in layout.leaves]))
+            scatter_early = True
+
         wrt = (lambda params: params) if layout.stage == 3 else (lambda params: _per_rank(params, layout))
     grad = torch.func.grad(objective, has_aux=True)
     reduce = _reducer(layout, bucket_bytes) if layout.stage == 2 else None
@@ -457,6 +467,10 @@ def zero_grads(
             if gathered_outside:
                 return gathered_grad(hooked, layout, params, batch, scale, compute_dtype)
             return _regathered_grad(hooked, tracking, layout, params, batch, scale)
+        if scatter_early and regather_supported():
+            leaves = tree_flatten(params)[0]
+            groups = _buckets(leaves, layout, bucket_bytes)
+            return scattered_grad(hooked, layout, params, batch, scale, groups)
         g, loss = grad(wrt(params), batch, scale)
         return (reduce(g) if reduce is not None else g), loss
 

@@ -57,7 +57,7 @@ from torch._C._functorch import get_unwrapped, is_batchedtensor, maybe_current_l
 from .. import _stats
 from .._tree import tree_flatten, tree_unflatten
 
-__all__ = ["Regather", "gathered_grad", "regather_supported"]
+__all__ = ["Regather", "gathered_grad", "regather_supported", "scattered_grad"]
 
 Tensor = torch.Tensor
 
@@ -306,4 +306,90 @@ def gathered_grad(objective, layout: Any, chunks: Any, batch: Any, scale: Tensor
     for i, c in enumerate(leaves):
         got = done.get(i)
         grads.append(got.to(c.dtype) if got is not None else torch.zeros_like(c))
+    return tree_unflatten(treedef, grads), loss.detach()
+
+
+def scattered_grad(
+    objective, layout: Any, params: Any, batch: Any, scale: Tensor, buckets: list[list[int]]
+) -> tuple[Any, Tensor]:
+    """Stage 2's gradient on a real mesh: each bucket reduce-scattered as soon as it is complete.
+
+    Args:
+      objective: ``(params, batch, scale) -> (scaled loss, loss)``, a sharded function taking
+        each rank's parameter blocks as its own copies (in_specs varying over the data axis).
+      layout: the stage-2 ``ZeroLayout``.
+      params: this process's (replicated) parameter blocks.
+      batch: the batch, as ``objective`` takes it.
+      scale: the loss scale (0-d).
+      buckets: leaf indices per bucket (``_zero._buckets``): one reduce-scatter each, the
+        leaves' padded gradients side by side per rank, as ``_zero._reduce_scatter_all``.
+
+    Returns:
+      ``(grads, loss)``: this process's chunk of each reduced gradient, and the loss.
+    """
+    import torch.distributed as dist
+
+    from .._dist.exchange import _in_group_order, _ordered
+
+    axis, n = layout.data_axis, layout.n
+    groups = layout.mesh._dist
+    group, members = groups.group((axis,)), groups.members((axis,))
+    direct = _ordered(members, group) and dist.get_backend(group) != "gloo"
+    leaves, treedef = tree_flatten(params)
+    chunks = [lf.chunk for lf in layout.leaves]
+    bucket_of = {i: k for k, group_ in enumerate(buckets) for i in group_}
+    missing = [len(b) for b in buckets]
+    got: dict[int, Tensor] = {}
+    done: dict[int, Any] = {}  # bucket -> its reduced chunks (an _InFlight until waited on)
+    inflight: list[int] = []
+
+    def launch(k: int) -> None:
+        rows = []
+        for i in buckets[k]:
+            g = got.pop(i, None)
+            g = torch.zeros_like(leaves[i]) if g is None else g
+            flat = g.reshape(-1)
+            pad = n * chunks[i] - flat.numel()
+            rows.append((torch.cat([flat, flat.new_zeros(pad)]) if pad else flat).reshape(n, chunks[i]))
+        full = (torch.cat(rows, dim=1) if len(rows) > 1 else rows[0].contiguous()).reshape(-1)
+        for j in inflight:  # one in flight: the previous bucket's buffer is freed
+            done[j] = done[j].wait()
+        inflight.clear()
+        out = full.new_empty(full.numel() // n)
+        if direct:
+            work = dist.reduce_scatter_single(out, full, group=group, async_op=True)
+        else:
+            work = dist.reduce_scatter(out, _in_group_order(list(full.chunk(n)), members, group), group=group, async_op=True)
+        _stats.record("psum_scatter", (axis,), n, full)
+        done[k] = _InFlight(work, out, full)
+        inflight.append(k)
+
+    def accumulated(i: int, leaf: Tensor) -> None:
+        got[i], leaf.grad = leaf.grad, None
+        k = bucket_of[i]
+        missing[k] -= 1
+        if missing[k] == 0:
+            launch(k)
+
+    inputs = []
+    for i, x in enumerate(leaves):
+        leaf = x.detach().requires_grad_(True)
+        leaf.register_post_accumulate_grad_hook(lambda a, i=i: accumulated(i, a))
+        inputs.append(leaf)
+    try:
+        with torch.enable_grad():
+            scaled, loss = objective(tree_unflatten(treedef, inputs), batch, scale)
+        torch.autograd.backward(scaled, inputs=inputs)
+        for k, left in enumerate(missing):
+            if left:  # some gradient never came (an unused parameter): zeros, as autograd's
+                missing[k] = 0
+                launch(k)
+    finally:
+        for j in inflight:
+            done[j] = done[j].wait()
+        inflight.clear()
+    grads: list[Tensor] = [None] * len(leaves)  # type: ignore[list-item]
+    for k, group_ in enumerate(buckets):
+        for i, piece in zip(group_, done[k].split([chunks[i] for i in group_])):
+            grads[i] = piece
     return tree_unflatten(treedef, grads), loss.detach()

@@ -337,10 +337,12 @@ def test_real_mesh_zero_equals_in_process():
     # DDP with a remat'd layer (replicated weights inside the region: the recompute's backward
     # all-reduces them).
     # Stage 3 on the real mesh runs FSDP's schedule (gathered outside the loss, each gradient
-    # reduce-scattered from its AccumulateGrad hook): padded chunks, bf16 compute.  Donated steps
+    # reduce-scattered from its AccumulateGrad hook), stage 2 reduce-scatters each bucket from
+    # the hooks too: padded chunks, bf16 compute, a remat'd layer.  Donated steps
     # (updated in place on the real mesh, functional in-process) follow the same trajectory:
     # AdamW on stages 3 and 0, SGD with momentum on stage 2.
     jobs = [(2, 3, "mlp"), (3, 2, "mlp"), (3, 2, "remat"), (3, 2, "deep"), (0, 2, "remat"), (3, 2, "odd")]
+    jobs += [(2, 2, "odd"), (2, 2, "remat")]
     jobs += [(3, 3, "deep", True), (0, 2, "mlp", True), (2, 2, "mlp", True, "sgdm"), (3, 2, "mlp", True, "bf16")]
     ranks = fpar.launch(W.zero_runs, 2, jobs, timeout=120.0)
     local = W.zero_runs(jobs)
