@@ -7,7 +7,9 @@ Both sides train the same model, ``L`` residual MLP layers ``h = h + W2 relu(W1 
   ``zero_step(loss, fpar.optim.adamw(...), layout)`` with the default ``regather=True`` (the
   gathered parameters are not kept from the forward to the backward: the backward re-gathers
   the ones autograd saved, prefetching the next), or ``--no-regather`` (kept: more memory,
-  less traffic).  Each process holds 1/2 of every parameter, its gradient and AdamW state.
+  less traffic); and ``donate=True`` (``--no-donate``: off): the step updates the parameter
+  chunks and AdamW state in place, as ``torch.optim`` does.  Each process holds 1/2 of every
+  parameter, its gradient and AdamW state.
 * **FSDP2**: the same ``nn.Module``, ``fully_shard`` on every layer and on the root (its
   default ``reshard_after_forward=True``: parameters re-gathered in the backward, with
   prefetch), ``loss.backward()``, ``torch.optim.AdamW(foreach=True)``.
@@ -31,6 +33,7 @@ allocator; ``ru_maxrss`` is one number per process for both sides.)  Ratio fpar/
 Run:
     python bench/zero.py                              # 20 repeats, 3 layers, D=512 H=2048 B=128
     python bench/zero.py --repeats 30 --no-regather
+    python bench/zero.py --profile                    # both sides' torch.profiler op tables
 
 Shape suffixes: B global batch (B/2 per process), D model width, H hidden width, L layers.
 """
@@ -160,6 +163,17 @@ def peak_bytes(step, held) -> tuple[int, int]:
     return box["held"], peak
 
 
+def profile_table(step, repeats: int = 3) -> str:
+    """``torch.profiler``'s op table (self CPU time) of ``repeats`` calls of ``step``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(repeats):
+            step()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
+
+
 def timed(step) -> float:
     dist.barrier()
     t0 = time.perf_counter()
@@ -185,7 +199,7 @@ def worker(cfg: dict) -> dict:
     layout = fo.zero_layout(full, mesh, P(), stage=3)
     box = {}
     box["params"], box["state"] = fo.zero_init(opt, full, layout)
-    zstep = fo.zero_step(loss_local, opt, layout, regather=cfg["regather"])
+    zstep = fo.zero_step(loss_local, opt, layout, regather=cfg["regather"], donate=cfg["donate"])
 
     def fpar_step():
         box["params"], box["state"], _ = zstep(box["params"], box["state"], batch)
@@ -228,6 +242,9 @@ def worker(cfg: dict) -> dict:
         fsdp_step, lambda: held_bytes(list(model.parameters()), list(topt.state.values()))
     )
 
+    profiles = {}
+    if cfg["profile"]:
+        profiles = {"fpar": profile_table(fpar_step), "FSDP2": profile_table(fsdp_step)}
     times = {"fpar": [], "fsdp": []}
     steps = {"fpar": fpar_step, "fsdp": fsdp_step}
     gc.collect()
@@ -242,6 +259,7 @@ def worker(cfg: dict) -> dict:
     fpar_step()
     return {
         "times": times,
+        "profiles": profiles,
         "worst_rel": worst,
         "mem": {"fpar": (fpar_held, fpar_peak), "fsdp": (fsdp_held, fsdp_peak)},
         "stats": fpar.comm_stats().get("data", {}),
@@ -260,15 +278,19 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=128, help="B, the global batch (split over 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--no-regather", dest="regather", action="store_false", help="keep gathered params")
+    parser.add_argument("--profile", action="store_true", help="print torch.profiler tables of both")
+    parser.add_argument("--no-donate", dest="donate", action="store_false", help="functional update (old + new state)")
     parser.add_argument("--timeout", type=float, default=600.0, help="process-group timeout (s)")
     args = parser.parse_args(argv)
     if args.batch % NPROCS:
         parser.error(f"--batch must be divisible by {NPROCS}")
-    keys = ("repeats", "warmup", "layers", "hidden", "dim", "batch", "threads", "regather")
+    keys = ("repeats", "warmup", "layers", "hidden", "dim", "batch", "threads", "regather", "donate", "profile")
     cfg = {k: getattr(args, k) for k in keys}
     res = fpar.launch(worker, NPROCS, cfg, timeout=args.timeout)
     r0 = res[0]
     n = NPROCS
+    for name, table in r0["profiles"].items():
+        print(f"== rank 0 profile, {name}, 3 steps ==\n{table}")
     print(
         f"starting from the same parameters, one step of each gives the same update: max "
         f"|fpar - FSDP2| / |update| = {max(r['worst_rel'] for r in res):.2e} (over params and ranks)"
@@ -279,7 +301,7 @@ def main(argv=None) -> None:
     ratio = med["fpar"] / med["fsdp"]
     desc = (
         f"ZeRO-3 AdamW step, {args.layers} residual MLP layers D={args.dim} H={args.hidden}, "
-        f"B={args.batch} (global) fp32, regather={args.regather}"
+        f"B={args.batch} (global) fp32, regather={args.regather}, donate={args.donate}"
     )
     print(f"{desc}, {n} gloo processes x {r0['threads']} thread(s), torch {torch.__version__}, {args.repeats} repeats")
     for k, label in (("fpar", "fpar "), ("fsdp", "FSDP2")):

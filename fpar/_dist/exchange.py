@@ -24,6 +24,11 @@ def _in_group_order(blocks: list[Tensor], members: list[int], group) -> list[Ten
     return out
 
 
+def _ordered(members: list[int], group) -> bool:
+    """Whether ``members`` are in the group's rank order (then dim-0 blocks need no reordering)."""
+    return all(dist.get_group_rank(group, r) == m for m, r in enumerate(members))
+
+
 def _from_group_order(blocks: list[Tensor], members: list[int], group) -> list[Tensor]:
     return [blocks[dist.get_group_rank(group, r)] for r in members]
 
@@ -54,12 +59,22 @@ def _run(kind: str, params: tuple, x: Tensor, nb: int, axes, mg: MeshGroups) -> 
         return y / n if kind == "pmean" else y
     if kind in ("all_gather", "all_gather_invariant"):
         axis, tiled = params
+        if tiled and nb + axis == 0 and _ordered(members, group):  # straight into the result
+            x = x.contiguous()
+            out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+            dist.all_gather_single(out, x, group=group)
+            return out
         bufs = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(n)]
         dist.all_gather(bufs, x.contiguous(), group=group)
         blocks = _from_group_order(bufs, members, group)
         return torch.cat(blocks, nb + axis) if tiled else torch.stack(blocks, nb + axis)
     if kind == "psum_scatter":
         dim, tiled = params
+        if tiled and nb + dim == 0 and dist.get_backend(group) != "gloo" and _ordered(members, group):
+            # One buffer, no per-chunk copies (gloo's reduce_scatter_single copies it all first).
+            out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
+            dist.reduce_scatter_single(out, x.contiguous(), group=group)
+            return out
         chunks = [c.contiguous() for c in x.chunk(n, nb + dim)]
         out = torch.empty_like(chunks[0])
         dist.reduce_scatter(out, _in_group_order(chunks, members, group), group=group)

@@ -5,7 +5,9 @@ state, a pytree of tensors (so it can be sharded with ``fpar.shard`` specs, save
 ``update(updates, state, params=None) -> (updates, state)`` turns gradients into updates.
 Optimizers are chains of small transformations, e.g. ``adamw`` is
 ``chain(scale_by_adam(...), add_decayed_weights(...), scale_by_learning_rate(lr))``; the
-updates are *added* to the parameters by ``apply_updates``.  Nothing mutates its inputs.
+updates are *added* to the parameters by ``apply_updates``.  Nothing mutates its inputs, except
+under an explicit donation (``zero_update(..., donate=True)`` on a real mesh, see ``_ops``), where
+the built-in transformations may write their results into the tensors they were given.
 """
 
 from __future__ import annotations
@@ -68,7 +70,11 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
 
 def apply_updates(params: Params, updates: Updates) -> Params:
-    """Return ``params + updates`` leaf by leaf (each result in its parameter's dtype)."""
+    """Return ``params + updates`` leaf by leaf (each result in its parameter's dtype).
+
+    Under ``fpar.optim._ops.donation`` (``zero_update(..., donate=True)``) the sums go into the
+    parameters' own buffers, which are returned.
+    """
     check_same_tree(
         "apply_updates",
         "params",
@@ -79,4 +85,5 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     )
     p, treedef = tree_flatten(params)
     u, _ = tree_flatten(updates)
-    return tree_unflatten(treedef, ops.add(p, [x.to(y.dtype) for x, y in zip(u, p)]))
+    inplace = ops.writable(p)
+    return tree_unflatten(treedef, ops.add(p, [x.to(y.dtype) for x, y in zip(u, p)], inplace=inplace))

@@ -105,7 +105,8 @@ def mixed_precision(
         g, treedef = tree_flatten(grads)
         g = ops.mul(g, 1.0 / state.loss_scale)
         finite = all_finite(g)
-        updates, inner = optimizer.update(tree_unflatten(treedef, g), state.inner, params)
+        with ops.donation(False):  # the old inner state is kept on overflow: not in place
+            updates, inner = optimizer.update(tree_unflatten(treedef, g), state.inner, params)
         u, udef = tree_flatten(updates)
         updates = tree_unflatten(udef, [torch.where(finite, x, torch.zeros_like(x)) for x in u])
         inner = tree_map(lambda new, old: torch.where(finite, new, old), inner, state.inner)

@@ -17,7 +17,7 @@ import fpar
 from .._tree import tree_flatten, tree_leaves, tree_unflatten
 from . import _ops as ops
 from ._base import EmptyState, GradientTransformation, chain
-from ._internal import check_same_tree, current_frame, varying_axes
+from ._internal import check_same_tree, current_frame, is_plain, varying_axes
 
 __all__ = [
     "ScaleByAdamState",
@@ -59,7 +59,7 @@ def scale(factor: float) -> GradientTransformation:
 
     def update(updates, state, params=None):
         u, treedef = tree_flatten(updates)
-        return tree_unflatten(treedef, ops.mul(u, factor)), state
+        return tree_unflatten(treedef, ops.mul(u, factor, inplace=ops.writable(u))), state
 
     return GradientTransformation(lambda params: EmptyState(), update)
 
@@ -79,7 +79,7 @@ def scale_by_schedule(schedule: Callable[[Any], Tensor]) -> GradientTransformati
     def update(updates, state, params=None):
         u, treedef = tree_flatten(updates)
         factor = torch.as_tensor(schedule(state.count))
-        return tree_unflatten(treedef, ops.mul(u, factor)), ScaleByScheduleState(state.count + 1)
+        return tree_unflatten(treedef, ops.mul(u, factor, inplace=ops.writable(u))), ScaleByScheduleState(state.count + 1)
 
     return GradientTransformation(init, update)
 
@@ -121,12 +121,15 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     def update(updates, state, params=None):
         check_same_tree("scale_by_adam", "updates", updates, "state.mu", state.mu, fix=_STATE_FIX)
         g, treedef = tree_flatten(updates)
-        mu = ops.lerp(tree_leaves(state.mu), g, 1.0 - b1)
-        nu = ops.addcmul(ops.mul(tree_leaves(state.nu), b2), g, g, 1.0 - b2)
+        mu, nu = tree_leaves(state.mu), tree_leaves(state.nu)
+        inplace = ops.writable(mu + nu)
+        into = g if ops.writable(g + mu + nu) else None  # donated: the direction overwrites g
+        mu = ops.lerp(mu, g, 1.0 - b1, inplace=inplace)
+        nu = ops.addcmul(ops.mul(nu, b2, inplace=inplace), g, g, 1.0 - b2, inplace=inplace)
         count = state.count + 1
         t = count.to(torch.float64)
         bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
-        out = ops.adam_direction(mu, nu, bc1, bc2, eps)
+        out = ops.adam_direction(mu, nu, bc1, bc2, eps, into=into)
         new = ScaleByAdamState(count, tree_unflatten(treedef, mu), tree_unflatten(treedef, nu))
         return tree_unflatten(treedef, out), new
 
@@ -150,7 +153,8 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
             fix="Pass the params the grads are of.",
         )
         u, treedef = tree_flatten(updates)
-        return tree_unflatten(treedef, ops.add(u, tree_leaves(params), alpha=weight_decay)), state
+        decayed = ops.add(u, tree_leaves(params), alpha=weight_decay, inplace=ops.writable(u))
+        return tree_unflatten(treedef, decayed), state
 
     return GradientTransformation(lambda params: EmptyState(), update)
 
@@ -174,7 +178,18 @@ def trace(momentum: float, nesterov: bool = False) -> GradientTransformation:
     def update(updates, state, params=None):
         check_same_tree("trace", "updates", updates, "state.trace", state.trace, fix=_STATE_FIX)
         g, treedef = tree_flatten(updates)
-        t = ops.add(g, tree_leaves(state.trace), alpha=momentum)
+        old = tree_leaves(state.trace)
+        if ops.writable(g + old) and is_plain(g + old):
+            # Donated: the new trace into the old one's buffers, the update into g's (the same
+            # kernels as below, so the same values).
+            for gi, ti in zip(g, old):
+                torch.add(gi, ti, alpha=momentum, out=ti)
+                if nesterov:
+                    gi.add_(ti, alpha=momentum)
+                else:
+                    gi.copy_(ti)
+            return tree_unflatten(treedef, g), TraceState(tree_unflatten(treedef, old))
+        t = ops.add(g, old, alpha=momentum)
         out = ops.add(g, t, alpha=momentum) if nesterov else t
         return tree_unflatten(treedef, out), TraceState(tree_unflatten(treedef, t))
 

@@ -18,7 +18,12 @@ Legend: ``N`` = size of the data axis; ``Psi`` = bytes of one device's parameter
 from the forward to the backward; the backward all-gathers again only the parameters autograd
 saved (``Psi_saved <= Psi``: a bias, or a weight whose input needs no gradient, is not saved),
 prefetching the next one asynchronously on a real mesh (``_zero_comm``), so the forward runs
-once.  Without ``regather`` the gathered parameters are kept: 2 (N-1)/N Psi.
+once.  On a real mesh stage 3 with ``regather`` follows FSDP2's schedule throughout: the forward's
+all-gathers run one ahead, and each gradient is reduce-scattered asynchronously as soon as
+autograd has it complete, overlapping the rest of the backward (``_zero_comm.gathered_grad``).
+Without ``regather`` the gathered parameters are kept: 2 (N-1)/N Psi.  ``donate=True``
+(``zero_step`` / ``zero_update``) updates the stored parameters and optimizer state in place on a
+real mesh, as ``torch.optim`` does, instead of holding the old and the new state at once.
 
 Gradients are always those of the *global* loss (the mean over data ranks of the per-device
 losses, and over microbatches): every step differentiates a sharded function from the outside
@@ -51,11 +56,12 @@ import fpar
 from fpar import P
 
 from .._tree import broadcast_prefix, tree_flatten, tree_map, tree_unflatten
+from . import _ops as ops
 from ._base import GradientTransformation, apply_updates
 from ._internal import block_shape
 from ._precision import MixedPrecision, cast_floating
 from ._remat import remat
-from ._zero_comm import Regather, regather_supported
+from ._zero_comm import Regather, gathered_grad, regather_supported, scattered_grad
 
 __all__ = [
     "ZeroLayout",
@@ -375,12 +381,17 @@ def zero_grads(
         (the forward recomputed in the backward, 3 (N-1)/N Psi).  ``False`` keeps the gathered
         parameters: 2 (N-1)/N Psi, Psi more memory.
       bucket_bytes: stage 2: reduce-scatter the gradients in buckets of up to this many bytes
-        per device (leaves of one dtype and layout, in order), one collective per bucket.
+        per device (leaves of one dtype and layout, in order), one collective per bucket.  On a
+        real mesh (not under a ``torch.func`` transform) each bucket's reduce-scatter starts,
+        asynchronously, as soon as autograd has its gradients, overlapping the rest of the
+        backward (``fpar.optim._zero_comm.scattered_grad``).
     """
     mesh, data, n = layout.mesh, layout.data_axis, layout.n
     batch_specs = P(data) if batch_specs is None else batch_specs
     pspecs = layout._tree([lf.spec for lf in layout.leaves])
     tracking: dict[str, Regather | None] = {"regather": None}  # the running stage-3 forward's
+    gathered_outside = False  # stage 3 on a real mesh: FSDP's schedule (``gathered_grad``)
+    scatter_early = False  # stage 2 on a real mesh: buckets reduce-scattered in the backward
 
     def local_loss(params, batch):
         if compute_dtype is not None:
@@ -418,7 +429,7 @@ def zero_grads(
 
             in_p = layout._tree([P(data, *lf.spec) for lf in layout.leaves])
 
-        def objective_of(body):
+        def objective_of(body, in_p=in_p):
             def per_device(params, batch, scale):
                 loss = body(params, batch)
                 return (loss * scale).reshape(1), fpar.pmean(loss.detach(), data)
@@ -435,6 +446,17 @@ def zero_grads(
         if layout.stage == 3 and regather:
             hooked = objective
             objective = objective_of(remat(body))  # under torch.func, which refuses saved-tensor hooks
+            if mesh.backend == "dist" and all(lf.block for lf in layout.leaves):
+                # Gathered outside (``gathered_grad``): each rank's gathered block enters as its
+                # own copy, varying over the data axis (its gradient is reduce-scattered there).
+                hooked = objective_of(local_loss, layout._tree([_own_copy_spec(lf, data) for lf in layout.leaves]))
+                gathered_outside = True
+
+        if layout.stage == 2 and mesh.backend == "dist" and all(lf.block for lf in layout.leaves):
+            # Each rank's parameters as its own copy, differentiated by torch.autograd so every
+            # bucket is reduce-scattered as soon as its gradients exist (``scattered_grad``).
+            hooked = objective_of(local_loss, layout._tree([_own_copy_spec(lf, data) for lf in layout.leaves]))
+            scatter_early = True
 
         wrt = (lambda params: params) if layout.stage == 3 else (lambda params: _per_rank(params, layout))
     grad = torch.func.grad(objective, has_aux=True)
@@ -442,7 +464,13 @@ def zero_grads(
 
     def one(params, batch, scale):
         if layout.stage == 3 and regather and regather_supported():
+            if gathered_outside:
+                return gathered_grad(hooked, layout, params, batch, scale, compute_dtype)
             return _regathered_grad(hooked, tracking, layout, params, batch, scale)
+        if scatter_early and regather_supported():
+            leaves = tree_flatten(params)[0]
+            groups = _buckets(leaves, layout, bucket_bytes)
+            return scattered_grad(hooked, layout, params, batch, scale, groups)
         g, loss = grad(wrt(params), batch, scale)
         return (reduce(g) if reduce is not None else g), loss
 
@@ -475,6 +503,18 @@ def _regathered_grad(objective, tracking, layout, params, batch, scale):
     finally:
         rg.close()
     return tree_unflatten(treedef, list(g)), loss.detach()
+
+
+def _own_copy_spec(lf: _Leaf, data: str) -> P:
+    """The spec of a rank's whole (gathered) block as its own copy: ``lf.spec`` + data on dim 0.
+
+    On a real mesh a spec only says what the local block varies over; naming the data axis
+    makes each rank's copy a value of its own, so its gradient comes back unreduced.
+    """
+    entries = [tuple(e) for e in lf.spec.normalized()]
+    entries += [()] * (len(lf.block) - len(entries))
+    entries[0] = (*entries[0], data)
+    return P(*[e if e else None for e in entries])
 
 
 def _per_rank(params: Any, layout: ZeroLayout) -> Any:
@@ -585,7 +625,11 @@ def _microbatch(batch: Any, i: int, n_micro: int, mesh: fpar.Mesh, batch_specs: 
 
 
 def zero_update(
-    optimizer: GradientTransformation, layout: ZeroLayout, *, bucket_bytes: int = BUCKET_BYTES
+    optimizer: GradientTransformation,
+    layout: ZeroLayout,
+    *,
+    bucket_bytes: int = BUCKET_BYTES,
+    donate: bool = False,
 ) -> Callable:
     """Build ``update(grads, opt_state, params) -> (params, opt_state)`` for ``layout``'s stage.
 
@@ -597,13 +641,29 @@ def zero_update(
     precision overflow check) combine over the devices.  Stage 1's reduce-scatter and the
     all-gathers of stages 1 and 2 go in buckets of up to ``bucket_bytes`` per device (leaves of
     one dtype and layout, in order): one collective per bucket, the same values and bytes.
+
+    ``donate=True`` hands ``grads``, ``opt_state`` and ``params`` over to the update, as JAX's
+    ``donate_argnums`` and as ``torch.optim`` steps in place: on a real mesh the built-in
+    transformations (``adamw``, ``adam``, ``sgd`` without Nesterov, ``scale*``,
+    ``add_decayed_weights``) then write the new state, and for stages 0 and 3 the new
+    parameters, into the given tensors and return them, so the step holds one copy of the state
+    instead of the old and the new together (the same kernels: the same values).  The caller
+    must not use the donated trees afterwards (they hold the new values, or are partly
+    overwritten).  In-process the inputs are shared views of global tensors and the update stays
+    functional.  With a loss-scaled ``mixed_precision`` the inner optimizer is not donated (an
+    overflow keeps its old state).
     """
     mesh = layout.mesh
     sspecs = layout.state_specs(optimizer)
     gspecs = layout.grad_specs
     stage = layout.stage
+    inplace = donate and mesh.backend == "dist"
 
     def per_device(grads, state, params):
+        with ops.donation(inplace):
+            return update_blocks(grads, state, params)
+
+    def update_blocks(grads, state, params):
         if stage == 0 or stage == 3:
             updates, state = optimizer.update(grads, state, params)
             return apply_updates(params, updates), state
@@ -629,10 +689,13 @@ def zero_step(
     n_micro: int = 1,
     regather: bool = True,
     bucket_bytes: int = BUCKET_BYTES,
+    donate: bool = False,
 ) -> Callable:
     """Build a training step ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
     ``zero_grads`` then ``zero_update`` (see both); ``metrics = {"loss": global mean loss}``.
+    ``donate=True``: ``params`` and ``opt_state`` are handed over to the step and updated in
+    place on a real mesh (see ``zero_update``); use only the trees it returns.
     With a ``mixed_precision`` optimizer the loss runs in its compute dtype and is scaled by the
     state's loss scale.
 
@@ -653,7 +716,7 @@ def zero_step(
         regather=regather,
         bucket_bytes=bucket_bytes,
     )
-    update_fn = zero_update(optimizer, layout, bucket_bytes=bucket_bytes)
+    update_fn = zero_update(optimizer, layout, bucket_bytes=bucket_bytes, donate=donate)
 
     def step(params, opt_state, batch):
         scale = opt_state.loss_scale if policy is not None and policy.scaled else None

@@ -26,7 +26,20 @@ hooks"), so this path differentiates with ``torch.autograd.grad``; under an oute
 ``torch.func`` transform (or inside a ``torch.func`` transform in the loss) ``zero_grads``
 falls back to ``remat``.
 
-This module talks to ``torch.distributed`` directly for the asynchronous all-gather (no
+**The real mesh: FSDP's schedule (``gathered_grad``).**  There the whole stage-3 gradient is
+driven from here, so that each gradient is reduce-scattered as soon as it exists.  The
+forward's all-gathers are all started at once (asynchronous, in leaf order) and waited on in
+order; each gathered flat parameter enters the loss as one copy per data rank (``P(data,
+...)``, as stage 2), bound to a one-element stand-in leaf.  Autograd accumulates a leaf's
+gradient as soon as it is complete (``AccumulateGrad`` runs before any other ready node), and
+its post-accumulate hook starts an asynchronous reduce-scatter of it right away, which travels
+while the rest of the backward computes; the step waits on them all at the end.  (Through
+``fpar.all_gather``'s transpose instead, every reduce-scatter would wait for the end of the
+backward: the gather nodes are the oldest in the graph, and autograd runs ready nodes newest
+first, so the full-size gradients of every parameter would pile up.)  The same sums, the
+same values; ``comm_stats`` counts the same collectives as the in-process path.
+
+This module talks to ``torch.distributed`` directly for the asynchronous collectives (no
 exchange of ``fpar._dist`` is asynchronous): the process group and member order come from the
 mesh's groups, as in ``fpar._dist``.
 """
@@ -42,8 +55,9 @@ import torch
 from torch._C._functorch import get_unwrapped, is_batchedtensor, maybe_current_level
 
 from .. import _stats
+from .._tree import tree_flatten, tree_unflatten
 
-__all__ = ["Regather", "regather_supported"]
+__all__ = ["Regather", "gathered_grad", "regather_supported", "scattered_grad"]
 
 Tensor = torch.Tensor
 
@@ -192,3 +206,190 @@ class _Pending:
         if self.bufs is not None:
             torch.cat(self.bufs, out=self.out)
         return self.out
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """An asynchronous reduce-scatter into ``out`` of the gradient ``g``."""
+
+    work: Any
+    out: Tensor
+    g: Tensor | None
+
+    def wait(self) -> Tensor:
+        self.work.wait()
+        self.g = None
+        return self.out
+
+
+def gathered_grad(objective, layout: Any, chunks: Any, batch: Any, scale: Tensor, compute_dtype) -> tuple[Any, Tensor]:
+    """Stage 3's gradient on a real mesh with FSDP's schedule (see the module docstring).
+
+    Args:
+      objective: ``(params, batch, scale) -> (scaled loss, loss)``, a sharded function taking
+        each rank's whole parameter block as its own copy (in_specs varying over the data axis).
+      layout: the stage-3 ``ZeroLayout``.
+      chunks: this process's parameter chunks (the stored stage-3 parameters).
+      batch: the batch, as ``objective`` takes it.
+      scale: the loss scale (0-d).
+      compute_dtype: gather and reduce-scatter in this dtype (``None``: the chunks' own).
+
+    Returns:
+      ``(grads, loss)``: this process's chunk of each reduced gradient, and the loss.
+    """
+    import torch.distributed as dist
+
+    from .._dist.exchange import _in_group_order, _ordered
+
+    axis, n = layout.data_axis, layout.n
+    groups = layout.mesh._dist
+    group, members = groups.group((axis,)), groups.members((axis,))
+    # gloo's reduce_scatter_single copies its whole input first; its list form does not.
+    direct = _ordered(members, group) and dist.get_backend(group) != "gloo"
+    leaves, treedef = tree_flatten(chunks)
+    cast = [
+        c if compute_dtype is None or not c.is_floating_point() else c.to(compute_dtype) for c in leaves
+    ]
+    flat = [c.detach().reshape(-1) for c in cast]
+    metas = [torch.empty(c.shape, dtype=c.dtype, device="meta") for c in cast]
+    params = [_Param(f, m) for f, m in zip(flat, metas)]
+    rg = Regather(layout.mesh, axis)
+    gathered: list[Tensor] = []
+    done: dict[int, Any] = {}  # leaf -> its reduced chunk (an _InFlight until waited on)
+    inflight: list[int] = []
+
+    def reduce_scatter(i: int, leaf: Tensor) -> None:
+        g, leaf.grad = leaf.grad.reshape(-1), None
+        pad = n * flat[i].numel() - g.numel()
+        g = torch.cat([g, g.new_zeros(pad)]) if pad else g.contiguous()
+        for j in inflight:  # at most one in flight (as FSDP2): then its full gradient is freed
+            done[j] = done[j].wait()
+        inflight.clear()
+        out = torch.empty_like(flat[i])
+        if direct:
+            work = dist.reduce_scatter_single(out, g, group=group, async_op=True)
+        else:
+            parts = _in_group_order(list(g.chunk(n)), members, group)
+            work = dist.reduce_scatter(out, parts, group=group, async_op=True)
+        _stats.record("psum_scatter", (axis,), n, g)
+        done[i] = _InFlight(work, out, g)  # g stays alive until the collective is done with it
+        inflight.append(i)
+
+    pending = _Pending.start(params[0], groups, axis) if params else None
+    for i, lf in enumerate(layout.leaves):
+        # The next parameter's all-gather travels while this one is unpacked (one in flight:
+        # each holds a gathered-size buffer of the backend's).
+        full = pending.wait()
+        pending = _Pending.start(params[i + 1], groups, axis) if i + 1 < len(params) else None
+        _stats.record("all_gather", (axis,), n, metas[i])
+        # The leaf autograd accumulates into (AccumulateGrad runs as soon as the gradient is
+        # complete; a node between it and its uses would run only at the end of the backward).
+        leaf = full[: lf.numel].view(lf.block).detach().requires_grad_(True)
+        leaf.register_post_accumulate_grad_hook(lambda a, i=i: reduce_scatter(i, a))
+        rg.track(flat[i], leaf)
+        gathered.append(leaf)
+    full = None
+    try:
+        with torch.enable_grad(), rg.hooks():
+            scaled, loss = objective(tree_unflatten(treedef, gathered), batch, scale)
+        for leaf in gathered:
+            # Free the gathered parameter: autograd keeps the leaf, never its values (every
+            # saved view of it is a re-gather token), so a one-element stand-in takes its place.
+            leaf.data = leaf.new_zeros(()).expand(leaf.shape)
+        torch.autograd.backward(scaled, inputs=gathered)
+    finally:
+        rg.close()
+        for j in inflight:
+            done[j] = done[j].wait()
+        inflight.clear()
+    grads = []
+    for i, c in enumerate(leaves):
+        got = done.get(i)
+        grads.append(got.to(c.dtype) if got is not None else torch.zeros_like(c))
+    return tree_unflatten(treedef, grads), loss.detach()
+
+
+def scattered_grad(
+    objective, layout: Any, params: Any, batch: Any, scale: Tensor, buckets: list[list[int]]
+) -> tuple[Any, Tensor]:
+    """Stage 2's gradient on a real mesh: each bucket reduce-scattered as soon as it is complete.
+
+    Args:
+      objective: ``(params, batch, scale) -> (scaled loss, loss)``, a sharded function taking
+        each rank's parameter blocks as its own copies (in_specs varying over the data axis).
+      layout: the stage-2 ``ZeroLayout``.
+      params: this process's (replicated) parameter blocks.
+      batch: the batch, as ``objective`` takes it.
+      scale: the loss scale (0-d).
+      buckets: leaf indices per bucket (``_zero._buckets``): one reduce-scatter each, the
+        leaves' padded gradients side by side per rank, as ``_zero._reduce_scatter_all``.
+
+    Returns:
+      ``(grads, loss)``: this process's chunk of each reduced gradient, and the loss.
+    """
+    import torch.distributed as dist
+
+    from .._dist.exchange import _in_group_order, _ordered
+
+    axis, n = layout.data_axis, layout.n
+    groups = layout.mesh._dist
+    group, members = groups.group((axis,)), groups.members((axis,))
+    direct = _ordered(members, group) and dist.get_backend(group) != "gloo"
+    leaves, treedef = tree_flatten(params)
+    chunks = [lf.chunk for lf in layout.leaves]
+    bucket_of = {i: k for k, group_ in enumerate(buckets) for i in group_}
+    missing = [len(b) for b in buckets]
+    got: dict[int, Tensor] = {}
+    done: dict[int, Any] = {}  # bucket -> its reduced chunks (an _InFlight until waited on)
+    inflight: list[int] = []
+
+    def launch(k: int) -> None:
+        rows = []
+        for i in buckets[k]:
+            g = got.pop(i, None)
+            g = torch.zeros_like(leaves[i]) if g is None else g
+            flat = g.reshape(-1)
+            pad = n * chunks[i] - flat.numel()
+            rows.append((torch.cat([flat, flat.new_zeros(pad)]) if pad else flat).reshape(n, chunks[i]))
+        full = (torch.cat(rows, dim=1) if len(rows) > 1 else rows[0].contiguous()).reshape(-1)
+        for j in inflight:  # one in flight: the previous bucket's buffer is freed
+            done[j] = done[j].wait()
+        inflight.clear()
+        out = full.new_empty(full.numel() // n)
+        if direct:
+            work = dist.reduce_scatter_single(out, full, group=group, async_op=True)
+        else:
+            work = dist.reduce_scatter(out, _in_group_order(list(full.chunk(n)), members, group), group=group, async_op=True)
+        _stats.record("psum_scatter", (axis,), n, full)
+        done[k] = _InFlight(work, out, full)
+        inflight.append(k)
+
+    def accumulated(i: int, leaf: Tensor) -> None:
+        got[i], leaf.grad = leaf.grad, None
+        k = bucket_of[i]
+        missing[k] -= 1
+        if missing[k] == 0:
+            launch(k)
+
+    inputs = []
+    for i, x in enumerate(leaves):
+        leaf = x.detach().requires_grad_(True)
+        leaf.register_post_accumulate_grad_hook(lambda a, i=i: accumulated(i, a))
+        inputs.append(leaf)
+    try:
+        with torch.enable_grad():
+            scaled, loss = objective(tree_unflatten(treedef, inputs), batch, scale)
+        torch.autograd.backward(scaled, inputs=inputs)
+        for k, left in enumerate(missing):
+            if left:  # some gradient never came (an unused parameter): zeros, as autograd's
+                missing[k] = 0
+                launch(k)
+    finally:
+        for j in inflight:
+            done[j] = done[j].wait()
+        inflight.clear()
+    grads: list[Tensor] = [None] * len(leaves)  # type: ignore[list-item]
+    for k, group_ in enumerate(buckets):
+        for i, piece in zip(group_, done[k].split([chunks[i] for i in group_])):
+            grads[i] = piece
+    return tree_unflatten(treedef, grads), loss.detach()

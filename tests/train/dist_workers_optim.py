@@ -14,6 +14,7 @@ Two problems, both float64 by default:
 
 from __future__ import annotations
 
+import optree
 import torch
 
 import fpar
@@ -108,13 +109,20 @@ def deep_loss(params, batch):
     return ((h - y) ** 2).mean()
 
 
-_LOSSES = {"mlp": (mlp_problem, mlp_loss), "remat": (mlp_problem, remat_mlp_loss), "deep": (deep_problem, deep_loss)}
+_LOSSES = {
+    "mlp": (mlp_problem, mlp_loss),
+    "remat": (mlp_problem, remat_mlp_loss),
+    "deep": (deep_problem, deep_loss),
+    "odd": (lambda: mlp_problem(hidden=5), mlp_loss),  # blocks of odd sizes: padded chunks
+}
 
 
 def zero_runs(jobs):
-    """For each ``(stage, steps, loss)``: train AdamW with ZeRO ``stage`` on a data mesh of the
-    world's size; ``loss`` is ``"mlp"`` (``mlp_loss``), ``"remat"`` (``remat_mlp_loss``) or
-    ``"deep"`` (``deep_loss``).
+    """For each ``(stage, steps, loss[, donate[, opt]])``: train with ZeRO ``stage`` on a data mesh
+    of the world's size; ``loss`` is ``"mlp"`` (``mlp_loss``), ``"remat"`` (``remat_mlp_loss``) or
+    ``"deep"`` (``deep_loss``); ``donate`` is ``zero_step``'s (default False); ``opt`` is
+    ``"adamw"`` (default), ``"sgdm"`` (SGD with momentum and weight decay) or ``"bf16"`` (AdamW
+    with bfloat16 compute); ``"odd"`` is ``mlp`` with blocks of odd sizes.
 
     Returns per job: the full parameters after each step, the losses, and the communication
     counts of the first step.
@@ -122,24 +130,57 @@ def zero_runs(jobs):
     return [_zero_run(*job) for job in jobs]
 
 
-def _zero_run(stage: int, steps: int, loss: str = "mlp"):
+def _zero_run(stage: int, steps: int, loss: str = "mlp", donate: bool = False, opt: str = "adamw"):
     problem, loss_fn = _LOSSES[loss]
     params, batch = problem()
     mesh = fpar.make_mesh((-1,), ("data",), devices=_world())
     layout = fo.zero_layout(params, mesh, P(), stage=stage)
-    opt = fo.adamw(1e-2, weight_decay=0.1)
+    opt = {
+        "adamw": lambda: fo.adamw(1e-2, weight_decay=0.1),
+        "sgdm": lambda: fo.sgd(1e-2, momentum=0.9, weight_decay=0.1),
+        "bf16": lambda: fo.mixed_precision(fo.adamw(1e-2, weight_decay=0.1), compute_dtype=torch.bfloat16),
+    }[opt]()
     params, state = fo.zero_init(opt, params, layout)
     batch = fpar.device_put(batch, mesh, P("data"))
-    step = fo.zero_step(loss_fn, opt, layout, batch_specs=P("data"))
+    step = fo.zero_step(loss_fn, opt, layout, batch_specs=P("data"), donate=donate)
     history, losses, stats = [], [], None
     for i in range(steps):
         fpar.reset_comm_stats()
+        before = _buffers(state, params if stage in (0, 3) else ())
         params, state, metrics = step(params, state, batch)
+        if donate and mesh.backend == "dist" and _buffers(state, params if stage in (0, 3) else ()) != before:
+            raise AssertionError("a donated step on the real mesh did not update its state in place")
         if i == 0:
             stats = fpar.comm_stats()
-        history.append(fpar.gather(fo.zero_params(params, layout), mesh, P()))
+        full = fpar.gather(fo.zero_params(params, layout), mesh, P())
+        history.append({k: v.clone() for k, v in full.items()})  # a donated step overwrites params
         losses.append(metrics["loss"])
     return history, losses, stats
+
+
+def zero3_tp_run(donate: bool):
+    """ZeRO-3 AdamW on a data=2 x tensor=2 mesh with ``tp_loss`` (Megatron blocks split over
+    'tensor'): the full parameters after each of 2 steps."""
+    params, batch = tp_problem()
+    mesh = fpar.make_mesh((2, 2), ("data", "tensor"), devices=4)
+    if mesh.backend == "dist":
+        params = fpar.device_put(params, mesh, TP_SPECS)
+    layout = fo.zero_layout(params, mesh, TP_SPECS, stage=3)
+    opt = fo.adamw(1e-2, weight_decay=0.1)
+    params, state = fo.zero_init(opt, params, layout)
+    step = fo.zero_step(tp_loss, opt, layout, batch_specs=P("data"), donate=donate)
+    batch = fpar.device_put(batch, mesh, P("data"))
+    history = []
+    for _ in range(2):
+        params, state, _ = step(params, state, batch)
+        full = fpar.gather(fo.zero_params(params, layout), mesh, TP_SPECS)
+        history.append({k: v.clone() for k, v in full.items()})
+    return history
+
+
+def _buffers(*trees) -> list[int]:
+    """Addresses of the non-scalar tensors of ``trees`` (what a donated step updates in place)."""
+    return [t.data_ptr() for t in optree.tree_leaves(trees) if isinstance(t, torch.Tensor) and t.dim() > 0]
 
 
 def _world() -> int:

@@ -336,7 +336,14 @@ def test_real_mesh_zero_equals_in_process():
     # (its recompute unpacks re-gathered weights) and on a deeper model (prefetch in flight);
     # DDP with a remat'd layer (replicated weights inside the region: the recompute's backward
     # all-reduces them).
-    jobs = [(2, 3, "mlp"), (3, 2, "mlp"), (3, 2, "remat"), (3, 2, "deep"), (0, 2, "remat")]
+    # Stage 3 on the real mesh runs FSDP's schedule (gathered outside the loss, each gradient
+    # reduce-scattered from its AccumulateGrad hook), stage 2 reduce-scatters each bucket from
+    # the hooks too: padded chunks, bf16 compute, a remat'd layer.  Donated steps
+    # (updated in place on the real mesh, functional in-process) follow the same trajectory:
+    # AdamW on stages 3 and 0, SGD with momentum on stage 2.
+    jobs = [(2, 3, "mlp"), (3, 2, "mlp"), (3, 2, "remat"), (3, 2, "deep"), (0, 2, "remat"), (3, 2, "odd")]
+    jobs += [(2, 2, "odd"), (2, 2, "remat")]
+    jobs += [(3, 3, "deep", True), (0, 2, "mlp", True), (2, 2, "mlp", True, "sgdm"), (3, 2, "mlp", True, "bf16")]
     ranks = fpar.launch(W.zero_runs, 2, jobs, timeout=120.0)
     local = W.zero_runs(jobs)
     for results in ranks:
@@ -344,3 +351,13 @@ def test_real_mesh_zero_equals_in_process():
             _assert_same(hist, lhist, tol=1e-13)
             assert [float(v) for v in losses] == pytest.approx([float(v) for v in llosses], rel=1e-13)
             assert stats == lstats
+
+
+@pytest.mark.multiprocess
+def test_real_mesh_zero3_with_tensor_parallel_equals_in_process():
+    # 4 processes, data=2 x tensor=2: stage 3's real-mesh schedule on blocks split over 'tensor'
+    # (chunks over ('tensor', 'data')), donated, against the functional in-process run.
+    ranks = fpar.launch(W.zero3_tp_run, 4, True, timeout=180.0)
+    local = W.zero3_tp_run(False)
+    for hist in ranks:
+        _assert_same(hist, local, tol=1e-13)
