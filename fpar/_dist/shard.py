@@ -53,6 +53,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _stats as stats
 from .._collectives import Frame, frames
+from .._compile import eager
 from .._errors import ReplicationError
 from .._spec import PartitionSpec, check_spec
 from .._tree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
@@ -214,7 +215,7 @@ class DistShard:
         ok = False
         try:
             if tracker is not None:
-                with tracker:
+                with tracker, eager():  # a compiled f runs eagerly here: every op is intercepted
                     out = self.f(*tree_unflatten(treedef, local))
                     outs = self._outputs(plan, tracker, out, first)
             else:
