@@ -41,8 +41,19 @@ def _per_device(w1, w2, x, y):
     return fpar.pmean(((torch.nn.functional.gelu(x @ w1) @ w2 - y) ** 2).mean(), "data")
 
 
-def _block(t: torch.Tensor) -> torch.Tensor:
-    return t.chunk(dist.get_world_size())[dist.get_rank()] if _real() else t
+def _tp_per_device(w1, w2, b, x, y):
+    # Megatron MLP: w1 split by columns, w2 by rows; the psum sits between two compiled regions,
+    # and b (replicated, used after it) gets no all-reduce
+    h = torch.nn.functional.gelu(x @ w1) @ w2
+    return ((fpar.psum(h, "data") + b - y) ** 2).mean()
+
+
+def _tp_unsharded(w1, w2, b, x, y):
+    return ((torch.nn.functional.gelu(x @ w1) @ w2 + b - y) ** 2).mean()
+
+
+def _block(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    return t.chunk(dist.get_world_size(), dim)[dist.get_rank()] if _real() else t
 
 
 def _leaves(*ts):
@@ -137,9 +148,26 @@ def run_forms(backend: str = "aot_eager") -> dict:
             ref_opt.step()
         return _err(ps, refs), None
 
+    def c_tensor_parallel():
+        b = torch.linspace(-1, 1, 1, dtype=F64)
+        refs = _leaves(w1, w2, b)
+        tp_want = torch.autograd.grad(_tp_unsharded(*refs, x, y), refs)
+        tp_want = (_block(tp_want[0], 1), _block(tp_want[1], 0), tp_want[2])
+        before = _graphs()
+        inner = fpar.shard(
+            torch.compile(_tp_per_device, backend=backend), mesh, (P(None, "data"), P("data"), P(), P(), P()), P()
+        )
+        errs = []
+        for _ in range(3):
+            ps = _leaves(_block(w1, 1), _block(w2, 0), b)
+            inner(*ps, x, y).backward()
+            errs.append(_err([p.grad for p in ps], tp_want))
+        return max(errs), _graphs() - before
+
     form("a", a_step_backward)
     form("a_fullgraph", a_fullgraph)
     form("b", b_compile_grad)
     form("c", c_compiled_per_device)
+    form("c_tp", c_tensor_parallel)
     form("d", d_step_with_optimizer)
     return out

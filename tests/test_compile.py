@@ -26,7 +26,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"),
     pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
 ]
-FORMS = ("a", "b", "c", "d")
+FORMS = ("a", "b", "c", "c_tp", "d")
 
 
 def _check_forms(out: dict, *, real: bool) -> None:
@@ -37,9 +37,10 @@ def _check_forms(out: dict, *, real: bool) -> None:
     kind, err_type, message = out["a_fullgraph"]
     assert (kind, err_type) == ("error", "Unsupported")
     assert "pytorch#193279" in message and "fpar.shard(torch.compile(f), ...)" in message
-    graphs = out["c"][2]
-    # the real mesh's planned calls run the compiled per-device function; in-process it runs eagerly
-    assert graphs >= 1 if real else graphs == 0
+    # the real mesh's planned calls run the compiled per-device function (the tensor-parallel one
+    # as two graphs, split at the psum); in-process it runs eagerly
+    graphs, tp_graphs = out["c"][2], out["c_tp"][2]
+    assert (graphs >= 1 and tp_graphs >= 2) if real else (graphs, tp_graphs) == (0, 0)
 
 
 def test_every_form_in_process_equals_the_unsharded_gradient():
