@@ -164,10 +164,17 @@ def run_forms(backend: str = "aot_eager") -> dict:
             errs.append(_err([p.grad for p in ps], tp_want))
         return max(errs), _graphs() - before
 
+    def c_fullgraph():
+        inner = fpar.shard(torch.compile(_per_device, backend=backend, fullgraph=True), mesh, specs, P())
+        for _ in range(2):  # the real mesh compiles on its second (planned) call
+            inner(w1, w2, xb, yb)
+        return 0.0, None
+
     form("a", a_step_backward)
     form("a_fullgraph", a_fullgraph)
     form("b", b_compile_grad)
     form("c", c_compiled_per_device)
     form("c_tp", c_tensor_parallel)
+    form("c_fullgraph", c_fullgraph)
     form("d", d_step_with_optimizer)
     return out
