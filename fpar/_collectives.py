@@ -26,6 +26,7 @@ import torch
 from torch._C._functorch import maybe_current_level
 
 from . import _stats as stats
+from ._compile import opaque
 from ._errors import UnboundAxisError
 from ._registry import internal
 from ._tree import tree_map
@@ -260,6 +261,7 @@ def _size(op: Op) -> int:
 # API ----------------------------------------------------------------------------------------
 
 
+@opaque  # never traced by Dynamo: see _compile.py
 def _apply(api: str, x: Any, axis_name: AxisName, kind: str, params: tuple = (), *, check=None, number=None):
     frame, axes = _bound(api, axis_name)
     n = frame.mesh.axis_size(axes)
@@ -387,6 +389,7 @@ def psum_scatter(x: Any, axis_name: AxisName, *, scatter_dimension: int = 0, til
     return _apply("psum_scatter", x, axis_name, "psum_scatter", check=check)
 
 
+@opaque  # never traced by Dynamo: see _compile.py
 def ppermute(x: Any, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> Any:
     """Send blocks between devices: device ``dst`` gets the block of ``src`` for each ``(src, dst)``.
 
@@ -415,6 +418,7 @@ def all_to_all(x: Any, axis_name: AxisName, split_axis: int, concat_axis: int, *
     return _apply("all_to_all", x, axis_name, "all_to_all", check=check)
 
 
+@opaque  # never traced by Dynamo: see _compile.py
 def pvary(x: Any, axis_name: AxisName) -> Any:
     """Mark a replicated value as varying over axes: ``pvary(x replicated) -> x varying``.
 
@@ -466,6 +470,7 @@ def implicit_pvary(frame: Frame, t: Tensor, axes: tuple[str, ...]) -> Tensor:
     return out
 
 
+@opaque  # never traced by Dynamo: see _compile.py
 def axis_index(axis_name: AxisName) -> Tensor:
     """This device's index along an axis (int64 scalar; a tuple is one combined axis, major first)."""
     frame, axes = _bound("axis_index", axis_name)
@@ -475,6 +480,7 @@ def axis_index(axis_name: AxisName) -> Tensor:
     return index
 
 
+@opaque  # never traced by Dynamo: see _compile.py
 def axis_size(axis_name: AxisName) -> int:
     """The size of an axis (the product for a tuple), as a Python int."""
     frame, axes = _bound("axis_size", axis_name)

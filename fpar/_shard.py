@@ -22,6 +22,7 @@ from torch._C._functorch import maybe_current_level
 
 from . import _stats as stats
 from ._collectives import Frame, frames
+from ._compile import eager, opaque
 from ._errors import ReplicationError, SpecError
 from ._mesh import Mesh
 from ._mode import batched_levels, storage_of
@@ -115,7 +116,7 @@ def shard(
         call = _Call(f, fname, mesh, in_specs, out_specs, bool(check_rep))
         return call.run(args)
 
-    return sharded
+    return opaque(sharded)  # under torch.compile: an eager graph break (see _compile.py)
 
 
 def _with_kwargs(f, fname, in_specs, args: tuple, kwargs: dict) -> tuple[Callable, tuple]:
@@ -208,7 +209,7 @@ class _Call:
             fn = self._level(fn, frame, i, level_dims[i])
         frames().append(frame)
         try:
-            with ShardMode(frame):
+            with ShardMode(frame), eager():
                 outs = fn(*views, token, *index)
         except RuntimeError as e:
             if "randomness" in str(e):

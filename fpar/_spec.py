@@ -8,7 +8,6 @@ replication (outputs), exactly as in ``jax.sharding.PartitionSpec``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping
 
 __all__ = ["P", "PartitionSpec"]
@@ -146,7 +145,7 @@ def check_spec(
     if blocks:
         return
     for d, entry in enumerate(spec.normalized()):
-        n = math.prod(mesh_shape[a] for a in entry)
+        n = _blocks(entry, mesh_shape)
         if shape[d] % n:
             sizes = ", ".join(f"{a!r}: {mesh_shape[a]}" for a in entry)
             raise SpecError(
@@ -160,7 +159,7 @@ def block_shape(spec: PartitionSpec, shape, mesh_shape: Mapping[str, int]) -> tu
     """Shape of one device's block of a value of global ``shape``."""
     out = list(shape)
     for d, entry in enumerate(spec.normalized()):
-        out[d] //= math.prod(mesh_shape[a] for a in entry)
+        out[d] //= _blocks(entry, mesh_shape)
     return tuple(out)
 
 
@@ -168,5 +167,17 @@ def global_shape(spec: PartitionSpec, block, mesh_shape: Mapping[str, int]) -> t
     """Shape of the global value whose blocks have shape ``block``."""
     out = list(block)
     for d, entry in enumerate(spec.normalized()):
-        out[d] *= math.prod(mesh_shape[a] for a in entry)
+        out[d] *= _blocks(entry, mesh_shape)
     return tuple(out)
+
+
+def _blocks(entry: Entry, mesh_shape: Mapping[str, int]) -> int:
+    """How many blocks a dim split over the axes of ``entry`` has (1 for no axes).
+
+    A plain loop rather than ``math.prod`` over a generator, which ``torch.compile`` (Dynamo)
+    cannot trace.
+    """
+    n = 1
+    for a in entry:
+        n *= mesh_shape[a]
+    return n

@@ -60,6 +60,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _stats as stats
 from .._collectives import Frame, frames
+from .._compile import eager
 from .._errors import ReplicationError
 from .._spec import PartitionSpec, check_spec
 from .._tree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
@@ -117,16 +118,8 @@ class DistShard:
     # -- a call ----------------------------------------------------------------------------
 
     def __call__(self, args: tuple) -> Any:
-        if torch.compiler.is_compiling():
-            # pytorch#193279: Dynamo drops a custom autograd.Function's backward under
-            # torch.compile(torch.func.grad(f)), which here would return each rank's *local*
-            # gradient without an error.  Refuse rather than risk a silently wrong gradient.
-            raise NotImplementedError(
-                f"fpar.shard({self.fname}): torch.compile over a sharded function on a real mesh is "
-                f"not supported (its gradient all-reduces are custom autograd Functions, whose "
-                f"backward Dynamo can drop: pytorch#193279). Compile the per-device code inside the "
-                f"sharded function instead, e.g. fpar.shard(torch.compile(f), ...)."
-            )
+        # No torch.compile check here: the sharded function that calls this is
+        # torch.compiler.disable'd (fpar/_compile.py), so Dynamo never traces a real-mesh call.
         leaves, treedef = tree_flatten(args)
         specs = self.spec_cache.get(treedef)
         if specs is None:
@@ -225,7 +218,7 @@ class DistShard:
         ok = False
         try:
             if tracker is not None:
-                with tracker:
+                with tracker, eager():  # a compiled f runs eagerly here: every op is intercepted
                     out = self.f(*tree_unflatten(treedef, local))
                     outs = self._outputs(plan, tracker, out, first)
             else:

@@ -1,0 +1,218 @@
+"""A compiled training step through ``fpar.shard`` against the same step in eager mode.
+
+Both sides train the same 2-layer MLP (``gelu(x @ w1 + b1) @ w2 + b2``, float32, MSE loss, the
+batch split over "data", the parameters replicated) with ``torch.optim.SGD(momentum=0.9)``:
+
+* **eager**: ``loss = fpar.shard(per_device_loss, mesh, specs, P())``; a step is
+  ``opt.zero_grad(); loss(...).backward(); opt.step()``;
+* **compiled**: the supported compiled form (README, "torch.compile"):
+  ``fpar.shard(torch.compile(per_device_loss), ...)`` (the per-device code compiled, split at
+  the ``pmean``), inside a ``torch.compile``\\ d step that also compiles the optimizer update
+  (the sharded call is a graph break that runs fpar's machinery eagerly); inductor backend.
+
+Two meshes, each timed in one run:
+
+* **real mesh**: 2 gloo processes on this machine (``fpar.launch``), 1 thread each, each holding
+  B/2 rows; each timed step starts after a ``dist.barrier()``; rank 0's medians;
+* **in-process mesh**: ``data=2`` in this process (fpar's in-process machinery is not traceable
+  by Dynamo, so only the optimizer part compiles there; expect a ratio near 1).
+
+Checked first: from the same parameters, 3 compiled steps give the same parameters as 3 eager
+steps (float32 tolerance), on every rank.  Then both sides are warmed up (compilation included)
+and timed interleaved (the order alternates every repeat); medians and the ratio compiled/eager
+are printed, never asserted.  ``--profile`` prints the top ops of one step of each side
+(rank 0 / in-process) from ``torch.profiler``.
+
+Run:
+    python bench/compile.py                      # D=512 H=2048 B=128 (64/process), 30 repeats
+    python bench/compile.py --tiny --repeats 100 # D=64 H=256 B=16: fixed cost per call
+
+Shape suffixes: B batch (global), D model dim, H hidden.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)  # bench/random.py would shadow the standard library's random (statistics, torch)
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+try:
+    import fpar
+except ImportError:  # run from a checkout without installing: use the repo's fpar/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import fpar
+from fpar import P
+
+SPECS = (P(), P(), P(), P(), P("data"), P("data"))
+LR = 0.01
+
+
+def per_device_loss(w1_HD, b1_H, w2_DH, b2_D, x_BD, y_BD):
+    """The MLP on this device's rows; MSE averaged over "data" (its gradient needs the all-reduce)."""
+    h_BH = F.gelu(F.linear(x_BD, w1_HD, b1_H))
+    return fpar.pmean(F.mse_loss(F.linear(h_BH, w2_DH, b2_D), y_BD), "data")
+
+
+def unsharded_loss(w1_HD, b1_H, w2_DH, b2_D, x_BD, y_BD):
+    """The same loss in plain torch on the global batch (the ceiling of what compile can gain)."""
+    return F.mse_loss(F.linear(F.gelu(F.linear(x_BD, w1_HD, b1_H)), w2_DH, b2_D), y_BD)
+
+
+def _side(loss, params, x_BD, y_BD, compile_step: bool):
+    """A training step of ``loss`` with its own copy of the parameters and optimizer."""
+    ps = [p.detach().clone().requires_grad_() for p in params]
+    opt = torch.optim.SGD(ps, lr=LR, momentum=0.9, foreach=True)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        out = loss(*ps, x_BD, y_BD)
+        out.backward()
+        opt.step()
+        return out
+
+    return (torch.compile(step) if compile_step else step), ps
+
+
+def _check(sides: dict, steps: int = 3) -> float:
+    """Run every side ``steps`` times from the same parameters; the largest relative difference."""
+    for _ in range(steps):
+        for step, _ in sides.values():
+            step()
+    first = next(iter(sides.values()))[1]
+    worst = 0.0
+    for name, (_, ps) in sides.items():
+        for a, b in zip(first, ps):
+            a, b = a.detach(), b.detach()
+            rel = float((a - b).norm() / a.norm())
+            worst = max(worst, rel)
+            if not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
+                raise AssertionError(f"{name}: parameters differ from eager after {steps} steps: rel {rel:.2e}")
+    return worst
+
+
+def _time(sides: dict, repeats: int, warmup: int, barrier) -> dict:
+    names = list(sides)
+    for _ in range(warmup):
+        for n in names:
+            sides[n]()
+    times: dict = {n: [] for n in names}
+    for r in range(repeats):
+        for n in names if r % 2 == 0 else reversed(names):
+            barrier()
+            t0 = time.perf_counter()
+            sides[n]()
+            times[n].append(time.perf_counter() - t0)
+    return {n: statistics.median(v) * 1e3 for n, v in times.items()}
+
+
+def _profile(sides: dict) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    out = []
+    for n, step in sides.items():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step()
+        out.append(f"--- {n}\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    return "\n".join(out)
+
+
+def _data(cfg: dict):
+    B, D, H = cfg["batch"], cfg["dim"], cfg["hidden"]
+    g = torch.Generator().manual_seed(0)
+    params = [
+        torch.randn(H, D, generator=g) * D**-0.5,
+        torch.zeros(H),
+        torch.randn(D, H, generator=g) * H**-0.5,
+        torch.zeros(D),
+    ]
+    return params, torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)
+
+
+def run(cfg: dict) -> dict:
+    """One mesh: on a launched worker the real mesh (rank's rows), else the in-process mesh."""
+    torch.set_num_threads(cfg["threads"])
+    real = dist.is_available() and dist.is_initialized()
+    n = dist.get_world_size() if real else 2
+    mesh = fpar.make_mesh((n,), ("data",))
+    params, x_BD, y_BD = _data(cfg)
+    if real:
+        x_BD, y_BD = (t.chunk(n)[dist.get_rank()] for t in (x_BD, y_BD))
+    eager = fpar.shard(per_device_loss, mesh, SPECS, P())
+    compiled = fpar.shard(torch.compile(per_device_loss), mesh, SPECS, P())
+    sides = {
+        "eager": _side(eager, params, x_BD, y_BD, False),
+        "compiled": _side(compiled, params, x_BD, y_BD, True),
+        "compiled f only": _side(compiled, params, x_BD, y_BD, False),
+    }
+    rel = _check(sides)
+    if not real:  # plain torch, no fpar: what inductor gains on this step at all
+        plain = {
+            "torch eager": _side(unsharded_loss, params, x_BD, y_BD, False),
+            "torch compiled": _side(unsharded_loss, params, x_BD, y_BD, True),
+        }
+        rel = max(rel, _check(plain))
+        sides.update(plain)
+    sides = {name: step for name, (step, _) in sides.items()}
+    barrier = dist.barrier if real else (lambda: None)
+    result = {"rel": rel, "ms": _time(sides, cfg["repeats"], cfg["warmup"], barrier)}
+    if cfg["profile"]:  # every rank steps (the collectives need both); rank 0's table is printed
+        result["profile"] = _profile(sides)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--tiny", action="store_true", help="D=64 H=256 B=16")
+    ap.add_argument("--profile", action="store_true", help="print the top ops of one step per side")
+    ap.add_argument("--mesh", choices=("both", "real", "local"), default="both")
+    ap.add_argument("--batch", type=int, help="global batch (default 128; --tiny 16)")
+    ap.add_argument("--dim", type=int, help="model dim (default 512; --tiny 64)")
+    ap.add_argument("--hidden", type=int, help="hidden dim (default 2048; --tiny 256)")
+    a = ap.parse_args()
+    dims = dict(batch=16, dim=64, hidden=256) if a.tiny else dict(batch=128, dim=512, hidden=2048)
+    dims.update({k: getattr(a, k) for k in dims if getattr(a, k) is not None})
+    cfg = dict(dims, repeats=a.repeats, warmup=a.warmup, profile=a.profile)
+    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
+    label = f"MLP train step B={cfg['batch']} D={cfg['dim']} H={cfg['hidden']} fp32, SGD momentum"
+    rows = []
+    if a.mesh in ("both", "real"):
+        res = fpar.launch(run, 2, dict(cfg, threads=1), timeout=600)[0]
+        rows.append(("real mesh, 2 gloo procs", "2x1", res))
+    if a.mesh in ("both", "local"):
+        rows.append(("in-process mesh data=2", "1", run(dict(cfg, threads=1))))
+    print(f"load average {os.getloadavg()[0]:.2f} at end")
+    print("| benchmark | config | compiled (ms) | eager (ms) | ratio | max rel. param diff after 3 steps | threads |")
+    print("|---|---|---|---|---|---|---|")
+    forms = (
+        ("compiled", "eager", "compiled step + fpar.shard(torch.compile(f))"),
+        ("compiled f only", "eager", "eager step + fpar.shard(torch.compile(f))"),
+        ("torch compiled", "torch eager", "plain torch, no fpar: torch.compile(step)"),
+    )
+    for where, threads, res in rows:
+        ms = res["ms"]
+        for c, e, what in forms:
+            if c in ms:
+                print(f"| compile | {label}, {where}: {what} | {ms[c]:.2f} | {ms[e]:.2f} | "
+                      f"{ms[c] / ms[e]:.2f}x | {res['rel']:.1e} | {threads} |")
+    for where, _, res in rows:
+        if "profile" in res:
+            print(f"\n=== profile, {where}\n{res['profile']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""Programs for ``test_compile.py``: every ``torch.compile`` form over ``fpar.shard``, on either mesh.
+
+Spawned processes import their function by module name, so what ``fpar.launch`` runs lives here.
+:func:`run_forms` runs in the test process (in-process mesh) and in each of 2 gloo workers (real
+mesh: each rank passes its own block of the batch), and returns per form the largest difference
+from the *unsharded* function's gradient (or parameters after a few SGD steps), computed by plain
+torch autograd in the same process, or the error the form raised.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import fpar
+from fpar import P
+
+F64 = torch.float64
+D, H, B, STEPS, LR = 8, 16, 12, 3, 0.1
+
+
+def _real() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    w1 = torch.randn(D, H, dtype=F64, generator=g) / D**0.5
+    w2 = torch.randn(H, 1, dtype=F64, generator=g) / H**0.5
+    x = torch.randn(B, D, dtype=F64, generator=g)
+    y = torch.randn(B, 1, dtype=F64, generator=g)
+    return w1, w2, x, y
+
+
+def _unsharded(w1, w2, x, y):
+    return ((torch.nn.functional.gelu(x @ w1) @ w2 - y) ** 2).mean()
+
+
+def _per_device(w1, w2, x, y):
+    # the data-parallel loss: its gradient needs the all-reduce of w1's and w2's cotangents
+    return fpar.pmean(((torch.nn.functional.gelu(x @ w1) @ w2 - y) ** 2).mean(), "data")
+
+
+def _tp_per_device(w1, w2, b, x, y):
+    # Megatron MLP: w1 split by columns, w2 by rows; the psum sits between two compiled regions,
+    # and b (replicated, used after it) gets no all-reduce
+    h = torch.nn.functional.gelu(x @ w1) @ w2
+    return ((fpar.psum(h, "data") + b - y) ** 2).mean()
+
+
+def _tp_unsharded(w1, w2, b, x, y):
+    return ((torch.nn.functional.gelu(x @ w1) @ w2 + b - y) ** 2).mean()
+
+
+def _block(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    return t.chunk(dist.get_world_size(), dim)[dist.get_rank()] if _real() else t
+
+
+def _leaves(*ts):
+    return [t.detach().clone().requires_grad_() for t in ts]
+
+
+def _err(got, want) -> float:
+    return max(float((g.detach() - w.detach()).abs().max()) for g, w in zip(got, want))
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def run_forms(backend: str = "aot_eager") -> dict:
+    """Run every form; per form ``("ok", max |difference|, extra)`` or ``("error", type, message)``."""
+    torch._dynamo.reset()
+    mesh = fpar.make_mesh((dist.get_world_size() if _real() else 2,), ("data",))
+    specs = (P(), P(), P("data"), P("data"))
+    w1, w2, x, y = _data()
+    xb, yb = _block(x), _block(y)
+    ref_w = _leaves(w1, w2)
+    want = torch.autograd.grad(_unsharded(*ref_w, x, y), ref_w)
+    sl = fpar.shard(_per_device, mesh, specs, P())
+    out: dict = {}
+
+    def form(name, fn):
+        try:
+            out[name] = ("ok", *fn())
+        except Exception as e:  # noqa: BLE001 - the test names the form that raised
+            out[name] = ("error", type(e).__name__, str(e))
+
+    def a_step_backward():
+        def step(w1, w2, x, y):
+            loss = sl(w1, w2, x, y)
+            loss.backward()
+            return loss
+
+        ps = _leaves(w1, w2)
+        step_c = torch.compile(step, backend=backend)
+        for _ in range(2):  # the second call is the real mesh's fast (planned) call
+            for p in ps:
+                p.grad = None
+            step_c(*ps, xb, yb)
+        return _err([p.grad for p in ps], want), None
+
+    def a_fullgraph():
+        def step(w1, w2, x, y):
+            loss = sl(w1, w2, x, y)
+            return loss * 2
+
+        torch.compile(step, backend=backend, fullgraph=True)(*_leaves(w1, w2), xb, yb)
+        return 0.0, None
+
+    def b_compile_grad():
+        g = torch.compile(torch.func.grad(sl, argnums=(0, 1)), backend=backend)
+        got = [g(w1, w2, xb, yb) for _ in range(2)][-1]
+        return _err(got, want), None
+
+    def c_compiled_per_device():
+        before = _graphs()
+        inner = fpar.shard(torch.compile(_per_device, backend=backend), mesh, specs, P())
+        errs = []
+        for _ in range(3):  # traced (eager) first call, then planned calls running compiled f
+            ps = _leaves(w1, w2)
+            inner(*ps, xb, yb).backward()
+            errs.append(_err([p.grad for p in ps], want))
+        errs.append(_err(torch.func.grad(inner, argnums=(0, 1))(w1, w2, xb, yb), want))
+        return max(errs), _graphs() - before
+
+    def d_step_with_optimizer():
+        inner = fpar.shard(torch.compile(_per_device, backend=backend), mesh, specs, P())
+
+        def step(params, opt):
+            opt.zero_grad()
+            loss = inner(*params, xb, yb)
+            loss.backward()
+            opt.step()
+            return loss
+
+        ps = _leaves(w1, w2)
+        opt = torch.optim.SGD(ps, lr=LR, momentum=0.9)
+        step_c = torch.compile(step, backend=backend)
+        refs = _leaves(w1, w2)
+        ref_opt = torch.optim.SGD(refs, lr=LR, momentum=0.9)
+        for _ in range(STEPS):
+            step_c(ps, opt)
+            ref_opt.zero_grad()
+            _unsharded(*refs, x, y).backward()
+            ref_opt.step()
+        return _err(ps, refs), None
+
+    def c_tensor_parallel():
+        b = torch.linspace(-1, 1, 1, dtype=F64)
+        refs = _leaves(w1, w2, b)
+        tp_want = torch.autograd.grad(_tp_unsharded(*refs, x, y), refs)
+        tp_want = (_block(tp_want[0], 1), _block(tp_want[1], 0), tp_want[2])
+        before = _graphs()
+        inner = fpar.shard(
+            torch.compile(_tp_per_device, backend=backend), mesh, (P(None, "data"), P("data"), P(), P(), P()), P()
+        )
+        errs = []
+        for _ in range(3):
+            ps = _leaves(_block(w1, 1), _block(w2, 0), b)
+            inner(*ps, x, y).backward()
+            errs.append(_err([p.grad for p in ps], tp_want))
+        return max(errs), _graphs() - before
+
+    def c_fullgraph():
+        inner = fpar.shard(torch.compile(_per_device, backend=backend, fullgraph=True), mesh, specs, P())
+        for _ in range(2):  # the real mesh compiles on its second (planned) call
+            inner(w1, w2, xb, yb)
+        return 0.0, None
+
+    form("a", a_step_backward)
+    form("a_fullgraph", a_fullgraph)
+    form("b", b_compile_grad)
+    form("c", c_compiled_per_device)
+    form("c_tp", c_tensor_parallel)
+    form("c_fullgraph", c_fullgraph)
+    form("d", d_step_with_optimizer)
+    return out
