@@ -361,6 +361,67 @@ def test_real_mesh_draws_equal_in_process():
             assert torch.equal(g, w)
 
 
+def _gpt_dropout_runs(shape: tuple[int, int]):
+    """gpt_loss with dropout on a data x tensor mesh: (loss, grads) twice (traced, then fast call)."""
+    mesh = fpar.make_mesh(shape, ("data", "tensor"))
+    specs = fpar.ops.gpt_specs(2)
+    params = fpar.init(fpar.ops.init_gpt(32, 16, 2, 8, dtype=torch.float64), mesh, specs, seed=0)
+    g = torch.Generator().manual_seed(0)
+    ids, targets = torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g)
+    ids, targets = fpar.device_put((ids, targets), mesh, P("data"))
+
+    def loss(params, ids, targets, key):
+        tok = fpar.ops.gpt_loss(params, ids, targets, axis="tensor", n_heads=4, dropout=0.3, key=key)
+        return fpar.pmean(tok.mean(), "data")
+
+    step = fpar.shard(loss, mesh, (specs, P("data"), P("data"), P()), P())
+    grad_step = fpar.shard(loss, mesh, (specs, P("data"), P("data"), P()), P())
+    key = fpar.random.fold_in(fpar.random.key(0), 3)
+    grads = fpar.gather(torch.func.grad(grad_step)(params, ids, targets, key), mesh, specs)
+    # the first call with a signature runs traced, later ones fast (no tracking): the dropout
+    # sites' batch axes come from the traced call's record there
+    losses = [step(params, ids, targets, fpar.random.fold_in(fpar.random.key(0), t)).clone() for t in (3, 3, 4)]
+    return losses, grads
+
+
+def _real_mesh_gpt_dropout():
+    return [_gpt_dropout_runs(shape) for shape in ((2, 1), (1, 2))]
+
+
+@pytest.mark.multiprocess
+def test_real_mesh_gpt_dropout_equals_in_process():
+    # data=2: each data rank draws its rows' block of the global masks (not the same mask twice);
+    # tensor=2: each tensor rank its heads' block of the attention-probability masks.
+    got = fpar.launch(_real_mesh_gpt_dropout, 2, timeout=90.0)
+    for i, shape in enumerate(((2, 1), (1, 2))):
+        want_losses, want_grads = _gpt_dropout_runs(shape)
+        assert not torch.equal(want_losses[0], want_losses[2])  # another key, other masks
+        for losses, grads in (per_rank[i] for per_rank in got):
+            torch.testing.assert_close(losses, want_losses, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(grads, want_grads, rtol=1e-10, atol=1e-12)
+
+
+def _torch_dropout_in_a_fast_call():
+    mesh = fpar.make_mesh((2,), ("data",))
+    state = {"training": False}
+    f = fpar.shard(lambda x: F.dropout(x, 0.5, training=state["training"]), mesh, (P("data"),), P("data"))
+    x = fpar.device_put(torch.ones(4, 4), mesh, P("data"))
+    f(x)  # traced: the dropout is inactive, allowed
+    state["training"] = True  # the same signature runs fast now, with no interception
+    try:
+        f(x)
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.multiprocess
+def test_real_mesh_refuses_a_torch_draw_that_first_appears_in_a_fast_call():
+    for msg in fpar.launch(_torch_dropout_in_a_fast_call, 2, timeout=60.0):
+        assert "a torch random op (torch.rand, torch.randn, torch.nn.functional.dropout, ...) drew" in msg
+        assert "Use fpar.random with an explicit key instead" in msg
+
+
 # Dropout in the GPT layers: the same masks at every layout -----------------------------------
 
 
