@@ -558,3 +558,56 @@ def test_multi_dim_mlp_dropout_is_the_unsharded_mlps(mode):
     torch.testing.assert_close(out, ref)
     cot = torch.randn(out.shape, generator=g, dtype=torch.float64)
     torch.testing.assert_close(vjp(cot), ref_vjp(cot))
+
+
+# Pipelines: microbatch j has the key fold_in(key, j), chunk k fold_in(key_j, k) -------------------
+
+
+def _pipe_problem(L: int, m: int):
+    g = torch.Generator().manual_seed(5)
+    stages = {"a": torch.randn(L, 4, 8, dtype=torch.float64, generator=g) * 0.5,
+              "b": torch.randn(L, 8, 4, dtype=torch.float64, generator=g) * 0.5}
+    first, last = {"emb": torch.randn(7, 4, dtype=torch.float64, generator=g)}, {"head": torch.randn(4, 3, dtype=torch.float64, generator=g)}
+    xs, ts = torch.randint(0, 7, (m, 4), generator=g), torch.randn(m, 4, 3, dtype=torch.float64, generator=g)
+    return stages, first, last, xs, ts
+
+
+def _pipe_block(w, h, key, spec=None):
+    return h + fpar.ops.dropout(key, torch.tanh(h @ w["a"]) @ w["b"], 0.4, spec=spec)
+
+
+@pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved", 2), ("zb_v", 2)])
+def test_pipeline_dropout_equals_the_unpipelined_model_with_per_microbatch_keys(name, v):
+    p, m = 2, 4
+    mesh = fpar.make_mesh((p, 2), ("pipe", "data"))
+    sub, rows = mesh.submesh(("data",)), P("data")
+    stage = fpar.shard(lambda w, h, k: _pipe_block(w, h, k, rows), sub, ({"a": P(), "b": P()}, rows, P()), rows)
+    first = fpar.shard(lambda w, x, k: fpar.ops.dropout(k, w["emb"][x], 0.4, spec=rows), sub, ({"emb": P()}, rows, P()), rows)
+    loss = fpar.shard(lambda w, h, t: fpar.pmean(((h @ w["head"] - t) ** 2).mean(), "data"), sub, ({"head": P()}, rows, rows), P())
+    sch = {"1f1b": lambda: fpar.pipeline.one_f_one_b(p, m), "interleaved": lambda: fpar.pipeline.interleaved_1f1b(p, m, v),
+           "zb_v": lambda: fpar.pipeline.zb_v(p, m)}[name]()
+    step = fpar.pipeline.pipeline(stage, sch, mesh, loss=loss, first=first)
+    stages, first_p, last_p, xs, ts = _pipe_problem(p * v, m)
+    key = fpar.random.key(77)
+    params = {"stages": fpar.pipeline.stage_major(stages, p, v, layout=sch.layout), "first": first_p, "last": last_p}
+    res = step(params, xs, ts, key=key)
+
+    def reference(stages, first_p, last_p):  # unpipelined, unsharded, the documented keys
+        total = 0.0
+        for j in range(m):
+            key_j = fpar.random.fold_in(key, j)
+            h = fpar.ops.dropout(key_j, first_p["emb"][xs[j]], 0.4)
+            for k in range(p * v):
+                h = _pipe_block({"a": stages["a"][k], "b": stages["b"][k]}, h, fpar.random.fold_in(key_j, k))
+            total = total + ((h @ last_p["head"] - ts[j]) ** 2).mean()
+        return total / m
+
+    want = reference(stages, first_p, last_p)
+    g_stages, g_first, g_last = torch.func.grad(reference, argnums=(0, 1, 2))(stages, first_p, last_p)
+    torch.testing.assert_close(res.loss, want)
+    torch.testing.assert_close(res.grads["stages"], fpar.pipeline.stage_major(g_stages, p, v, layout=sch.layout))
+    torch.testing.assert_close(res.grads["first"], g_first)
+    torch.testing.assert_close(res.grads["last"], g_last)
+    assert not torch.equal(step(params, xs, ts, key=fpar.random.key(78)).loss, res.loss)  # the key matters
+    with pytest.raises(TypeError, match=r"step\(\.\.\., key=\) must be a fpar.random key"):
+        step(params, xs, ts, key=torch.zeros(2))
