@@ -5,7 +5,9 @@ a global shape computed outside ``fpar.shard`` (the same work a device does for 
 ``shard`` with a spec), next to ``torch.rand(n)`` (CPU: mt19937; CUDA: Philox in one fused
 kernel).  One extra row times the block inside ``fpar.shard`` on an in-process mesh of 4
 devices, ``spec=P("data")``, against ``torch.rand`` of the same global size.  The two sides are
-interleaved; medians over ``--reps`` after a warm-up; the ratio is fpar / torch.
+interleaved; medians over ``--reps`` after a warm-up; the ratio is fpar / torch.  Rows marked
+"compiled" use ``fpar.random.set_compiled(True)`` (the same bits from a ``torch.compile``d Philox
+kernel; its one-time compile is excluded by the warm-up and printed on its own).
 
     python bench/random.py                 # CPU, 1 thread
     python bench/random.py --device cuda   # on a GPU
@@ -47,6 +49,19 @@ def compare(a, b, reps: int, sync) -> tuple[float, float]:
     return statistics.median(ta), statistics.median(tb)
 
 
+def compiled(fn):
+    """``fn`` with the compiled Philox kernel on."""
+
+    def run():
+        fpar.random.set_compiled(True)
+        try:
+            return fn()
+        finally:
+            fpar.random.set_compiled(False)
+
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
@@ -59,6 +74,10 @@ def main() -> None:
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     key = fpar.random.key(0, device=dev)
     print(f"device {dev}, {torch.get_num_threads()} thread(s), torch {torch.__version__}")
+    t0 = time.perf_counter()
+    compiled(lambda: fpar.random.uniform(key, (4096,)))()
+    sync()
+    print(f"first compiled draw (compile, or load from inductor's cache): {time.perf_counter() - t0:.1f} s")
     print(f"{'case':34s} {'n':>9s} {'fpar ms':>9s} {'torch ms':>9s} {'ratio':>6s}")
     for n in (int(s) for s in args.sizes.split(",")):
         rows = [
@@ -71,6 +90,16 @@ def main() -> None:
             (
                 "bernoulli 0.9 (dropout mask)",
                 lambda n=n: fpar.random.bernoulli(key, 0.9, (n,)),
+                lambda n=n: torch.rand(n, device=dev) < 0.9,
+            ),
+            (
+                "uniform float32 (n,) compiled",
+                compiled(lambda n=n: fpar.random.uniform(key, (n,))),
+                lambda n=n: torch.rand(n, device=dev),
+            ),
+            (
+                "bernoulli 0.9 compiled",
+                compiled(lambda n=n: fpar.random.bernoulli(key, 0.9, (n,))),
                 lambda n=n: torch.rand(n, device=dev) < 0.9,
             ),
         ]

@@ -611,3 +611,29 @@ def test_pipeline_dropout_equals_the_unpipelined_model_with_per_microbatch_keys(
     assert not torch.equal(step(params, xs, ts, key=fpar.random.key(78)).loss, res.loss)  # the key matters
     with pytest.raises(TypeError, match=r"step\(\.\.\., key=\) must be a fpar.random key"):
         step(params, xs, ts, key=torch.zeros(2))
+
+
+# The optional compiled generator: the same bits -----------------------------------------------
+
+
+def test_compiled_generator_gives_the_eager_bits():
+    k = fpar.random.fold_in(fpar.random.key(3), 11)
+    draws = [
+        lambda: fpar.random.bits(k, (5, 12)),  # rows of whole Philox blocks
+        lambda: fpar.random.bits(k, (3, 7)),  # element-wise counters
+        lambda: fpar.random.uniform(k, (1, 6), dtype=torch.float64),  # two words per element
+        lambda: fpar.random.bernoulli(k, 0.3, (40, 33)),
+        lambda: fpar.random.uniform(k, (6, 8)),
+    ]
+    eager = [d() for d in draws]
+    fpar.random.set_compiled(True)
+    try:
+        compiled = [d() for d in draws]
+        kat = fpar.random.bits(fpar.random.key(0), (8,))[:4]  # counter 0, key 0: Random123's zeros vector
+    finally:
+        fpar.random.set_compiled(False)
+    for a, b in zip(compiled, eager):
+        assert torch.equal(a, b)
+    assert kat.tolist() == list(KAT[0][2])
+    with pytest.raises(TypeError, match=r"set_compiled: enabled must be a bool"):
+        fpar.random.set_compiled(1)

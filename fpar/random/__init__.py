@@ -36,9 +36,10 @@ import torch
 from .._collectives import axis_index, frames
 from .._spec import PartitionSpec, check_spec
 from ._guard import check_random_op as check_random_op
-from ._philox import MASK, TAG_FOLD, TAG_SPLIT, block_words, philox
+from ._philox import MASK, TAG_FOLD, TAG_SPLIT, block_words, compiled_ok, fused, philox
+from ._philox import set_compiled as set_compiled
 
-__all__ = ["bernoulli", "bits", "check_random_op", "fold_in", "key", "normal", "split", "uniform"]
+__all__ = ["bernoulli", "bits", "check_random_op", "fold_in", "key", "normal", "set_compiled", "split", "uniform"]
 
 Tensor = torch.Tensor
 
@@ -140,7 +141,20 @@ def uniform(key: Tensor, shape, dtype: torch.dtype = torch.float32, *, spec: Par
     w = _words("uniform", key, shape, 2 if dtype == torch.float64 else 1, spec)
     if dtype == torch.float64:
         return ((w[0] >> 5) * 2**26 + (w[1] >> 6)).to(torch.float64) * 2.0**-53
-    return ((w[0] >> (32 - m)).to(torch.float32) * 2.0**-m).to(dtype)
+    if compiled_ok(w[0]):
+        return fused(_UNIT[dtype], w[0])
+    return _UNIT[dtype](w[0])
+
+
+def _unit(m: int, dtype: torch.dtype):
+    def unit(w: Tensor) -> Tensor:
+        """The top ``m`` bits of 32-bit words as floats in [0, 1)."""
+        return ((w >> (32 - m)).to(torch.float32) * 2.0**-m).to(dtype)
+
+    return unit
+
+
+_UNIT = {d: _unit(m, d) for d, m in _MANTISSA.items() if d != torch.float64}
 
 
 def normal(key: Tensor, shape, dtype: torch.dtype = torch.float32, *, spec: PartitionSpec | None = None) -> Tensor:
