@@ -637,3 +637,31 @@ def test_compiled_generator_gives_the_eager_bits():
     assert kat.tolist() == list(KAT[0][2])
     with pytest.raises(TypeError, match=r"set_compiled: enabled must be a bool"):
         fpar.random.set_compiled(1)
+
+
+# ViT blocks (non-causal attention, residual dropout as in examples/train_vit.py) -------------------
+
+
+def _vit_loss_and_grads(axes: dict):
+    mesh = _mesh(axes)
+    specs = {"attn": fpar.ops.attention_specs(), "mlp": fpar.ops.mlp_specs()}
+    params = fpar.init({"attn": fpar.ops.init_attention(16, dtype=torch.float64), "mlp": fpar.ops.init_mlp(16, dtype=torch.float64)}, mesh, specs, seed=1)
+    x = torch.randn(4, 5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+
+    def block(p, x, key):
+        k = [fpar.random.fold_in(key, i) for i in range(3)]
+        a = fpar.ops.attention(p["attn"], x, axis="tensor", n_heads=4, causal=False, dropout=0.2, key=k[0], batch_axes="data")
+        x = x + fpar.ops.dropout(k[1], a, 0.2, spec=P("data"))
+        h = x + fpar.ops.dropout(k[2], fpar.ops.mlp(p["mlp"], x, axis="tensor"), 0.2, spec=P("data"))
+        return fpar.pmean((h**2).mean(), "data")
+
+    f = fpar.shard(block, mesh, (specs, P("data"), P()), P())
+    key = fpar.random.key(5)
+    return f(params, x, key), torch.func.grad(f)(params, x, key)
+
+
+def test_vit_block_dropout_does_not_depend_on_the_layout():
+    ref_loss, ref_grads = _vit_loss_and_grads({"data": 1, "tensor": 1})
+    loss, grads = _vit_loss_and_grads({"data": 2, "tensor": 2})
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grads, ref_grads, rtol=1e-8, atol=1e-10)
