@@ -665,3 +665,24 @@ def test_vit_block_dropout_does_not_depend_on_the_layout():
     loss, grads = _vit_loss_and_grads({"data": 2, "tensor": 2})
     torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(grads, ref_grads, rtol=1e-8, atol=1e-10)
+
+
+def _pipe_dropout_run():
+    """A 2-stage 1F1B pipeline with dropout and a step key: (loss, grads), on whatever mesh make_mesh gives."""
+    mesh = fpar.make_mesh((2,), ("pipe",))
+    sch = fpar.pipeline.one_f_one_b(2, 4)
+    step = fpar.pipeline.pipeline(
+        _pipe_block, sch, mesh, loss=lambda w, h, t: ((h @ w["head"] - t) ** 2).mean(),
+        first=lambda w, x, k: fpar.ops.dropout(k, w["emb"][x], 0.4),
+    )
+    stages, first_p, last_p, xs, ts = _pipe_problem(2, 4)
+    stacked = fpar.device_put(fpar.pipeline.stage_major(stages, 2, 1, layout=sch.layout), mesh, P("pipe"))
+    res = step({"stages": stacked, "first": first_p, "last": last_p}, xs, ts, key=fpar.random.key(77))
+    return res.loss, fpar.gather(res.grads["stages"], mesh, P("pipe")), res.grads["first"], res.grads["last"]
+
+
+@pytest.mark.multiprocess
+def test_real_mesh_pipeline_keys_equal_in_process():
+    want = _pipe_dropout_run()
+    for got in fpar.launch(_pipe_dropout_run, 2, timeout=60.0):
+        torch.testing.assert_close(got, want)
