@@ -380,7 +380,8 @@ def _gpt_dropout_runs(shape: tuple[int, int]):
     grads = fpar.gather(torch.func.grad(grad_step)(params, ids, targets, key), mesh, specs)
     # the first call with a signature runs traced, later ones fast (no tracking): the dropout
     # sites' batch axes come from the traced call's record there
-    losses = [step(params, ids, targets, fpar.random.fold_in(fpar.random.key(0), t)).clone() for t in (3, 3, 4)]
+    keys = [fpar.random.fold_in(fpar.random.key(0), t) for t in (3, 3, 4)]
+    losses = [step(params, ids, targets, k).clone() for k in keys]
     return losses, grads
 
 
@@ -567,7 +568,8 @@ def _pipe_problem(L: int, m: int):
     g = torch.Generator().manual_seed(5)
     stages = {"a": torch.randn(L, 4, 8, dtype=torch.float64, generator=g) * 0.5,
               "b": torch.randn(L, 8, 4, dtype=torch.float64, generator=g) * 0.5}
-    first, last = {"emb": torch.randn(7, 4, dtype=torch.float64, generator=g)}, {"head": torch.randn(4, 3, dtype=torch.float64, generator=g)}
+    first = {"emb": torch.randn(7, 4, dtype=torch.float64, generator=g)}
+    last = {"head": torch.randn(4, 3, dtype=torch.float64, generator=g)}
     xs, ts = torch.randint(0, 7, (m, 4), generator=g), torch.randn(m, 4, 3, dtype=torch.float64, generator=g)
     return stages, first, last, xs, ts
 
@@ -581,15 +583,25 @@ def test_pipeline_dropout_equals_the_unpipelined_model_with_per_microbatch_keys(
     p, m = 2, 4
     mesh = fpar.make_mesh((p, 2), ("pipe", "data"))
     sub, rows = mesh.submesh(("data",)), P("data")
-    stage = fpar.shard(lambda w, h, k: _pipe_block(w, h, k, rows), sub, ({"a": P(), "b": P()}, rows, P()), rows)
-    first = fpar.shard(lambda w, x, k: fpar.ops.dropout(k, w["emb"][x], 0.4, spec=rows), sub, ({"emb": P()}, rows, P()), rows)
-    loss = fpar.shard(lambda w, h, t: fpar.pmean(((h @ w["head"] - t) ** 2).mean(), "data"), sub, ({"head": P()}, rows, rows), P())
-    sch = {"1f1b": lambda: fpar.pipeline.one_f_one_b(p, m), "interleaved": lambda: fpar.pipeline.interleaved_1f1b(p, m, v),
-           "zb_v": lambda: fpar.pipeline.zb_v(p, m)}[name]()
+    block = lambda w, h, k: _pipe_block(w, h, k, rows)  # noqa: E731
+    stage = fpar.shard(block, sub, ({"a": P(), "b": P()}, rows, P()), rows)
+    first = fpar.shard(
+        lambda w, x, k: fpar.ops.dropout(k, w["emb"][x], 0.4, spec=rows), sub, ({"emb": P()}, rows, P()), rows
+    )
+    loss = fpar.shard(
+        lambda w, h, t: fpar.pmean(((h @ w["head"] - t) ** 2).mean(), "data"), sub, ({"head": P()}, rows, rows),
+        P(),
+    )
+    sch = {
+        "1f1b": lambda: fpar.pipeline.one_f_one_b(p, m),
+        "interleaved": lambda: fpar.pipeline.interleaved_1f1b(p, m, v),
+        "zb_v": lambda: fpar.pipeline.zb_v(p, m),
+    }[name]()
     step = fpar.pipeline.pipeline(stage, sch, mesh, loss=loss, first=first)
     stages, first_p, last_p, xs, ts = _pipe_problem(p * v, m)
     key = fpar.random.key(77)
-    params = {"stages": fpar.pipeline.stage_major(stages, p, v, layout=sch.layout), "first": first_p, "last": last_p}
+    stacked = fpar.pipeline.stage_major(stages, p, v, layout=sch.layout)
+    params = {"stages": stacked, "first": first_p, "last": last_p}
     res = step(params, xs, ts, key=key)
 
     def reference(stages, first_p, last_p):  # unpipelined, unsharded, the documented keys
@@ -605,7 +617,8 @@ def test_pipeline_dropout_equals_the_unpipelined_model_with_per_microbatch_keys(
     want = reference(stages, first_p, last_p)
     g_stages, g_first, g_last = torch.func.grad(reference, argnums=(0, 1, 2))(stages, first_p, last_p)
     torch.testing.assert_close(res.loss, want)
-    torch.testing.assert_close(res.grads["stages"], fpar.pipeline.stage_major(g_stages, p, v, layout=sch.layout))
+    want_stages = fpar.pipeline.stage_major(g_stages, p, v, layout=sch.layout)
+    torch.testing.assert_close(res.grads["stages"], want_stages)
     torch.testing.assert_close(res.grads["first"], g_first)
     torch.testing.assert_close(res.grads["last"], g_last)
     assert not torch.equal(step(params, xs, ts, key=fpar.random.key(78)).loss, res.loss)  # the key matters
@@ -645,12 +658,16 @@ def test_compiled_generator_gives_the_eager_bits():
 def _vit_loss_and_grads(axes: dict):
     mesh = _mesh(axes)
     specs = {"attn": fpar.ops.attention_specs(), "mlp": fpar.ops.mlp_specs()}
-    params = fpar.init({"attn": fpar.ops.init_attention(16, dtype=torch.float64), "mlp": fpar.ops.init_mlp(16, dtype=torch.float64)}, mesh, specs, seed=1)
+    init = {"attn": fpar.ops.init_attention(16, dtype=torch.float64)}
+    init["mlp"] = fpar.ops.init_mlp(16, dtype=torch.float64)
+    params = fpar.init(init, mesh, specs, seed=1)
     x = torch.randn(4, 5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
 
     def block(p, x, key):
         k = [fpar.random.fold_in(key, i) for i in range(3)]
-        a = fpar.ops.attention(p["attn"], x, axis="tensor", n_heads=4, causal=False, dropout=0.2, key=k[0], batch_axes="data")
+        a = fpar.ops.attention(
+            p["attn"], x, axis="tensor", n_heads=4, causal=False, dropout=0.2, key=k[0], batch_axes="data"
+        )
         x = x + fpar.ops.dropout(k[1], a, 0.2, spec=P("data"))
         h = x + fpar.ops.dropout(k[2], fpar.ops.mlp(p["mlp"], x, axis="tensor"), 0.2, spec=P("data"))
         return fpar.pmean((h**2).mean(), "data")
@@ -668,7 +685,7 @@ def test_vit_block_dropout_does_not_depend_on_the_layout():
 
 
 def _pipe_dropout_run():
-    """A 2-stage 1F1B pipeline with dropout and a step key: (loss, grads), on whatever mesh make_mesh gives."""
+    """A 2-stage 1F1B pipeline with dropout and a step key: (loss, grads), on the mesh make_mesh gives."""
     mesh = fpar.make_mesh((2,), ("pipe",))
     sch = fpar.pipeline.one_f_one_b(2, 4)
     step = fpar.pipeline.pipeline(

@@ -80,7 +80,8 @@ class _Plan:
     """What the traced first call learned about one signature."""
 
     __slots__ = (
-        "digest", "sig", "fast", "in_reduce", "in_order", "coll", "out_broken", "out_specs", "out_treedef", "varying"
+        "digest", "sig", "fast", "in_reduce", "in_order", "coll", "out_broken", "out_specs", "out_treedef",
+        "varying",
     )
 
     def __init__(self, digest: int):

@@ -104,8 +104,11 @@ def pipeline(
 
     def step(params: dict, xs: Tensor, targets: Any = None, *, key: Tensor | None = None) -> StepResult:
         _check_params(params, xs, targets, schedule, local=mesh.backend != "dist")
-        if key is not None and (not isinstance(key, Tensor) or key.dtype != torch.int64 or tuple(key.shape) != (2,)):
-            got = f"dtype {key.dtype} and shape {tuple(key.shape)}" if isinstance(key, Tensor) else type(key).__name__
+        is_key = isinstance(key, Tensor) and key.dtype == torch.int64 and key.shape == (2,)
+        if key is not None and not is_key:
+            got = type(key).__name__
+            if isinstance(key, Tensor):
+                got = f"dtype {key.dtype} and shape {tuple(key.shape)}"
             raise TypeError(
                 f"fpar.pipeline.pipeline: step(..., key=) must be a fpar.random key (an int64 tensor of "
                 f"shape (2,) from fpar.random.key / fold_in / split), got {got}."

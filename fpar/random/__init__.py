@@ -39,7 +39,9 @@ from ._guard import check_random_op as check_random_op
 from ._philox import MASK, TAG_FOLD, TAG_SPLIT, block_words, compiled_ok, fused, philox
 from ._philox import set_compiled as set_compiled
 
-__all__ = ["bernoulli", "bits", "check_random_op", "fold_in", "key", "normal", "set_compiled", "split", "uniform"]
+__all__ = [
+    "bernoulli", "bits", "check_random_op", "fold_in", "key", "normal", "set_compiled", "split", "uniform"
+]
 
 Tensor = torch.Tensor
 

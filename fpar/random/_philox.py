@@ -22,7 +22,10 @@ import warnings
 import torch
 from torch._C._functorch import is_functorch_wrapped_tensor
 
-__all__ = ["MASK", "TAG_DRAW", "TAG_FOLD", "TAG_SPLIT", "block_words", "compiled_ok", "fused", "philox", "set_compiled"]
+__all__ = [
+    "MASK", "TAG_DRAW", "TAG_FOLD", "TAG_SPLIT", "block_words", "compiled_ok", "fused", "philox",
+    "set_compiled",
+]
 
 Tensor = torch.Tensor
 
