@@ -11,7 +11,8 @@ only its own block, from its block's global element indices (cost proportional t
 the global array is never built).  With ``spec=None`` (or ``P()``) the whole array is drawn on
 every device and is replicated (it passes the replication check).  Outside ``fpar.shard`` the
 draws return the whole array.  torch's stateful random ops (``torch.rand``, ``F.dropout`` ...)
-raise inside ``fpar.shard`` and name the function here to use.
+raise inside ``fpar.shard`` and name the function here to use.  ``set_compiled(True)`` draws
+the same bits with ``torch.compile``d kernels (faster than ``torch.rand`` on CPU).
 
 Keys are int64 tensors of shape ``(2,)`` holding two 32-bit words (``split`` returns a stack of
 them, shape ``(num, 2)``); they are ordinary tensors, so they go through ``fpar.shard`` (with
