@@ -111,20 +111,19 @@ SPECS = {"stages": C.stacked_specs(BLOCK_SPECS), "first": FIRST_SPECS, "last": L
 def build_step(mesh: fpar.Mesh, schedule, n_heads: int, k: int, dropout: float = 0.0):
     """The pipelined training step: ``step(params, xs_MBT, targets_MBT, key) -> StepResult``.
 
-    ``key`` is this step's ``fpar.random`` key for GPT-2's dropout (``dropout > 0``): the
-    embedding uses ``fold_in(key, K)`` and a stage's block ``i`` ``fold_in(key, i)``.  The masks do
-    not depend on the data or tensor layout; the pipeline executor does not yet hand each
-    microbatch and chunk its own key, so they repeat across the microbatches of a step and across
-    stages (see fpar.random in the README).
+    ``key`` is this step's ``fpar.random`` key for GPT-2's dropout (``dropout > 0``).  The pipeline
+    executor hands microbatch ``j`` the key ``key_j = fold_in(key, j)`` (the embedding's dropout
+    uses it) and chunk ``c`` (in model order) ``fold_in(key_j, c)``, whose block ``i`` uses
+    ``fold_in(., i)``: every microbatch, chunk and block draws its own masks, and they do not
+    depend on the data or tensor layout.
     """
     sub = mesh.submesh((DATA, TENSOR))  # each stage's devices
     rows = P(DATA)
-    current = {"key": fpar.random.key(0)}  # this step's key, set by step() below
 
     def embed(w, ids_BT, key):  # stage 0, before its blocks: [B, T] -> [B, T, D]
         x_BTD = ops.vocab_embedding(ids_BT, w["w_emb"], axis=TENSOR)
         x_BTD = x_BTD + w["w_pos"][: ids_BT.shape[1]]
-        return ops.dropout(fpar.random.fold_in(key, k), x_BTD, dropout, spec=rows) if dropout else x_BTD
+        return ops.dropout(key, x_BTD, dropout, spec=rows) if dropout else x_BTD
 
     def blocks(w, x_BTD, key):  # one stage: its K blocks, each leaf of w stacked [K, ...]
         for i in range(k):
@@ -141,17 +140,10 @@ def build_step(mesh: fpar.Mesh, schedule, n_heads: int, k: int, dropout: float =
     first_k = fpar.shard(embed, sub, (FIRST_SPECS, rows, P()), rows)
     loss = fpar.shard(head_loss, sub, (LAST_SPECS, rows, rows), P())
 
-    def stage(w, x_BTD):
-        return stage_k(w, x_BTD, current["key"])
-
-    def first(w, ids_BT):
-        return first_k(w, ids_BT, current["key"])
-
-    run = pp.pipeline(stage, schedule, mesh, loss=loss, first=first, axis=PIPE)
+    run = pp.pipeline(stage_k, schedule, mesh, loss=loss, first=first_k, axis=PIPE)
 
     def step(params, xs_MBT, targets_MBT, key):
-        current["key"] = key
-        return run(params, xs_MBT, targets_MBT)
+        return run(params, xs_MBT, targets_MBT, key=key)
 
     return step
 

@@ -125,15 +125,13 @@ def head(w: dict, x_BSD: torch.Tensor) -> torch.Tensor:
 def build_step(mesh: fpar.Mesh, schedule, n_heads: int, k: int, patch: int, dropout: float = 0.0):
     """The pipelined training step: ``step(params, xs_MB64, ys_MB, key) -> StepResult``.
 
-    ``key``: this step's ``fpar.random`` key; block ``i`` of a stage uses ``fold_in(key, i)``, the
-    embedding ``fold_in(key, K)``.  The pipeline executor does not yet hand each microbatch and
-    chunk its own key, so the masks repeat across the microbatches of a step and across stages
-    (they do not depend on the data x tensor layout).
+    ``key``: this step's ``fpar.random`` key.  The pipeline executor hands microbatch ``j`` the key
+    ``key_j = fold_in(key, j)`` (the embedding's dropout uses it) and chunk ``c`` (in model order)
+    ``fold_in(key_j, c)``, whose block ``i`` uses ``fold_in(., i)``: every microbatch, chunk and
+    block draws its own masks, and they do not depend on the data x tensor layout.
     """
     sub = mesh.submesh((DATA, TENSOR))
     rows = P(DATA)
-    current = {"key": fpar.random.key(0)}  # this step's key, set by step() below
-
     def blocks(w, x_BSD, key):  # one stage: its K blocks, each leaf of w stacked [K, ...]
         for i in range(k):
             x_BSD = vit_block(optree.tree_map(lambda t, i=i: t[i], w), x_BSD, n_heads, dropout, fpar.random.fold_in(key, i))
@@ -141,7 +139,7 @@ def build_step(mesh: fpar.Mesh, schedule, n_heads: int, k: int, patch: int, drop
 
     def embed_drop(w, x, key):
         x_BSD = embed(w, x, patch)
-        return ops.dropout(fpar.random.fold_in(key, k), x_BSD, dropout, spec=rows) if dropout else x_BSD
+        return ops.dropout(key, x_BSD, dropout, spec=rows) if dropout else x_BSD
 
     def loss(w, x_BSD, y_B):
         return fpar.pmean(F.cross_entropy(head(w, x_BSD), y_B), DATA)
@@ -149,14 +147,10 @@ def build_step(mesh: fpar.Mesh, schedule, n_heads: int, k: int, patch: int, drop
     stage_k = fpar.shard(blocks, sub, (C.stacked_specs(BLOCK_SPECS, pipe_dim=False), rows, P()), rows)
     first_k = fpar.shard(embed_drop, sub, (FIRST_SPECS, rows, P()), rows)
     last = fpar.shard(loss, sub, (LAST_SPECS, rows, rows), P())
-    run = pp.pipeline(
-        lambda w, x: stage_k(w, x, current["key"]), schedule, mesh, loss=last,
-        first=lambda w, x: first_k(w, x, current["key"]), axis=PIPE,
-    )
+    run = pp.pipeline(stage_k, schedule, mesh, loss=last, first=first_k, axis=PIPE)
 
     def step(params, xs_MB64, ys_MB, key):
-        current["key"] = key
-        return run(params, xs_MB64, ys_MB)
+        return run(params, xs_MB64, ys_MB, key=key)
 
     return step
 

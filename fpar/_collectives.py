@@ -67,6 +67,7 @@ class Frame:
     index: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # coordinate per axis
     direct: Callable | None = None  # real mesh: (kind, axes, params, local block) -> exchanged block
     inputs: dict[int, str] = dataclasses.field(default_factory=dict)  # in-process: storage -> "args[0]"
+    varying: Callable | None = None  # real mesh: tensor -> the mesh axes it varies over (frozenset)
 
     def release(self) -> None:
         """Drop the call's tensors once it returns (the frame may outlive it in a reference cycle)."""

@@ -361,6 +361,68 @@ def test_real_mesh_draws_equal_in_process():
             assert torch.equal(g, w)
 
 
+def _gpt_dropout_runs(shape: tuple[int, int]):
+    """gpt_loss with dropout on a data x tensor mesh: (loss, grads) twice (traced, then fast call)."""
+    mesh = fpar.make_mesh(shape, ("data", "tensor"))
+    specs = fpar.ops.gpt_specs(2)
+    params = fpar.init(fpar.ops.init_gpt(32, 16, 2, 8, dtype=torch.float64), mesh, specs, seed=0)
+    g = torch.Generator().manual_seed(0)
+    ids, targets = torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g)
+    ids, targets = fpar.device_put((ids, targets), mesh, P("data"))
+
+    def loss(params, ids, targets, key):
+        tok = fpar.ops.gpt_loss(params, ids, targets, axis="tensor", n_heads=4, dropout=0.3, key=key)
+        return fpar.pmean(tok.mean(), "data")
+
+    step = fpar.shard(loss, mesh, (specs, P("data"), P("data"), P()), P())
+    grad_step = fpar.shard(loss, mesh, (specs, P("data"), P("data"), P()), P())
+    key = fpar.random.fold_in(fpar.random.key(0), 3)
+    grads = fpar.gather(torch.func.grad(grad_step)(params, ids, targets, key), mesh, specs)
+    # the first call with a signature runs traced, later ones fast (no tracking): the dropout
+    # sites' batch axes come from the traced call's record there
+    keys = [fpar.random.fold_in(fpar.random.key(0), t) for t in (3, 3, 4)]
+    losses = [step(params, ids, targets, k).clone() for k in keys]
+    return losses, grads
+
+
+def _real_mesh_gpt_dropout():
+    return [_gpt_dropout_runs(shape) for shape in ((2, 1), (1, 2))]
+
+
+@pytest.mark.multiprocess
+def test_real_mesh_gpt_dropout_equals_in_process():
+    # data=2: each data rank draws its rows' block of the global masks (not the same mask twice);
+    # tensor=2: each tensor rank its heads' block of the attention-probability masks.
+    got = fpar.launch(_real_mesh_gpt_dropout, 2, timeout=90.0)
+    for i, shape in enumerate(((2, 1), (1, 2))):
+        want_losses, want_grads = _gpt_dropout_runs(shape)
+        assert not torch.equal(want_losses[0], want_losses[2])  # another key, other masks
+        for losses, grads in (per_rank[i] for per_rank in got):
+            torch.testing.assert_close(losses, want_losses, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(grads, want_grads, rtol=1e-10, atol=1e-12)
+
+
+def _torch_dropout_in_a_fast_call():
+    mesh = fpar.make_mesh((2,), ("data",))
+    state = {"training": False}
+    f = fpar.shard(lambda x: F.dropout(x, 0.5, training=state["training"]), mesh, (P("data"),), P("data"))
+    x = fpar.device_put(torch.ones(4, 4), mesh, P("data"))
+    f(x)  # traced: the dropout is inactive, allowed
+    state["training"] = True  # the same signature runs fast now, with no interception
+    try:
+        f(x)
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.multiprocess
+def test_real_mesh_refuses_a_torch_draw_that_first_appears_in_a_fast_call():
+    for msg in fpar.launch(_torch_dropout_in_a_fast_call, 2, timeout=60.0):
+        assert "a torch random op (torch.rand, torch.randn, torch.nn.functional.dropout, ...) drew" in msg
+        assert "Use fpar.random with an explicit key instead" in msg
+
+
 # Dropout in the GPT layers: the same masks at every layout -----------------------------------
 
 
@@ -497,3 +559,147 @@ def test_multi_dim_mlp_dropout_is_the_unsharded_mlps(mode):
     torch.testing.assert_close(out, ref)
     cot = torch.randn(out.shape, generator=g, dtype=torch.float64)
     torch.testing.assert_close(vjp(cot), ref_vjp(cot))
+
+
+# Pipelines: microbatch j has the key fold_in(key, j), chunk k fold_in(key_j, k) -------------------
+
+
+def _pipe_problem(L: int, m: int):
+    g = torch.Generator().manual_seed(5)
+    stages = {"a": torch.randn(L, 4, 8, dtype=torch.float64, generator=g) * 0.5,
+              "b": torch.randn(L, 8, 4, dtype=torch.float64, generator=g) * 0.5}
+    first = {"emb": torch.randn(7, 4, dtype=torch.float64, generator=g)}
+    last = {"head": torch.randn(4, 3, dtype=torch.float64, generator=g)}
+    xs, ts = torch.randint(0, 7, (m, 4), generator=g), torch.randn(m, 4, 3, dtype=torch.float64, generator=g)
+    return stages, first, last, xs, ts
+
+
+def _pipe_block(w, h, key, spec=None):
+    return h + fpar.ops.dropout(key, torch.tanh(h @ w["a"]) @ w["b"], 0.4, spec=spec)
+
+
+@pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved", 2), ("zb_v", 2)])
+def test_pipeline_dropout_equals_the_unpipelined_model_with_per_microbatch_keys(name, v):
+    p, m = 2, 4
+    mesh = fpar.make_mesh((p, 2), ("pipe", "data"))
+    sub, rows = mesh.submesh(("data",)), P("data")
+    block = lambda w, h, k: _pipe_block(w, h, k, rows)  # noqa: E731
+    stage = fpar.shard(block, sub, ({"a": P(), "b": P()}, rows, P()), rows)
+    first = fpar.shard(
+        lambda w, x, k: fpar.ops.dropout(k, w["emb"][x], 0.4, spec=rows), sub, ({"emb": P()}, rows, P()), rows
+    )
+    loss = fpar.shard(
+        lambda w, h, t: fpar.pmean(((h @ w["head"] - t) ** 2).mean(), "data"), sub, ({"head": P()}, rows, rows),
+        P(),
+    )
+    sch = {
+        "1f1b": lambda: fpar.pipeline.one_f_one_b(p, m),
+        "interleaved": lambda: fpar.pipeline.interleaved_1f1b(p, m, v),
+        "zb_v": lambda: fpar.pipeline.zb_v(p, m),
+    }[name]()
+    step = fpar.pipeline.pipeline(stage, sch, mesh, loss=loss, first=first)
+    stages, first_p, last_p, xs, ts = _pipe_problem(p * v, m)
+    key = fpar.random.key(77)
+    stacked = fpar.pipeline.stage_major(stages, p, v, layout=sch.layout)
+    params = {"stages": stacked, "first": first_p, "last": last_p}
+    res = step(params, xs, ts, key=key)
+
+    def reference(stages, first_p, last_p):  # unpipelined, unsharded, the documented keys
+        total = 0.0
+        for j in range(m):
+            key_j = fpar.random.fold_in(key, j)
+            h = fpar.ops.dropout(key_j, first_p["emb"][xs[j]], 0.4)
+            for k in range(p * v):
+                h = _pipe_block({"a": stages["a"][k], "b": stages["b"][k]}, h, fpar.random.fold_in(key_j, k))
+            total = total + ((h @ last_p["head"] - ts[j]) ** 2).mean()
+        return total / m
+
+    want = reference(stages, first_p, last_p)
+    g_stages, g_first, g_last = torch.func.grad(reference, argnums=(0, 1, 2))(stages, first_p, last_p)
+    torch.testing.assert_close(res.loss, want)
+    want_stages = fpar.pipeline.stage_major(g_stages, p, v, layout=sch.layout)
+    torch.testing.assert_close(res.grads["stages"], want_stages)
+    torch.testing.assert_close(res.grads["first"], g_first)
+    torch.testing.assert_close(res.grads["last"], g_last)
+    assert not torch.equal(step(params, xs, ts, key=fpar.random.key(78)).loss, res.loss)  # the key matters
+    with pytest.raises(TypeError, match=r"step\(\.\.\., key=\) must be a fpar.random key"):
+        step(params, xs, ts, key=torch.zeros(2))
+
+
+# The optional compiled generator: the same bits -----------------------------------------------
+
+
+def test_compiled_generator_gives_the_eager_bits():
+    k = fpar.random.fold_in(fpar.random.key(3), 11)
+    draws = [
+        lambda: fpar.random.bits(k, (5, 12)),  # rows of whole Philox blocks
+        lambda: fpar.random.bits(k, (3, 7)),  # element-wise counters
+        lambda: fpar.random.uniform(k, (1, 6), dtype=torch.float64),  # two words per element
+        lambda: fpar.random.bernoulli(k, 0.3, (40, 33)),
+        lambda: fpar.random.uniform(k, (6, 8)),
+    ]
+    eager = [d() for d in draws]
+    fpar.random.set_compiled(True)
+    try:
+        compiled = [d() for d in draws]
+        kat = fpar.random.bits(fpar.random.key(0), (8,))[:4]  # counter 0, key 0: Random123's zeros vector
+    finally:
+        fpar.random.set_compiled(False)
+    for a, b in zip(compiled, eager):
+        assert torch.equal(a, b)
+    assert kat.tolist() == list(KAT[0][2])
+    with pytest.raises(TypeError, match=r"set_compiled: enabled must be a bool"):
+        fpar.random.set_compiled(1)
+
+
+# ViT blocks (non-causal attention, residual dropout as in examples/train_vit.py) -------------------
+
+
+def _vit_loss_and_grads(axes: dict):
+    mesh = _mesh(axes)
+    specs = {"attn": fpar.ops.attention_specs(), "mlp": fpar.ops.mlp_specs()}
+    init = {"attn": fpar.ops.init_attention(16, dtype=torch.float64)}
+    init["mlp"] = fpar.ops.init_mlp(16, dtype=torch.float64)
+    params = fpar.init(init, mesh, specs, seed=1)
+    x = torch.randn(4, 5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+
+    def block(p, x, key):
+        k = [fpar.random.fold_in(key, i) for i in range(3)]
+        a = fpar.ops.attention(
+            p["attn"], x, axis="tensor", n_heads=4, causal=False, dropout=0.2, key=k[0], batch_axes="data"
+        )
+        x = x + fpar.ops.dropout(k[1], a, 0.2, spec=P("data"))
+        h = x + fpar.ops.dropout(k[2], fpar.ops.mlp(p["mlp"], x, axis="tensor"), 0.2, spec=P("data"))
+        return fpar.pmean((h**2).mean(), "data")
+
+    f = fpar.shard(block, mesh, (specs, P("data"), P()), P())
+    key = fpar.random.key(5)
+    return f(params, x, key), torch.func.grad(f)(params, x, key)
+
+
+def test_vit_block_dropout_does_not_depend_on_the_layout():
+    ref_loss, ref_grads = _vit_loss_and_grads({"data": 1, "tensor": 1})
+    loss, grads = _vit_loss_and_grads({"data": 2, "tensor": 2})
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grads, ref_grads, rtol=1e-8, atol=1e-10)
+
+
+def _pipe_dropout_run():
+    """A 2-stage 1F1B pipeline with dropout and a step key: (loss, grads), on the mesh make_mesh gives."""
+    mesh = fpar.make_mesh((2,), ("pipe",))
+    sch = fpar.pipeline.one_f_one_b(2, 4)
+    step = fpar.pipeline.pipeline(
+        _pipe_block, sch, mesh, loss=lambda w, h, t: ((h @ w["head"] - t) ** 2).mean(),
+        first=lambda w, x, k: fpar.ops.dropout(k, w["emb"][x], 0.4),
+    )
+    stages, first_p, last_p, xs, ts = _pipe_problem(2, 4)
+    stacked = fpar.device_put(fpar.pipeline.stage_major(stages, 2, 1, layout=sch.layout), mesh, P("pipe"))
+    res = step({"stages": stacked, "first": first_p, "last": last_p}, xs, ts, key=fpar.random.key(77))
+    return res.loss, fpar.gather(res.grads["stages"], mesh, P("pipe")), res.grads["first"], res.grads["last"]
+
+
+@pytest.mark.multiprocess
+def test_real_mesh_pipeline_keys_equal_in_process():
+    want = _pipe_dropout_run()
+    for got in fpar.launch(_pipe_dropout_run, 2, timeout=60.0):
+        torch.testing.assert_close(got, want)

@@ -64,6 +64,7 @@ from .._compile import eager
 from .._errors import ReplicationError
 from .._spec import PartitionSpec, check_spec
 from .._tree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from ..random._guard import RANDOM_OPS, check_random_op
 
 __all__ = ["DistShard"]
 
@@ -86,7 +87,10 @@ def _diff(t: Tensor) -> bool:
 class _Plan:
     """What the traced first call learned about one signature."""
 
-    __slots__ = ("digest", "sig", "fast", "in_reduce", "in_order", "coll", "out_broken", "out_specs", "out_treedef")
+    __slots__ = (
+        "digest", "sig", "fast", "in_reduce", "in_order", "coll", "out_broken", "out_specs", "out_treedef",
+        "varying",
+    )
 
     def __init__(self, digest: int):
         self.digest = digest
@@ -98,6 +102,7 @@ class _Plan:
         self.out_broken: list[tuple[str, ...]] = []
         self.out_specs: list = []
         self.out_treedef = None
+        self.varying: dict = {}  # (shape, dtype) -> axes a queried value varies over (None: ambiguous)
 
 
 class DistShard:
@@ -203,6 +208,7 @@ class DistShard:
             return y
 
         frame.direct = direct
+        frame.varying = lambda x: self._varying(plan, tracker, done[0], x)
         local = list(leaves)
         if tracker is not None:
             for i, (leaf, spec) in enumerate(zip(leaves, specs)):
@@ -222,7 +228,10 @@ class DistShard:
                     out = self.f(*tree_unflatten(treedef, local))
                     outs = self._outputs(plan, tracker, out, first)
             else:
+                drawn = _generator_states()
                 out = self.f(*tree_unflatten(treedef, local))
+                if _generator_states() != drawn:
+                    raise RuntimeError(_drew_message(self.fname))
                 outs, treedef_out = tree_flatten(out)
                 if treedef_out != plan.out_treedef:
                     raise RuntimeError(
@@ -261,6 +270,39 @@ class DistShard:
                 f"replicated parameters enter it as inputs of the sharded function."
             )
         return x.view_as(x) if kind == "pvary" else _Exchange.apply(x, kind, params, 0, axes, self.mg)
+
+    def _varying(self, plan: _Plan, tracker: _Tracker | None, done: bool, x: Tensor) -> frozenset:
+        """The mesh axes ``x`` varies over (``Frame.varying``; e.g. dropout's batch axes).
+
+        A traced call answers from its tracker and records the answer per (shape, dtype) of the
+        queried value; a fast call, and a recomputation in the backward (``fpar.optim.remat``),
+        answer from that record, which is exact because the data flow depends on shapes only.
+        Two values of one shape and dtype varying over different axes keep the signature traced.
+        """
+        if not isinstance(x, Tensor):
+            raise TypeError(f"fpar.shard({self.fname}): expected a tensor, got {type(x).__name__}.")
+        key = (tuple(x.shape), x.dtype)
+        if tracker is not None and not done:
+            v = frozenset(tracker.info(x)[0])
+            if plan.varying.setdefault(key, v) != v:
+                plan.varying[key] = None
+            return v
+        v = plan.varying.get(key, _UNSEEN)
+        if v is None or v is _UNSEEN:
+            raise RuntimeError(
+                f"fpar.shard({self.fname}) on a real mesh: a value of shape {key[0]} and dtype {key[1]} "
+                + (
+                    "is queried for the mesh axes it varies over (e.g. by dropout) in a recomputation "
+                    "in the backward (fpar.optim.remat), but values of that shape and dtype vary over "
+                    "different axes in this function, so the answer is ambiguous; pass the layout "
+                    "explicitly (fpar.ops.dropout's spec=, the layers' batch_axes=)."
+                    if v is None
+                    else "is queried for the mesh axes it varies over (e.g. by dropout), but the first "
+                    "call with these shapes queried none such. The real mesh plans a call once per "
+                    "signature; a function whose data flow depends on values, not shapes, is not supported."
+                )
+            )
+        return v
 
     def _outputs(self, plan: _Plan, tracker: _Tracker, out: Any, first: bool) -> list:
         """Check the outputs against out_specs (first call) and pvary replicated named ones."""
@@ -312,6 +354,7 @@ class DistShard:
 
 
 _TOKEN = torch.zeros(())  # any non-None token: marks the frame as a running shard call
+_UNSEEN = object()
 
 
 def _static_key(leaf: Any) -> Any:
@@ -325,6 +368,33 @@ def _static_key(leaf: Any) -> Any:
 def _wrapped(t: Tensor) -> bool:
     """Whether ``t`` is wrapped by a functorch transform (a plan per such case)."""
     return torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+def _generator_states() -> tuple:
+    """The state of torch's default generators (CPU, and the current CUDA device's if in use).
+
+    A fast call runs with no interception, so a torch random op that first appears after the
+    traced call (a branch on ``model.training``) is caught by comparing these before and after.
+    """
+    if maybe_current_level() is None:
+        cpu = torch.default_generator.get_state().numpy().tobytes()
+    else:  # under torch.func.grad/vmap: read the state as a plain tensor
+        with torch._C._DisableFuncTorch():
+            cpu = torch.default_generator.get_state().numpy().tobytes()
+    if torch.cuda.is_initialized():
+        return cpu, torch.cuda.default_generators[torch.cuda.current_device()].get_offset()
+    return (cpu,)
+
+
+def _drew_message(fname: str) -> str:
+    return (
+        f"fpar.shard({fname}): a torch random op (torch.rand, torch.randn, torch.nn.functional.dropout, "
+        f"...) drew from torch's generator inside the sharded function. torch's random ops draw from "
+        f"a per-process generator, so the result would depend on the mesh layout (or repeat on "
+        f"every device). Use fpar.random with an explicit key instead (fpar.random.uniform / normal "
+        f"/ bernoulli, fpar.ops.dropout(key, x, rate, spec=...); pass the key in with in_spec P()), "
+        f"or draw outside fpar.shard and pass the tensor in with a spec."
+    )
 
 
 def _grad_sum(x: Tensor, axes: tuple[str, ...], mg) -> Tensor:
@@ -587,6 +657,8 @@ class _Tracker(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in RANDOM_OPS:
+            check_random_op(func, args, kwargs, self.owner.fname)  # layout-dependent draws: use fpar.random
         if func in _NOT_OPS:
             self.inner = True
             return func(*args, **kwargs)
@@ -654,10 +726,14 @@ class _Tracker(TorchFunctionMode):
         return t
 
     def finish(self) -> None:
-        """Decide the plan: fast unless a source is used both ways or of unknown origin."""
+        """Decide the plan: fast unless a source is used both ways or of unknown origin.
+
+        (Or a varying-axes query is ambiguous, see ``DistShard._varying``.)
+        """
         plan = self.plan
         mixed = self.pvary_use & self.plain_use
-        plan.fast = not (mixed or self.unknown or self.inner)
+        ambiguous = any(v is None for v in plan.varying.values())
+        plan.fast = not (mixed or self.unknown or self.inner or ambiguous)
         reduce: dict = {}
         for src, a in self.pvary_use:
             reduce.setdefault(src, []).append(a)

@@ -55,6 +55,19 @@ def dropout(key: Tensor, x: Tensor, rate: float, *, spec: PartitionSpec | None =
     return x * (keep.to(x.dtype) * (1.0 / (1.0 - float(rate))))
 
 
+def varying_axes(frame, x: Tensor) -> set[str]:
+    """The mesh axes ``x`` varies over in the running shard call ``frame``.
+
+    In-process: the mesh vmap levels ``x`` is batched at.  On a real mesh (plain local tensors):
+    the frame's ``varying`` query, answered by the traced call's tracker and by its plan later.
+    """
+    if frame.levels:
+        return {frame.levels[lv] for lv in batched_levels(x, frame.levels)}
+    if frame.varying is not None:
+        return set(frame.varying(x))
+    return set()
+
+
 def _global_shape(x: Tensor, spec) -> tuple[int, ...]:
     """The global shape of ``x`` (its block shape inside shard), after checking ``spec`` against it."""
     if spec is not None and not isinstance(spec, PartitionSpec):
@@ -67,7 +80,7 @@ def _global_shape(x: Tensor, spec) -> tuple[int, ...]:
     where = f"fpar.ops.dropout: x of block shape {tuple(x.shape)} with spec"
     check_spec(spec, tuple(x.shape), frame.mesh.shape, where=where, blocks=True)
     named = set(spec.axes())
-    varying = [frame.levels[lv] for lv in sorted(batched_levels(x, frame.levels))] if frame.levels else []
+    varying = varying_axes(frame, x)
     missing = [a for a in frame.mesh.axis_names if a in varying and a not in named]
     if missing:
         raise SpecError(
@@ -108,7 +121,7 @@ def site_dropout(key, x: Tensor, rate: float, *, axis, split_dim: int | None = N
     if batch_axes is None:
         stack = frames()
         frame = stack[-1] if stack and stack[-1].token is not None else None
-        varying = set() if frame is None or not frame.levels else {frame.levels[lv] for lv in batched_levels(x, frame.levels)}
+        varying = set() if frame is None else varying_axes(frame, x)
         batch = tuple(a for a in (frame.mesh.axis_names if frame else ()) if a in varying and a not in layer)
     else:
         batch = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)

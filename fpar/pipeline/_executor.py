@@ -68,11 +68,15 @@ def pipeline(
       axis: the pipe mesh axis.
 
     Returns:
-      ``step(params, xs, targets) -> StepResult``.  ``params`` is a dict with ``"stages"`` (every
+      ``step(params, xs, targets, *, key=None) -> StepResult``.  ``params`` is a dict with ``"stages"`` (every
       leaf stacked on dim 0 in stage-major order, see ``stage_major``: ``p v`` rows in-process,
       this rank's ``v`` rows on a real mesh, i.e. in-spec ``P(axis, ...)``), and optionally
       ``"first"`` and ``"last"``.  ``xs`` and ``targets`` are stacked microbatches ``(m, ...)``
-      (on a real mesh, this rank's blocks over the other axes).
+      (on a real mesh, this rank's blocks over the other axes).  ``key`` (optional, a
+      ``fpar.random`` key, the same on every rank): microbatch ``j`` gets ``key_j =
+      fold_in(key, j)``; ``first`` is called as ``first(first_params, x, key_j)`` and chunk ``k``
+      (in model order) as ``stage(chunk_params, h, fold_in(key_j, k))``, so the dropout masks
+      differ per microbatch and chunk, and equal the unpipelined model's with those keys.
 
     Raises:
       ScheduleError: an invalid schedule.
@@ -98,9 +102,18 @@ def pipeline(
     fns = Fns(stage, loss, first)
     driver = DistDriver(schedule, mesh, axis, fns) if mesh.backend == "dist" else LocalDriver(schedule, fns)
 
-    def step(params: dict, xs: Tensor, targets: Any = None) -> StepResult:
+    def step(params: dict, xs: Tensor, targets: Any = None, *, key: Tensor | None = None) -> StepResult:
         _check_params(params, xs, targets, schedule, local=mesh.backend != "dist")
-        return driver.run(params, xs, targets)
+        is_key = isinstance(key, Tensor) and key.dtype == torch.int64 and key.shape == (2,)
+        if key is not None and not is_key:
+            got = type(key).__name__
+            if isinstance(key, Tensor):
+                got = f"dtype {key.dtype} and shape {tuple(key.shape)}"
+            raise TypeError(
+                f"fpar.pipeline.pipeline: step(..., key=) must be a fpar.random key (an int64 tensor of "
+                f"shape (2,) from fpar.random.key / fold_in / split), got {got}."
+            )
+        return driver.run(params, xs, targets, key)
 
     return step
 

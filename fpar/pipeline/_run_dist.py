@@ -51,11 +51,11 @@ class DistDriver:
         self.finals = _last_backwards(self.ticks)
         self.shapes: dict[int, tuple] = {}  # chunk -> (shape, dtype) of the activations it receives
 
-    def run(self, params: dict, xs: Tensor, targets: Any) -> StepResult:
+    def run(self, params: dict, xs: Tensor, targets: Any, key: Tensor | None = None) -> StepResult:
         sch = self.schedule
         stacked = params["stages"]
         chunks = [tree_map(lambda t, c=c: t[c], stacked) for c in range(sch.v)]
-        st = Stage(self.me, sch, self.fns, chunks, params.get("first"), params.get("last"))
+        st = Stage(self.me, sch, self.fns, chunks, params.get("first"), params.get("last"), key)
         st.deferral, st.finals = defer_reduction(), self.finals  # DP gradients reduced once per step
         self.device = _device_of(stacked)
         start = time.perf_counter()

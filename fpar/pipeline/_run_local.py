@@ -22,13 +22,13 @@ class LocalDriver:
         self.schedule, self.fns = schedule, fns
         self.ticks = schedule.by_tick()
 
-    def run(self, params: dict, xs: Tensor, targets: Any) -> StepResult:
+    def run(self, params: dict, xs: Tensor, targets: Any, key: Tensor | None = None) -> StepResult:
         sch = self.schedule
         p, v = sch.p, sch.v
         stacked = params["stages"]
         chunks = [[tree_map(lambda t, r=s * v + c: t[r], stacked) for c in range(v)] for s in range(p)]
         stages = [
-            Stage(s, sch, self.fns, chunks[s], params.get("first"), params.get("last")) for s in range(p)
+            Stage(s, sch, self.fns, chunks[s], params.get("first"), params.get("last"), key) for s in range(p)
         ]
         start = time.perf_counter()
         for actions in self.ticks:

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import _dist
+from .. import random as _random
 from .._tree import tree_flatten, tree_unflatten
 from ._schedule import Action, Schedule, locate, prev_stage, virtual
 from ._split import capture, weight_grads
@@ -45,8 +46,9 @@ class StepResult(NamedTuple):
 class Fns:
     """The model's functions, called by ``Stage.forward`` once per microbatch and chunk.
 
-    ``Stage.forward`` knows the microbatch index ``j`` at the call: per-microbatch randomness
-    (``fold_in(key, j)`` once ``fpar.random`` lands) is to be derived and passed there.
+    With a step key (``step(..., key=key)``), microbatch ``j`` has the key
+    ``key_j = fold_in(key, j)``: ``first`` is called with ``key_j`` and chunk ``k`` (the virtual
+    stage, in model order) with ``fold_in(key_j, k)`` as a last argument (``loss`` gets none).
     """
 
     stage: Callable
@@ -67,10 +69,11 @@ class Stashed:
 class Stage:
     """One pipeline stage during one step: its parameters as leaves, its stash, its gradients."""
 
-    def __init__(self, s: int, schedule: Schedule, fns: Fns, chunks: list, first: Any, last: Any):
+    def __init__(self, s: int, schedule: Schedule, fns: Fns, chunks: list, first: Any, last: Any, key=None):
         self.s, self.p, self.v, self.m, self.layout = s, schedule.p, schedule.v, schedule.m, schedule.layout
         self.last_k = self.p * self.v - 1  # the last virtual stage
         self.fns = fns
+        self.key = key  # the step's fpar.random key, or None (the model's functions draw nothing)
         self.groups: dict[str, list] = {}  # group -> per chunk: (leaves, treedef)
         self.groups["stages"] = [_leaves(c) for c in chunks]
         self.groups["first"] = [_leaves(first)] if s == 0 else [([], None)]
@@ -137,14 +140,15 @@ class Stage:
         leaves = self._params(c, first=k == 0, last=k == self.last_k)
         args = self._trees(c, k)
         records: list = []
+        key_j = None if self.key is None else (_random.fold_in(self.key, j),)
         with torch.enable_grad(), capture(leaves, records):
             if k == 0:
                 x = None
-                h = xs[j] if self.fns.first is None else self.fns.first(args["first"], xs[j])
+                h = xs[j] if self.fns.first is None else self.fns.first(args["first"], xs[j], *(key_j or ()))
             else:
                 x = self.take(("F", j, c)).detach().requires_grad_()
                 h = x
-            y = self.fns.stage(args["stages"], h)
+            y = self.fns.stage(args["stages"], h, *(() if key_j is None else (_random.fold_in(key_j[0], k),)))
             last = k == self.last_k
             out = self.fns.loss(args["last"], y, None if targets is None else targets[j]) if last else y
         self.stash[(j, c)] = Stashed(x, out, leaves, records)

@@ -11,7 +11,8 @@ only its own block, from its block's global element indices (cost proportional t
 the global array is never built).  With ``spec=None`` (or ``P()``) the whole array is drawn on
 every device and is replicated (it passes the replication check).  Outside ``fpar.shard`` the
 draws return the whole array.  torch's stateful random ops (``torch.rand``, ``F.dropout`` ...)
-raise inside ``fpar.shard`` and name the function here to use.
+raise inside ``fpar.shard`` and name the function here to use.  ``set_compiled(True)`` draws
+the same bits with ``torch.compile``d kernels (faster than ``torch.rand`` on CPU).
 
 Keys are int64 tensors of shape ``(2,)`` holding two 32-bit words (``split`` returns a stack of
 them, shape ``(num, 2)``); they are ordinary tensors, so they go through ``fpar.shard`` (with
@@ -36,9 +37,12 @@ import torch
 from .._collectives import axis_index, frames
 from .._spec import PartitionSpec, check_spec
 from ._guard import check_random_op as check_random_op
-from ._philox import MASK, TAG_FOLD, TAG_SPLIT, block_words, philox
+from ._philox import MASK, TAG_FOLD, TAG_SPLIT, block_words, compiled_ok, fused, philox
+from ._philox import set_compiled as set_compiled
 
-__all__ = ["bernoulli", "bits", "check_random_op", "fold_in", "key", "normal", "split", "uniform"]
+__all__ = [
+    "bernoulli", "bits", "check_random_op", "fold_in", "key", "normal", "set_compiled", "split", "uniform"
+]
 
 Tensor = torch.Tensor
 
@@ -140,7 +144,20 @@ def uniform(key: Tensor, shape, dtype: torch.dtype = torch.float32, *, spec: Par
     w = _words("uniform", key, shape, 2 if dtype == torch.float64 else 1, spec)
     if dtype == torch.float64:
         return ((w[0] >> 5) * 2**26 + (w[1] >> 6)).to(torch.float64) * 2.0**-53
-    return ((w[0] >> (32 - m)).to(torch.float32) * 2.0**-m).to(dtype)
+    if compiled_ok(w[0]):
+        return fused(_UNIT[dtype], w[0])
+    return _UNIT[dtype](w[0])
+
+
+def _unit(m: int, dtype: torch.dtype):
+    def unit(w: Tensor) -> Tensor:
+        """The top ``m`` bits of 32-bit words as floats in [0, 1)."""
+        return ((w >> (32 - m)).to(torch.float32) * 2.0**-m).to(dtype)
+
+    return unit
+
+
+_UNIT = {d: _unit(m, d) for d, m in _MANTISSA.items() if d != torch.float64}
 
 
 def normal(key: Tensor, shape, dtype: torch.dtype = torch.float32, *, spec: PartitionSpec | None = None) -> Tensor:

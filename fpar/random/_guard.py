@@ -4,8 +4,10 @@
 process every device would get a different slice of one stream (in-process) or the same draw
 (one generator per process, same seed), so the result would depend on the layout.  fpar raises
 instead and points to ``fpar.random``.  The check is a plain function of the called function, so
-any backend's ``TorchFunctionMode`` can call it; fpar's ``ShardMode`` (active inside every
-``fpar.shard`` call, in-process and on a real mesh) does.
+any backend's ``TorchFunctionMode`` can call it: fpar's ``ShardMode`` (every in-process
+``fpar.shard`` call) and the real mesh's tracker (the traced call of each signature) do.  The
+real mesh's later calls run without a mode; they compare torch's generator state before and
+after instead (``fpar/_dist/shard.py``).
 """
 
 from __future__ import annotations
