@@ -26,18 +26,13 @@ Run:
 
 from __future__ import annotations
 
+import argparse
+import gc
+import importlib.util
+import statistics
 import sys
+import time
 from pathlib import Path
-
-_HERE = Path(__file__).resolve().parent
-# Run as a script, bench/ is sys.path[0], and bench/random.py would shadow the stdlib's random.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-
-import argparse  # noqa: E402
-import gc  # noqa: E402
-import importlib.util  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
 
 import torch
 import torch.distributed as dist
@@ -50,6 +45,8 @@ except ImportError:  # run from a checkout without installing: use the repo's fp
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import fpar
 from fpar import P
+
+_HERE = Path(__file__).resolve().parent
 
 _spec = importlib.util.spec_from_file_location("data_parallel", _HERE / "data_parallel.py")
 _dp = importlib.util.module_from_spec(_spec)

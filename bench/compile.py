@@ -32,17 +32,13 @@ Shape suffixes: B batch (global), D model dim, H hidden.
 
 from __future__ import annotations
 
+import argparse
+import os
+import platform
+import statistics
 import sys
+import time
 from pathlib import Path
-
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)  # bench/random.py would shadow the standard library's random (statistics, torch)
-
-import argparse  # noqa: E402
-import os  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
 
 import torch
 import torch.distributed as dist

@@ -9,9 +9,9 @@ interleaved; medians over ``--reps`` after a warm-up; the ratio is fpar / torch.
 "compiled" use ``fpar.random.set_compiled(True)`` (the same bits from a ``torch.compile``d Philox
 kernel; its one-time compile is excluded by the warm-up and printed on its own).
 
-    python bench/random.py                 # CPU, 1 thread
-    python bench/random.py --device cuda   # on a GPU
-    python bench/random.py --guard         # also: the real mesh's fast-call draw check, on vs off
+    python bench/rng.py                 # CPU, 1 thread
+    python bench/rng.py --device cuda   # on a GPU
+    python bench/rng.py --guard         # also: the real mesh's fast-call draw check, on vs off
 
 ``--guard`` times a fast (planned) call of a small sharded function on a 2-process gloo mesh
 with the check that torch's generators did not draw during the call (``_generator_states``
