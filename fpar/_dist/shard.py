@@ -636,7 +636,10 @@ class _Tracker(TorchFunctionMode):
     def _use(self, t: Tensor, deps: frozenset, axes: tuple[str, ...]) -> None:
         """``t`` (replicated over ``axes``) is pvaried over them: record its sources' uses."""
         for a in axes:
-            found = [d for d in deps if d[1] == a]
+            # Sorted: ``deps`` is a set, whose order follows string hashing, which differs between
+            # processes; ``first_use`` orders the gradient buckets, which every rank must lay out
+            # the same way (an all-reduce of differently ordered buffers sums unrelated gradients).
+            found = sorted(d for d in deps if d[1] == a)
             for d in found:
                 if d not in self.pvary_use:
                     self.pvary_use.add(d)
