@@ -722,3 +722,50 @@ def run_jobs(jobs: list[tuple[str, str, dict]]) -> dict[str, tuple]:
             results[case_id] = ("error", type(e).__name__, str(e), traceback.format_exc())
         results["_times"][case_id] = time.perf_counter() - t0
     return results
+
+
+def bucket_launch_order():
+    """When each gradient bucket's all-reduce starts, relative to the backward of the first layer.
+
+    A two-layer MLP whose second layer fills the first (1 MB) bucket: its all-reduce must start
+    as soon as that layer's gradients exist, before the backward reaches the first layer (marked
+    by the hook on the input's gradient), under ``.backward()`` and ``torch.func.grad`` alike.
+    """
+    import torch.nn.functional as F
+
+    mesh = fpar.make_mesh((dist.get_world_size(),), ("data",))
+    d = 512  # w2: 512 x 512 float32 = 1 MB, the first bucket's cap
+    params = fpar.init({"w1": fpar.normal((d, 8)), "w2": fpar.normal((d, d))}, mesh, P(), seed=0)
+    x = fpar.device_put(randn((2 * mesh.size, 8), 1).float(), mesh, P("data"))
+    events: list = []
+
+    def loss(p, x):
+        return fpar.pmean(F.linear(torch.relu(F.linear(x, p["w1"])), p["w2"]).square().mean(), "data")
+
+    f = fpar.shard(loss, mesh, (P(), P("data")), P())
+
+    def marked(p, x):
+        x.register_hook(lambda g: events.append("first layer"))
+        return f(p, x)
+
+    original = dist.all_reduce
+
+    def all_reduce(t, *args, **kwargs):
+        events.append(t.numel())
+        return original(t, *args, **kwargs)
+
+    out = {}
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+    for how in ("backward", "func_grad"):
+        for _ in range(2):  # the second call runs the cached plan
+            events.clear()
+            dist.all_reduce = all_reduce
+            try:
+                if how == "backward":
+                    marked(leaves, x.detach().requires_grad_()).backward()
+                else:
+                    torch.func.grad(marked, argnums=(0, 1))(params, x)
+            finally:
+                dist.all_reduce = original
+        out[how] = list(events)
+    return out

@@ -548,6 +548,20 @@ def test_data_parallel_gradient_is_one_all_reduce(n):
     assert expected["stats"] == got[0]["stats"]
 
 
+def test_gradient_buckets_start_while_the_backward_runs():
+    """The last layer's bucket is all-reduced before the backward reaches the first layer.
+
+    (Autograd runs the ready node created last first; the bucket's launch node is created before
+    the function's ops, so unless it is given AccumulateGrad's priority it ran after the whole
+    backward: no overlap.)
+    """
+    got = fpar.launch(D.bucket_launch_order, 2, timeout=TIMEOUT)
+    for r, events in enumerate(got):
+        for how, seq in events.items():
+            big = seq.index(512 * 512)  # the bucket holding w2 (w1 is in the other one)
+            assert big < seq.index("first layer") < seq.index(512 * 8), (r, how, seq)
+
+
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_replicated_output_is_not_counted_per_process(n):
     got, _ = check_same_as_local(n, "replicated-output")
