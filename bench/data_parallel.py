@@ -10,7 +10,9 @@ float32, MSE loss) on the same global batch split over 2 gloo processes on this 
   inserts a ``pvary`` wherever a replicated parameter meets the split batch; its transpose, in
   the backward pass, is the gradient all-reduce (bucketed, asynchronous, overlapped with the
   rest of the backward, as DDP's).
-  Update: SGD with ``torch._foreach_add_``.
+  Update: SGD with ``torch._foreach_add_``.  Also timed: **fpar .backward()**, the same sharded
+  loss on leaf parameters with ``loss.backward()`` (the same step written PyTorch's way, without
+  functorch's per-op wrapping).
 * **DDP**: the same MLP as an ``nn.Module`` in ``torch.nn.parallel.DistributedDataParallel``
   (gloo, default buckets, its built-in all-reduce overlapped with the backward pass),
   ``loss.backward()``, ``torch.optim.SGD(foreach=True)``.
@@ -177,6 +179,17 @@ def worker(cfg: dict) -> dict:
         g = grad_fn(params, x_local, y_local)
         torch._foreach_add_(plist, [g[k] for k in KEYS], alpha=-LR)
 
+    # (a') fpar, PyTorch style: leaf parameters, .backward(), update from .grad
+    f_bw = fpar.shard(loss_local, mesh, (P(), P("data"), P("data")), P())
+    leaves = [params[k].detach().clone().requires_grad_() for k in KEYS]
+
+    def fpar_bw_step():
+        for p in leaves:
+            p.grad = None
+        f_bw(dict(zip(KEYS, leaves)), x_local, y_local).backward()
+        with torch.no_grad():
+            torch._foreach_add_(leaves, [p.grad for p in leaves], alpha=-LR)
+
     # (b) DDP: same initial values, same rows
     model = DDP(make_module(params))
     opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=True)
@@ -189,15 +202,17 @@ def worker(cfg: dict) -> dict:
     # One step of each from the same parameters: the same update.
     before = [p.clone() for p in plist]
     fpar_step()
+    fpar_bw_step()
     ddp_step()
     worst = 0.0
-    for k, p0, pf, pd in zip(KEYS, before, plist, model.parameters()):
+    for k, p0, pf, pb, pd in zip(KEYS, before, plist, leaves, model.parameters()):
         # Compare the updates, not the parameters: an update is ~1e-4 of a parameter's size.
-        uf, ud = pf - p0, pd.detach() - p0
-        rel = ((uf - ud).norm() / ud.norm()).item()
-        worst = max(worst, rel)
-        if not torch.allclose(uf, ud, rtol=1e-4, atol=1e-4 * ud.abs().max().item()):
-            raise AssertionError(f"the update of {k} differs, fpar vs DDP: relative norm diff {rel:.3e}")
+        ud = pd.detach() - p0
+        for name, u in (("fpar", pf - p0), ("fpar .backward()", pb.detach() - p0)):
+            rel = ((u - ud).norm() / ud.norm()).item()
+            worst = max(worst, rel)
+            if not torch.allclose(u, ud, rtol=1e-4, atol=1e-4 * ud.abs().max().item()):
+                raise AssertionError(f"the update of {k} differs, {name} vs DDP: relative norm diff {rel:.3e}")
 
     # Bytes per step.
     fpar.reset_comm_stats()
@@ -214,18 +229,19 @@ def worker(cfg: dict) -> dict:
 
     for _ in range(cfg["warmup"]):
         fpar_step()
+        fpar_bw_step()
         ddp_step()
     # Peak memory of a step: what each allocates during it, plus what each holds across steps
     # beyond the parameters (DDP: its gradient buckets and .grad tensors; fpar: nothing).
     ddp_held = sum(p.numel() * p.element_size() for p in model.parameters()) * 2
     peaks = {"fpar": step_peak_bytes(fpar_step), "ddp": step_peak_bytes(ddp_step) + ddp_held}
-    times = {"fpar": [], "ddp": []}
-    steps = {"fpar": fpar_step, "ddp": ddp_step}
+    steps = {"fpar": fpar_step, "fpar_bw": fpar_bw_step, "ddp": ddp_step}
+    times = {k: [] for k in steps}
     gc.collect()
     gc.disable()  # no collector pauses inside a timed step
     try:
         for i in range(cfg["repeats"]):
-            for name in ("fpar", "ddp") if i % 2 == 0 else ("ddp", "fpar"):
+            for name in list(steps) if i % 2 == 0 else reversed(list(steps)):
                 times[name].append(timed(steps[name]))
     finally:
         gc.enable()
@@ -288,13 +304,17 @@ def main(argv=None) -> None:
         f"{n} gloo processes x {threads} thread(s), fpar {fpar.__version__}, torch {torch.__version__}, "
         f"{args.repeats} repeats"
     )
-    for k in ("fpar", "ddp"):
+    for k in ("fpar", "fpar_bw", "ddp"):
         print(
-            f"  {k:4s}  median {med[k]:8.2f} ms   min {lo[k]:8.2f}   max {hi[k]:8.2f}   (rank 1 median {med1[k]:.2f})"
+            f"  {k:7s}  median {med[k]:8.2f} ms   min {lo[k]:8.2f}   max {hi[k]:8.2f}   (rank 1 median {med1[k]:.2f})"
         )
     print(
         f"  ratio fpar/DDP: {ratio:.2f}x (medians; target <= 1.0, tiny <= 1.3), {lo['fpar'] / lo['ddp']:.2f}x (minima); "
         f"when the two disagree much, other load shared the cores: rerun"
+    )
+    print(
+        f"  ratio fpar .backward()/DDP: {med['fpar_bw'] / med['ddp']:.2f}x (medians), "
+        f"{lo['fpar_bw'] / lo['ddp']:.2f}x (minima)"
     )
     pk = r0["peaks"]
     print(
@@ -322,12 +342,13 @@ def main(argv=None) -> None:
     )
     print()
     print(
-        "| benchmark | config | fpar (ms) | DDP (ms) | ratio | peak mem ratio | all-reduce bytes/step fpar / DDP / formula | threads |"
+        "| benchmark | config | fpar func.grad / .backward() (ms) | DDP (ms) | ratio | peak mem ratio | all-reduce bytes/step fpar / DDP / formula | threads |"
     )
     print("|---|---|---|---|---|---|---|---|")
     print(
         f"| data_parallel | MLP train step B={B} D={D} H={H} fp32, {n} gloo procs "
-        f"| {med['fpar']:.2f} | {med['ddp']:.2f} | {ratio:.2f}x | {pk['fpar'] / pk['ddp']:.2f}x "
+        f"| {med['fpar']:.2f} / {med['fpar_bw']:.2f} | {med['ddp']:.2f} | {ratio:.2f}x / {med['fpar_bw'] / med['ddp']:.2f}x "
+        f"| {pk['fpar'] / pk['ddp']:.2f}x "
         f"| {fpar_total:,} / {ddp_total:,} / {formula:,} | {n}x{threads} |"
     )
     print(f"<!-- {platform.processor() or platform.machine()}, torch {torch.__version__} -->")
