@@ -769,3 +769,24 @@ def bucket_launch_order():
                 dist.all_reduce = original
         out[how] = list(events)
     return out
+
+
+def low_precision_buckets():
+    """The bucketed gradient all-reduce of fp16/bf16 replicated parameters (cached-plan calls).
+
+    Rank 0's gradient is 1, the others' a quarter of the dtype's spacing at 1: summed in the
+    dtype, pair by pair, every partial sum rounds back to 1; fpar's rule (float32, rounded once)
+    gives the next value above 1.
+    """
+    n = dist.get_world_size()
+    mesh = fpar.make_mesh((n,), ("data",))
+    out = {}
+    for dtype, small in ((torch.bfloat16, 2.0**-9), (torch.float16, 2.0**-12)):
+        rows = torch.full((n, 8), small, dtype=dtype)
+        rows[0] = 1.0
+        w = torch.ones(8, dtype=dtype)
+        f = fpar.shard(lambda w, x: fpar.psum((w * x).sum(), "data"), mesh, (P(), P("data")), P())
+        x = fpar.device_put(rows, mesh, P("data"))
+        grads = [torch.func.grad(f)(w, x) for _ in range(3)]  # the first traced, then cached
+        out[str(dtype)] = grads
+    return out

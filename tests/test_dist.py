@@ -548,6 +548,18 @@ def test_data_parallel_gradient_is_one_all_reduce(n):
     assert expected["stats"] == got[0]["stats"]
 
 
+def test_low_precision_gradient_buckets_sum_in_float32():
+    """fp16/bf16 gradient buckets follow fpar's rule for sums: float32, rounded once (4 processes)."""
+    got = fpar.launch(D.low_precision_buckets, 4, timeout=TIMEOUT)
+    for dtype, small in ((torch.bfloat16, 2.0**-9), (torch.float16, 2.0**-12)):
+        want = torch.tensor(1.0 + 3 * small, dtype=torch.float32).to(dtype)  # the sum, rounded once
+        assert want > 1
+        for r, g in enumerate(got):
+            for call, grad in enumerate(g[str(dtype)]):
+                assert grad.dtype == dtype
+                torch.testing.assert_close(grad, torch.full((8,), float(want), dtype=dtype), rtol=0, atol=0, msg=f"rank {r} call {call}")
+
+
 def test_gradient_buckets_start_while_the_backward_runs():
     """The last layer's bucket is all-reduced before the backward reaches the first layer.
 

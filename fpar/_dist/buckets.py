@@ -51,16 +51,22 @@ FIRST_BUCKET_MB = 1.0  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_
 class _State:
     """One bucket's pending all-reduce, shared by its two nodes, and its deferred sum if any."""
 
-    __slots__ = ("work", "held", "index")
+    __slots__ = ("work", "held", "index", "narrow")
 
     def __init__(self, held: _defer.Deferred | None = None, index: int = 0):
         self.work = None
         self.held, self.index = held, index
+        self.narrow = None  # (fp16/bf16 flat buffer, its float32 copy being summed)
 
     def wait(self) -> None:
         work, self.work = self.work, None
         if work is not None:
             work.wait()
+        if self.narrow is not None:
+            flat, wide = self.narrow
+            self.narrow = None
+            with torch._C._DisableFuncTorch():  # plain buffers, also from a hook under functorch
+                flat.copy_(wide)  # rounded once, after the float32 sum
 
     def waited(self, ct: Tensor) -> None:
         """The tensor hook of ``_waiting``: wait on the all-reduce; the cotangent is its result."""
@@ -142,8 +148,14 @@ def _start(state: _State, bucket: tuple, cts: list[Tensor]) -> list[Tensor]:
     """Start the all-reduce of a bucket's cotangents; return views of the (pending) flat sum."""
     axes, mg = bucket
     flat = state.flat(cts)
-    stats.record("psum", axes, mg.mesh.axis_size(axes), flat)  # counted as issued: one per bucket
-    state.work = dist.all_reduce(flat, group=mg.group(axes), async_op=True)
+    wire = flat
+    if flat.dtype in (torch.float16, torch.bfloat16):
+        # fpar's rule for sums over devices (README "Low precision"), as the in-process mesh and
+        # every other psum: fp16/bf16 summed in float32 and rounded once.
+        wire = flat.float()
+        state.narrow = (flat, wire)
+    stats.record("psum", axes, mg.mesh.axis_size(axes), wire)  # counted as issued: one per bucket
+    state.work = dist.all_reduce(wire, group=mg.group(axes), async_op=True)
     out, at = [], 0
     for ct in cts:
         out.append(flat[at : at + ct.numel()].view(ct.shape))
