@@ -27,11 +27,9 @@ Run:
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.util
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -46,6 +44,8 @@ except ImportError:  # run from a checkout without installing: use the repo's fp
     import fpar
 from fpar import P
 
+from _common import interleaved
+
 _HERE = Path(__file__).resolve().parent
 
 _spec = importlib.util.spec_from_file_location("data_parallel", _HERE / "data_parallel.py")
@@ -55,13 +55,6 @@ KEYS, LR, counting_hook, loss_local, make_module = _dp.KEYS, _dp.LR, _dp.countin
 
 NPROCS = 2
 N_MICRO = 4
-
-
-def timed(step) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    step()
-    return time.perf_counter() - t0
 
 
 def worker(cfg: dict) -> dict:
@@ -143,16 +136,7 @@ def worker(cfg: dict) -> dict:
     for _ in range(cfg["warmup"]):
         for s in steps.values():
             s()
-    times = {k: [] for k in steps}
-    order = list(steps)
-    gc.collect()
-    gc.disable()
-    try:
-        for i in range(cfg["repeats"]):
-            for name in order[i % 3 :] + order[: i % 3]:
-                times[name].append(timed(steps[name]))
-    finally:
-        gc.enable()
+    times = interleaved(steps, cfg["repeats"])
     return {
         "times": times,
         "worst": worst,

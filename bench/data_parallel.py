@@ -18,7 +18,7 @@ float32, MSE loss) on the same global batch split over 2 gloo processes on this 
   ``loss.backward()``, ``torch.optim.SGD(foreach=True)``.
 
 The 2 processes are started once (``fpar.launch``), each with 1 thread.  Inside them both sides
-are warmed up, then timed interleaved (the order alternates every repeat), each timed step being
+are warmed up, then timed interleaved (the order rotates every repeat), each timed step being
 a full step (forward, backward, all-reduce, update) preceded by a ``dist.barrier()`` so both
 ranks start it together.  Medians from rank 0 are reported, with the ratio fpar/DDP.
 
@@ -47,11 +47,9 @@ Shape suffixes (torchtitan style; B is the global batch, each process holds B/2 
 from __future__ import annotations
 
 import argparse
-import gc
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -66,6 +64,8 @@ except ImportError:  # run from a checkout without installing: use the repo's fp
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import fpar
 from fpar import P
+
+from _common import interleaved
 
 NPROCS = 2
 LR = 0.01
@@ -142,14 +142,6 @@ def step_peak_bytes(step) -> int:
         now += nbytes
         peak = max(peak, now)
     return peak
-
-
-def timed(step) -> float:
-    """Wall time of one full step, both ranks starting together."""
-    dist.barrier()
-    t0 = time.perf_counter()
-    step()
-    return time.perf_counter() - t0
 
 
 def worker(cfg: dict) -> dict:
@@ -236,15 +228,7 @@ def worker(cfg: dict) -> dict:
     ddp_held = sum(p.numel() * p.element_size() for p in model.parameters()) * 2
     peaks = {"fpar": step_peak_bytes(fpar_step), "ddp": step_peak_bytes(ddp_step) + ddp_held}
     steps = {"fpar": fpar_step, "fpar_bw": fpar_bw_step, "ddp": ddp_step}
-    times = {k: [] for k in steps}
-    gc.collect()
-    gc.disable()  # no collector pauses inside a timed step
-    try:
-        for i in range(cfg["repeats"]):
-            for name in list(steps) if i % 2 == 0 else reversed(list(steps)):
-                times[name].append(timed(steps[name]))
-    finally:
-        gc.enable()
+    times = interleaved(steps, cfg["repeats"])
 
     return {
         "times": times,

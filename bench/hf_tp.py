@@ -32,7 +32,6 @@ import argparse
 import copy
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -45,6 +44,8 @@ except ImportError:  # run from a checkout without installing: use the repo's fp
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import fpar
 from fpar import P
+
+from _common import interleaved
 
 NPROCS = 2
 LR = 1e-3
@@ -117,13 +118,6 @@ def dtensor_model(model, n: int):
     return parallelize_module(model, mesh, plan)
 
 
-def timed(step) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    step()
-    return time.perf_counter() - t0
-
-
 def worker(cfg: dict) -> dict:
     torch.set_num_threads(cfg["threads"])
     n = dist.get_world_size()
@@ -191,11 +185,7 @@ def worker(cfg: dict) -> dict:
     for _ in range(cfg["warmup"]):
         for step in steps.values():
             step()
-    times = {k: [] for k in steps}
-    for i in range(cfg["repeats"]):
-        order = list(steps) if i % 2 == 0 else list(reversed(steps))
-        for k in order:
-            times[k].append(timed(steps[k]))
+    times = interleaved(steps, cfg["repeats"])
     fpar.reset_comm_stats()
     fpar_step()
     return {"times": times, "loss_diff": loss_diff, "weight_diff": weight_diff, "stats": fpar.comm_stats()}

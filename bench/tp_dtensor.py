@@ -29,11 +29,9 @@ Shape suffixes: B tokens (replicated on both processes), D model width, H hidden
 from __future__ import annotations
 
 import argparse
-import gc
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -48,6 +46,8 @@ except ImportError:  # run from a checkout without installing: use the repo's fp
     import fpar
 from fpar import P
 
+from _common import interleaved, profile_table
+
 NPROCS = 2
 LR = 0.01
 
@@ -55,23 +55,6 @@ LR = 0.01
 def loss_local(params, x_BD, y_BD):
     """Per-device loss: the Megatron MLP (replicated in, replicated out), MSE."""
     return F.mse_loss(fpar.ops.mlp(params, x_BD, axis="tensor"), y_BD)
-
-
-def timed(step) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    step()
-    return time.perf_counter() - t0
-
-
-def profile_table(step, repeats: int = 3) -> str:
-    from torch.profiler import ProfilerActivity, profile
-
-    dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(repeats):
-            step()
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
 
 
 def worker(cfg: dict) -> dict:
@@ -146,16 +129,7 @@ def worker(cfg: dict) -> dict:
     fpar_step()
     stats = fpar.comm_stats().get("tensor", {})
 
-    times = {"fpar": [], "dtensor": []}
-    steps = {"fpar": fpar_step, "dtensor": dtensor_step}
-    gc.collect()
-    gc.disable()
-    try:
-        for i in range(cfg["repeats"]):
-            for name in ("fpar", "dtensor") if i % 2 == 0 else ("dtensor", "fpar"):
-                times[name].append(timed(steps[name]))
-    finally:
-        gc.enable()
+    times = interleaved({"fpar": fpar_step, "dtensor": dtensor_step}, cfg["repeats"])
     return {"times": times, "worst_rel": worst, "stats": stats, "profiles": profiles, "threads": torch.get_num_threads()}
 
 

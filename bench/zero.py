@@ -45,7 +45,6 @@ import gc
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -60,6 +59,8 @@ except ImportError:  # run from a checkout without installing: use the repo's fp
     import fpar
 import fpar.optim as fo
 from fpar import P
+
+from _common import interleaved, profile_table
 
 NPROCS = 2
 LR, WD = 1e-3, 0.01
@@ -163,24 +164,6 @@ def peak_bytes(step, held) -> tuple[int, int]:
     return box["held"], peak
 
 
-def profile_table(step, repeats: int = 3) -> str:
-    """``torch.profiler``'s op table (self CPU time) of ``repeats`` calls of ``step``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(repeats):
-            step()
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
-
-
-def timed(step) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    step()
-    return time.perf_counter() - t0
-
-
 def worker(cfg: dict) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -245,16 +228,7 @@ def worker(cfg: dict) -> dict:
     profiles = {}
     if cfg["profile"]:
         profiles = {"fpar": profile_table(fpar_step), "FSDP2": profile_table(fsdp_step)}
-    times = {"fpar": [], "fsdp": []}
-    steps = {"fpar": fpar_step, "fsdp": fsdp_step}
-    gc.collect()
-    gc.disable()
-    try:
-        for i in range(cfg["repeats"]):
-            for name in ("fpar", "fsdp") if i % 2 == 0 else ("fsdp", "fpar"):
-                times[name].append(timed(steps[name]))
-    finally:
-        gc.enable()
+    times = interleaved({"fpar": fpar_step, "fsdp": fsdp_step}, cfg["repeats"])
     fpar.reset_comm_stats()
     fpar_step()
     return {

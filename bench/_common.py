@@ -1,0 +1,51 @@
+"""What the 2-process benchmarks share: timing one step on every rank, interleaving, profiling.
+
+Imported as ``_common`` (a script's own folder is first on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Callable
+
+import torch.distributed as dist
+
+
+def timed(step: Callable[[], object]) -> float:
+    """Wall time of one full step, every rank starting it together (after a barrier)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    step()
+    return time.perf_counter() - t0
+
+
+def interleaved(steps: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Time each step ``repeats`` times, rotating their order every repeat, with the GC paused.
+
+    Rotating spreads slow phases of a shared machine over every side; no collector pauses land
+    inside a timed step.
+    """
+    names = list(steps)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(repeats):
+            k = i % len(names)
+            for name in names[k:] + names[:k]:
+                times[name].append(timed(steps[name]))
+    finally:
+        gc.enable()
+    return times
+
+
+def profile_table(step: Callable[[], object], repeats: int = 3) -> str:
+    """``torch.profiler``'s op table (self CPU time) of ``repeats`` calls of ``step``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(repeats):
+            step()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
