@@ -57,6 +57,7 @@ class DistDriver:
         chunks = [tree_map(lambda t, c=c: t[c], stacked) for c in range(sch.v)]
         st = Stage(self.me, sch, self.fns, chunks, params.get("first"), params.get("last"), key)
         st.deferral, st.finals = defer_reduction(), self.finals  # DP gradients reduced once per step
+        bufs = _gradient_rows(st, stacked) if sch.v > 1 else None
         self.device = _device_of(stacked)
         start = time.perf_counter()
         sending: list = []
@@ -71,7 +72,7 @@ class DistDriver:
         st.deferral._check_reduced("fpar.pipeline")
         wall = time.perf_counter() - start
         loss, stats = self._finish(st, wall, _dist)
-        grads = {"stages": tree_unflatten(tree_flatten(stacked)[1], _stack_local(st.grads("stages")))}
+        grads = {"stages": tree_unflatten(tree_flatten(stacked)[1], _stack_local(st.grads("stages"), bufs))}
         owners = {"first": 0, "last": last_stage(sch)}
         for g in ("first", "last"):
             if g in params:
@@ -236,9 +237,31 @@ def _unheader(h: Tensor) -> tuple:
     return tuple(int(d) for d in h[2 : 2 + rank]), _DTYPES[code]
 
 
-def _stack_local(per_chunk: list) -> list:
+def _gradient_rows(st: Stage, stacked: Any) -> list:
+    """The step's stacked gradient buffers, one per leaf; W writes chunk ``c``'s gradient into row ``c``.
+
+    With several chunks per rank this saves stacking them at the end (a copy of every weight's
+    gradient: 3–14 ms of a 170 ms interleaved step in a profile).  A leaf whose chunks do not all
+    end up in their rows (a gradient from autograd too, or none) is stacked as before.
+    """
+    bufs = [t.new_empty(t.shape) if isinstance(t, Tensor) and t.is_floating_point() else None for t in tree_flatten(stacked)[0]]
+    for c, (leaves, _) in enumerate(st.groups["stages"]):
+        for leaf, buf in zip(leaves, bufs):
+            if buf is not None and isinstance(leaf, Tensor):
+                st.slots[id(leaf)] = buf[c]
+    return bufs
+
+
+def _stack_local(per_chunk: list, bufs: list | None = None) -> list:
     flat = [tree_flatten(g)[0] for g in per_chunk]
-    return [stack(col) for col in zip(*flat)]
+    out = []
+    for i, col in enumerate(zip(*flat)):
+        buf = bufs[i] if bufs else None
+        if buf is not None and all(g is not None and g.data_ptr() == buf[c].data_ptr() for c, g in enumerate(col)):
+            out.append(buf)  # every chunk's gradient was written into its row
+        else:
+            out.append(stack(col))
+    return out
 
 
 def _local_group(st: Stage, group: str, given: Any) -> Any:

@@ -137,30 +137,39 @@ class _Linear(torch.autograd.Function):
         return dx, None, None, None
 
 
-def weight_grads(records: list[Record], into: dict[int, Tensor]) -> None:
+def weight_grads(records: list[Record], into: dict[int, Tensor], slots: dict[int, Tensor] | None = None) -> None:
     """W: the recorded weight (and bias) gradients, accumulated into ``into[id(leaf)]``.
 
     The accumulation is fused into the matmul (``addmm_`` into the running sum), so a
     microbatch's weight gradient costs one pass over the weight, not a matmul and an add.
+    ``slots``: ``id(leaf) -> `` a contiguous tensor of the leaf's shape and dtype that its first
+    gradient is written into (its row of the step's stacked gradient, so that stacking the
+    chunks' gradients needs no copy).
     """
     for r in records:
         x2 = r.x.reshape(-1, r.x.shape[-1])
         dy2 = r.dy.reshape(-1, r.dy.shape[-1])
         a, b = (dy2.t(), x2) if r.kind == "linear" else (x2.t(), dy2)
         have = into.get(id(r.weight))
-        if have is None or a.dtype != have.dtype:
-            _add(into, r.weight, a @ b)
+        if have is None and slots and id(r.weight) in slots and slots[id(r.weight)].dtype == a.dtype:
+            slot = slots[id(r.weight)]
+            torch.mm(a, b, out=slot.view(a.shape[0], b.shape[1]))
+            into[id(r.weight)] = slot
+        elif have is None or a.dtype != have.dtype:
+            _add(into, r.weight, a @ b, slots)
         else:
             have.view(a.shape[0], b.shape[1]).addmm_(a, b)
         if r.bias is not None:
-            _add(into, r.bias, dy2.sum(0))
+            _add(into, r.bias, dy2.sum(0), slots)
     records.clear()
 
 
-def _add(into: dict[int, Tensor], leaf: Tensor, g: Tensor) -> None:
-    g = g.reshape(leaf.shape).to(leaf.dtype)
+def _add(into: dict[int, Tensor], leaf: Tensor, g: Tensor, slots: dict[int, Tensor] | None = None) -> None:
+    g = g.reshape(leaf.shape)
     have = into.get(id(leaf))
-    if have is None:
-        into[id(leaf)] = g.contiguous()
+    if have is not None:
+        have.add_(g.to(leaf.dtype))
+    elif slots and id(leaf) in slots:
+        into[id(leaf)] = slots[id(leaf)].copy_(g)
     else:
-        have.add_(g)
+        into[id(leaf)] = g.to(leaf.dtype).contiguous()

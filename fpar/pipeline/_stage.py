@@ -83,6 +83,7 @@ class Stage:
         self.outbox: dict[tuple[str, int, int], Tensor] = {}  # computed, not yet sent
         self.out_shapes: dict[int, tuple] = {}  # chunk -> (shape, dtype) of what F sends on
         self.deferred: dict[int, Tensor] = {}  # id(leaf) -> weight gradient accumulated by W
+        self.slots: dict[int, Tensor] = {}  # id(leaf) -> where W writes its first gradient (see _split)
         self.loss_sum: Tensor | None = None
         self.busy, self.peak, self.peak_inbox, self.seconds, self.waited = 0, 0, 0, 0.0, 0.0
         # Real mesh: forwards other than ``finals`` (per chunk, the microbatch whose backward
@@ -106,7 +107,7 @@ class Stage:
                 with self.deferral if defer else contextlib.nullcontext():
                     out = self.forward(a.microbatch, a.chunk, xs, targets)
             elif a.kind == "W":
-                weight_grads(self.stash.pop((a.microbatch, a.chunk)).records, self.deferred)
+                weight_grads(self.stash.pop((a.microbatch, a.chunk)).records, self.deferred, self.slots)
             else:
                 out = self.backward(a.microbatch, a.chunk, split=a.kind == "B")
         except Exception as e:
@@ -174,7 +175,7 @@ class Stage:
         if split:
             st.out = st.x = None  # the graph is freed; W needs only st.records
         else:
-            weight_grads(self.stash.pop((j, c)).records, self.deferred)
+            weight_grads(self.stash.pop((j, c)).records, self.deferred, self.slots)
         return dx if prev_stage(self.s, c, self.p, self.v, self.layout) is not None else None
 
     # -- parameters and gradients ---------------------------------------------------------------
