@@ -85,6 +85,17 @@ def worker(cfg: dict) -> dict:
         g = grad_fn(params, x_BD, y_BD)
         torch._foreach_add_(plist, [g[k] for k in keys], alpha=-LR)
 
+    # (a') fpar, PyTorch style: leaf parameters, .backward(), update from .grad
+    f_bw = fpar.shard(loss_local, mesh, (specs, P(), P()), P())
+    leaves = [params[k].detach().clone().requires_grad_() for k in keys]
+
+    def fpar_bw_step():
+        for p in leaves:
+            p.grad = None
+        f_bw(dict(zip(keys, leaves)), x_BD, y_BD).backward()
+        with torch.no_grad():
+            torch._foreach_add_(leaves, [p.grad for p in leaves], alpha=-LR)
+
     # (b) DTensor
     dmesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tensor",))
     model = nn.Sequential(nn.Linear(D, H), nn.GELU(), nn.Linear(H, D))
@@ -121,15 +132,20 @@ def worker(cfg: dict) -> dict:
 
     for _ in range(cfg["warmup"]):
         fpar_step()
+        fpar_bw_step()
         dtensor_step()
     profiles = {}
     if cfg["profile"]:
-        profiles = {"fpar": profile_table(fpar_step), "dtensor": profile_table(dtensor_step)}
+        profiles = {
+            "fpar": profile_table(fpar_step),
+            "fpar .backward()": profile_table(fpar_bw_step),
+            "dtensor": profile_table(dtensor_step),
+        }
     fpar.reset_comm_stats()
     fpar_step()
     stats = fpar.comm_stats().get("tensor", {})
 
-    times = interleaved({"fpar": fpar_step, "dtensor": dtensor_step}, cfg["repeats"])
+    times = interleaved({"fpar": fpar_step, "fpar_bw": fpar_bw_step, "dtensor": dtensor_step}, cfg["repeats"])
     return {"times": times, "worst_rel": worst, "stats": stats, "profiles": profiles, "threads": torch.get_num_threads()}
 
 
@@ -159,19 +175,23 @@ def main(argv=None) -> None:
     ratio = med["fpar"] / med["dtensor"]
     desc = f"1D TP MLP train step B={args.batch} D={args.dim} H={args.hidden} fp32"
     print(f"{desc}, {NPROCS} gloo processes x {r0['threads']} thread(s), torch {torch.__version__}, {args.repeats} repeats")
-    for k in ("fpar", "dtensor"):
+    for k in ("fpar", "fpar_bw", "dtensor"):
         print(f"  {k:7s}  median {med[k]:8.2f} ms   min {lo[k]:8.2f}   (rank 1 median {med1[k]:.2f})")
     print(f"  ratio fpar/DTensor: {ratio:.2f}x (medians; target <= 1.0), {lo['fpar'] / lo['dtensor']:.2f}x (minima)")
+    print(
+        f"  ratio fpar .backward()/DTensor: {med['fpar_bw'] / med['dtensor']:.2f}x (medians), "
+        f"{lo['fpar_bw'] / lo['dtensor']:.2f}x (minima)"
+    )
     print(
         "  fpar bytes per device per step (comm_stats on 'tensor'): "
         + ", ".join(f"{k} {v['bytes']:,} in {v['calls']}" for k, v in r0["stats"].items())
     )
     print()
-    print("| benchmark | config | fpar (ms) | DTensor (ms) | ratio | threads |")
+    print("| benchmark | config | fpar func.grad / .backward() (ms) | DTensor (ms) | ratio | threads |")
     print("|---|---|---|---|---|---|")
     print(
-        f"| tp_dtensor | {desc}, {NPROCS} gloo procs, Colwise+Rowwise | {med['fpar']:.1f} | "
-        f"{med['dtensor']:.1f} | {ratio:.2f}x | {NPROCS}x{r0['threads']} |"
+        f"| tp_dtensor | {desc}, {NPROCS} gloo procs, Colwise+Rowwise | {med['fpar']:.1f} / {med['fpar_bw']:.1f} | "
+        f"{med['dtensor']:.1f} | {ratio:.2f}x / {med['fpar_bw'] / med['dtensor']:.2f}x | {NPROCS}x{r0['threads']} |"
     )
     print(f"<!-- {platform.processor() or platform.machine()}, torch {torch.__version__} -->")
 
