@@ -457,6 +457,43 @@ def test_gpt_dropout_does_not_depend_on_the_layout(axes, sp):
     torch.testing.assert_close(grads, ref_grads, rtol=1e-8, atol=1e-10)
 
 
+def _ulysses_or_attention(axes: dict, ulysses: bool, rate: float):
+    """Attention with probability dropout: Ulysses over "tensor" (x split over data and sequence),
+    or plain head-parallel attention (x split over data only), from the same global values."""
+    mesh = _mesh(axes)
+    d, n_heads = 16, 4
+    params = fpar.ops.init_attention(d, dtype=torch.float64)
+    x = torch.randn(4, 8, d, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    if ulysses:
+        specs, x_spec = fpar.ops.attention_specs(None), P("data", "tensor")
+        layer = lambda p, x, key: fpar.ops.ulysses_attention(  # noqa: E731
+            p, x, axis="tensor", n_heads=n_heads, dropout=rate, key=key
+        )
+    else:
+        specs, x_spec = fpar.ops.attention_specs("tensor"), P("data")
+        layer = lambda p, x, key: fpar.ops.attention(p, x, axis="tensor", n_heads=n_heads, dropout=rate, key=key)  # noqa: E731
+
+    def loss(p, x, key):
+        return fpar.psum(layer(p, x, key).square().sum(), "data" if not ulysses else ("data", "tensor"))
+
+    f = fpar.shard(loss, mesh, (specs, x_spec, P()), P())
+    placed = fpar.init(params, mesh, specs)
+    key = fpar.random.fold_in(fpar.random.key(1), 5)
+    grads = torch.func.grad(f, argnums=(0, 1))(placed, fpar.device_put(x, mesh, x_spec), key)
+    return f(placed, fpar.device_put(x, mesh, x_spec), key), fpar.gather(grads[0], mesh, specs), fpar.gather(grads[1], mesh, x_spec)
+
+
+@pytest.mark.parametrize("axes", [{"data": 1, "tensor": 2}, {"data": 2, "tensor": 2}])
+def test_ulysses_attention_dropout_is_the_unsharded_attentions(axes):
+    """Ulysses draws the heads block of the same global probability mask as ``attention``."""
+    ref = _ulysses_or_attention({"data": 1, "tensor": 1}, False, 0.3)
+    plain = _ulysses_or_attention({"data": 1, "tensor": 1}, False, 0.0)
+    got = _ulysses_or_attention(axes, True, 0.3)
+    assert abs(float(ref[0] - plain[0])) > 1e-3  # dropout is on
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
 def test_layer_dropout_needs_a_key():
     mesh = fpar.make_mesh((2,), ("tensor",))
     params = fpar.init(fpar.ops.init_gpt_block(16), mesh, fpar.ops.gpt_block_specs())

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import fpar
 
 from . import _check as check
-from ._dropout import check_dropout
+from ._dropout import check_dropout, site_dropout
 from ._megatron import (
     attend,
     attention_heads,
@@ -173,7 +173,17 @@ def sp_vocab_embedding(ids: Tensor, w: Tensor, *, axis, seq_dim: int = 1) -> Ten
 # DeepSpeed-Ulysses ------------------------------------------------------------------------------
 
 
-def ulysses_attention(params: dict, x: Tensor, *, axis, n_heads: int, causal: bool = True) -> Tensor:
+def ulysses_attention(
+    params: dict,
+    x: Tensor,
+    *,
+    axis,
+    n_heads: int,
+    causal: bool = True,
+    dropout: float = 0.0,
+    key: Tensor | None = None,
+    batch_axes=None,
+) -> Tensor:
     """Self-attention with Ulysses all-to-alls: ``x[B, T/n, D] -> [B, T/n, D]``, split over axis.
 
     Weights are replicated (``fpar.ops.attention_specs(None)``); their gradients are summed over
@@ -189,15 +199,26 @@ def ulysses_attention(params: dict, x: Tensor, *, axis, n_heads: int, causal: bo
       axis: the sequence-parallel mesh axis.
       n_heads: total heads, divisible by the size of ``axis`` (Ulysses' degree limit).
       causal: mask attention to later positions.
+      dropout: drop probability of the attention probabilities.  After the first all-to-all each
+        device holds ``n_heads/n`` whole heads over every position, so its mask is the heads
+        block of one global ``[B, n_heads, T, T]`` mask: the mask ``fpar.ops.attention`` draws
+        with the same key, at every layout.
+      key: the ``fpar.random`` key, needed when ``dropout > 0``.
+      batch_axes: the mesh axes the batch dim is split over (``None``: those ``x`` varies over,
+        other than ``axis``).
     """
     api = "ulysses_attention"
+    check_dropout(api, dropout, key)
     n = check.axis_size(api, axis)
     p = _replicated_attention_params(api, params, x)
     _, k = attention_heads(api, x.shape[-1], n_heads, n)  # each device gets n_heads/n whole heads
     qkv_BT3HK = _qkv(p, x).unflatten(-1, (3, n_heads, k))
     # seq -> heads: split the heads dim, concatenate the sequence blocks in device order.
     qkv_BT3HK = fpar.all_to_all(qkv_BT3HK, axis, split_axis=3, concat_axis=1, tiled=True)
-    o_BTHK = attend(*qkv_BT3HK.unbind(2), causal=causal)
+    drop = None
+    if dropout:
+        drop = lambda p_BHTS: site_dropout(key, p_BHTS, dropout, axis=axis, split_dim=1, batch_axes=batch_axes)  # noqa: E731
+    o_BTHK = attend(*qkv_BT3HK.unbind(2), causal=causal, drop=drop)
     # heads -> seq: split the sequence, concatenate the heads in device order.
     o_BTHK = fpar.all_to_all(o_BTHK, axis, split_axis=1, concat_axis=2, tiled=True)
     return _out_proj(p, o_BTHK.flatten(2))
