@@ -494,6 +494,59 @@ def test_ulysses_attention_dropout_is_the_unsharded_attentions(axes):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
+def _ring(axes: dict, rate: float, causal: bool):
+    """Ring attention with probability dropout (sequence over "tensor", batch over "data"), values and grads."""
+    mesh = _mesh(axes)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(4, 8, 2, 3, generator=g, dtype=torch.float64) for _ in range(3))
+    spec = P("data", "tensor")
+    key = fpar.random.fold_in(fpar.random.key(2), 9)
+
+    def loss(q, k, v, key):
+        o = fpar.ops.ring_attention(q, k, v, axis="tensor", causal=causal, dropout=rate, key=key)
+        return fpar.psum(o.square().sum(), ("data", "tensor"))
+
+    f = fpar.shard(loss, mesh, (spec, spec, spec, P()), P())
+    placed = fpar.device_put((q, k, v), mesh, spec)
+    grads = torch.func.grad(f, argnums=(0, 1, 2))(*placed, key)
+    return f(*placed, key), fpar.gather(grads, mesh, spec), (q, k, v, key)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("axes", [{"data": 1, "tensor": 2}, {"data": 2, "tensor": 2}, {"data": 1, "tensor": 4}])
+def test_ring_attention_dropout_is_dropout_of_the_unsharded_probabilities(axes, causal):
+    """Each ring step draws its key block's part of one global mask: the result is
+    ``dropout(softmax(q k^T / sqrt(K))) v`` of the whole sequence, with the same key."""
+    value, grads, (q, k, v, key) = _ring(axes, 0.3, causal)
+
+    def unsharded(q, k, v):
+        drop = lambda p: fpar.ops.dropout(key, p, 0.3)  # noqa: E731
+        return fpar.ops._megatron.attend(q, k, v, causal=causal, drop=drop).square().sum()
+
+    want_grads = torch.func.grad(unsharded, argnums=(0, 1, 2))(q, k, v)
+    plain = fpar.ops._megatron.attend(q, k, v, causal=causal).square().sum()
+    assert abs(float(unsharded(q, k, v) - plain)) > 1e-3  # dropout is on
+    torch.testing.assert_close(value, unsharded(q, k, v), rtol=1e-9, atol=1e-11)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def _real_mesh_sequence_dropout():
+    """Ring (twice: the second call runs the cached plan) and Ulysses dropout on 2 processes."""
+    ring = [_ring({"data": 1, "tensor": 2}, 0.3, True)[:2] for _ in range(2)]
+    return ring, _ulysses_or_attention({"data": 1, "tensor": 2}, True, 0.3)
+
+
+def test_real_mesh_sequence_parallel_dropout_equals_in_process():
+    got = fpar.launch(_real_mesh_sequence_dropout, 2, timeout=90.0)
+    want_ring = _ring({"data": 1, "tensor": 2}, 0.3, True)[:2]
+    want_uly = _ulysses_or_attention({"data": 1, "tensor": 2}, True, 0.3)
+    for ring, uly in got:
+        for call in ring:
+            torch.testing.assert_close(call, want_ring, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(uly, want_uly, rtol=1e-10, atol=1e-12)
+
+
 def test_layer_dropout_needs_a_key():
     mesh = fpar.make_mesh((2,), ("tensor",))
     params = fpar.init(fpar.ops.init_gpt_block(16), mesh, fpar.ops.gpt_block_specs())

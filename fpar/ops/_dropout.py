@@ -130,3 +130,20 @@ def site_dropout(key, x: Tensor, rate: float, *, axis, split_dim: int | None = N
     if split_dim is not None:
         entries[split_dim] = axis
     return dropout(key, x, rate, spec=PartitionSpec(*entries))
+
+
+def block_keep(key: Tensor, rate: float, shape: list, start: list, local: list, device) -> Tensor:
+    """The keep-mask (bool) of one block of a global ``shape``, as ``dropout(key, x, rate)`` draws it.
+
+    ``start`` per dim is the block's first global index (an int, or a 0-d int64 tensor that may
+    depend on the device, as ``fpar.axis_index`` gives); ``local`` its size.  The mask is the block
+    of the one ``dropout`` would draw on the global array, for any block: layers whose blocks are
+    not a spec's layout (ring attention's rotating key blocks) use it.  Kept values are to be
+    scaled by ``1 / (1 - rate)``.
+    """
+    from ..random._philox import block_words
+
+    key = key.to(device)
+    threshold = _random._threshold("dropout", 1.0 - float(rate))
+    (w,) = block_words(key[0], key[1], list(shape), list(start), list(local), 1, device)
+    return w < threshold

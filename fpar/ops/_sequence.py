@@ -32,8 +32,9 @@ import torch.nn.functional as F
 
 import fpar
 
+from .._collectives import frames
 from . import _check as check
-from ._dropout import check_dropout, site_dropout
+from ._dropout import block_keep, check_dropout, site_dropout, varying_axes
 from ._megatron import (
     attend,
     attention_heads,
@@ -227,7 +228,17 @@ def ulysses_attention(
 # Ring attention -----------------------------------------------------------------------------------
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, axis, causal: bool = True) -> Tensor:
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    axis,
+    causal: bool = True,
+    dropout: float = 0.0,
+    key: Tensor | None = None,
+    batch_axes=None,
+) -> Tensor:
     """Blockwise attention with key/value blocks rotating around a ring: ``q, k, v[B, T/n, H, K] -> [B, T/n, H, K]``.
 
     Each device keeps its query block and, for ``n`` steps, attends to the key/value block it
@@ -247,11 +258,19 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, axis, causal: bool = True
       v: this device's value block ``[B, T/n, H, K]``.
       axis: the mesh axis the sequence is split over (blocks in axis order).
       causal: mask keys at later global positions.
+      dropout: drop probability of the attention probabilities: the mask is one global
+        ``[B, H, T, T]`` mask (the one ``fpar.ops.dropout`` draws on the probabilities of the
+        unsharded attention with this key); each ring step draws the block of the key block it
+        holds, and the dropped probabilities stay in the softmax's denominator.
+      key: the ``fpar.random`` key, needed when ``dropout > 0``.
+      batch_axes: the mesh axes the batch dim is split over (``None``: those ``q`` varies over,
+        other than ``axis``).
 
     Returns:
       This device's block of the attention output ``[B, T/n, H, K]``.
     """
     api = "ring_attention"
+    check_dropout(api, dropout, key)
     n = check.axis_size(api, axis)
     for name, t in (("q", q), ("k", k), ("v", v)):
         check.floating(api, name, check.tensor(api, name, t, ndim=4))
@@ -272,6 +291,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, axis, causal: bool = True
     m_BHT = torch.full(q_BHTK.shape[:-1], -math.inf, dtype=acc, device=q.device)
     l_BHT = torch.zeros(q_BHTK.shape[:-1], dtype=acc, device=q.device)
     acc_BHTK = torch.zeros(q_BHTK.shape, dtype=acc, device=q.device)
+    drop = _ring_dropout(q_BHTK, dropout, key, axis, n, batch_axes) if dropout else None
     for step in range(n):
         s_BHTS = (q_BHTK @ k_BHSK.transpose(-1, -2)).to(acc)
         if causal:
@@ -283,6 +303,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, axis, causal: bool = True
         scale_BHT = torch.exp(m_BHT - m_new)
         p_BHTS = torch.exp(s_BHTS - m_new.unsqueeze(-1))
         l_BHT = l_BHT * scale_BHT + p_BHTS.sum(-1)
+        if drop is not None:
+            p_BHTS = p_BHTS * drop((me - step) % n)
         acc_BHTK = acc_BHTK * scale_BHT.unsqueeze(-1) + p_BHTS @ v_BHSK.to(acc)
         m_BHT = m_new
         if step < n - 1:
@@ -290,7 +312,45 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, axis, causal: bool = True
     return (acc_BHTK / l_BHT.unsqueeze(-1)).transpose(1, 2).to(q.dtype)
 
 
-def ring_self_attention(params: dict, x: Tensor, *, axis, n_heads: int, causal: bool = True) -> Tensor:
+def _ring_dropout(q_BHTK: Tensor, rate: float, key: Tensor, axis, n: int, batch_axes):
+    """``drop(j)``: the scaled keep-mask of this query block against key block ``j``.
+
+    The blocks of one global ``[B, H, T, T]`` mask: rows ``me*t ..`` (this device's queries),
+    columns ``j*t ..``, batch rows by the batch axes' combined index.
+    """
+    b, h, t, _ = q_BHTK.shape
+    if batch_axes is None:
+        frame = frames()[-1]
+        varying = varying_axes(frame, q_BHTK)
+        layer = (axis,) if isinstance(axis, str) else tuple(axis)
+        batch = tuple(a for a in frame.mesh.axis_names if a in varying and a not in layer)
+    else:
+        batch = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+    n_batch = math.prod(fpar.axis_size(a) for a in batch)
+    b0 = fpar.axis_index(batch) * b if batch else 0
+    me = fpar.axis_index(axis)
+    shape, local = [b * n_batch, h, n * t, n * t], [b, h, t, t]
+    scale = 1.0 / (1.0 - float(rate))
+    dtype = torch.float32 if q_BHTK.dtype in (torch.float16, torch.bfloat16) else q_BHTK.dtype
+
+    def drop(j):
+        keep = block_keep(key, rate, shape, [b0, 0, me * t, j * t], local, q_BHTK.device)
+        return keep.to(dtype) * scale
+
+    return drop
+
+
+def ring_self_attention(
+    params: dict,
+    x: Tensor,
+    *,
+    axis,
+    n_heads: int,
+    causal: bool = True,
+    dropout: float = 0.0,
+    key: Tensor | None = None,
+    batch_axes=None,
+) -> Tensor:
     """Self-attention over a sequence split along ``axis``, by ``ring_attention``: ``[B, T/n, D] -> [B, T/n, D]``.
 
     Projections are local with replicated weights (``fpar.ops.attention_specs(None)``; their
@@ -302,13 +362,16 @@ def ring_self_attention(params: dict, x: Tensor, *, axis, n_heads: int, causal: 
       axis: the mesh axis the sequence is split over.
       n_heads: number of heads (any divisor of D; no constraint from the axis size).
       causal: mask attention to later global positions.
+      dropout, key, batch_axes: attention-probability dropout, as for ``ring_attention``.
     """
     api = "ring_self_attention"
+    check_dropout(api, dropout, key)
     check.axis_size(api, axis)
     p = _replicated_attention_params(api, params, x)
     _, k = attention_heads(api, x.shape[-1], n_heads, 1)
     q, k_, v = _qkv(p, x).unflatten(-1, (3, n_heads, k)).unbind(2)
-    return _out_proj(p, ring_attention(q, k_, v, axis=axis, causal=causal).flatten(2))
+    o = ring_attention(q, k_, v, axis=axis, causal=causal, dropout=dropout, key=key, batch_axes=batch_axes)
+    return _out_proj(p, o.flatten(2))
 
 
 # Helpers and checks -------------------------------------------------------------------------------
