@@ -61,11 +61,13 @@ class DistDriver:
         self.device = _device_of(stacked)
         start = time.perf_counter()
         sending: list = []
+        early: set = set()
         for actions in self.ticks:
+            st.send_early = self._early_sender(actions, sending, early)
             for a in actions:
                 if a.kind in COMPUTE:
                     st.run(a, xs, targets)
-            sending += self._exchange(actions, st, _dist)
+            sending += self._exchange(actions, st, _dist, early)
             st.note_inbox()
         for work, _ in sending:
             work.wait()
@@ -100,11 +102,41 @@ class DistDriver:
             leaves[i] = t
         return tree_unflatten(treedef, leaves)
 
-    def _exchange(self, actions: list, st: Stage, _dist) -> list:
+    def _early_sender(self, actions: list, sending: list, early: set):
+        """``send_early`` for this tick: post a BW's input gradient as soon as B has computed it.
+
+        The stage upstream waits for it, not for this stage's W, which then overlaps its backward
+        (torch's runtime sends after the whole backward).  The send goes out before the tick's
+        other messages; since every tick posts its B messages before its F messages (the wire
+        order both ends use) the order on each pair of ranks is unchanged.  Not in a tick with
+        shape headers, which go first on their pair.
+        """
+        sch, me = self.schedule, self.me
+        if any(a in self.header for a in actions):
+            return None
+        sends = {(a.microbatch, a.chunk): a for a in actions if a.kind == "SEND_B" and a.stage == me}
+        if not sends:
+            return None
+
+        def send_early(j: int, c: int, dx: Tensor) -> bool:
+            a = sends.get((j, c))
+            peer = None if a is None else prev_stage(a.stage, a.chunk, sch.p, sch.v, sch.layout)
+            if peer is None or peer[0] == me:
+                return False
+            out, _ = _dist.p2p(self.mesh, self.axis, [(dx, peer[0])], [], wait=False)
+            sending.extend(out)
+            early.add(a)
+            return True
+
+        return send_early
+
+    def _exchange(self, actions: list, st: Stage, _dist, early: set = frozenset()) -> list:
         """Post this tick's sends and receives (after shape headers, if any); return the sends."""
         p, v, me, layout = self.schedule.p, self.schedule.v, self.me, self.schedule.layout
         sends, recvs, heads_out, heads_in = [], [], [], []
         for a in sorted(actions, key=_wire_order):
+            if a in early:
+                continue  # sent as soon as B computed it (``_early_sender``)
             if a.kind in ("SEND_F", "SEND_B"):
                 value = st.to_send(a)
                 peer = (next_stage if a.kind == "SEND_F" else prev_stage)(a.stage, a.chunk, p, v, layout)

@@ -90,6 +90,9 @@ class Stage:
         # runs last) run under this fpar.defer_reduction() scope: one DP all-reduce per step.
         self.deferral: Any = None
         self.finals: set[tuple[int, int]] = set()
+        # Real mesh: ``send_early(j, c, dx)`` posts a BW's input gradient before its W runs (the
+        # upstream stage's backward waits on it, not on this stage's weight gradients); True if sent.
+        self.send_early: Any = None
 
     # -- compute ------------------------------------------------------------------------------
 
@@ -172,11 +175,15 @@ class Stage:
         # parameter gradients accumulate in .grad (AccumulateGrad), like torch's.  BW is B then W.
         _backward(st.out, dy, ([st.x] if st.x is not None else []) + st.leaves)
         dx = st.x.grad if st.x is not None else None
+        if prev_stage(self.s, c, self.p, self.v, self.layout) is None:
+            dx = None  # virtual stage 0: nothing to send back
         if split:
             st.out = st.x = None  # the graph is freed; W needs only st.records
-        else:
-            weight_grads(self.stash.pop((j, c)).records, self.deferred, self.slots)
-        return dx if prev_stage(self.s, c, self.p, self.v, self.layout) is not None else None
+            return dx
+        if dx is not None and self.send_early is not None and self.send_early(j, c, dx):
+            dx = None  # on its way already
+        weight_grads(self.stash.pop((j, c)).records, self.deferred, self.slots)
+        return dx
 
     # -- parameters and gradients ---------------------------------------------------------------
 

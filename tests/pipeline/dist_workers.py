@@ -102,3 +102,30 @@ def run_jobs(jobs: list) -> list:
         except Exception:  # report, so the test shows which job failed on which rank
             out.append(("error", traceback.format_exc()))
     return out
+
+
+def early_sends(name: str, p: int, m: int, v: int) -> int:
+    """How many BW input gradients this rank posted before running their W (``_early_sender``)."""
+    from fpar.pipeline import _run_dist
+
+    count = [0]
+    original = _run_dist.DistDriver._early_sender
+
+    def counting(self, actions, sending, early):
+        send = original(self, actions, sending, early)
+        if send is None:
+            return None
+
+        def counted(j, c, dx):
+            sent = send(j, c, dx)
+            count[0] += sent
+            return sent
+
+        return counted
+
+    _run_dist.DistDriver._early_sender = counting
+    try:
+        exec_job((("pipe", p),), name, p, m, v)
+    finally:
+        _run_dist.DistDriver._early_sender = original
+    return count[0]

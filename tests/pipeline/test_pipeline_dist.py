@@ -84,3 +84,14 @@ def test_in_process_jobs_match_the_unpipelined_model():
         import fpar.pipeline as pp
 
         torch.testing.assert_close(res["stages"], pp.stage_major(g_stages, p, v))
+
+
+@pytest.mark.multiprocess
+def test_input_gradients_leave_before_the_weight_gradients_are_computed():
+    """A BW's input gradient is posted as soon as B has it (the upstream stage waits on it, not
+    on this stage's W): every BW with a stage upstream sends early; the first stage has none."""
+    jobs = [("early_sends", ("1f1b", 2, 4, 1)), ("early_sends", ("interleaved", 2, 4, 2))]
+    got = fpar.launch(W.run_jobs, 2, jobs, timeout=60.0)
+    (r0_1f1b, r0_inter), (r1_1f1b, r1_inter) = [[res for _, res in ranks] for ranks in got]
+    assert (r0_1f1b, r1_1f1b) == (0, 4)  # stage 1's 4 BWs; stage 0 is virtual stage 0
+    assert (r0_inter, r1_inter) == (4, 8)  # stage 0's chunk 1 has stage 1 upstream
