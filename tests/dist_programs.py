@@ -790,3 +790,36 @@ def low_precision_buckets():
         grads = [torch.func.grad(f)(w, x) for _ in range(3)]  # the first traced, then cached
         out[str(dtype)] = grads
     return out
+
+
+def _dp_loss2(w, x):
+    return fpar.pmean(((x @ w["a"]).tanh() @ w["b"]).square().mean(), "data")
+
+
+def _tp_loss2(w, x):
+    return fpar.psum((x @ w["a"]).tanh() @ w["b"], "data").square().mean()
+
+
+def jacobians():
+    """jacrev and hessian through a sharded function, first (traced) and cached-plan calls.
+
+    Data parallel (replicated weights: the gradient buckets under vmap and forward mode) and
+    Megatron-style (a psum): gathered results, comparable with the in-process mesh.
+    """
+    world = rank_world()
+    mesh = fpar.make_mesh((world,) if world else (2,), ("data",))
+    w = {"a": randn((4, 6), 21), "b": randn((6, 3), 22)}
+    x = randn((8, 4), 23)
+    out = {}
+    cases = (
+        ("dp", _dp_loss2, {"a": P(), "b": P()}, P("data")),
+        ("tp", _tp_loss2, {"a": P(None, "data"), "b": P("data", None)}, P()),
+    )
+    for name, f, wspec, xspec in cases:
+        sf = fpar.shard(f, mesh, (wspec, xspec), P())
+        wb, xb = fpar.device_put(w, mesh, wspec), fpar.device_put(x, mesh, xspec)
+        for call in range(2):
+            out[f"{name} jacrev {call}"] = fpar.gather(torch.func.jacrev(lambda w: sf(w, xb))(wb), mesh, wspec)
+            if name == "dp":  # replicated a: the whole Hessian on every rank
+                out[f"{name} hessian {call}"] = torch.func.hessian(lambda a: sf({"a": a, "b": wb["b"]}, xb))(wb["a"])
+    return out

@@ -560,6 +560,21 @@ def test_low_precision_gradient_buckets_sum_in_float32():
                 torch.testing.assert_close(grad, torch.full((8,), float(want), dtype=dtype), rtol=0, atol=0, msg=f"rank {r} call {call}")
 
 
+def test_jacrev_and_hessian_through_the_real_mesh_equal_in_process():
+    """vmap over the backward (jacrev) and forward mode over it (hessian), traced and cached calls.
+
+    (Before the collectives had vmap rules these raised; a bucketed all-reduce done with raw
+    process-group calls under the hessian's forward mode summed the primal only, giving each
+    rank its local Hessian.)
+    """
+    got = fpar.launch(D.jacobians, 2, timeout=TIMEOUT)
+    want = D.jacobians()
+    for r, res in enumerate(got):
+        assert set(res) == set(want)
+        for k in want:
+            torch.testing.assert_close(res[k], want[k], rtol=1e-9, atol=1e-12, msg=f"rank {r} {k}")
+
+
 def test_gradient_buckets_start_while_the_backward_runs():
     """The last layer's bucket is all-reduced before the backward reaches the first layer.
 

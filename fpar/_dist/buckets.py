@@ -116,6 +116,10 @@ class _Launch(torch.autograd.Function):
     def jvp(ctx, _s, _b, *ts):
         return tuple(ts)
 
+    @staticmethod
+    def vmap(info, in_dims, state, bucket, *xs):
+        return _Launch.apply(state, bucket, *xs), tuple(in_dims[2:])
+
 
 def _first_order_level(cts: list[Tensor]) -> int | None:
     """Where the cotangents live when nothing can differentiate them, else ``None``.
@@ -179,6 +183,37 @@ class _AllReduceFlat(torch.autograd.Function):
         ctx.state, ctx.bucket = inputs[0], inputs[1]
 
     @staticmethod
+    def jvp(ctx, _s, _b, *ts):
+        """Forward mode over the backward (hessian): the all-reduce is linear, so the tangents are
+        all-reduced too (a psum each, not bucketed: a second order is rare)."""
+        from .exchange import _Exchange
+
+        axes, mg = ctx.bucket
+        return tuple(_Exchange.apply(t, "psum", (), 0, axes, mg) for t in ts)
+
+    @staticmethod
+    def vmap(info, in_dims, state, bucket, *cts):
+        """Batched cotangents (jacrev, hessian): each one psummed with its batch dim carried along.
+
+        Not bucketed: the psum is an ``_Exchange`` Function, so transforms further out (the
+        forward mode of ``hessian``) see its rules; raw process-group calls here would act on
+        the primal values only.
+        """
+        from .exchange import _Exchange
+
+        if state.held is not None:
+            raise NotImplementedError(
+                "fpar.defer_reduction(): a deferred gradient bucket cannot be reduced under vmap "
+                "(jacrev, hessian, per-example gradients); leave the context for such calls."
+            )
+        axes, mg = bucket
+        out = []
+        for c, d in zip(cts, in_dims[2:]):
+            c = c.movedim(d, 0) if d is not None else c.expand(info.batch_size, *c.shape)
+            out.append(_Exchange.apply(c, "psum", (), 1, axes, mg))
+        return tuple(out), (0,) * len(out)
+
+    @staticmethod
     def backward(ctx, *gs):
         from .exchange import _Exchange
 
@@ -205,6 +240,13 @@ class _Defer(torch.autograd.Function):
     def backward(ctx, *cts):
         ctx.held.add(ctx.index, list(cts), ctx.metas)
         return (None, None, *(None for _ in cts))
+
+    @staticmethod
+    def vmap(info, in_dims, held, index, *xs):
+        raise NotImplementedError(
+            "fpar.defer_reduction(): gradients cannot be deferred under vmap (jacrev, hessian, "
+            "per-example gradients); leave the context for such calls."
+        )
 
     @staticmethod
     def jvp(ctx, _h, _i, *ts):

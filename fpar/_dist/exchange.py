@@ -142,6 +142,15 @@ class _Exchange(torch.autograd.Function):
             ctx.save_for_forward(x, output)
 
     @staticmethod
+    def vmap(info, in_dims, x: Tensor, kind: str, params: tuple, nb: int, axes: tuple, mg: MeshGroups):
+        """Under ``vmap`` (jacrev, hessian, per-example gradients): the batch is one more leading
+        dim of the block, which every collective carries along (``nb`` counts such dims)."""
+        d = in_dims[0]
+        if d is None:
+            return _Exchange.apply(x, kind, params, nb, axes, mg), None
+        return _Exchange.apply(x.movedim(d, 0), kind, params, nb + 1, axes, mg), 0
+
+    @staticmethod
     def jvp(ctx, x_t: Tensor, *_):
         """Forward mode: every collective is linear in its input, except pmax/pmin's choice."""
         if ctx.kind in ("pmax", "pmin"):
@@ -232,6 +241,10 @@ class _TakeFirst(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, x_t: Tensor, *_):
         return _TakeFirst.apply(x_t, ctx.axes, ctx.mg)
+
+    @staticmethod
+    def vmap(info, in_dims, x: Tensor, axes: tuple, mg: MeshGroups):
+        return _TakeFirst.apply(x, axes, mg), in_dims[0]
 
     @staticmethod
     def backward(ctx, ct: Tensor):

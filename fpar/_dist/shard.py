@@ -432,6 +432,10 @@ class _Planned(torch.autograd.Function):
     def jvp(ctx, x_t, *_):
         return x_t
 
+    @staticmethod
+    def vmap(info, in_dims, x, resolve, mg):
+        return _Planned.apply(x, resolve, mg), in_dims[0]
+
 
 # Agreement ------------------------------------------------------------------------------------
 
