@@ -60,19 +60,8 @@ N_MICRO = 4
 def worker(cfg: dict) -> dict:
     """Runs on each process: check, count messages, time the three steps."""
     torch.set_num_threads(cfg["threads"])
-    B, D, H = cfg["batch"], cfg["dim"], cfg["hidden"]
-    mesh = fpar.make_mesh((dist.get_world_size(),), ("data",))
-    inits = {
-        "w1": fpar.normal((H, D), std=D**-0.5),
-        "b1": fpar.zeros((H,)),
-        "w2": fpar.normal((D, H), std=H**-0.5),
-        "b2": fpar.zeros((D,)),
-    }
-    params = fpar.init(inits, mesh, P(), seed=0)
+    mesh, params, x_local, y_local = _dp.setup(cfg)
     plist = [params[k] for k in KEYS]
-    gen = torch.Generator().manual_seed(1)
-    x_BD, y_BD = torch.randn(B, D, generator=gen), torch.randn(B, D, generator=gen)
-    x_local, y_local = fpar.device_put((x_BD, y_BD), mesh, P("data"))
     micro = list(zip(x_local.chunk(N_MICRO), y_local.chunk(N_MICRO)))
 
     sharded = fpar.shard(loss_local, mesh, (P(), P("data"), P("data")), P())

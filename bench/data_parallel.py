@@ -144,14 +144,10 @@ def step_peak_bytes(step) -> int:
     return peak
 
 
-def worker(cfg: dict) -> dict:
-    """Runs on each of the 2 processes: check, count bytes, time both sides."""
-    torch.set_num_threads(cfg["threads"])
+def setup(cfg: dict):
+    """The mesh, the replicated parameters and this rank's rows: the same global values everywhere."""
     B, D, H = cfg["batch"], cfg["dim"], cfg["hidden"]
-    world = dist.get_world_size()
-    mesh = fpar.make_mesh((world,), ("data",))
-
-    # Same global values on every rank: replicated parameters, the global batch, then our rows.
+    mesh = fpar.make_mesh((dist.get_world_size(),), ("data",))
     inits = {
         "w1": fpar.normal((H, D), std=D**-0.5),
         "b1": fpar.zeros((H,)),
@@ -161,7 +157,13 @@ def worker(cfg: dict) -> dict:
     params = fpar.init(inits, mesh, P(), seed=0)
     gen = torch.Generator().manual_seed(1)
     x_BD, y_BD = torch.randn(B, D, generator=gen), torch.randn(B, D, generator=gen)
-    x_local, y_local = fpar.device_put((x_BD, y_BD), mesh, P("data"))
+    return mesh, params, *fpar.device_put((x_BD, y_BD), mesh, P("data"))
+
+
+def worker(cfg: dict) -> dict:
+    """Runs on each of the 2 processes: check, count bytes, time both sides."""
+    torch.set_num_threads(cfg["threads"])
+    mesh, params, x_local, y_local = setup(cfg)
 
     # (a) fpar
     grad_fn = torch.func.grad(fpar.shard(loss_local, mesh, (P(), P("data"), P("data")), P()))
