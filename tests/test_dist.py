@@ -561,7 +561,8 @@ def test_low_precision_gradient_buckets_sum_in_float32():
 
 
 def test_jacrev_and_hessian_through_the_real_mesh_equal_in_process():
-    """vmap over the backward (jacrev) and forward mode over it (hessian), traced and cached calls.
+    """vmap over the backward (jacrev), forward mode over it (hessian; a Hessian-vector product
+    by jvp of grad), traced and cached calls.
 
     (Before the collectives had vmap rules these raised; a bucketed all-reduce done with raw
     process-group calls under the hessian's forward mode summed the primal only, giving each
