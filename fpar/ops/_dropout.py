@@ -117,19 +117,26 @@ def site_dropout(key, x: Tensor, rate: float, *, axis, split_dim: int | None = N
     """
     if not rate:
         return x
-    layer = (axis,) if isinstance(axis, str) else tuple(axis)
-    if batch_axes is None:
-        stack = frames()
-        frame = stack[-1] if stack and stack[-1].token is not None else None
-        varying = set() if frame is None else varying_axes(frame, x)
-        batch = tuple(a for a in (frame.mesh.axis_names if frame else ()) if a in varying and a not in layer)
-    else:
-        batch = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+    batch = batch_axes_of(x, axis, batch_axes)
     entries = [None] * x.dim()
     entries[0] = batch or None
     if split_dim is not None:
         entries[split_dim] = axis
     return dropout(key, x, rate, spec=PartitionSpec(*entries))
+
+
+def batch_axes_of(x: Tensor, axis, batch_axes=None) -> tuple:
+    """The mesh axes a layer's batch dim is split over: ``batch_axes`` as given, or (``None``)
+    the axes ``x`` varies over other than the layer's own ``axis``, in mesh order."""
+    if batch_axes is not None:
+        return (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+    layer = (axis,) if isinstance(axis, str) else tuple(axis)
+    stack = frames()
+    frame = stack[-1] if stack and stack[-1].token is not None else None
+    if frame is None:
+        return ()
+    varying = varying_axes(frame, x)
+    return tuple(a for a in frame.mesh.axis_names if a in varying and a not in layer)
 
 
 def block_keep(key: Tensor, rate: float, shape: list, start: list, local: list, device) -> Tensor:

@@ -32,9 +32,8 @@ import torch.nn.functional as F
 
 import fpar
 
-from .._collectives import frames
 from . import _check as check
-from ._dropout import block_keep, check_dropout, site_dropout, varying_axes
+from ._dropout import batch_axes_of, block_keep, check_dropout, site_dropout
 from ._megatron import (
     attend,
     attention_heads,
@@ -319,13 +318,7 @@ def _ring_dropout(q_BHTK: Tensor, rate: float, key: Tensor, axis, n: int, batch_
     columns ``j*t ..``, batch rows by the batch axes' combined index.
     """
     b, h, t, _ = q_BHTK.shape
-    if batch_axes is None:
-        frame = frames()[-1]
-        varying = varying_axes(frame, q_BHTK)
-        layer = (axis,) if isinstance(axis, str) else tuple(axis)
-        batch = tuple(a for a in frame.mesh.axis_names if a in varying and a not in layer)
-    else:
-        batch = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+    batch = batch_axes_of(q_BHTK, axis, batch_axes)
     n_batch = math.prod(fpar.axis_size(a) for a in batch)
     b0 = fpar.axis_index(batch) * b if batch else 0
     me = fpar.axis_index(axis)
