@@ -61,7 +61,8 @@ def agreement_cases() -> dict:
     loss = fpar.shard(_loss, mesh, (P(), P("data")), P())
     loss(w, xl)
     loss(w, xl)
-    out["warm_dtype"] = _catch(lambda: loss(w.float(), xl.float()) if r == 1 else loss(w, xl))
+    # (rank 0's planned call sends its check without waiting: the error comes at the first use)
+    out["warm_dtype"] = _catch(lambda: float(loss(w.float(), xl.float()) if r == 1 else loss(w, xl)))
 
     # rank 1's function raises before its first collective on a warm plan: rank 0 must not wait
     state = {"boom": False}
@@ -74,7 +75,7 @@ def agreement_cases() -> dict:
     f = fpar.shard(fragile, mesh, (P(), P("data")), P())
     f(w, xl)
     state["boom"] = r == 1
-    out["raised_before"] = _catch(lambda: f(w, xl))
+    out["raised_before"] = _catch(lambda: f(w, xl).item())
     state["boom"] = False
     out["after_raise"] = f(w, xl)
 
@@ -85,8 +86,8 @@ def agreement_cases() -> dict:
     room = dist_shard._ROOM
     dist_shard._ROOM = 0 if r == 1 else room
     try:
-        out["partial"] = g(w, xl)
-        out["partial_sent"] = _sent(lambda: g(w, xl))
+        out["partial"] = g(w, xl).detach()
+        out["partial_sent"] = _sent(lambda: g(w, xl).detach())
     finally:
         dist_shard._ROOM = room
     out["loss"] = loss(w, xl)
@@ -105,3 +106,68 @@ def dp_steps(steps: int) -> float:
         w = w - 0.1 * grad(w, xl)
     fpar.shard(_loss, mesh, (P(), P("data")), P())(w.requires_grad_(), xl)  # a graph never run backward
     return float(w.sum())
+
+
+def pending_cases() -> dict:
+    """A planned call's loss, sent without waiting (fpar/_dist/pending.py), read every way a user
+    reads a loss; and the gradient buckets' reused buffers."""
+    import datetime
+    import io
+
+    mesh = fpar.make_mesh((2,), ("data",))
+    r = dist.get_rank()
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(3, 2, generator=gen, dtype=F64), torch.randn(4, 3, generator=gen, dtype=F64)
+    xl = fpar.device_put(x, mesh, P("data"))
+    f = fpar.shard(_loss, mesh, (P(), P("data")), P())
+    f(w.clone().requires_grad_(), xl)  # traced: plans the signature (requires_grad is part of it)
+    out: dict = {}
+
+    # Rank 1 enters its call only once rank 0's has returned: a forward that waited on the loss
+    # pmean would deadlock here (until the store's timeout).
+    store = dist.distributed_c10d._get_default_store()
+    if r == 1:
+        store.wait(["pending-returned"], datetime.timedelta(seconds=20))
+    wl = w.clone().requires_grad_()
+    loss = f(wl, xl)
+    if r == 0:
+        store.set("pending-returned", "1")
+    loss.backward()  # reads only the loss's shape
+    out["lazy"] = type(loss).__name__
+    out["backward_grad"] = wl.grad.clone()
+    saved = io.BytesIO()
+    torch.save(loss, saved)
+    saved.seek(0)
+    out["reads"] = {
+        "item": loss.item(),
+        "float": float(loss),
+        "times_two": (loss * 2).detach(),
+        "tolist": loss.tolist(),
+        "numpy": float(loss.detach().numpy()),
+        "repr": repr(loss.detach()),
+        "saved": torch.load(saved),
+    }
+    grad, value = torch.func.grad_and_value(f)(w, xl)
+    out["value"] = value.detach().clone()
+    out["grad"] = grad.clone()
+
+    # Buffers: a gradient still held is never overwritten by the next call; a dropped one's
+    # buffer is reused.
+    g = torch.func.grad(f)
+    g(w, xl)
+    held = g(w, xl)
+    kept = held.clone()
+    other = g(2 * w, xl)
+    out["held_intact"] = torch.equal(held, kept)
+    out["other"] = other.clone()
+    ptr = other.data_ptr()
+    del held, other
+    again = g(w, xl)
+    out["reused"] = again.data_ptr() == ptr
+    out["again"] = again.clone()
+    # .backward() twice without zeroing: .grad (a view of the first call's buffer) accumulates
+    wl = w.clone().requires_grad_()
+    f(wl, xl).backward()
+    f(wl, xl).backward()
+    out["accumulated"] = wl.grad.clone()
+    return out

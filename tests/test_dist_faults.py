@@ -74,3 +74,28 @@ def test_repeated_launches_exit_cleanly():
     results = [fpar.launch(D.dp_steps, 2, 3, timeout=60.0) for _ in range(3)]
     for res in results:
         assert res[0] == res[1] == results[0][0]
+
+
+def test_planned_call_returns_before_the_other_ranks_arrive_and_its_loss_reads_right():
+    """A warm DP call sends its loss pmean and check without waiting; every read waits for it."""
+    w, x, loss, g = _reference()
+    grad = lambda w: torch.func.grad(lambda w: ((x @ w) ** 2).mean())(w)  # noqa: E731
+    for res in fpar.launch(D.pending_cases, 2, timeout=60.0):
+        assert res["lazy"] == "Pending"
+        torch.testing.assert_close(res["backward_grad"], g)
+        reads = res["reads"]
+        for k in ("item", "float", "numpy"):
+            assert reads[k] == pytest.approx(loss.item(), rel=1e-12), k
+        assert reads["tolist"] == pytest.approx(loss.item(), rel=1e-12)
+        torch.testing.assert_close(reads["times_two"], 2 * loss)
+        torch.testing.assert_close(reads["saved"], loss)
+        assert type(reads["saved"]) is torch.Tensor
+        assert reads["repr"] == repr(loss)
+        torch.testing.assert_close(res["value"], loss)
+        torch.testing.assert_close(res["grad"], g)
+        # the reused gradient buffers
+        assert res["held_intact"]
+        torch.testing.assert_close(res["other"], grad(2 * w))
+        assert res["reused"]
+        torch.testing.assert_close(res["again"], g)
+        torch.testing.assert_close(res["accumulated"], 2 * g)

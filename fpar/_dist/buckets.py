@@ -51,12 +51,13 @@ FIRST_BUCKET_MB = 1.0  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_
 class _State:
     """One bucket's pending all-reduce, shared by its two nodes, and its deferred sum if any."""
 
-    __slots__ = ("work", "held", "index", "narrow")
+    __slots__ = ("work", "held", "index", "narrow", "kept")
 
-    def __init__(self, held: _defer.Deferred | None = None, index: int = 0):
+    def __init__(self, held: _defer.Deferred | None = None, index: int = 0, kept: dict | None = None):
         self.work = None
         self.held, self.index = held, index
         self.narrow = None  # (fp16/bf16 flat buffer, its float32 copy being summed)
+        self.kept = kept  # the plan's flat buffers by bucket index, reused across calls
 
     def wait(self) -> None:
         work, self.work = self.work, None
@@ -76,7 +77,18 @@ class _State:
         """The bucket's cotangents in one flat buffer, plus the deferred microbatches' sum."""
         buf = self.held.take(self.index) if self.held is not None else None
         if buf is None:
-            return torch.cat([ct.reshape(-1) for ct in cts])
+            flat = [ct.reshape(-1) for ct in cts]
+            if self.kept is None:
+                return torch.cat(flat)
+            # As DDP's persistent buckets: the last call's buffer, when nothing holds it any more
+            # (its gradients were dropped: ``zero_grad``, a new step), so no fresh pages are
+            # touched every step.  Exact: a tensor, view, work handle or array over it counts.
+            buf = self.kept.get(self.index)
+            total = sum(f.numel() for f in flat)
+            if buf is None or (buf.numel(), buf.dtype, buf.device) != (total, flat[0].dtype, flat[0].device) or not _unheld(buf):
+                buf = self.kept[self.index] = torch.cat(flat)
+                return buf
+            return torch.cat(flat, out=buf)
         at = 0
         for ct in cts:
             buf[at : at + ct.numel()].view(ct.shape).add_(ct)
@@ -254,7 +266,13 @@ class _Defer(torch.autograd.Function):
 
 
 def reduce_inputs(
-    sources: list[tuple[int, Tensor, tuple[str, ...]]], mg, bucket_mb: float, *, owner: tuple, fname: str
+    sources: list[tuple[int, Tensor, tuple[str, ...]]],
+    mg,
+    bucket_mb: float,
+    *,
+    owner: tuple,
+    fname: str,
+    kept: dict | None = None,
 ) -> dict[int, Tensor]:
     """Wrap replicated inputs so their cotangents are all-reduced over their axes, bucketed.
 
@@ -269,6 +287,7 @@ def reduce_inputs(
       owner: ``(sharded function, plan)``: with the inputs' identities, what a deferred sum is
         kept under.
       fname: the sharded function's name, for messages.
+      kept: where the flat buffers are kept between calls (the plan's), or ``None``.
 
     Returns:
       ``{slot: wrapped tensor}``: the identity on values.
@@ -290,7 +309,7 @@ def reduce_inputs(
                 return out
             held = _defer.claim(key)
     for index, (slots, xs, axes) in enumerate(buckets):
-        state = _State(held, index)
+        state = _State(held, index, kept)
         waited = [_waiting(x, state) for x in xs]
         launched = _Launch.apply(state, (axes, mg), *waited)
         _run_when_ready(launched[0].grad_fn)
@@ -351,6 +370,12 @@ def _buckets(sources: list, bucket_mb: float) -> list[tuple[list[int], list[Tens
         if b[2] >= cap:
             del open_[key]
     return [(slots, xs, axes) for slots, xs, _, axes in buckets]
+
+
+def _unheld(buf: Tensor) -> bool:
+    """Whether nothing but ``buf`` itself refers to its memory (the count includes the storage
+    object asked for here)."""
+    return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) == 2
 
 
 def _tracked(x: Tensor) -> bool:

@@ -51,9 +51,9 @@ def _run(kind: str, params: tuple, x: Tensor, nb: int, axes, mg: MeshGroups) -> 
     stats.record(kind, axes, n, x, len(params[0]) if kind == "ppermute" else None)
     if kind in _REDUCE:
         if params:  # psum/pmean carried by the call's first message (shard.py's _Agreement)
-            y = params[0].reduce(x)
+            y = params[0].reduce(x, kind, n)
             if y is not None:
-                return y / n if kind == "pmean" else y
+                return y
         y = x.detach().clone(memory_format=torch.contiguous_format)
         dist.all_reduce(y, op=_REDUCE[kind], group=group)
         return y / n if kind == "pmean" else y

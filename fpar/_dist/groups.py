@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _stats as stats
+from . import pending
 
 Tensor = torch.Tensor
 
@@ -79,7 +80,14 @@ class MeshGroups:
         return view
 
     def group(self, axes: tuple[str, ...]):
-        """The process group over ``axes`` that contains this rank (created on first use)."""
+        """The process group over ``axes`` that contains this rank (created on first use).
+
+        Every collective fpar issues asks for its group here, so this first settles any call's
+        first message still in flight (``pending.py``): its signature check comes before any
+        message whose size depends on the signature.
+        """
+        if pending._UNSETTLED:
+            pending.settle()
         key = frozenset(axes)
         if key not in self._groups:
             if len(axes) == 1:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import pending
 from .groups import is_initialized
 
 
@@ -202,6 +203,7 @@ def _worker(fn, args, rank_: int, world: int, store_path: str, timeout: float, b
             backend, store=store, rank=rank_, world_size=world, timeout=datetime.timedelta(seconds=timeout)
         )
         result = fn(*args)
+        pending.settle()  # a check still in flight raises here, as a failure of this rank
         buf = io.BytesIO()
         torch.save(result, buf)
         q.put((rank_, True, buf.getvalue()))

@@ -37,7 +37,10 @@ message is sent just to check it: every rank's first message of a call is the sa
 SUM all-reduce over the mesh's own ranks (``_Agreement``), carrying the signature's 56-bit hash
 in a form whose sums show whether all ranks agree, and, when the call's first collective is a
 small float psum/pmean over every mesh axis (a data-parallel loss), that collective's block too;
-otherwise it goes alone just before the first collective or before returning.  Because every
+otherwise it goes alone just before the first collective or before returning.  On a planned
+call a carried block's message is sent without waiting: the result is a ``Pending`` tensor,
+whose sum and check are read at its first use or before the next collective fpar issues
+(``pending.py``), so a data-parallel step synchronises once, at its gradients.  Because every
 rank's first message has the same form, a rank whose cache hits pairs with one that misses and
 ranks that disagree never meet in different collectives.  On mismatch every rank gathers the
 signatures and raises naming the argument, ranks and what differs; a rank whose function raises
@@ -65,6 +68,7 @@ from .._errors import ReplicationError
 from .._spec import PartitionSpec, check_spec
 from .._tree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from ..random._guard import RANDOM_OPS, check_random_op
+from .pending import Pending, defer
 
 __all__ = ["DistShard"]
 
@@ -89,7 +93,7 @@ class _Plan:
 
     __slots__ = (
         "digest", "sig", "fast", "in_reduce", "in_order", "coll", "out_broken", "out_specs", "out_treedef",
-        "varying",
+        "varying", "flats",
     )
 
     def __init__(self, digest: int):
@@ -102,6 +106,7 @@ class _Plan:
         self.out_broken: list[tuple[str, ...]] = []
         self.out_specs: list = []
         self.out_treedef = None
+        self.flats: dict[int, Tensor] = {}  # gradient buckets' flat buffers, reused across calls
         self.varying: dict = {}  # (shape, dtype) -> axes a queried value varies over (None: ambiguous)
 
 
@@ -170,7 +175,7 @@ class DistShard:
         from .exchange import _Exchange, _TakeFirst
 
         mg = self.mg
-        agree = _Agreement(self, plan)
+        agree = _Agreement(self, plan, lazy=not traced)
         tracker = _Tracker(self, plan) if traced else None
         frame = Frame(mesh=self.mesh, fname=self.fname, exchange=None, backend="dist")
         frame.token = _TOKEN
@@ -218,7 +223,9 @@ class DistShard:
             from .buckets import reduce_inputs
 
             sources = [(i, leaves[i], plan.in_reduce[i]) for i in plan.in_order]
-            for i, x in reduce_inputs(sources, mg, self.bucket_mb, owner=(self, plan), fname=self.fname).items():
+            for i, x in reduce_inputs(
+                sources, mg, self.bucket_mb, owner=(self, plan), fname=self.fname, kept=plan.flats
+            ).items():
                 local[i] = x
         frames().append(frame)
         ok = False
@@ -440,6 +447,16 @@ class _Planned(torch.autograd.Function):
 # Agreement ------------------------------------------------------------------------------------
 
 
+def _may_wait_later() -> bool:
+    """Whether a carried sum may be a ``Pending`` value: no transform but ``torch.func.grad``."""
+    from torch._C import _functorch
+
+    if torch.autograd.forward_ad._current_level >= 0:
+        return False
+    stack = _functorch.get_interpreter_stack() or ()
+    return all(i.key() == _functorch.TransformType.Grad for i in stack)
+
+
 class _Agreement:
     """The per-call signature check, carried by the call's first message (see the module doc).
 
@@ -461,9 +478,10 @@ class _Agreement:
     as usual.
     """
 
-    def __init__(self, owner: DistShard, plan: _Plan):
+    def __init__(self, owner: DistShard, plan: _Plan, *, lazy: bool = False):
         self.owner, self.plan = owner, plan
         self.pending = bool(owner.axes) and owner.mesh.size > 1
+        self.lazy = lazy  # a planned call: a carried sum may be waited on at its first use
 
     def carry(self, kind: str, axes: tuple, x: Tensor, params: tuple) -> tuple:
         """Before a communicating collective: the params to run it with (the check done or carried).
@@ -483,9 +501,18 @@ class _Agreement:
         self._exchange(None, failed=False)
         return params
 
-    def reduce(self, x: Tensor) -> Tensor | None:
-        """The carried psum of ``x`` (as ``x.dtype``), or ``None``: run the collective as usual."""
-        return self._exchange(x, failed=False)
+    def reduce(self, x: Tensor, kind: str, n: int) -> Tensor | None:
+        """The carried psum/pmean of ``x`` (as ``x.dtype``), or ``None``: run the collective as usual.
+
+        On a planned call the message goes without waiting (``pending.py``): the result is a
+        ``Pending`` tensor, and the check and the sum are read at its first use or before the
+        next collective.  The first call of a signature waits, as under a transform that could
+        look inside the value (vmap, forward-mode AD).
+        """
+        if self.lazy and _may_wait_later():
+            return self._send_async(x, kind, n)
+        y = self._exchange(x, failed=False)
+        return None if y is None else (y / n if kind == "pmean" else y)
 
     def finish(self) -> None:
         """Before returning: the check, if no collective carried it."""
@@ -498,15 +525,38 @@ class _Agreement:
             self._exchange(None, failed=True)
 
     def _exchange(self, x: Tensor | None, *, failed: bool) -> Tensor | None:
-        self.pending = False
-        owner = self.owner
-        mg = owner.mg
-        group = mg.group(owner.axes)
-        members = mg.members(owner.axes)
-        n = len(members)
-        me = dist.get_group_rank(group, mg.rank)
+        buf, group, members = self._message(x, failed)
+        dist.all_reduce(buf, group=group)
+        return self._verdict(buf, x, failed, group, members)
+
+    def _send_async(self, x: Tensor, kind: str, n: int) -> Tensor:
+        buf, group, members = self._message(x, failed=False)
+        work = dist.all_reduce(buf, group=group, async_op=True)
+        with torch._C.DisableTorchFunction():
+            x = x.detach().clone()
+            out = Pending(torch.empty_like(x))
+
+        def verdict() -> None:
+            work.wait()
+            y = self._verdict(buf, x, False, group, members)
+            with torch._C.DisableTorchFunction():
+                if y is None:  # only some ranks' blocks rode along: the sum as usual, in order
+                    y = x.clone()
+                    dist.all_reduce(y, group=group)
+                out.elem.copy_(y / n if kind == "pmean" else y)
+
+        defer(verdict)
+        return out
+
+    def _message(self, x: Tensor | None, failed: bool) -> tuple:
+        """This rank's first message: the header, then ``x``'s block if it rides along."""
         from .groups import _device
 
+        self.pending = False
+        mg = self.owner.mg
+        group = mg.group(self.owner.axes)  # settles earlier calls' messages first
+        members = mg.members(self.owner.axes)
+        me = dist.get_group_rank(group, mg.rank)
         with torch._C.DisableTorchFunction():
             dev = x.device if x is not None else _device([])
             h = self.plan.digest
@@ -517,7 +567,13 @@ class _Agreement:
             buf[: len(head)] = torch.tensor(head, dtype=torch.float64, device=dev)
             if x is not None:
                 buf[_HEAD : _HEAD + x.numel()] = x.detach().reshape(-1)
-            dist.all_reduce(buf, group=group)
+        return buf, group, members
+
+    def _verdict(self, buf: Tensor, x: Tensor | None, failed: bool, group, members) -> Tensor | None:
+        """Read the summed first message: go on (with the carried sum), or raise on every rank."""
+        owner = self.owner
+        n = len(members)
+        with torch._C.DisableTorchFunction():
             sums = [int(v) for v in buf[:_HEAD].tolist()]
         s, sq = sums[:_CHUNKS], sums[_CHUNKS : 2 * _CHUNKS]
         carried, n_failed, mask = sums[2 * _CHUNKS :]

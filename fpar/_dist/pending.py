@@ -1,0 +1,115 @@
+"""A collective's result that is waited on at its first use: the call's first message, sent async.
+
+A planned call whose first collective is a small sum over every mesh axis (a data-parallel
+loss ``pmean``) sends it, with the signature check it carries (``shard._Agreement``), without
+waiting: the result is a ``Pending`` tensor, as torch's ``AsyncCollectiveTensor``.  Its value
+is waited on, and the check read, at the first of:
+
+* any operation that reads it (``.item()``, printing, arithmetic, ``.detach()``, ...): every
+  op but the few that need only its shape (``ones_like``, ``zeros_like``, ``empty_like``, which
+  is all ``loss.backward()`` and ``torch.func.grad`` ask of it);
+* the next collective fpar issues, on any mesh (``MeshGroups.group`` settles first): a rank
+  never sends a message whose size depends on its signature before every rank has agreed on it;
+* the end of ``fpar.launch``'s function, and interpreter exit.
+
+So a training step costs one synchronisation, at its gradient all-reduce, as DDP's, instead of
+one more at the loss; the loss is summed while the backward runs.  Settling runs the check's
+verdict exactly as a synchronous call does (the same error on every rank).  The settled
+tensor's value is then its ``elem``; unsettled entries are kept in issue order, and settling
+one settles every earlier one first, so every rank runs the verdicts' own messages (a
+mismatch's signature gather) in the same order.
+"""
+
+from __future__ import annotations
+
+import atexit
+from typing import Callable
+
+import torch
+from torch.utils._pytree import tree_map
+
+Tensor = torch.Tensor
+
+_UNSETTLED: list[Callable[[], None]] = []  # the verdicts still to run, oldest first
+
+
+def settle() -> None:
+    """Run every pending verdict, oldest first (each may raise the agreement's error)."""
+    while _UNSETTLED:
+        _UNSETTLED.pop(0)()
+
+
+def defer(verdict: Callable[[], None]) -> None:
+    _UNSETTLED.append(verdict)
+
+
+def _settle_at_exit() -> None:
+    """At interpreter exit: no work handle outlives the process, and a failed check is shown."""
+    try:
+        settle()
+    except Exception:  # noqa: BLE001 - no caller is left to raise to: show it
+        import sys
+        import traceback
+
+        print("fpar: a sharded call's signature check failed after its result was last used:", file=sys.stderr)
+        traceback.print_exc()
+        _UNSETTLED.clear()
+
+
+atexit.register(_settle_at_exit)
+
+# Ops that read only a tensor's metadata: what ``backward()`` and ``torch.func.grad`` do to a
+# scalar loss (the seed cotangent), answered without waiting.
+_SHAPE_ONLY = {
+    torch.ops.aten.ones_like.default,
+    torch.ops.aten.zeros_like.default,
+    torch.ops.aten.empty_like.default,
+}
+
+
+class Pending(Tensor):
+    """A collective's result whose value arrives later; any op that reads it waits for it first."""
+
+    elem: Tensor
+
+    @staticmethod
+    def __new__(cls, elem: Tensor):
+        r = Tensor._make_wrapper_subclass(
+            cls, elem.shape, strides=elem.stride(), dtype=elem.dtype, device=elem.device, requires_grad=False
+        )
+        r.elem = elem  # written once its verdict has run
+        return r
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        settle()
+        return repr(self.elem)
+
+    def __reduce_ex__(self, proto):
+        settle()
+        return self.elem.__reduce_ex__(proto)
+
+    # What reads the data without the dispatcher (and refuses subclasses): the value, waited for.
+    def tolist(self):
+        settle()
+        return self.elem.tolist()
+
+    def numpy(self, *, force: bool = False):
+        settle()
+        return self.elem.numpy(force=force)
+
+    def __array__(self, dtype=None, copy=None):
+        settle()
+        return self.elem.__array__(dtype)
+
+    def data_ptr(self) -> int:
+        settle()
+        return self.elem.data_ptr()
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func not in _SHAPE_ONLY:
+            settle()
+        unwrap = lambda t: t.elem if isinstance(t, Pending) else t  # noqa: E731
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
