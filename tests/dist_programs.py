@@ -491,6 +491,19 @@ def fast_paths(axes):
         return sum((t * t).sum() for t in g.values())
 
     out["grad_of_grad"] = [torch.func.grad(gnorm)(inits) for _ in range(3)][-1]
+    leaves = {k: v.clone().requires_grad_() for k, v in inits.items()}
+    ps = list(leaves.values())
+    for _ in range(3):  # the same, by plain autograd: create_graph, then a second backward
+        g1 = torch.autograd.grad(f(leaves, xl, yl), ps, create_graph=True)
+        gg = torch.autograd.grad(sum((t * t).sum() for t in g1), ps)
+    out["double_backward"] = dict(zip(leaves, gg))
+    for _ in range(3):  # plain autograd over torch.func.grad
+        gf = torch.autograd.grad(gnorm(leaves), ps)
+    out["autograd_of_func_grad"] = dict(zip(leaves, gf))
+    loss = f(leaves, xl, yl)
+    first = torch.autograd.grad(loss, ps, retain_graph=True)
+    second = torch.autograd.grad(loss, ps)  # the same graph again: its buckets reduce again
+    out["retained"] = (dict(zip(leaves, first)), dict(zip(leaves, second)))
     if "tensor" in axes:
         t = mesh.shape["tensor"]
         w_in, w_out, v = randn((d, 2 * t), 6), randn((c, 2), 7), randn((2 * t, c), 8)
