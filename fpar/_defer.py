@@ -38,6 +38,8 @@ from __future__ import annotations
 import torch
 from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor, is_gradtrackingtensor
 
+_functorch_wrapped = is_functorch_wrapped_tensor
+
 __all__ = ["defer_reduction"]
 
 Tensor = torch.Tensor
@@ -72,6 +74,11 @@ class defer_reduction:
       >>> grads = g0 + g1                                # = the sum without deferral
     """
 
+    # Set by ``fpar.optim.accumulate``, which adds the microbatches' gradients itself: under
+    # ``torch.func`` a deferred input's gradient is then ``deferred_zeros`` (an expanded zero,
+    # no memory written) instead of the zeros functorch would fill, and skipped in the sum.
+    _expanded_zeros = False
+
     def __enter__(self) -> defer_reduction:
         if not _ACTIVE:
             stale = [d for d in _LIVE if d.scope is not self]
@@ -100,6 +107,32 @@ class defer_reduction:
             for d in stale:
                 d.drop()
             raise RuntimeError(f"{where}: " + _stale_message(stale))
+
+
+_ZERO: dict = {}  # (dtype, device) -> a one-element zero that deferred_zeros expands
+
+
+def deferred_zeros(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A zero gradient of ``shape`` that writes no memory: one shared zero, expanded.
+
+    Only for shapes of two or more elements, where the expansion overlaps itself, so an in-place
+    write into it raises instead of changing the shared zero; smaller ones are fresh zeros.
+    """
+    with torch._C._DisableFuncTorch():  # plain tensors, also from a backward under functorch
+        if shape.numel() < 2:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        zero = _ZERO.get((dtype, device))
+        if zero is None:
+            zero = _ZERO[(dtype, device)] = torch.zeros((), dtype=dtype, device=device)
+        return zero.expand(shape)
+
+
+def is_deferred_zero(t: Tensor) -> bool:
+    """Whether ``t`` is a ``deferred_zeros`` gradient (skipped when summing microbatches)."""
+    if type(t) is not Tensor or t.numel() < 2 or any(t.stride()) or _functorch_wrapped(t):
+        return False
+    zero = _ZERO.get((t.dtype, t.device))
+    return zero is not None and t.data_ptr() == zero.data_ptr()
 
 
 def current() -> defer_reduction | None:

@@ -54,6 +54,12 @@ def test_accumulate_reduces_once_per_bucket_per_step(launched):
         _close(acc["plain"], expected)
         _close(acc["backward"], expected)
         assert all(g is None for g in acc["after_deferred"].values()), "deferred calls gave a gradient"
+        assert acc["direct_zeros_writable"] and acc["returned_writable"]
+        # microbatches 0 and 1 of each rank's block of rows: the mean loss over those rows
+        block = prob["x"].shape[0] // len(launched)
+        rows = [r * block + j for r in range(len(launched)) for j in range(2 * block // W.N_MICRO)]
+        two = W.unsharded_grad({**prob, "x": prob["x"][rows], "y": prob["y"][rows]})
+        _close(acc["direct_sum"], two)
         for step in acc["steps"][1:]:
             # Warm steps: w2 closes the first (1 MiB) bucket, b1 and w1 share the second; each
             # bucket is all-reduced once per step, carrying the sum of the 4 microbatches:

@@ -209,6 +209,9 @@ class _Defer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *cts):
         ctx.held.add(ctx.index, list(cts), ctx.metas)
+        if ctx.held.scope._expanded_zeros and _functorch.get_interpreter_stack():
+            # functorch would fill zeros for a None gradient; accumulate skips these
+            return (None, None, *(_defer.deferred_zeros(*m) for m in ctx.metas))
         return (None, None, *(None for _ in cts))
 
     @staticmethod

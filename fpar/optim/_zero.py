@@ -55,6 +55,7 @@ import torch
 import fpar
 from fpar import P
 
+from .. import _defer
 from .._tree import broadcast_prefix, tree_flatten, tree_map, tree_unflatten
 from . import _ops as ops
 from ._base import GradientTransformation, apply_updates
@@ -566,8 +567,32 @@ def accumulate(
         return grad_fn
 
     def accumulated(params, batch, *rest):
-        total_g = total_aux = None
+        total_g = None
+        auxs = []
+        owned: set[int] = set()  # ids of the running sums allocated here (alive in total_g)
+
+        def add(total: Any, g: Any) -> Any:
+            """``total + g``, in place into a sum this call allocated (``grad_fn``'s own results
+            may be buffers it reuses: never written); deferred zeros are skipped."""
+            if not isinstance(g, Tensor):
+                return total + g
+            if _defer.is_deferred_zero(g):
+                return total
+            if _defer.is_deferred_zero(total):
+                return g
+            if id(total) in owned:
+                return total.add_(g)
+            out = total + g
+            owned.add(id(out))
+            return out
+
+        def mean(t: Any) -> Any:
+            if isinstance(t, Tensor) and _defer.is_deferred_zero(t):
+                return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+            return t.div_(n_micro) if isinstance(t, Tensor) and id(t) in owned else t / n_micro
+
         scope = fpar.defer_reduction()
+        scope._expanded_zeros = True  # deferred gradients come back as expanded zeros: skipped
         try:
             for i in range(n_micro):
                 args = _fold_key(rest, key_arg, i)
@@ -577,13 +602,16 @@ def accumulate(
                         g, aux = grad_fn(params, mb, *args)
                 else:
                     g, aux = grad_fn(params, mb, *args)
-                total_g = g if total_g is None else tree_map(torch.add, total_g, g)
-                total_aux = aux if total_aux is None else tree_map(torch.add, total_aux, aux)
+                total_g = g if total_g is None else tree_map(add, total_g, g)
+                auxs.append(aux)  # summed at the end: a real mesh's loss may still be in flight
         except BaseException:
             scope._discard()  # this step failed: its deferred sums belong to no step
             raise
         scope._check_reduced("fpar.optim.accumulate")
-        return tree_map(lambda t: t / n_micro, total_g), tree_map(lambda t: t / n_micro, total_aux)
+        total_aux = auxs[0]
+        for aux in auxs[1:]:
+            total_aux = tree_map(torch.add, total_aux, aux)
+        return tree_map(mean, total_g), tree_map(lambda t: t / n_micro, total_aux)
 
     return accumulated
 
