@@ -143,6 +143,8 @@ def pending_cases() -> dict:
         "float": float(loss),
         "times_two": (loss * 2).detach(),
         "tolist": loss.tolist(),
+        "format": f"{loss:.6f}",
+        "deepcopy": __import__("copy").deepcopy(loss.detach()),
         "numpy": float(loss.detach().numpy()),
         "repr": repr(loss.detach()),
         "saved": torch.load(saved),

@@ -91,6 +91,8 @@ def test_planned_call_returns_before_the_other_ranks_arrive_and_its_loss_reads_r
         torch.testing.assert_close(reads["saved"], loss)
         assert type(reads["saved"]) is torch.Tensor
         assert reads["repr"] == repr(loss)
+        assert reads["format"] == f"{loss.item():.6f}"
+        torch.testing.assert_close(reads["deepcopy"], loss)
         torch.testing.assert_close(res["value"], loss)
         torch.testing.assert_close(res["grad"], g)
         # the reused gradient buffers

@@ -105,6 +105,19 @@ class Pending(Tensor):
         settle()
         return self.elem.data_ptr()
 
+    def __format__(self, spec: str) -> str:  # f"{loss:.4f}": torch formats plain tensors only
+        settle()
+        return self.elem.__format__(spec)
+
+    def __deepcopy__(self, memo):
+        settle()
+        if self.grad_fn is not None:  # as torch does for any tensor inside a graph
+            raise RuntimeError(
+                "Only Tensors created explicitly by the user (graph leaves) support the deepcopy "
+                "protocol at the moment; deepcopy loss.detach() instead."
+            )
+        return self.elem.__deepcopy__(memo)
+
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
