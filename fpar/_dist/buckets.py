@@ -42,7 +42,7 @@ from torch._C import _functorch
 
 from .. import _defer
 from .. import _stats as stats
-from .exchange import _Exchange
+from .exchange import _Exchange, _first_order_level
 
 __all__ = ["reduce_inputs"]
 
@@ -169,29 +169,6 @@ class _State:
             self.narrow = None
             with torch._C._DisableFuncTorch():
                 flat.copy_(wide)  # rounded once, after the float32 sum
-
-
-def _first_order_level(ct: Tensor) -> int | None:
-    """Where the cotangent lives when nothing can differentiate it, else ``None``.
-
-    ``0``: plain autograd without ``create_graph``.  ``L``: the only functorch transform is one
-    ``torch.func.grad`` at level ``L``, the cotangent is its wrapper, and what it wraps is
-    tracked by nothing (its graph ends when the transform returns).
-    """
-    if torch.autograd.forward_ad._current_level >= 0:
-        return None
-    stack = _functorch.get_interpreter_stack()
-    if not stack:
-        return None if torch.is_grad_enabled() and ct.requires_grad else 0
-    if len(stack) != 1 or stack[0].key() != _functorch.TransformType.Grad:
-        return None
-    level = stack[0].level()
-    if not _functorch.is_functorch_wrapped_tensor(ct) or _functorch.maybe_get_level(ct) != level:
-        return None
-    inner = _functorch.get_unwrapped(ct)
-    if _functorch.is_functorch_wrapped_tensor(inner) or inner.requires_grad:
-        return None
-    return level
 
 
 class _Defer(torch.autograd.Function):

@@ -172,7 +172,7 @@ class DistShard:
         return out
 
     def _run(self, plan: _Plan, leaves, treedef, specs, *, traced: bool, first: bool = False):
-        from .exchange import _Exchange, _TakeFirst
+        from .exchange import _Exchange, _TakeFirst, summed
 
         mg = self.mg
         agree = _Agreement(self, plan, lazy=not traced)
@@ -206,7 +206,7 @@ class DistShard:
             if kind == "pvary":
                 y = x.view_as(x)
             else:
-                y = _Exchange.apply(x, kind, agree.carry(kind, axes, x, params), 0, axes, mg)
+                y = summed(x, kind, agree.carry(kind, axes, x, params), axes, mg)
             reduce = plan.coll[k][2]
             if reduce:
                 y = _grad_sum(y, reduce, mg)
