@@ -45,6 +45,13 @@ def defer(verdict: Callable[[], None]) -> None:
 
 def _settle_at_exit() -> None:
     """At interpreter exit: no work handle outlives the process, and a failed check is shown."""
+    if not _UNSETTLED:
+        return
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        _UNSETTLED.clear()  # the process group was destroyed, and its pending work with it
+        return
     try:
         settle()
     except Exception:  # noqa: BLE001 - no caller is left to raise to: show it
