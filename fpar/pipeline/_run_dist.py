@@ -323,7 +323,10 @@ def _gradient_rows(st: Stage, stacked: Any, kept: list) -> list:
         if old is None or (old.shape, old.dtype, old.device) != (t.shape, t.dtype, t.device) or not _unheld(old):
             old = t.new_empty(t.shape)
         bufs.append(old)
-    kept[:] = bufs
+    # Kept as aliases (``detach``: a tensor of its own on the same storage, not a view holding
+    # its base), so the caller's reference to a buffer counts in the storage's use: keeping the
+    # very tensor handed out would hide it, and a buffer still held would be written again.
+    kept[:] = [b.detach() if b is not None else None for b in bufs]
     for c, (leaves, _) in enumerate(st.groups["stages"]):
         for leaf, buf in zip(leaves, bufs):
             if buf is not None and isinstance(leaf, Tensor):

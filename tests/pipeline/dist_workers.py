@@ -18,7 +18,7 @@ import torch.distributed as dist
 import fpar
 import fpar.pipeline as pp
 from fpar import P
-from fpar._tree import tree_map
+from fpar._tree import tree_flatten, tree_map
 
 _MESHES: dict = {}
 
@@ -129,3 +129,34 @@ def early_sends(name: str, p: int, m: int, v: int) -> int:
     finally:
         _run_dist.DistDriver._early_sender = original
     return count[0]
+
+
+def held_rows(name: str, p: int, m: int, v: int) -> dict:
+    """Steps of one pipeline whose stacked gradient rows are kept between steps: gradients the
+    caller still holds are never written by a later step; dropped, their buffers are reused."""
+    axes = (("pipe", p),)
+    mesh = mesh_for(axes)
+    prob = M.problem(p, m, v)
+    fns, spec = M.stage_fns(mesh), M.stage_spec(mesh)
+    stages = pp.stage_major(prob["stages"], p, v, layout=M.layout(name))
+
+    def params(scale: float) -> dict:
+        scaled = tree_map(lambda t: t * scale, stages)
+        return {"stages": fpar.device_put(scaled, mesh, spec), "first": prob["first"], "last": prob["last"]}
+
+    xs, ts = fpar.device_put(prob["xs"], mesh, P()), fpar.device_put(prob["ts"], mesh, P())
+    step = pp.pipeline(fns["stage"], M.schedule(name, p, m, v), mesh, loss=fns["loss"], first=fns["first"])
+    first = step(params(1.0), xs, ts).grads["stages"]
+    kept = tree_map(torch.clone, first)
+    second = step(params(0.5), xs, ts).grads["stages"]
+    out = {
+        "intact": all(torch.equal(a, b) for a, b in zip(tree_flatten(first)[0], tree_flatten(kept)[0])),
+        "first": tree_map(torch.clone, fpar.gather(first, mesh, spec)),  # (gather may alias)
+        "second": tree_map(torch.clone, fpar.gather(second, mesh, spec)),
+    }
+    ptrs = [t.data_ptr() for t in tree_flatten(second)[0]]
+    del first, second
+    third = step(params(0.5), xs, ts).grads["stages"]
+    out["reused"] = [t.data_ptr() for t in tree_flatten(third)[0]] == ptrs
+    out["third"] = fpar.gather(third, mesh, spec)
+    return out

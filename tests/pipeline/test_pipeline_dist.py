@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import fpar
+from fpar._tree import tree_flatten
 
 pytestmark = pytest.mark.multiprocess
 
@@ -95,3 +96,21 @@ def test_input_gradients_leave_before_the_weight_gradients_are_computed():
     (r0_1f1b, r0_inter), (r1_1f1b, r1_inter) = [[res for _, res in ranks] for ranks in got]
     assert (r0_1f1b, r1_1f1b) == (0, 4)  # stage 1's 4 BWs; stage 0 is virtual stage 0
     assert (r0_inter, r1_inter) == (4, 8)  # stage 0's chunk 1 has stage 1 upstream
+
+
+@pytest.mark.multiprocess
+def test_kept_gradient_rows_never_overwrite_held_gradients():
+    """Interleaved (two chunks per rank): W writes into stacked gradient rows kept between steps.
+    A step's gradients the caller still holds stay intact through the next step; once dropped,
+    their buffers are reused; every step's gradients equal the in-process pipeline's."""
+    args = ("interleaved", 2, 4, 2)
+    expected = W.held_rows(*args)  # in-process: fresh tensors every step
+    got = fpar.launch(W.run_jobs, 2, [("held_rows", args)], timeout=60.0)
+    # the two steps' gradients differ, so an overwrite would show
+    pairs = zip(tree_flatten(expected["first"])[0], tree_flatten(expected["second"])[0])
+    assert all(not torch.equal(a, b) for a, b in pairs)
+    for rank, [(status, res)] in enumerate(got):
+        assert status == "ok", f"rank {rank}:\n{res}"
+        assert res["intact"] and res["reused"], (rank, res["intact"], res["reused"])
+        for k in ("first", "second", "third"):
+            _compare({k: res[k]}, {k: expected[k]}, f"held_rows rank {rank}")
