@@ -49,3 +49,21 @@ def profile_table(step: Callable[[], object], repeats: int = 3) -> str:
         for _ in range(repeats):
             step()
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
+
+
+def backward_step(f: Callable, params: dict, keys, *args, lr: float) -> Callable[[], None]:
+    """An SGD step written PyTorch's way: leaf copies of ``params[k]``, ``f(...).backward()``,
+    the update from ``.grad`` (``torch._foreach_add_``).  ``f`` takes ``{k: leaf}`` then ``args``."""
+    import torch
+
+    leaves = [params[k].detach().clone().requires_grad_() for k in keys]
+
+    def step() -> None:
+        for p in leaves:
+            p.grad = None
+        f(dict(zip(keys, leaves)), *args).backward()
+        with torch.no_grad():
+            torch._foreach_add_(leaves, [p.grad for p in leaves], alpha=-lr)
+
+    step.leaves = leaves  # for checks against the other sides
+    return step

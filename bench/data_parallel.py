@@ -65,7 +65,7 @@ except ImportError:  # run from a checkout without installing: use the repo's fp
     import fpar
 from fpar import P
 
-from _common import interleaved
+from _common import backward_step, interleaved
 
 NPROCS = 2
 LR = 0.01
@@ -175,14 +175,8 @@ def worker(cfg: dict) -> dict:
 
     # (a') fpar, PyTorch style: leaf parameters, .backward(), update from .grad
     f_bw = fpar.shard(loss_local, mesh, (P(), P("data"), P("data")), P())
-    leaves = [params[k].detach().clone().requires_grad_() for k in KEYS]
-
-    def fpar_bw_step():
-        for p in leaves:
-            p.grad = None
-        f_bw(dict(zip(KEYS, leaves)), x_local, y_local).backward()
-        with torch.no_grad():
-            torch._foreach_add_(leaves, [p.grad for p in leaves], alpha=-LR)
+    fpar_bw_step = backward_step(f_bw, params, KEYS, x_local, y_local, lr=LR)
+    leaves = fpar_bw_step.leaves
 
     # (b) DDP: same initial values, same rows
     model = DDP(make_module(params))

@@ -46,7 +46,7 @@ except ImportError:  # run from a checkout without installing: use the repo's fp
     import fpar
 from fpar import P
 
-from _common import interleaved, profile_table
+from _common import backward_step, interleaved, profile_table
 
 NPROCS = 2
 LR = 0.01
@@ -87,14 +87,7 @@ def worker(cfg: dict) -> dict:
 
     # (a') fpar, PyTorch style: leaf parameters, .backward(), update from .grad
     f_bw = fpar.shard(loss_local, mesh, (specs, P(), P()), P())
-    leaves = [params[k].detach().clone().requires_grad_() for k in keys]
-
-    def fpar_bw_step():
-        for p in leaves:
-            p.grad = None
-        f_bw(dict(zip(keys, leaves)), x_BD, y_BD).backward()
-        with torch.no_grad():
-            torch._foreach_add_(leaves, [p.grad for p in leaves], alpha=-LR)
+    fpar_bw_step = backward_step(f_bw, params, keys, x_BD, y_BD, lr=LR)
 
     # (b) DTensor
     dmesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tensor",))
