@@ -38,8 +38,6 @@ from __future__ import annotations
 import torch
 from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor, is_gradtrackingtensor
 
-_functorch_wrapped = is_functorch_wrapped_tensor
-
 __all__ = ["defer_reduction"]
 
 Tensor = torch.Tensor
@@ -129,7 +127,7 @@ def deferred_zeros(shape: torch.Size, dtype: torch.dtype, device: torch.device) 
 
 def is_deferred_zero(t: Tensor) -> bool:
     """Whether ``t`` is a ``deferred_zeros`` gradient (skipped when summing microbatches)."""
-    if type(t) is not Tensor or t.numel() < 2 or any(t.stride()) or _functorch_wrapped(t):
+    if type(t) is not Tensor or t.numel() < 2 or any(t.stride()) or is_functorch_wrapped_tensor(t):
         return False
     zero = _ZERO.get((t.dtype, t.device))
     return zero is not None and t.data_ptr() == zero.data_ptr()

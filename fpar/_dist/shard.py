@@ -172,7 +172,7 @@ class DistShard:
         return out
 
     def _run(self, plan: _Plan, leaves, treedef, specs, *, traced: bool, first: bool = False):
-        from .exchange import _Exchange, _TakeFirst, summed
+        from .exchange import _TakeFirst, summed
 
         mg = self.mg
         agree = _Agreement(self, plan, lazy=not traced)
