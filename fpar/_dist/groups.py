@@ -187,6 +187,10 @@ def p2p(
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
         return out
+    if sends or recvs:
+        device = sends[0][0].device if sends else _device([])
+        if _coalesces(group, device):
+            return _batched(sends, recvs, members, group, device)
     pending = []
     for t, index in sends:
         t = t.contiguous()
@@ -198,8 +202,56 @@ def p2p(
     return pending, incoming
 
 
+def _coalesces(group, device: torch.device) -> bool:
+    """Whether ``group``'s backend on ``device`` runs a batch of p2p ops as one group call (NCCL)."""
+    return bool(group._get_backend(device).supports_coalescing)
+
+
+def _batched(sends: list, recvs: list, members: list[int], group, device: torch.device) -> tuple:
+    """``p2p(wait=False)`` on a backend that coalesces (NCCL): one ``batch_isend_irecv``.
+
+    NCCL runs a pair's point-to-point kernels in order on one stream, and a send larger than its
+    buffers completes only once the peer's matching receive runs.  Posted one by one, two
+    neighbours that each send before they receive (stage ``i``'s activation forward, stage
+    ``i + 1``'s gradient back, in one tick) would each wait on the other's send: a deadlock.
+    One group call (``ncclGroupStart``/``End``) runs the batch's sends and receives together,
+    in any order, as Megatron-LM and ``torch.distributed.pipelining`` post theirs.  The batch
+    returns one handle for all of it, so each receive waits on the batch.
+    """
+    ops, keep, bufs = [], [], []
+    for t, index in sends:
+        t = t.contiguous()
+        keep.append(t)
+        ops.append(dist.P2POp(dist.isend, t, members[index], group))
+    for shape, dtype, index in recvs:
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        bufs.append(buf)
+        ops.append(dist.P2POp(dist.irecv, buf, members[index], group))
+    batch = _Batch(dist.batch_isend_irecv(ops), keep)
+    return [(batch, batch.keep)] if sends else [], [Incoming(batch, buf) for buf in bufs]
+
+
+class _Batch:
+    """A batch's handles, waited on once however many of its receives and sends ask.
+
+    Waiting twice is not harmless on every backend: a gloo send handle counts completions, and a
+    second wait waits for a send that never comes.
+    """
+
+    def __init__(self, works: list, keep: list[Tensor]):
+        self.works, self.keep = works, tuple(keep)  # the sends' tensors: alive until it completes
+
+    def wait(self) -> None:
+        works, self.works = self.works, []
+        for w in works:
+            w.wait()
+
+
 class Incoming:
-    """A posted receive: ``wait()`` returns the tensor once it has arrived."""
+    """A posted receive: ``wait()`` returns the tensor once it has arrived.
+
+    ``work`` is the receive's handle, or its batch's (``_batched``).
+    """
 
     def __init__(self, work, buf: Tensor):
         self.work, self.buf = work, buf

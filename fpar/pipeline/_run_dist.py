@@ -143,7 +143,8 @@ class DistDriver:
         200 ms step) against 15 µs uncontended.  Both ends keep the per-pair order: a tick's
         receives are posted in wire order, all before the tick's own sends, and a tick with a
         shape header (which goes first on its pair) posts at its end as before.  Only on gloo:
-        NCCL's individual receives are kernels ordered on a stream.
+        on NCCL a tick's sends and receives go together as one batch (``_dist.p2p``), which
+        NCCL runs as one group call, so neighbours sending to each other cannot deadlock.
         """
         if any(a in self.header for a in actions):
             return set()

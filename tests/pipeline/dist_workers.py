@@ -35,10 +35,10 @@ def _pipe_coord(mesh: fpar.Mesh) -> int | None:
     return mesh._dist.coords["pipe"] if mesh.backend == "dist" else None
 
 
-def exec_job(axes: tuple, name: str, p: int, m: int, v: int, device: str = "cpu") -> dict:
+def exec_job(axes: tuple, name: str, p: int, m: int, v: int, device: str = "cpu", batch: int = 4) -> dict:
     """One step of the executor: loss, gathered gradients, and the measured stats."""
     mesh = mesh_for(axes)
-    prob = tree_map(lambda t: t.to(device), M.problem(p, m, v))
+    prob = tree_map(lambda t: t.to(device), M.problem(p, m, v, batch=batch))
     fns = M.stage_fns(mesh)
     spec = M.stage_spec(mesh)
     rows = P(None, "data") if "data" in mesh.shape else P()
@@ -60,6 +60,13 @@ def exec_job(axes: tuple, name: str, p: int, m: int, v: int, device: str = "cpu"
         "last": res.grads["last"] if owns_last else None,
         "stats": (s.makespan, s.busy, s.peak_stash, s.peak_inbox),
     }
+
+
+def big_exec_job(axes: tuple, name: str, p: int, m: int, v: int, device: str = "cpu") -> dict:
+    """``exec_job`` with 16 MB activations: over NCCL, more than its buffers hold, so a send
+    completes only once its peer's receive runs (a pair posting send-first on both ends would
+    deadlock)."""
+    return exec_job(axes, name, p, m, v, device, batch=1 << 19)
 
 
 def scan_job(axes: tuple, p: int, m: int, v: int) -> dict:
@@ -159,4 +166,39 @@ def held_rows(name: str, p: int, m: int, v: int) -> dict:
     third = step(params(0.5), xs, ts).grads["stages"]
     out["reused"] = [t.data_ptr() for t in tree_flatten(third)[0]] == ptrs
     out["third"] = fpar.gather(third, mesh, spec)
+    return out
+
+
+class _OneHandle:
+    """What NCCL's ``batch_isend_irecv`` returns: one handle for the whole batch."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
+
+
+def batched_job(axes: tuple, name: str, p: int, m: int, v: int) -> dict:
+    """``exec_job`` with p2p posted as a coalescing backend (NCCL) gets it, on gloo: every
+    ``p2p(wait=False)`` is one ``batch_isend_irecv`` that returns one handle for the batch.
+    Also counts the batches that held both sends and receives (neighbours' crossing traffic)."""
+    from fpar._dist import groups
+
+    crossing = [0]
+    original_batch, original_coalesces = dist.batch_isend_irecv, groups._coalesces
+
+    def one_handle(ops):
+        kinds = {op.op for op in ops}
+        crossing[0] += dist.isend in kinds and dist.irecv in kinds
+        return [_OneHandle(original_batch(ops))]
+
+    dist.batch_isend_irecv, groups._coalesces = one_handle, lambda group, device: True
+    try:
+        out = exec_job(axes, name, p, m, v)
+    finally:
+        dist.batch_isend_irecv, groups._coalesces = original_batch, original_coalesces
+    out["crossing"] = crossing[0]
     return out

@@ -114,3 +114,20 @@ def test_kept_gradient_rows_never_overwrite_held_gradients():
         assert res["intact"] and res["reused"], (rank, res["intact"], res["reused"])
         for k in ("first", "second", "third"):
             _compare({k: res[k]}, {k: expected[k]}, f"held_rows rank {rank}")
+
+
+@pytest.mark.multiprocess
+def test_batched_p2p_of_coalescing_backends_equals_in_process():
+    """On NCCL each tick's sends and receives go as one ``batch_isend_irecv`` (one group call:
+    posted one by one, neighbours that both send first can deadlock on large messages).  Here
+    on gloo, with the backend made to look coalescing and the batch to return one handle as
+    NCCL's does: every schedule's step equals the in-process one, and batches that carry both
+    directions were posted."""
+    jobs = [("batched_job", ((("pipe", 2),), name, 2, 4, v)) for name, v in (("1f1b", 1), ("zb_v", 2))]
+    got = fpar.launch(W.run_jobs, 2, jobs, timeout=60.0)
+    for (kind, args), *ranks in zip(jobs, *got):
+        expected = W.exec_job(*args)
+        for rank, (status, res) in enumerate(ranks):
+            assert status == "ok", f"rank {rank}:\n{res}"
+            assert res.pop("crossing") > 0, (args, rank)
+            _compare(res, expected, f"{kind}{args} rank {rank}")

@@ -2,7 +2,9 @@
 
 Skipped without CUDA (the CPU tiers cover the semantics; this tier checks the device paths:
 every tensor the executor sends or receives, activations, gradients, shape headers, the loss and
-the stats, lives on the stage's device, as NCCL requires).  The NCCL test needs two devices.
+the stats, lives on the stage's device, as NCCL requires).  The NCCL test needs two devices;
+its 16 MB activations check that neighbours exchanging in both directions in one tick do not
+deadlock (each tick's sends and receives go as one batch).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ EVERY = [
     ("exec_job", (PIPE2, "zb_h1", 2, 3, 1)),
     ("exec_job", (PIPE2, "zb_v", 2, 4, 2)),
     ("exec_job", (PIPE2, "dualpipe_v", 2, 4, 2)),
+    ("big_exec_job", (PIPE2, "1f1b", 2, 4, 1)),
+    ("big_exec_job", (PIPE2, "zb_v", 2, 4, 2)),
 ]
 
 
