@@ -173,3 +173,47 @@ def pending_cases() -> dict:
     f(wl, xl).backward()
     out["accumulated"] = wl.grad.clone()
     return out
+
+
+def _carried_losses():
+    """Sharded losses whose first collective is a small psum/pmean over every axis (carried by
+    the call's first message), each with its unsharded twin."""
+
+    def head(w, x):
+        return (x @ w) ** 2  # per-row terms, (rows, 2)
+
+    return {
+        "pmean": (lambda w, x: fpar.pmean(head(w, x).mean(), "data"), lambda w, x: head(w, x).mean()),
+        "psum": (lambda w, x: fpar.psum(head(w, x).sum(), "data"), lambda w, x: head(w, x).sum()),
+        # a vector rides along, and the function goes on with the sum
+        "vector": (
+            lambda w, x: (fpar.pmean(head(w, x).mean(0), "data") * torch.tensor([1.0, -3.0], dtype=F64)).sum() + 1,
+            lambda w, x: (head(w, x).mean(0) * torch.tensor([1.0, -3.0], dtype=F64)).sum() + 1,
+        ),
+        # an infinite loss stays exactly inf (not inf - inf = nan through the history's add)
+        "inf": (lambda w, x: fpar.pmean(head(w, x).mean() * float("inf"), "data"), None),
+    }
+
+
+def carried_sum_under_grad() -> dict:
+    """``torch.func.grad`` of planned calls whose first psum/pmean carries the check: the sum
+    comes back unsettled, with its history given by plain ops (``exchange._pending_sum``), no
+    custom Function (~0.4 ms each under functorch)."""
+    from fpar._dist import exchange
+
+    mesh = fpar.make_mesh((2,), ("data",))
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(3, 2, generator=gen, dtype=F64), torch.randn(4, 3, generator=gen, dtype=F64)
+    xl = fpar.device_put(x, mesh, P("data"))
+    out = {}
+    for name, (local, _) in _carried_losses().items():
+        g = torch.func.grad_and_value(fpar.shard(local, mesh, (P(), P("data")), P()))
+        g(w, xl)  # the first call of a signature plans it (and waits)
+        applied, original = [], exchange._Exchange.apply
+        exchange._Exchange.apply = lambda *a: applied.append(a[1]) or original(*a)
+        try:
+            grad, value = g(w, xl)
+        finally:
+            exchange._Exchange.apply = original
+        out[name] = {"functions": applied, "lazy": type(value).__name__, "value": value.clone(), "grad": grad}
+    return out

@@ -101,3 +101,22 @@ def test_planned_call_returns_before_the_other_ranks_arrive_and_its_loss_reads_r
         assert res["reused"]
         torch.testing.assert_close(res["again"], g)
         torch.testing.assert_close(res["accumulated"], 2 * g)
+
+
+def test_carried_sum_under_func_grad_has_plain_history_and_right_values():
+    """Under ``torch.func.grad`` a warm call's carried psum/pmean applies no custom Function and
+    comes back unsettled; values and gradients equal the unsharded function's (an inf loss too)."""
+    _, x, _, _ = _reference()
+    w = _reference()[0]
+    for res in fpar.launch(D.carried_sum_under_grad, 2, timeout=60.0):
+        for name, (_, plain) in D._carried_losses().items():
+            got = res[name]
+            # a sum the function goes on computing with was waited for inside the call
+            assert got["functions"] == [], (name, got)
+            assert got["lazy"] == ("Tensor" if name == "vector" else "Pending"), (name, got)
+            if plain is None:  # the inf loss
+                assert got["value"].item() == float("inf"), got["value"]
+                continue
+            want_grad, want = torch.func.grad_and_value(plain)(w, x)
+            torch.testing.assert_close(got["value"], want)
+            torch.testing.assert_close(got["grad"], want_grad)

@@ -13,6 +13,7 @@ from torch._C import _functorch
 from .. import _stats as stats
 from .._registry import internal
 from .groups import MeshGroups
+from .pending import Pending, Stand
 
 Tensor = torch.Tensor
 
@@ -245,28 +246,50 @@ def summed(x: Tensor, kind: str, params: tuple, axes: tuple, mg: MeshGroups) -> 
     differentiates ``x``; otherwise the ``_Exchange`` Function.
 
     Under ``torch.func.grad`` every custom Function goes through functorch's
-    ``custom_function_call`` (~0.4 ms of Python forward, more backward).  When ``x`` is tracked
-    by that one level only, no second derivative can follow, so the transpose is needed to
-    first order only, and that is an ordinary op's: psum's is the identity (pvary) and pmean's a
-    division by the device count.  So the result is ``x.clone()`` (``x / n``), whose plain value
-    is then overwritten by the all-reduce, out of autograd's sight (nothing saved it).  Plain
-    autograd keeps the Function: whether ``create_graph`` follows is not known here.
+    ``custom_function_call`` (~0.4 ms of Python per call, forward and backward).  When ``x`` is
+    tracked by that one level only, no second derivative can follow, so the transpose is needed
+    to first order only, and that is an ordinary op's: psum's is the identity (pvary) and pmean's
+    a division by the device count.  So the result is ``x.clone()`` (``x / n``), whose plain
+    value is then overwritten by the all-reduce, out of autograd's sight (nothing saved it).
+    The call's first psum/pmean, which carries the signature check (``params``: shard.py's
+    ``_Agreement``), may come back unsettled (a ``Pending``): its history is then an add
+    (``_pending_sum``).  Plain autograd keeps the Function: whether ``create_graph`` follows is
+    not known here.
     """
-    level = None if params or kind not in ("psum", "pmean") else _first_order_level(x)
+    level = _first_order_level(x) if kind in ("psum", "pmean") else None
     if not level or x.dtype in _LOW_PRECISION or x.dtype == torch.bool or x.is_complex():
         return _Exchange.apply(x, kind, params, 0, axes, mg)
     n = len(mg.members(axes))
-    y = x / n if kind == "pmean" else x.clone()
+    plain_x = _functorch._unwrap_for_grad(x, level)
+    with torch._C._DisableFuncTorch():
+        stats.record(kind, axes, n, plain_x)
+        got = params[0].reduce(plain_x, kind, n) if params else None
+    base = x / n if kind == "pmean" else x
+    if isinstance(got, Pending):
+        return _pending_sum(base, got, level)
+    y = base if kind == "pmean" else x.clone()
     plain = _functorch._unwrap_for_grad(y, level)
     with torch._C._DisableFuncTorch():
-        stats.record(kind, axes, n, plain)
-        if kind == "psum":
+        if got is not None:  # the check's message carried it, and it was waited for
+            plain.copy_(got)
+        elif kind == "psum":
             dist.all_reduce(plain, group=mg.group(axes))
         else:  # the sum, then one division, as _run does
-            total = _functorch._unwrap_for_grad(x, level).detach().clone(memory_format=torch.contiguous_format)
+            total = plain_x.detach().clone(memory_format=torch.contiguous_format)
             dist.all_reduce(total, group=mg.group(axes))
             plain.copy_(total / n)
     return y
+
+
+def _pending_sum(base: Tensor, total: Pending, level: int) -> Tensor:
+    """``total`` (a sum not yet waited for) at ``torch.func.grad``'s level, with ``base``'s history.
+
+    At the level, ``base + stand`` records an add, whose backward hands the cotangent to
+    ``base`` (``x``, or ``x / n`` for a pmean): the sum's first-order transpose.  Below it the
+    add of a ``Stand`` returns ``total`` itself, so the value is the sum exactly (no rounding of
+    ``base + (total - base)``) and is still waited for at its first use.
+    """
+    return torch.add(base, _functorch._wrap_for_grad(Stand(total), level))
 
 
 def _own_chunk(ct: Tensor, dim: int, tiled: bool, me: int, n: int) -> Tensor:

@@ -133,3 +133,26 @@ class Pending(Tensor):
             settle()
         unwrap = lambda t: t.elem if isinstance(t, Pending) else t  # noqa: E731
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+
+class Stand(Pending):
+    """``total - base`` in ``base + stand``, the one op it takes: that add is ``total`` itself.
+
+    How a fast call's carried psum/pmean gets its first-order history under
+    ``torch.func.grad`` without a custom Function (``exchange._pending_sum``): the transform
+    records the add at its level, and below it the add returns the unsettled ``total``.
+    """
+
+    total: Pending
+
+    @staticmethod
+    def __new__(cls, total: Pending):
+        r = Pending.__new__(cls, total.elem)
+        r.total = total
+        return r
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.add.Tensor and len(args) == 2 and isinstance(args[1], Stand) and not kwargs:
+            return args[1].total
+        raise AssertionError(f"fpar internal: a Stand is only ever added to its base, not {func}")
