@@ -153,6 +153,8 @@ class Deferred:
         self.scope, self.fname, self.key = scope, fname, key
         self.bases = bases  # (argument slot, base tensor, version): held, so identities stay unique
         self.flats: list[Tensor | None] = [None] * n_buckets
+        self.filled: list[list[bool] | None] = [None] * n_buckets  # per slot, by add_one
+        self.sizes: list[list[int] | None] = [None] * n_buckets  # its slots' sizes
         self.adds = [0] * n_buckets
         self.taken = [False] * n_buckets
         self.calls = 0
@@ -175,18 +177,41 @@ class Deferred:
     def add(self, b: int, cts: list, metas: list) -> None:
         """A deferred call's backward: add its local cotangents into bucket ``b``'s buffer."""
         if self.taken[b]:
-            raise RuntimeError(
-                f"fpar.shard({self.fname}): the backward of a call made under "
-                f"fpar.defer_reduction() ran after the final call (outside the context) had "
-                f"already reduced the deferred gradients; its gradient would be lost. Run every "
-                f"deferred microbatch's backward before the last microbatch's backward."
-            )
+            raise self._too_late()
         cts = [None if ct is None else self._plain(ct) for ct in cts]
         with torch._C._DisableFuncTorch():  # the buffer is outside any transform
             self._add(b, cts, metas)
         self.adds[b] += 1
 
+    def add_one(self, b: int, i: int, ct: Tensor, metas: list, first: bool) -> None:
+        """A deferred call's backward, one tensor at a time (``buckets._defer_hooked``).
+
+        Adds the cotangent of the bucket's tensor ``i`` into its slot; ``first``: the call's
+        first one in this bucket (counted as that call's add).
+        """
+        if self.taken[b]:
+            raise self._too_late()
+        ct = self._plain(ct)
+        with torch._C._DisableFuncTorch():
+            flat = self.flats[b]
+            if flat is None:
+                _, dtype, device = metas[0]
+                self.sizes[b] = [m[0].numel() for m in metas]
+                flat = self.flats[b] = torch.empty(sum(self.sizes[b]), dtype=dtype, device=device)
+                self.filled[b] = [False] * len(metas)
+            at = sum(m[0].numel() for m in metas[:i])
+            slot = flat[at : at + metas[i][0].numel()].view(metas[i][0])
+            filled = self.filled[b]
+            if filled is not None and not filled[i]:
+                slot.copy_(ct)  # the buffer is uninitialised there: no zero fill first
+                filled[i] = True
+            else:
+                slot.add_(ct)
+        self.adds[b] += first
+
     def _add(self, b: int, cts: list, metas: list) -> None:
+        if self.filled[b] is not None:  # add_one's buffer: every slot initialised before adding
+            self._zero_unfilled(b)
         flat = self.flats[b]
         if flat is None and all(ct is not None for ct in cts):
             self.flats[b] = torch.cat([ct.detach().reshape(-1) for ct in cts])
@@ -200,6 +225,25 @@ class Deferred:
                 n = shape.numel()
                 if ct is not None:
                     flat[at : at + n].view(shape).add_(ct.detach())
+                at += n
+
+    def _too_late(self) -> RuntimeError:
+        return RuntimeError(
+            f"fpar.shard({self.fname}): the backward of a call made under "
+            f"fpar.defer_reduction() ran after the final call (outside the context) had "
+            f"already reduced the deferred gradients; its gradient would be lost. Run every "
+            f"deferred microbatch's backward before the last microbatch's backward."
+        )
+
+    def _zero_unfilled(self, b: int) -> None:
+        """Zero the slots of ``add_one``'s buffer that no cotangent reached; it is then plain."""
+        filled, self.filled[b] = self.filled[b], None
+        flat, sizes = self.flats[b], self.sizes[b]
+        at = 0
+        with torch._C._DisableFuncTorch():
+            for n, got in zip(sizes, filled):
+                if not got:
+                    flat[at : at + n].zero_()
                 at += n
 
     def _plain(self, ct: Tensor) -> Tensor:
@@ -229,6 +273,8 @@ class Deferred:
                 f"also inside the context and a final call after it."
             )
         self.taken[b] = True
+        if self.filled[b] is not None:
+            self._zero_unfilled(b)
         flat, self.flats[b] = self.flats[b], None
         if all(self.taken):
             self._forget()

@@ -12,6 +12,7 @@ import torch
 
 import fpar
 from fpar import P
+from fpar._dist import buckets
 
 D, H, O = 128, 1024, 128  # w1 and w2 are 1 MiB each in float64: two gradient buckets
 ROWS = 16  # global batch rows (8 per rank, 2 per microbatch with n_micro=4)
@@ -35,6 +36,12 @@ def mlp_loss(params: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Per-device mean squared error of a 2-layer MLP, averaged over the data axis."""
     h = torch.tanh(x @ params["w1"] + params["b1"])
     return fpar.pmean(((h @ params["w2"] - y) ** 2).mean(), "data")
+
+
+def _two_losses(params: dict, x: torch.Tensor, y: torch.Tensor) -> tuple:
+    """The MLP loss, and a second output that alone uses ``u``."""
+    other = fpar.pmean((x[:, :5] * params["u"]).sum(), "data")
+    return mlp_loss({k: v for k, v in params.items() if k != "u"}, x, y), other
 
 
 def unsharded_grad(prob: dict) -> dict:
@@ -68,10 +75,27 @@ def accumulate_job() -> dict:
 
     acc = fpar.optim.accumulate(grad_fn, N_MICRO, mesh, (P("data"), P("data")))
     steps = []
-    for _ in range(3):  # step 0 traces each signature's first call; later steps are warm
-        fpar.reset_comm_stats()
-        g, loss = acc(params, (x, y))
-        steps.append({"grads": g, "loss": loss, "stats": fpar.comm_stats()})
+    applied, original = [], buckets._Defer.apply
+    buckets._Defer.apply = lambda *a: applied.append(a[1]) or original(*a)
+    try:
+        for _ in range(3):  # step 0 traces each signature's first call; later steps are warm
+            fpar.reset_comm_stats()
+            g, loss = acc(params, (x, y))
+            steps.append({"grads": g, "loss": loss, "stats": fpar.comm_stats(), "functions": list(applied)})
+            applied.clear()
+    finally:
+        buckets._Defer.apply = original
+    # a parameter that only an output the loss ignores uses: its deferred slot (the gradient is
+    # reduced over "data") never receives a cotangent
+    two = fpar.shard(_two_losses, mesh, (P(), P("data"), P("data")), (P(), P()))
+    acc_u = fpar.optim.accumulate(
+        lambda p, batch: torch.func.grad_and_value(lambda p, x, y: two(p, x, y)[0])(p, *batch),
+        N_MICRO,
+        mesh,
+        (P("data"), P("data")),
+    )
+    with_u = {**params, "u": torch.ones(5, dtype=torch.float64)}
+    unused_grads = [acc_u(with_u, (x, y))[0] for _ in range(3)]
     fpar.reset_comm_stats()
     plain = None
     for i in range(N_MICRO):
@@ -96,6 +120,7 @@ def accumulate_job() -> dict:
     gn = torch.func.grad(f)(params, _micro(x, 1), _micro(y, 1))
     returned = steps[-1]["grads"]
     return {
+        "unused": unused_grads,
         "direct_zeros_writable": writable,
         "direct_sum": {k: (g0[k] - 1 + gn[k]) / 2 for k in gn},
         "returned_writable": all(t.stride() != (0,) * t.dim() and t.add_(0) is t for t in returned.values()),

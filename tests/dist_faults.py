@@ -187,7 +187,9 @@ def _carried_losses():
         "psum": (lambda w, x: fpar.psum(head(w, x).sum(), "data"), lambda w, x: head(w, x).sum()),
         # a vector rides along, and the function goes on with the sum
         "vector": (
-            lambda w, x: (fpar.pmean(head(w, x).mean(0), "data") * torch.tensor([1.0, -3.0], dtype=F64)).sum() + 1,
+            lambda w, x: (
+                (fpar.pmean(head(w, x).mean(0), "data") * torch.tensor([1.0, -3.0], dtype=F64)).sum() + 1
+            ),
             lambda w, x: (head(w, x).mean(0) * torch.tensor([1.0, -3.0], dtype=F64)).sum() + 1,
         ),
         # an infinite loss stays exactly inf (not inf - inf = nan through the history's add)
@@ -210,7 +212,7 @@ def carried_sum_under_grad() -> dict:
         g = torch.func.grad_and_value(fpar.shard(local, mesh, (P(), P("data")), P()))
         g(w, xl)  # the first call of a signature plans it (and waits)
         applied, original = [], exchange._Exchange.apply
-        exchange._Exchange.apply = lambda *a: applied.append(a[1]) or original(*a)
+        exchange._Exchange.apply = lambda *a, seen=applied, apply=original: seen.append(a[1]) or apply(*a)
         try:
             grad, value = g(w, xl)
         finally:

@@ -51,6 +51,11 @@ def test_accumulate_reduces_once_per_bucket_per_step(launched):
     for rank, (acc, _) in enumerate(launched):
         for step in acc["steps"]:
             _close(step["grads"], expected)
+        # warm steps defer with tensor hooks, not the _Defer Function (~0.4 ms each under functorch)
+        assert [step["functions"] for step in acc["steps"][1:]] == [[], []], acc["steps"]
+        for got in acc["unused"]:  # a parameter only an ignored output uses: zero, the others exact
+            assert torch.equal(got.pop("u"), torch.zeros(5, dtype=torch.float64))
+            _close(got, expected)
         _close(acc["plain"], expected)
         _close(acc["backward"], expected)
         assert all(g is None for g in acc["after_deferred"].values()), "deferred calls gave a gradient"
@@ -93,3 +98,21 @@ def test_misuse_raises_on_every_rank(launched, case, kind, phrase):
 def test_state_is_clean_after_errors(launched):
     for _, misuse in launched:
         _close(misuse["recovered"], misuse["recovered_plain"])
+
+
+def test_deferred_buffer_filled_per_tensor_is_whole_when_taken(monkeypatch):
+    """``add_one`` (the per-tensor deferral hooks) copies into an uninitialised buffer; a slot no
+    cotangent reached is zero when the final call takes the buffer, never left-over memory."""
+    from fpar import _defer
+
+    empty = torch.empty  # uninitialised memory, made visible: NaN
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
+    cpu = torch.device("cpu")
+    metas = [(torch.Size([2, 3]), torch.float64, cpu), (torch.Size([4]), torch.float64, cpu)]
+    held = _defer.Deferred(_defer.defer_reduction(), "f", ("key",), [], 1)
+    held.calls = 2
+    a, b = torch.arange(6.0, dtype=torch.float64).view(2, 3), torch.ones(2, 3, dtype=torch.float64)
+    held.add_one(0, 0, a, metas, True)  # call 1: only tensor 0 got a cotangent
+    held.add_one(0, 0, b, metas, True)  # call 2: the same
+    flat = held.take(0)
+    torch.testing.assert_close(flat, torch.cat([(a + b).reshape(-1), torch.zeros(4, dtype=torch.float64)]))
