@@ -67,11 +67,27 @@ class MeshGroups:
             for k in range(2, len(mesh.axis_names) + 1):
                 for axes in itertools.combinations(mesh.axis_names, k):
                     self.group(axes)
+            if device_type() == "cuda":
+                self._connect_axes()
         else:
             self.device_mesh = parent.device_mesh
             self.coords = parent.coords  # the parent's coordinates: members() needs all of them
             self._groups = parent._groups
         self.root = self if parent is None else parent.root
+
+    def _connect_axes(self) -> None:
+        """NCCL: start every axis group's communicator now, with every rank of it taking part.
+
+        NCCL creates a group's communicator at its first use, a collective over all of the
+        group's ranks.  A batch of point-to-point ops (``batch_isend_irecv``, how ``p2p`` posts
+        on NCCL) runs on that communicator, so as a group's first use it would involve only the
+        two neighbours, which torch documents as undefined (a hang): a pipeline's first message
+        goes from stage 0 to stage 1 alone.  Every rank builds the mesh, so a tiny all-reduce
+        per axis here starts them all together.
+        """
+        one = torch.zeros(1, device=_device([]))
+        for axis in self.mesh.axis_names:
+            dist.all_reduce(one, group=self.group((axis,)))
 
     def view(self, names: tuple[str, ...]) -> MeshGroups:
         """The groups of the submesh over ``names`` that contains this rank."""

@@ -60,3 +60,25 @@ def test_every_schedule_on_nccl_equals_in_process():
             status, got = results[index]
             assert status == "ok", f"rank {rank}:\n{got}"
             _same(got, want, f"{args[1]} rank {rank} over NCCL")
+
+
+PIPE4 = (("pipe", 4),)
+FOUR = [
+    ("exec_job", (PIPE4, "1f1b", 4, 4, 1)),
+    ("exec_job", (PIPE4, "interleaved", 4, 4, 2)),
+    ("big_exec_job", (PIPE4, "zb_v", 4, 8, 2)),
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four CUDA devices for NCCL")
+def test_four_stages_on_nccl_equal_in_process():
+    """With four stages a tick's batch of p2p ops involves two of the pipe group's four ranks:
+    the group's NCCL communicator must already exist (``MeshGroups._connect_axes``)."""
+    launched = fpar.launch(W.run_jobs_on_cuda, 4, FOUR, backend="nccl", timeout=180)
+    for index, (kind, args) in enumerate(FOUR):
+        want = getattr(W, kind)(*args)
+        for rank, results in enumerate(launched):
+            status, got = results[index]
+            assert status == "ok", f"rank {rank}:\n{got}"
+            _same(got, want, f"{args[1]} rank {rank} over NCCL, 4 stages")
