@@ -236,7 +236,14 @@ class DistShard:
                     outs = self._outputs(plan, tracker, out, first)
             else:
                 drawn = _generator_states()
-                out = self.f(*tree_unflatten(treedef, local))
+                if maybe_current_level() is None:
+                    out = self.f(*tree_unflatten(treedef, local))
+                else:
+                    # Under a torch.func transform entered from eager code, torch does not
+                    # compile a frame (pytorch#128711) and would mark f's code skipped for every
+                    # later compile in this process (its .backward() calls too): run it eagerly.
+                    with eager():
+                        out = self.f(*tree_unflatten(treedef, local))
                 if _generator_states() != drawn:
                     raise RuntimeError(_drew_message(self.fname))
                 outs, treedef_out = tree_flatten(out)
