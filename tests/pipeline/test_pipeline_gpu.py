@@ -53,13 +53,18 @@ def test_every_schedule_on_cuda_equals_cpu():
 @pytest.mark.multiprocess
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices for NCCL")
 def test_every_schedule_on_nccl_equals_in_process():
-    launched = fpar.launch(W.run_jobs_on_cuda, 2, EVERY, backend="nccl", timeout=120)
-    for index, (kind, args) in enumerate(EVERY):
+    _on_nccl(EVERY, 2, timeout=120)
+
+
+def _on_nccl(jobs: list, nprocs: int, *, timeout: float) -> None:
+    """Run ``jobs`` on ``nprocs`` NCCL ranks; every rank's result equals the in-process CPU run."""
+    launched = fpar.launch(W.run_jobs_on_cuda, nprocs, jobs, backend="nccl", timeout=timeout)
+    for index, (kind, args) in enumerate(jobs):
         want = getattr(W, kind)(*args)
         for rank, results in enumerate(launched):
             status, got = results[index]
             assert status == "ok", f"rank {rank}:\n{got}"
-            _same(got, want, f"{args[1]} rank {rank} over NCCL")
+            _same(got, want, f"{args[1]} on {nprocs} stages, rank {rank} over NCCL")
 
 
 PIPE4 = (("pipe", 4),)
@@ -75,10 +80,4 @@ FOUR = [
 def test_four_stages_on_nccl_equal_in_process():
     """With four stages a tick's batch of p2p ops involves two of the pipe group's four ranks:
     the group's NCCL communicator must already exist (``MeshGroups._connect_axes``)."""
-    launched = fpar.launch(W.run_jobs_on_cuda, 4, FOUR, backend="nccl", timeout=180)
-    for index, (kind, args) in enumerate(FOUR):
-        want = getattr(W, kind)(*args)
-        for rank, results in enumerate(launched):
-            status, got = results[index]
-            assert status == "ok", f"rank {rank}:\n{got}"
-            _same(got, want, f"{args[1]} rank {rank} over NCCL, 4 stages")
+    _on_nccl(FOUR, 4, timeout=180)
