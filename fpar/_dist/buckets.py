@@ -244,7 +244,9 @@ def reduce_inputs(
                 versions = [(slot, b, b._version) for slot, b in bases]
                 held = _defer.open_deferred(scope, fname, key, versions, len(buckets))
                 held.calls += 1
-                hooks = scope._expanded_zeros and _one_grad_level(bases[0][1], buckets[0][1][0])
+                # accumulate's one torch.func.grad: hooks (plain autograd keeps the Function)
+                hooks = scope._expanded_zeros and bool(_functorch.get_interpreter_stack())
+                hooks = hooks and not _several_levels(buckets[0][1][0])
                 for index, (slots, xs, _) in enumerate(buckets):
                     deferred = _defer_hooked(held, index, xs) if hooks else _Defer.apply(held, index, *xs)
                     out.update(zip(slots, deferred))
@@ -259,13 +261,6 @@ def reduce_inputs(
         state = _State((axes, mg), xs, held, index, kept)
         out.update(zip(slots, (_hooked(x, state, i) for i, x in enumerate(xs))))
     return out
-
-
-def _one_grad_level(base: Tensor, x: Tensor) -> bool:
-    """Whether ``x`` (over ``base``) is differentiated by one ``torch.func.grad`` level alone."""
-    stack = _functorch.get_interpreter_stack() or ()
-    one = len(stack) == 1 and stack[0].key() == _functorch.TransformType.Grad
-    return one and base is not x and not base.requires_grad
 
 
 def _defer_hooked(held, index: int, xs: list[Tensor]) -> list[Tensor]:
