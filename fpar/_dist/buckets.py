@@ -126,9 +126,7 @@ class _State:
         # As DDP's persistent buckets: the last call's buffer, when nothing holds it any more
         # (its gradients were dropped: ``zero_grad``, a new step), so no fresh pages are touched
         # every step.  Exact: a tensor, view, work handle or array over it counts.
-        buf = self.kept.get(self.index)
-        if buf is None or (buf.numel(), buf.dtype, buf.device) != (total, dtype, device) or not _unheld(buf):
-            buf = self.kept[self.index] = torch.empty(total, dtype=dtype, device=device)
+        buf = self.kept[self.index] = kept_or_new(self.kept.get(self.index), (total,), dtype, device)
         return buf
 
     def _done(self, i: int) -> None:
@@ -353,6 +351,13 @@ def _buckets(sources: list, bucket_mb: float) -> list[tuple[list[int], list[Tens
         if b[2] >= cap:
             del open_[key]
     return [(slots, xs, axes) for slots, xs, _, axes in buckets]
+
+
+def kept_or_new(old: Tensor | None, shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``old`` when it fits and nothing but it holds its memory any more, else a new buffer."""
+    if old is not None and (tuple(old.shape), old.dtype, old.device) == (tuple(shape), dtype, device) and _unheld(old):
+        return old
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _unheld(buf: Tensor) -> bool:

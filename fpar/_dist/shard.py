@@ -53,6 +53,7 @@ depends on shapes, not on values; a changed sequence of collectives in a fast ca
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from typing import Any
 
@@ -236,14 +237,11 @@ class DistShard:
                     outs = self._outputs(plan, tracker, out, first)
             else:
                 drawn = _generator_states()
-                if maybe_current_level() is None:
+                # Under a torch.func transform entered from eager code, torch does not compile
+                # a frame (pytorch#128711) and would mark f's code skipped for every later
+                # compile in this process (its .backward() calls too): run it eagerly there.
+                with eager() if maybe_current_level() is not None else contextlib.nullcontext():
                     out = self.f(*tree_unflatten(treedef, local))
-                else:
-                    # Under a torch.func transform entered from eager code, torch does not
-                    # compile a frame (pytorch#128711) and would mark f's code skipped for every
-                    # later compile in this process (its .backward() calls too): run it eagerly.
-                    with eager():
-                        out = self.f(*tree_unflatten(treedef, local))
                 if _generator_states() != drawn:
                     raise RuntimeError(_drew_message(self.fname))
                 outs, treedef_out = tree_flatten(out)

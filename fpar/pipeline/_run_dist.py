@@ -148,10 +148,9 @@ class DistDriver:
         """
         if any(a in self.header for a in actions):
             return set()
-        sch, me = self.schedule, self.me
         recvs = []
         for a in sorted(actions, key=_wire_order):
-            if a.kind in ("RECV_F", "RECV_B") and self._peer(a) != me:
+            if a.kind in ("RECV_F", "RECV_B") and self._peer(a) != self.me:
                 recvs.append(a)
         if not recvs:
             return set()
@@ -312,7 +311,7 @@ def _gradient_rows(st: Stage, stacked: Any, kept: list) -> list:
     ms a matmul against 1.7 ms into reused memory (a profile of an interleaved step).  A buffer
     the caller still holds is never written.
     """
-    from .._dist.buckets import _unheld
+    from .._dist.buckets import kept_or_new
 
     leaves = tree_flatten(stacked)[0]
     bufs = []
@@ -320,10 +319,7 @@ def _gradient_rows(st: Stage, stacked: Any, kept: list) -> list:
         if not (isinstance(t, Tensor) and t.is_floating_point()):
             bufs.append(None)
             continue
-        old = kept[i] if i < len(kept) else None
-        if old is None or (old.shape, old.dtype, old.device) != (t.shape, t.dtype, t.device) or not _unheld(old):
-            old = t.new_empty(t.shape)
-        bufs.append(old)
+        bufs.append(kept_or_new(kept[i] if i < len(kept) else None, t.shape, t.dtype, t.device))
     # Kept as aliases (``detach``: a tensor of its own on the same storage, not a view holding
     # its base), so the caller's reference to a buffer counts in the storage's use: keeping the
     # very tensor handed out would hide it, and a buffer still held would be written again.
