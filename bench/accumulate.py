@@ -8,6 +8,9 @@ process's rows are cut into ``n_micro = 4`` microbatches and the step averages t
   batch_specs)``: microbatches 0-2 run under ``fpar.defer_reduction()`` (gradients summed
   locally, no messages), the last all-reduces the sum once per bucket; SGD with
   ``torch._foreach_add_``.
+* **fpar .backward()**: the same sharded loss on leaf parameters, PyTorch's way: microbatches 0-2's
+  ``loss.backward()`` under one ``fpar.defer_reduction()`` (``.grad`` stays ``None``), the last
+  one's outside it (``.grad`` is then the reduced sum), SGD from ``.grad`` (``lr / n_micro``).
 * **fpar, reduce every microbatch**: the same loop by hand without deferral (what ``accumulate``
   did before): one all-reduce per bucket per microbatch.
 * **DDP**: ``with model.no_sync():`` around the first 3 microbatches' ``backward()``, the last
@@ -79,6 +82,19 @@ def worker(cfg: dict) -> dict:
             total = g if total is None else {k: total[k] + g[k] for k in KEYS}
         torch._foreach_add_(plist, [total[k] for k in KEYS], alpha=-LR / N_MICRO)
 
+    leaves = [params[k].detach().clone().requires_grad_() for k in KEYS]
+    lp = dict(zip(KEYS, leaves))
+
+    def fpar_bw_step():
+        for p in leaves:
+            p.grad = None
+        with fpar.defer_reduction():
+            for x, y in micro[:-1]:
+                sharded(lp, x, y).backward()
+        sharded(lp, *micro[-1]).backward()
+        with torch.no_grad():
+            torch._foreach_add_(leaves, [p.grad for p in leaves], alpha=-LR / N_MICRO)
+
     model = DDP(make_module(params))
     opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=True)
 
@@ -94,18 +110,20 @@ def worker(cfg: dict) -> dict:
     # The same update from the same parameters (fpar's accumulate vs DDP's no_sync).
     before = [p.clone() for p in plist]
     fpar_step()
+    fpar_bw_step()
     ddp_step()
     worst = 0.0
-    for k, p0, pf, pd in zip(KEYS, before, plist, model.parameters()):
-        uf, ud = pf - p0, pd.detach() - p0
-        rel = ((uf - ud).norm() / ud.norm()).item()
-        worst = max(worst, rel)
-        if rel > 1e-4:  # float32 sums of 4 microbatches in different orders: ~1e-5 apart
-            raise AssertionError(f"the update of {k} differs, fpar vs DDP: relative norm diff {rel:.3e}")
+    for k, p0, pf, pb, pd in zip(KEYS, before, plist, leaves, model.parameters()):
+        ud = pd.detach() - p0
+        for side, u in (("fpar", pf - p0), ("fpar .backward()", pb.detach() - p0)):
+            rel = ((u - ud).norm() / ud.norm()).item()
+            worst = max(worst, rel)
+            if rel > 1e-4:  # float32 sums of 4 microbatches in different orders: ~1e-5 apart
+                raise AssertionError(f"the update of {k} differs, {side} vs DDP: relative norm diff {rel:.3e}")
 
     # Messages per step (warm): fpar counted where issued; DDP by a counting comm hook.
     counts = {}
-    for name, step in (("fpar", fpar_step), ("fpar_every", fpar_every_step)):
+    for name, step in (("fpar", fpar_step), ("fpar_bw", fpar_bw_step), ("fpar_every", fpar_every_step)):
         step()
         fpar.reset_comm_stats()
         step()
@@ -121,7 +139,7 @@ def worker(cfg: dict) -> dict:
         F.mse_loss(counted(micro[-1][0]), micro[-1][1]).backward()
     del counted
 
-    steps = {"fpar": fpar_step, "fpar_every": fpar_every_step, "ddp": ddp_step}
+    steps = {"fpar": fpar_step, "fpar_bw": fpar_bw_step, "fpar_every": fpar_every_step, "ddp": ddp_step}
     for _ in range(cfg["warmup"]):
         for s in steps.values():
             s()
@@ -157,28 +175,35 @@ def main(argv=None) -> None:
         f"float32, {NPROCS} gloo processes x {args.threads} thread(s), {args.repeats} repeats; same update "
         f"as DDP: max rel diff {max(r['worst'] for r in res):.2e}"
     )
-    names = {"fpar": "fpar accumulate (deferred)", "fpar_every": "fpar, reduce every microbatch", "ddp": "DDP no_sync"}
+    names = {"fpar": "fpar accumulate (deferred)", "fpar_bw": "fpar .backward() (deferred)", "fpar_every": "fpar, reduce every microbatch", "ddp": "DDP no_sync"}
     for k, label in names.items():
         print(f"  {label:31s} median {med[k]:8.2f} ms   min {lo[k]:8.2f} ms")
     print(
         f"  ratio fpar/DDP: {med['fpar'] / med['ddp']:.2f}x (medians), {lo['fpar'] / lo['ddp']:.2f}x (minima); "
         f"deferred / every microbatch: {med['fpar'] / med['fpar_every']:.2f}x"
     )
+    print(
+        f"  ratio fpar .backward()/DDP: {med['fpar_bw'] / med['ddp']:.2f}x (medians), "
+        f"{lo['fpar_bw'] / lo['ddp']:.2f}x (minima)"
+    )
     ring = 2 * (NPROCS - 1) / NPROCS
-    c, ce, d = r0["counts"]["fpar"], r0["counts"]["fpar_every"], r0["ddp_count"]
+    c, cb, ce, d = r0["counts"]["fpar"], r0["counts"]["fpar_bw"], r0["counts"]["fpar_every"], r0["ddp_count"]
     print(
         f"gradient all-reduces per step (data axis): fpar deferred {c['psum']['calls']} "
-        f"({c['psum']['bytes']:,} B), every microbatch {ce['psum']['calls']} ({ce['psum']['bytes']:,} B), "
+        f"({c['psum']['bytes']:,} B), .backward() deferred {cb['psum']['calls']} ({cb['psum']['bytes']:,} B), every microbatch {ce['psum']['calls']} ({ce['psum']['bytes']:,} B), "
         f"DDP {d['calls']} ({int(d['buffer_bytes'] * ring):,} B); formula: one step's parameter bytes x "
         f"2(n-1)/n = {int(r0['param_bytes'] * ring):,} B; loss pmean: {c.get('pmean', {}).get('calls', 0)} per step"
     )
     print()
-    print("| benchmark | config | fpar (ms) | DDP no_sync (ms) | ratio | fpar reducing every microbatch (ms) | all-reduces/step fpar / DDP |")
+    print(
+        "| benchmark | config | fpar func.grad / .backward() (ms) | DDP no_sync (ms) | ratio | "
+        "fpar reducing every microbatch (ms) | all-reduces/step fpar / DDP |"
+    )
     print("|---|---|---|---|---|---|---|")
     print(
         f"| accumulate | n_micro=4, B={args.batch} D={args.dim} H={args.hidden} fp32, {NPROCS} gloo procs | "
-        f"{med['fpar']:.2f} | {med['ddp']:.2f} | {med['fpar'] / med['ddp']:.2f}x | {med['fpar_every']:.2f} | "
-        f"{c['psum']['calls']} / {d['calls']} |"
+        f"{med['fpar']:.2f} / {med['fpar_bw']:.2f} | {med['ddp']:.2f} | {med['fpar'] / med['ddp']:.2f}x / "
+        f"{med['fpar_bw'] / med['ddp']:.2f}x | {med['fpar_every']:.2f} | {c['psum']['calls']} / {d['calls']} |"
     )
 
 

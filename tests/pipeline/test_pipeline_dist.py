@@ -99,11 +99,11 @@ def test_input_gradients_leave_before_the_weight_gradients_are_computed():
 
 
 @pytest.mark.multiprocess
-def test_kept_gradient_rows_never_overwrite_held_gradients():
-    """Interleaved (two chunks per rank): W writes into stacked gradient rows kept between steps.
+@pytest.mark.parametrize("args", [("interleaved", 2, 4, 2), ("zb_h1", 2, 4, 1)], ids=["interleaved", "zb_h1"])
+def test_kept_gradient_rows_never_overwrite_held_gradients(args):
+    """W writes into stacked gradient rows kept between steps (two chunks per rank, or one).
     A step's gradients the caller still holds stay intact through the next step; once dropped,
     their buffers are reused; every step's gradients equal the in-process pipeline's."""
-    args = ("interleaved", 2, 4, 2)
     expected = W.held_rows(*args)  # in-process: fresh tensors every step
     got = fpar.launch(W.run_jobs, 2, [("held_rows", args)], timeout=60.0)
     # the two steps' gradients differ, so an overwrite would show
