@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
 import fpar
 from fpar import P
+from fpar._dist import pending
 from fpar._dist import shard as dist_shard
 
 F64 = torch.float64
@@ -63,6 +66,28 @@ def agreement_cases() -> dict:
     loss(w, xl)
     # (rank 0's planned call sends its check without waiting: the error comes at the first use)
     out["warm_dtype"] = _catch(lambda: float(loss(w.float(), xl.float()) if r == 1 else loss(w, xl)))
+
+    # the same under torch.func.grad with rank 1 behind: rank 0's bucket is held while the check
+    # is on its way, the error comes on every rank, the held all-reduce is dropped (and the ranks
+    # stay in step: "sync" below)
+    holds, hold = [], pending.hold
+
+    def counted(send):
+        holds.append(send)
+        hold(send)
+
+    def behind():
+        if r == 1:
+            time.sleep(0.3)
+            return grad(w.float(), xl.float())
+        return grad(w, xl)
+
+    pending.hold = counted
+    try:
+        out["warm_dtype_grad"] = _catch(behind)
+    finally:
+        pending.hold = hold
+    out["held"] = len(holds)
 
     # rank 1's function raises before its first collective on a warm plan: rank 0 must not wait
     state = {"boom": False}

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 import fpar
 from fpar import P
+from fpar._dist import pending
 
 F64 = torch.float64
 
@@ -760,7 +761,12 @@ def bucket_launch_order():
 
     def marked(p, x):
         x.register_hook(lambda g: events.append("first layer"))
-        return f(p, x)
+        out = f(p, x)
+        # No rank behind: the check the loss carries has arrived before the backward starts (a
+        # bucket ready while it is on its way is held instead: ``held_bucket_order``).
+        while pending.in_flight():
+            time.sleep(0.001)
+        return out
 
     original = dist.all_reduce
 
@@ -782,6 +788,65 @@ def bucket_launch_order():
             finally:
                 dist.all_reduce = original
         out[how] = list(events)
+    return out
+
+
+def held_bucket_order():
+    """A rank behind: the others' buckets are held (not waited for) while its check is on its way.
+
+    Rank 1 starts each call 0.3 s late, so when rank 0's last layer's bucket is ready the loss
+    ``pmean`` carrying the check has not arrived: rank 0's backward goes on to the first layer
+    and the bucket's all-reduce goes after.  The gradients are the full batch's.
+    """
+    import torch.nn.functional as F
+
+    mesh = fpar.make_mesh((dist.get_world_size(),), ("data",))
+    d = 512
+    params = fpar.init({"w1": fpar.normal((d, 8)), "w2": fpar.normal((d, d))}, mesh, P(), seed=0)
+    x_full = randn((2 * mesh.size, 8), 1).float()
+    x = fpar.device_put(x_full, mesh, P("data"))
+    events: list = []
+
+    def local(p, x):
+        return F.linear(torch.relu(F.linear(x, p["w1"])), p["w2"]).square().mean()
+
+    f = fpar.shard(lambda p, x: fpar.pmean(local(p, x), "data"), mesh, (P(), P("data")), P())
+
+    def marked(p, x):
+        x.register_hook(lambda g: events.append("first layer"))
+        return f(p, x)
+
+    full = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+    torch.stack([local(full, rows) for rows in x_full.chunk(mesh.size)]).mean().backward()
+    original = dist.all_reduce
+
+    def all_reduce(t, *args, **kwargs):
+        events.append(t.numel())
+        return original(t, *args, **kwargs)
+
+    out = {}
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+    for how in ("backward", "func_grad"):
+        for _ in range(2):  # the second call runs the cached plan
+            events.clear()
+            for t in leaves.values():
+                t.grad = None
+            dist.barrier()
+            if dist.get_rank() == 1:
+                time.sleep(0.3)
+            dist.all_reduce = all_reduce
+            try:
+                if how == "backward":
+                    marked(leaves, x.detach().requires_grad_()).backward()
+                    got = {k: t.grad for k, t in leaves.items()}
+                else:
+                    got = torch.func.grad(marked, argnums=(0, 1))(params, x)[0]
+            finally:
+                dist.all_reduce = original
+        out[how] = {
+            "events": list(events),
+            "close": all(torch.allclose(got[k], full[k].grad, rtol=1e-5, atol=1e-6) for k in full),
+        }
     return out
 
 

@@ -590,6 +590,19 @@ def test_gradient_buckets_start_while_the_backward_runs():
             assert big < seq.index("first layer") < seq.index(512 * 8), (r, how, seq)
 
 
+def test_a_rank_behind_holds_buckets_instead_of_stopping_the_backward():
+    """While the check the loss carries is on its way (rank 1 is behind), rank 0's ready bucket
+    is held and its backward goes on to the first layer; the bucket goes after, in order, and
+    the gradients are the full batch's, under ``.backward()`` and ``torch.func.grad``."""
+    got = fpar.launch(D.held_bucket_order, 2, timeout=TIMEOUT)
+    for r, res in enumerate(got):
+        for how, o in res.items():
+            assert o["close"], (r, how)
+    for how, o in got[0].items():
+        seq = o["events"]
+        assert seq.index("first layer") < seq.index(512 * 512) < seq.index(512 * 8), (how, seq)
+
+
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_replicated_output_is_not_counted_per_process(n):
     got, _ = check_same_as_local(n, "replicated-output")

@@ -46,6 +46,19 @@ def test_warm_dtype_mismatch_raises_on_every_rank():
         assert "rank 0: torch.float64" in msg and "rank 1: torch.float32" in msg, msg
 
 
+def test_warm_mismatch_with_a_held_bucket_raises_on_every_rank_and_drops_it():
+    """Rank 1 is behind and calls with another dtype: rank 0's ready bucket is held while the
+    check is on its way, then the check's error comes on every rank and the held all-reduce is
+    never sent (the ranks stay in step: the later calls of ``agreement_cases`` match)."""
+    res = _results()
+    assert res[0]["held"] == 1, res[0]["held"]
+    for r in res:
+        kind, msg = r["warm_dtype_grad"]
+        assert kind == "ValueError", msg
+        assert "rank 0: torch.float64" in msg and "rank 1: torch.float32" in msg, msg
+        torch.testing.assert_close(r["sync"], torch.full((2,), 2.0, dtype=D.F64))
+
+
 def test_rank_raising_before_first_collective_is_named_not_waited_on():
     res = _results()
     assert res[1]["raised_before"] == ("ZeroDivisionError", "deliberate failure inside the function")

@@ -44,12 +44,14 @@ from torch._C import _functorch
 
 from .. import _defer
 from .. import _stats as stats
+from . import pending
 from .exchange import _Exchange, _first_order_level
 
 __all__ = ["reduce_inputs"]
 
 Tensor = torch.Tensor
 FIRST_BUCKET_MB = 1.0  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES)
+_HELD_BACK = object()  # a bucket's ``work`` while its all-reduce waits in ``pending.hold``
 
 
 class _State:
@@ -71,7 +73,7 @@ class _State:
             self.offsets.append(at)
             at += x.numel()
         self.arrived = [False] * len(xs)
-        self.work = None  # None: not launched; False: launched and waited
+        self.work = None  # None: not launched; _HELD_BACK: held (pending.hold); False: launched and waited
         self.narrow = None  # (fp16/bf16 flat buffer, its float32 copy being summed)
 
     # -- the launch: a hook on each tensor's launch view, run as soon as its cotangent is final --
@@ -134,10 +136,23 @@ class _State:
         if all(self.arrived):
             self.launch()
 
-    def launch(self) -> None:
-        """Start the all-reduce of the flat buffer (once; slots that got no cotangent are zeros)."""
+    def launch(self, *, hold: bool = True) -> None:
+        """Start the all-reduce of the flat buffer (once; slots that got no cotangent are zeros).
+
+        While the call's signature check is still on its way (``pending.py``; another rank is
+        behind), the all-reduce is held rather than waited for here: the backward goes on, and
+        the message goes at the next settling, in order (the backward's final wait at the
+        latest).  A wait here would stop this rank's backward for as long as the other is behind.
+        """
         if self.work is not None or self.flat is None:
-            return  # launched already, or every cotangent was summed at once (a second order)
+            return  # launched or held already, or every cotangent was summed at once (a second order)
+        if hold and pending.in_flight():
+            self.work = _HELD_BACK
+            pending.hold(self._send)
+            return
+        self._send()
+
+    def _send(self) -> None:
         with torch._C._DisableFuncTorch():
             for i, got in enumerate(self.arrived):
                 if not got and not self.adding:  # no cotangent reached it: its gradient is zero
@@ -160,7 +175,12 @@ class _State:
         if self.work is None:
             if self.flat is None:
                 return  # summed at once (a second order): nothing to wait for
-            self.launch()
+            self.launch(hold=False)
+        if self.work is _HELD_BACK:
+            pending.settle()  # reads the check, then sends the held all-reduces (this one among them)
+            if self.work is _HELD_BACK:  # dropped: the call's check failed, and raised already
+                self.work = None
+                return
         work, self.work = self.work, False
         if work:
             work.wait()

@@ -100,9 +100,9 @@ class MeshGroups:
 
         Every collective fpar issues asks for its group here, so this first settles any call's
         first message still in flight (``pending.py``): its signature check comes before any
-        message whose size depends on the signature.
+        message whose size depends on the signature, and held bucket all-reduces go before it.
         """
-        if pending._UNSETTLED:
+        if pending._UNSETTLED or pending._HELD:
             pending.settle()
         key = frozenset(axes)
         if key not in self._groups:

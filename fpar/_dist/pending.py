@@ -13,7 +13,12 @@ is waited on, and the check read, at the first of:
 * the end of ``fpar.launch``'s function, and interpreter exit.
 
 So a training step costs one synchronisation, at its gradient all-reduce, as DDP's, instead of
-one more at the loss; the loss is summed while the backward runs.  Settling runs the check's
+one more at the loss; the loss is summed while the backward runs.  A gradient bucket that is
+ready while the check is still on its way (another rank is behind) does not wait for it: its
+all-reduce is *held* (``hold``) and the backward goes on; held messages are sent, in the order
+they were held, right after the verdicts run, at the next settling (the next bucket that finds
+the check arrived, the backward's final wait, or any of the points above).  Every rank sends
+the same messages in the same order, only some later, and a check that fails drops them all.  Settling runs the check's
 verdict exactly as a synchronous call does (the same error on every rank).  The settled
 tensor's value is then its ``elem``; unsettled entries are kept in issue order, and settling
 one settles every earlier one first, so every rank runs the verdicts' own messages (a
@@ -23,34 +28,62 @@ mismatch's signature gather) in the same order.
 from __future__ import annotations
 
 import atexit
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_map
 
 Tensor = torch.Tensor
 
-_UNSETTLED: list[Callable[[], None]] = []  # the verdicts still to run, oldest first
+_UNSETTLED: list[tuple[Callable[[], None], Any]] = []  # (verdict, its message's work), oldest first
+_HELD: list[Callable[[], None]] = []  # messages sent once the verdicts have run, in order
+_settling = [False]
 
 
 def settle() -> None:
-    """Run every pending verdict, oldest first (each may raise the agreement's error)."""
-    while _UNSETTLED:
-        _UNSETTLED.pop(0)()
+    """Run every pending verdict, oldest first (each may raise the agreement's error), then send
+    the held messages in order.  A verdict that raises drops the held messages (they belong to
+    the failed call; every rank drops the same ones)."""
+    if _settling[0]:
+        return  # a held message asking for its group: the loop below goes on in order
+    _settling[0] = True
+    try:
+        with torch._C._DisableFuncTorch():  # plain buffers, also from a hook under functorch
+            while _UNSETTLED:
+                verdict, _ = _UNSETTLED.pop(0)
+                verdict()
+            while _HELD:
+                _HELD.pop(0)()
+    except BaseException:
+        _HELD.clear()
+        raise
+    finally:
+        _settling[0] = False
 
 
-def defer(verdict: Callable[[], None]) -> None:
-    _UNSETTLED.append(verdict)
+def defer(verdict: Callable[[], None], work: Any) -> None:
+    _UNSETTLED.append((verdict, work))
+
+
+def in_flight() -> bool:
+    """Whether a check is still on its way: settling now would wait for it."""
+    return any(not work.is_completed() for _, work in _UNSETTLED)
+
+
+def hold(send: Callable[[], None]) -> None:
+    """Send ``send``'s message at the next settling, after the verdicts and the earlier held ones."""
+    _HELD.append(send)
 
 
 def _settle_at_exit() -> None:
     """At interpreter exit: no work handle outlives the process, and a failed check is shown."""
-    if not _UNSETTLED:
+    if not (_UNSETTLED or _HELD):
         return
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         _UNSETTLED.clear()  # the process group was destroyed, and its pending work with it
+        _HELD.clear()
         return
     try:
         settle()
@@ -61,6 +94,7 @@ def _settle_at_exit() -> None:
         print("fpar: a sharded call's signature check failed after its result was last used:", file=sys.stderr)
         traceback.print_exc()
         _UNSETTLED.clear()
+        _HELD.clear()
 
 
 atexit.register(_settle_at_exit)

@@ -550,7 +550,7 @@ class _Agreement:
                     dist.all_reduce(y, group=group)
                 out.elem.copy_(y / n if kind == "pmean" else y)
 
-        defer(verdict)
+        defer(verdict, work)
         return out
 
     def _message(self, x: Tensor | None, failed: bool) -> tuple:
