@@ -739,69 +739,21 @@ def run_jobs(jobs: list[tuple[str, str, dict]]) -> dict[str, tuple]:
     return results
 
 
-def bucket_launch_order():
+def bucket_order(behind: bool) -> dict:
     """When each gradient bucket's all-reduce starts, relative to the backward of the first layer.
 
-    A two-layer MLP whose second layer fills the first (1 MB) bucket: its all-reduce must start
-    as soon as that layer's gradients exist, before the backward reaches the first layer (marked
-    by the hook on the input's gradient), under ``.backward()`` and ``torch.func.grad`` alike.
+    A two-layer MLP whose second layer fills the first (1 MB) bucket, under ``.backward()`` and
+    ``torch.func.grad`` (the input's gradient hook marks the first layer).  With no rank behind
+    (the check the loss carries has arrived before the backward starts) that bucket's
+    all-reduce must start as soon as its gradients exist, before the first layer.  With rank 1
+    starting each call 0.3 s late (``behind``), the check is still on its way when rank 0's
+    bucket is ready: it is held, rank 0's backward goes on to the first layer and the
+    all-reduce goes after.  Either way the gradients are the full batch's.
     """
     import torch.nn.functional as F
 
     mesh = fpar.make_mesh((dist.get_world_size(),), ("data",))
     d = 512  # w2: 512 x 512 float32 = 1 MB, the first bucket's cap
-    params = fpar.init({"w1": fpar.normal((d, 8)), "w2": fpar.normal((d, d))}, mesh, P(), seed=0)
-    x = fpar.device_put(randn((2 * mesh.size, 8), 1).float(), mesh, P("data"))
-    events: list = []
-
-    def loss(p, x):
-        return fpar.pmean(F.linear(torch.relu(F.linear(x, p["w1"])), p["w2"]).square().mean(), "data")
-
-    f = fpar.shard(loss, mesh, (P(), P("data")), P())
-
-    def marked(p, x):
-        x.register_hook(lambda g: events.append("first layer"))
-        out = f(p, x)
-        # No rank behind: the check the loss carries has arrived before the backward starts (a
-        # bucket ready while it is on its way is held instead: ``held_bucket_order``).
-        while pending.in_flight():
-            time.sleep(0.001)
-        return out
-
-    original = dist.all_reduce
-
-    def all_reduce(t, *args, **kwargs):
-        events.append(t.numel())
-        return original(t, *args, **kwargs)
-
-    out = {}
-    leaves = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
-    for how in ("backward", "func_grad"):
-        for _ in range(2):  # the second call runs the cached plan
-            events.clear()
-            dist.all_reduce = all_reduce
-            try:
-                if how == "backward":
-                    marked(leaves, x.detach().requires_grad_()).backward()
-                else:
-                    torch.func.grad(marked, argnums=(0, 1))(params, x)
-            finally:
-                dist.all_reduce = original
-        out[how] = list(events)
-    return out
-
-
-def held_bucket_order():
-    """A rank behind: the others' buckets are held (not waited for) while its check is on its way.
-
-    Rank 1 starts each call 0.3 s late, so when rank 0's last layer's bucket is ready the loss
-    ``pmean`` carrying the check has not arrived: rank 0's backward goes on to the first layer
-    and the bucket's all-reduce goes after.  The gradients are the full batch's.
-    """
-    import torch.nn.functional as F
-
-    mesh = fpar.make_mesh((dist.get_world_size(),), ("data",))
-    d = 512
     params = fpar.init({"w1": fpar.normal((d, 8)), "w2": fpar.normal((d, d))}, mesh, P(), seed=0)
     x_full = randn((2 * mesh.size, 8), 1).float()
     x = fpar.device_put(x_full, mesh, P("data"))
@@ -814,7 +766,10 @@ def held_bucket_order():
 
     def marked(p, x):
         x.register_hook(lambda g: events.append("first layer"))
-        return f(p, x)
+        out = f(p, x)
+        while not behind and pending.in_flight():
+            time.sleep(0.001)
+        return out
 
     full = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
     torch.stack([local(full, rows) for rows in x_full.chunk(mesh.size)]).mean().backward()
@@ -832,7 +787,7 @@ def held_bucket_order():
             for t in leaves.values():
                 t.grad = None
             dist.barrier()
-            if dist.get_rank() == 1:
+            if behind and dist.get_rank() == 1:
                 time.sleep(0.3)
             dist.all_reduce = all_reduce
             try:

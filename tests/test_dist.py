@@ -583,18 +583,20 @@ def test_gradient_buckets_start_while_the_backward_runs():
     the function's ops, so unless it is given AccumulateGrad's priority it ran after the whole
     backward: no overlap.)
     """
-    got = fpar.launch(D.bucket_launch_order, 2, timeout=TIMEOUT)
-    for r, events in enumerate(got):
-        for how, seq in events.items():
+    got = fpar.launch(D.bucket_order, 2, False, timeout=TIMEOUT)
+    for r, res in enumerate(got):
+        for how, o in res.items():
+            seq = o["events"]
             big = seq.index(512 * 512)  # the bucket holding w2 (w1 is in the other one)
             assert big < seq.index("first layer") < seq.index(512 * 8), (r, how, seq)
+            assert o["close"], (r, how)
 
 
 def test_a_rank_behind_holds_buckets_instead_of_stopping_the_backward():
     """While the check the loss carries is on its way (rank 1 is behind), rank 0's ready bucket
     is held and its backward goes on to the first layer; the bucket goes after, in order, and
     the gradients are the full batch's, under ``.backward()`` and ``torch.func.grad``."""
-    got = fpar.launch(D.held_bucket_order, 2, timeout=TIMEOUT)
+    got = fpar.launch(D.bucket_order, 2, True, timeout=TIMEOUT)
     for r, res in enumerate(got):
         for how, o in res.items():
             assert o["close"], (r, how)
