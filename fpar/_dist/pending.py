@@ -18,11 +18,11 @@ ready while the check is still on its way (another rank is behind) does not wait
 all-reduce is *held* (``hold``) and the backward goes on; held messages are sent, in the order
 they were held, right after the verdicts run, at the next settling (the next bucket that finds
 the check arrived, the backward's final wait, or any of the points above).  Every rank sends
-the same messages in the same order, only some later, and a check that fails drops them all.  Settling runs the check's
-verdict exactly as a synchronous call does (the same error on every rank).  The settled
-tensor's value is then its ``elem``; unsettled entries are kept in issue order, and settling
-one settles every earlier one first, so every rank runs the verdicts' own messages (a
-mismatch's signature gather) in the same order.
+the same messages in the same order, only some later, and a check that fails drops them all.
+Settling runs the check's verdict exactly as a synchronous call does (the same error on every
+rank).  The settled tensor's value is then its ``elem``; unsettled entries are kept in issue
+order, and settling one settles every earlier one first, so every rank runs the verdicts' own
+messages (a mismatch's signature gather) in the same order.
 """
 
 from __future__ import annotations
