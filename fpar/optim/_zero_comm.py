@@ -266,6 +266,7 @@ def gathered_grad(objective, layout: Any, chunks: Any, batch: Any, scale: Tensor
             done[j] = done[j].wait()
         inflight.clear()
         out = torch.empty_like(flat[i])
+        groups.group((axis,))  # as every collective fpar issues: held messages go first (pending.py)
         if direct:
             work = dist.reduce_scatter_single(out, g, group=group, async_op=True)
         else:
@@ -356,6 +357,7 @@ def scattered_grad(
             done[j] = done[j].wait()
         inflight.clear()
         out = full.new_empty(full.numel() // n)
+        groups.group((axis,))  # as every collective fpar issues: held messages go first (pending.py)
         if direct:
             work = dist.reduce_scatter_single(out, full, group=group, async_op=True)
         else:
