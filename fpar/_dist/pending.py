@@ -28,7 +28,8 @@ messages (a mismatch's signature gather) in the same order.
 from __future__ import annotations
 
 import atexit
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
@@ -41,9 +42,11 @@ _settling = [False]
 
 
 def settle() -> None:
-    """Run every pending verdict, oldest first (each may raise the agreement's error), then send
-    the held messages in order.  A verdict that raises drops the held messages (they belong to
-    the failed call; every rank drops the same ones)."""
+    """Run every pending verdict, oldest first, then send the held messages in order.
+
+    A verdict may raise the agreement's error; it then drops the held messages (they belong to
+    the failed call; every rank drops the same ones).
+    """
     if _settling[0]:
         return  # a held message asking for its group: the loop below goes on in order
     _settling[0] = True
