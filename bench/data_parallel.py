@@ -202,7 +202,12 @@ def worker(cfg: dict) -> dict:
             if not torch.allclose(u, ud, rtol=1e-4, atol=1e-4 * ud.abs().max().item()):
                 raise AssertionError(f"the update of {k} differs, {name} vs DDP: relative norm diff {rel:.3e}")
 
-    # Bytes per step.
+    for _ in range(cfg["warmup"]):
+        fpar_step()
+        fpar_bw_step()
+        ddp_step()
+    # Bytes per step, in the steady state (a call's first message grows to fit its first
+    # gradient bucket after the first planned call: fpar/_dist/shard.py's _Agreement).
     fpar.reset_comm_stats()
     fpar_sent = traced_all_reduce(fpar_step)
     fpar_bytes = fpar.comm_stats()
@@ -215,10 +220,6 @@ def worker(cfg: dict) -> dict:
         F.mse_loss(counted(x_local), y_local).backward()
     del counted
 
-    for _ in range(cfg["warmup"]):
-        fpar_step()
-        fpar_bw_step()
-        ddp_step()
     # Peak memory of a step: what each allocates during it, plus what each holds across steps
     # beyond the parameters (DDP: its gradient buckets and .grad tensors; fpar: its gradient
     # buckets' flat buffers, which the plan keeps and reuses once a step's gradients are dropped).
@@ -316,8 +317,9 @@ def main(argv=None) -> None:
     sent = r0["fpar_sent"]
     print(
         f"  fpar measured   {int(sum(sent) * ring):,} ({len(sent)} calls of dist.all_reduce on buffers of "
-        f"{', '.join(f'{b:,}' for b in sent)} bytes; the first is the loss pmean carrying fpar.shard's "
-        f"signature check, 512 bytes, not in comm_stats); {int(sum(sent) * ring) - formula:+,} vs formula"
+        f"{', '.join(f'{b:,}' for b in sent)} bytes; the first is the call's first message: fpar.shard's "
+        f"signature check (not in comm_stats), the loss pmean and, when it fits, the first gradient bucket); "
+        f"{int(sum(sent) * ring) - formula:+,} vs formula"
     )
     print(
         f"  DDP comm hook   {ddp_total:,} ({ddp['calls']} bucket all-reduces of {ddp['buffer_bytes']:,} bytes); "

@@ -67,10 +67,15 @@ def agreement_cases() -> dict:
     # (rank 0's planned call sends its check without waiting: the error comes at the first use)
     out["warm_dtype"] = _catch(lambda: float(loss(w.float(), xl.float()) if r == 1 else loss(w, xl)))
 
-    # the same under torch.func.grad with rank 1 behind: rank 0's bucket is held while the check
-    # is on its way, the error comes on every rank, the held all-reduce is dropped (and the ranks
-    # stay in step: "sync" below)
+    # the same under torch.func.grad with rank 1 behind: rank 0's bucket rides in the call's
+    # first message, with the check (its resend held in case some rank's did not ride), the
+    # error comes on every rank, nothing is sent again (and the ranks stay in step: "sync" below)
     holds, hold = [], pending.hold
+    reduced, all_reduce = [], dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        reduced.append(tensor.numel() * tensor.element_size())
+        return all_reduce(tensor, *args, **kwargs)
 
     def counted(send):
         holds.append(send)
@@ -82,12 +87,13 @@ def agreement_cases() -> dict:
             return grad(w.float(), xl.float())
         return grad(w, xl)
 
-    pending.hold = counted
+    pending.hold, dist.all_reduce = counted, counting
     try:
         out["warm_dtype_grad"] = _catch(behind)
     finally:
-        pending.hold = hold
+        pending.hold, dist.all_reduce = hold, all_reduce
     out["held"] = len(holds)
+    out["held_sent"] = reduced
 
     # rank 1's function raises before its first collective on a warm plan: rank 0 must not wait
     state = {"boom": False}
@@ -108,15 +114,62 @@ def agreement_cases() -> dict:
     # is discarded and the collective runs as usual (values still right)
     g = fpar.shard(_loss, mesh, (P(), P("data")), P())
     g(w, xl)
-    room = dist_shard._ROOM
-    dist_shard._ROOM = 0 if r == 1 else room
+    cap = dist_shard._CAP_BYTES
+    dist_shard._CAP_BYTES = 0 if r == 1 else cap
     try:
         out["partial"] = g(w, xl).detach()
         out["partial_sent"] = _sent(lambda: g(w, xl).detach())
     finally:
-        dist_shard._ROOM = room
+        dist_shard._CAP_BYTES = cap
     out["loss"] = loss(w, xl)
     out["sync"] = fpar.shard(lambda t: fpar.psum(t, "data"), mesh, P(), P())(torch.ones(2, dtype=F64))
+    return out
+
+
+def riding_cases() -> dict:
+    """The first gradient bucket riding in the call's first message, and when it cannot."""
+    mesh = fpar.make_mesh((2,), ("data",))
+    r = dist.get_rank()
+    gen = torch.Generator().manual_seed(3)
+    w, x = torch.randn(16, 8, generator=gen), torch.randn(6, 16, generator=gen)
+    xl = fpar.device_put(x, mesh, P("data"))
+    f = fpar.shard(_loss, mesh, (P(), P("data")), P())
+    out: dict = {}
+
+    def stepper(w, xl):
+        leaf = w.clone().requires_grad_()
+
+        def step(read_early: bool = False):
+            leaf.grad = None
+            loss = f(leaf, xl)
+            early = loss.item() if read_early else None
+            loss.backward()
+            return loss.item(), early, leaf.grad.clone()
+
+        return step
+
+    def wire():
+        dtype, size = mesh._dist.root.wires[frozenset({"data"})]
+        return str(dtype), size
+
+    step = stepper(w, xl)
+    out["first"] = [step(), step()]  # traced; planned (its verdict grows the wire)
+    out["wire"] = wire()
+    got = []
+    out["steady_sent"] = _sent(lambda: got.append(step()))
+    out["steady"] = got[-1]
+    # rank 0 reads its loss before the backward: its first message goes without the bucket, so
+    # the bucket does not ride on any rank and every rank sends it again
+    out["early_sent"] = _sent(lambda: got.append(step(read_early=r == 0)))
+    out["early"] = got[-1]
+    out["after_early_sent"] = _sent(lambda: got.append(step()))
+    out["after_early"] = got[-1]
+    # a float64 signature on the same mesh: the wire turns float64 (the float32 one fits in it)
+    step64 = stepper(w.double(), xl.double())
+    out["f64"] = [step64(), step64(), step64()]
+    out["wire64"] = wire()
+    out["f32_again"] = [step(), step()]
+    out["wire_again"] = wire()
     return out
 
 

@@ -27,14 +27,14 @@ def _reference():
 
 
 def test_steady_state_sends_no_separate_agreement_message():
-    """A warm DP step: one 512-byte message carries the loss pmean and the check, then 1 bucket."""
+    """A warm DP step sends one 512-byte message: the check, the loss pmean and the gradient bucket."""
     _, x, _, g = _reference()
+    wire = 8 * fpar._dist.shard._WIRE0[1]
     for r, res in enumerate(_results()):
         torch.testing.assert_close(res["grad"], g)
-        w_bytes = 3 * 2 * 8
-        assert res["dp_sent"] == [8 * fpar._dist.shard._WIRE, w_bytes], res["dp_sent"]
+        assert res["dp_sent"] == [wire], res["dp_sent"]
         # a function with no collective: the check goes alone, once, before returning
-        assert res["local_sent"] == [8 * fpar._dist.shard._WIRE], res["local_sent"]
+        assert res["local_sent"] == [wire], res["local_sent"]
         torch.testing.assert_close(res["local"], 2 * x[2 * r : 2 * r + 2])
 
 
@@ -47,11 +47,15 @@ def test_warm_dtype_mismatch_raises_on_every_rank():
 
 
 def test_warm_mismatch_with_a_held_bucket_raises_on_every_rank_and_drops_it():
-    """Rank 1 is behind and calls with another dtype: rank 0's ready bucket is held while the
-    check is on its way, then the check's error comes on every rank and the held all-reduce is
-    never sent (the ranks stay in step: the later calls of ``agreement_cases`` match)."""
+    """Rank 1 is behind and calls with another dtype: rank 0's ready bucket rides in the call's
+    first message with the check (its resend held, in case some rank's did not ride), then the
+    check's error comes on every rank and the bucket is never sent again (the ranks stay in
+    step: the later calls of ``agreement_cases`` match)."""
     res = _results()
     assert res[0]["held"] == 1, res[0]["held"]
+    wire = 8 * fpar._dist.shard._WIRE0[1]
+    for r in res:
+        assert r["held_sent"] == [wire], r["held_sent"]  # the first message only
     for r in res:
         kind, msg = r["warm_dtype_grad"]
         assert kind == "ValueError", msg
@@ -77,9 +81,40 @@ def test_partly_carried_check_falls_back_to_the_plain_collective():
     for r in res:
         torch.testing.assert_close(r["partial"], loss)
         torch.testing.assert_close(r["loss"], loss)
-    wire = 8 * fpar._dist.shard._WIRE
+    wire = 8 * fpar._dist.shard._WIRE0[1]
     assert res[0]["partial_sent"] == [wire, 8]  # carried, then the plain pmean again
     assert res[1]["partial_sent"] == [wire, 8]  # the check alone, then the pmean
+
+
+def test_first_bucket_rides_in_the_first_message_and_goes_again_when_a_rank_read_early():
+    """A small DP step makes one round trip: the signature check, the loss pmean and the gradient
+    bucket in one all-reduce, once the wire has grown (after the first planned call).  A rank
+    that reads its loss before the backward sends the check without the bucket; every rank then
+    sends the bucket again, and the values stay right."""
+    gen = torch.Generator().manual_seed(3)
+    w, x = torch.randn(16, 8, generator=gen), torch.randn(6, 16, generator=gen)
+
+    def reference(w):
+        loss = lambda w: ((x.to(w.dtype) @ w) ** 2).mean()  # noqa: E731 - the unsharded function
+        return loss(w), torch.func.grad(loss)(w)
+
+    head = fpar._dist.shard._HEAD
+    room = 4 * (head + 1 + w.numel())  # float32: header, loss, the bucket (w's gradient)
+    ref32, ref64 = reference(w), reference(w.double())
+    for r, res in enumerate(fpar.launch(D.riding_cases, 2, timeout=60.0)):
+        for loss, early, grad in [*res["first"], res["steady"], res["early"], res["after_early"], *res["f32_again"]]:
+            assert loss == pytest.approx(ref32[0].item(), rel=1e-6)
+            torch.testing.assert_close(grad, ref32[1])
+        for loss, _, grad in res["f64"]:
+            assert loss == pytest.approx(ref64[0].item(), rel=1e-12)
+            torch.testing.assert_close(grad, ref64[1])
+        assert res["wire"] == ("torch.float32", room // 4)
+        assert res["steady_sent"] == [room], res["steady_sent"]
+        assert res["early"][1] == (pytest.approx(ref32[0].item(), rel=1e-6) if r == 0 else None)
+        assert res["early_sent"] == [room, 4 * w.numel()], res["early_sent"]
+        assert res["after_early_sent"] == [room], res["after_early_sent"]
+        assert res["wire64"] == ("torch.float64", room // 4)  # the same elements, now float64
+        assert res["wire_again"] == ("torch.float32", room // 4)
 
 
 def test_repeated_launches_exit_cleanly():

@@ -52,6 +52,7 @@ __all__ = ["reduce_inputs"]
 Tensor = torch.Tensor
 FIRST_BUCKET_MB = 1.0  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES)
 _HELD_BACK = object()  # a bucket's ``work`` while its all-reduce waits in ``pending.hold``
+_RIDING = object()  # a bucket's ``work`` while it rides in the call's first message (shard._First)
 
 
 class _State:
@@ -59,6 +60,7 @@ class _State:
 
     __slots__ = (
         "bucket", "shapes", "held", "index", "kept", "flat", "adding", "offsets", "arrived", "work", "narrow",
+        "rider", "numel", "dtype",
     )
 
     def __init__(self, bucket: tuple, xs: list[Tensor], held=None, index: int = 0, kept: dict | None = None):
@@ -73,8 +75,11 @@ class _State:
             self.offsets.append(at)
             at += x.numel()
         self.arrived = [False] * len(xs)
-        self.work = None  # None: not launched; _HELD_BACK: held (pending.hold); False: launched and waited
+        self.work = None  # None: not launched; _HELD_BACK: held (pending.hold); _RIDING: in the
+        # call's first message; False: summed and waited for
         self.narrow = None  # (fp16/bf16 flat buffer, its float32 copy being summed)
+        self.rider = None  # the call's shard._Agreement, when this bucket may ride in its first message
+        self.numel, self.dtype = at, self.shapes[0][1]
 
     # -- the launch: a hook on each tensor's launch view, run as soon as its cotangent is final --
 
@@ -146,17 +151,53 @@ class _State:
         """
         if self.work is not None or self.flat is None:
             return  # launched or held already, or every cotangent was summed at once (a second order)
+        if self.rider is not None and self.rider.join(self):
+            # In the call's first message, with its signature check: one round trip, not two.
+            # If some rank's bucket did not ride (it read its loss before the backward), the
+            # verdict says so on every rank and ``_again`` sends it here, in launch order.
+            self.work = _RIDING
+            axes, mg = self.bucket
+            stats.record("psum", axes, mg.mesh.axis_size(axes), self._wide_meta())
+            pending.hold(self._again)
+            return
         if hold and pending.in_flight():
             self.work = _HELD_BACK
             pending.hold(self._send)
             return
         self._send()
 
+    def _fill(self) -> None:
+        for i, got in enumerate(self.arrived):
+            if not got and not self.adding:  # no cotangent reached it: its gradient is zero
+                self._slot(i).zero_()
+
+    def _wide_meta(self) -> Tensor:
+        """What is summed, for ``comm_stats``: the flat buffer (fp16/bf16 widened to float32)."""
+        low = self.dtype in (torch.float16, torch.bfloat16)
+        return torch.empty(self.numel, dtype=torch.float32 if low else self.dtype, device="meta")
+
+    def pack(self, into: Tensor) -> None:
+        """Copy the bucket into its place in the call's first message (``shard._Agreement``)."""
+        with torch._C._DisableFuncTorch():
+            self._fill()
+            into.copy_(self.flat)
+
+    def rode(self, summed: Tensor | None) -> None:
+        """The first message's verdict: the bucket's sum, or ``None`` (some rank's did not ride)."""
+        if summed is None:
+            self.work = _HELD_BACK  # ``_again`` sends it, where it was launched
+            return
+        with torch._C._DisableFuncTorch():
+            self.flat.copy_(summed)  # fp16/bf16: rounded once, after the wider sum
+        self.work = False
+
+    def _again(self) -> None:
+        if self.work is _HELD_BACK:
+            self._send()
+
     def _send(self) -> None:
         with torch._C._DisableFuncTorch():
-            for i, got in enumerate(self.arrived):
-                if not got and not self.adding:  # no cotangent reached it: its gradient is zero
-                    self._slot(i).zero_()
+            self._fill()
             flat = self.flat
             wire = flat
             if flat.dtype in (torch.float16, torch.bfloat16):
@@ -176,9 +217,9 @@ class _State:
             if self.flat is None:
                 return  # summed at once (a second order): nothing to wait for
             self.launch(hold=False)
-        if self.work is _HELD_BACK:
+        if self.work is _HELD_BACK or self.work is _RIDING:
             pending.settle()  # reads the check, then sends the held all-reduces (this one among them)
-            if self.work is _HELD_BACK:  # dropped: the call's check failed, and raised already
+            if self.work is _HELD_BACK or self.work is _RIDING:  # dropped: the check failed, and raised
                 self.work = None
                 return
         work, self.work = self.work, False
@@ -231,6 +272,7 @@ def reduce_inputs(
     owner: tuple,
     fname: str,
     kept: dict | None = None,
+    rider=None,
 ) -> dict[int, Tensor]:
     """Wrap replicated inputs so their cotangents are all-reduced over their axes, bucketed.
 
@@ -246,6 +288,8 @@ def reduce_inputs(
         kept under.
       fname: the sharded function's name, for messages.
       kept: where the flat buffers are kept between calls (the plan's), or ``None``.
+      rider: the call's ``shard._Agreement``: the first bucket, when its all-reduce is over the
+        same ranks as the call's first message, may ride in that message.
 
     Returns:
       ``{slot: wrapped tensor}``: the identity on values.
@@ -277,7 +321,11 @@ def reduce_inputs(
             out.update((slot, _Exchange.apply(x, "pvary", (), 0, axes, mg)) for slot, x in zip(slots, xs))
             continue
         state = _State((axes, mg), xs, held, index, kept)
-        out.update(zip(slots, (_hooked(x, state, i) for i, x in enumerate(xs))))
+        views = [_hooked(x, state, i) for i, x in enumerate(xs)]
+        out.update(zip(slots, views))
+        hooked = any(v is not x for v, x in zip(views, xs))
+        if index == 0 and rider is not None and hooked and set(axes) == set(rider.owner.axes):
+            state.rider, rider.bucket = rider, state
     return out
 
 

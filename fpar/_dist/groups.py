@@ -61,6 +61,9 @@ class MeshGroups:
             self.coords = dict(zip(mesh.axis_names, _unravel(self.rank, mesh.axis_sizes)))
             self._groups: dict[frozenset, Any] = {}
             self.root = self
+            # The size of every call's first message over each set of axes (shard._Agreement):
+            # (dtype, elements), the same on every rank, changed only by an agreed verdict.
+            self.wires: dict[frozenset, tuple] = {}
             # Create the groups over every set of two or more axes now, while every rank is
             # here: creating one later is a collective over *all* ranks, which would hang when
             # only some ranks run (one pipeline stage's shard calls).
@@ -95,14 +98,15 @@ class MeshGroups:
         view.device_mesh = self.root.device_mesh[names] if names else None
         return view
 
-    def group(self, axes: tuple[str, ...]):
+    def group(self, axes: tuple[str, ...], *, settle: bool = True):
         """The process group over ``axes`` that contains this rank (created on first use).
 
         Every collective fpar issues asks for its group here, so this first settles any call's
         first message still in flight (``pending.py``): its signature check comes before any
         message whose size depends on the signature, and held bucket all-reduces go before it.
+        ``settle=False`` only for a call's first message itself, sent with its first bucket.
         """
-        if pending._UNSETTLED or pending._HELD:
+        if settle and (pending._UNSETTLED or pending._HELD):
             pending.settle()
         key = frozenset(axes)
         if key not in self._groups:

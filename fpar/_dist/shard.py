@@ -225,7 +225,7 @@ class DistShard:
 
             sources = [(i, leaves[i], plan.in_reduce[i]) for i in plan.in_order]
             for i, x in reduce_inputs(
-                sources, mg, self.bucket_mb, owner=(self, plan), fname=self.fname, kept=plan.flats
+                sources, mg, self.bucket_mb, owner=(self, plan), fname=self.fname, kept=plan.flats, rider=agree
             ).items():
                 local[i] = x
         frames().append(frame)
@@ -466,32 +466,46 @@ class _Agreement:
     """The per-call signature check, carried by the call's first message (see the module doc).
 
     Every rank's first message of a call is the same *wire message*: a SUM all-reduce over the
-    mesh's ranks of ``_WIRE`` float64 values, the header below followed by room for a small
-    payload.  When the call's first collective is a psum/pmean over every mesh axis of a float
-    block of at most ``_ROOM`` elements (a data-parallel loss), its block rides in the room and
-    no other message is sent; otherwise the header goes alone, just before the first collective
-    (or before returning, for a call with none).  Either way the ranks' messages pair up, so a
-    rank whose plan cache hits cannot be paired with one that misses.
+    mesh's ranks of the *wire* (a dtype and a length, ``MeshGroups.wires``, the same on every
+    rank: it changes only in an agreed verdict), the header below, then room.  Two things may
+    ride in the room, so that no message is sent just to check the signature:
 
-    Header: the signature hash as ``_CHUNKS`` chunks of ``_BITS`` bits and their squares (all the
-    same on every rank iff ``n * sum(c**2) == sum(c)**2`` per chunk), whether this rank's block
-    rides along, and whether this rank's function raised before its first collective (count
-    and bitmask of group ranks).  Every rank reads the same sums, so every rank reaches the same
-    verdict: go on; raise naming what differs (after gathering the signatures); raise naming the
-    ranks that failed; or, when only some ranks' blocks rode along (a rank traced this
-    signature while another had it planned), discard the carried sums and run the collective
-    as usual.
+    * the *block* of the call's first collective, when it is a float psum/pmean over every mesh
+      axis (a data-parallel loss; a tensor-parallel activation sum), right after the header;
+    * the call's *first gradient bucket* (``buckets._State``), at the end of the wire, when its
+      all-reduce is over the same ranks.  A planned call whose bucket 0 fits then does not send
+      its first message in the forward at all: the message waits (``_First``) and goes with the
+      bucket's all-reduce, so a small data-parallel step makes one round trip, as DDP's.
+
+    Otherwise the header goes alone, just before the first collective (or before returning, for
+    a call with none).  Either way the ranks' messages pair up, so a rank whose plan cache hits
+    cannot be paired with one that misses.
+
+    Header (exact in float32 for meshes of fewer than ``_F32_RANKS`` ranks): the signature hash
+    as ``_CHUNKS`` chunks of ``_BITS`` bits and their squares (all the same on every rank iff
+    ``n * sum(c**2) == sum(c)**2`` per chunk), how many ranks' blocks and buckets ride along,
+    how many ranks' functions raised before their first collective (and a bitmask of the
+    first ``_MASK_BITS`` group ranks), and the room each rank would want (elements, and whether
+    in float32 or float64).  Every rank reads the same sums, so every rank reaches the same
+    verdict: go on; raise naming what differs (after gathering the signatures); raise naming
+    the ranks that failed; or, where only some ranks' blocks or buckets rode along (a rank read
+    its loss before the backward, or traced this signature while another had it planned),
+    discard those sums and send them again as usual, in the same place on every rank.  The
+    verdict also grows the wire to the room the ranks want (up to ``_CAP_BYTES``), for the next
+    call on these axes: every rank computes the same size from the same sums.
     """
 
     def __init__(self, owner: DistShard, plan: _Plan, *, lazy: bool = False):
         self.owner, self.plan = owner, plan
         self.pending = bool(owner.axes) and owner.mesh.size > 1
         self.lazy = lazy  # a planned call: a carried sum may be waited on at its first use
+        self.bucket = None  # bucket 0 (buckets._State) when it may ride in the first message
+        self.first: _First | None = None  # the first message while it waits for bucket 0
 
     def carry(self, kind: str, axes: tuple, x: Tensor, params: tuple) -> tuple:
         """Before a communicating collective: the params to run it with (the check done or carried).
 
-        Returns ``(self,)`` when ``x`` rides in the first message: ``exchange._run`` then calls
+        Returns ``(self,)`` when ``x`` may ride in the first message: ``exchange._run`` then calls
         :meth:`reduce`.  Otherwise the header goes alone first, and ``params`` are returned.
         """
         if not self.pending:
@@ -500,7 +514,7 @@ class _Agreement:
             kind in ("psum", "pmean")
             and set(axes) == set(self.owner.axes)
             and x.is_floating_point()
-            and x.numel() <= _ROOM
+            and x.numel() <= _cap(torch.float32)
         ):
             return (self,)
         self._exchange(None, failed=False)
@@ -520,8 +534,12 @@ class _Agreement:
         return None if y is None else (y / n if kind == "pmean" else y)
 
     def finish(self) -> None:
-        """Before returning: the check, if no collective carried it."""
-        if self.pending:
+        """Before returning: the check, if no collective carried it (waiting for bucket 0 if it may)."""
+        if not self.pending:
+            return
+        if self.lazy and self.bucket is not None and _may_wait_later():
+            self._send_async(None, "psum", 1)
+        else:
             self._exchange(None, failed=False)
 
     def settle(self) -> None:
@@ -529,59 +547,93 @@ class _Agreement:
         if self.pending:
             self._exchange(None, failed=True)
 
+    def join(self, bucket) -> bool:
+        """Bucket 0's launch: send the waiting first message with it.  Whether the bucket rode."""
+        first, self.first = self.first, None
+        if first is None or first.work is not None:
+            return False  # sent already (read early, or another collective came first)
+        return first.send(bucket)
+
     def _exchange(self, x: Tensor | None, *, failed: bool) -> Tensor | None:
-        buf, group, members = self._message(x, failed)
+        buf, group, members, layout = self._message(x, failed)
         dist.all_reduce(buf, group=group)
-        return self._verdict(buf, x, failed, group, members)
+        return self._verdict(buf, x, failed, group, members, layout)
 
-    def _send_async(self, x: Tensor, kind: str, n: int) -> Tensor:
-        buf, group, members = self._message(x, failed=False)
-        work = dist.all_reduce(buf, group=group, async_op=True)
-        with torch._C.DisableTorchFunction():
-            x = x.detach().clone()
-            out = Pending(torch.empty_like(x))
-
-        def verdict() -> None:
-            work.wait()
-            y = self._verdict(buf, x, False, group, members)
+    def _send_async(self, x: Tensor | None, kind: str, n: int) -> Tensor | None:
+        """The first message without waiting: now, or, when bucket 0 may ride, at its launch."""
+        self.pending = False
+        self.owner.mg.group(self.owner.axes)  # settles earlier calls' messages first
+        out = None
+        if x is not None:
             with torch._C.DisableTorchFunction():
-                if y is None:  # only some ranks' blocks rode along: the sum as usual, in order
-                    y = x.clone()
-                    dist.all_reduce(y, group=group)
-                out.elem.copy_(y / n if kind == "pmean" else y)
-
-        defer(verdict, work)
+                x = x.detach().clone()
+                out = Pending(torch.empty_like(x))
+        first = _First(self, x, kind, n, out)
+        if self.bucket is not None and self._fits(x, self.bucket):
+            self.first = first  # sent by bucket 0's launch, or by the next settling
+        else:
+            first.send(None)
+        defer(first.verdict, first)
         return out
 
-    def _message(self, x: Tensor | None, failed: bool) -> tuple:
-        """This rank's first message: the header, then ``x``'s block if it rides along."""
+    def _fits(self, x: Tensor | None, bucket) -> bool:
+        """Whether ``bucket`` rides with ``x`` in the wire as it is now."""
+        dtype, size = self._wire()
+        k = 0 if x is None else x.numel()
+        return _HEAD + k + bucket.numel <= size and _rides(bucket.dtype, dtype)
+
+    def _wire(self) -> tuple:
+        return self.owner.mg.root.wires.get(frozenset(self.owner.axes), _WIRE0)
+
+    def _message(self, x: Tensor | None, failed: bool, bucket=None, *, settle: bool = True) -> tuple:
+        """This rank's first message: the header, ``x``'s block and ``bucket``'s gradients if they ride."""
         from .groups import _device
 
         self.pending = False
         mg = self.owner.mg
-        group = mg.group(self.owner.axes)  # settles earlier calls' messages first
+        group = mg.group(self.owner.axes, settle=settle)  # settles earlier calls' messages first
         members = mg.members(self.owner.axes)
         me = dist.get_group_rank(group, mg.rank)
+        dtype, size = self._wire()
+        k = 0 if x is None else x.numel()
+        rides = x is not None and _rides(x.dtype, dtype) and _HEAD + k <= size
+        m = 0 if bucket is None else bucket.numel
+        joins = bucket is not None and _rides(bucket.dtype, dtype) and _HEAD + k + m <= size
+        want, in32, in64 = self._want(x)
         with torch._C.DisableTorchFunction():
             dev = x.device if x is not None else _device([])
             h = self.plan.digest
             chunks = [(h >> (_BITS * i)) & ((1 << _BITS) - 1) for i in range(_CHUNKS)]
-            head = [*chunks, *(c * c for c in chunks), float(x is not None), float(failed)]
-            head.append(float(2**me) if failed and me < _MASK_BITS else 0.0)
-            buf = torch.zeros(_WIRE, dtype=torch.float64, device=dev)
-            buf[: len(head)] = torch.tensor(head, dtype=torch.float64, device=dev)
-            if x is not None:
-                buf[_HEAD : _HEAD + x.numel()] = x.detach().reshape(-1)
-        return buf, group, members
+            head = [*chunks, *(c * c for c in chunks), float(rides), float(joins), float(failed)]
+            head += [float(2**me) if failed and me < _MASK_BITS else 0.0, want, in32, in64]
+            buf = torch.zeros(size, dtype=dtype, device=dev)
+            buf[:_HEAD] = torch.tensor(head, dtype=dtype, device=dev)
+            if rides:
+                buf[_HEAD : _HEAD + k] = x.detach().reshape(-1)
+            if joins:
+                bucket.pack(buf[size - m :])
+        return buf, group, members, (rides, bucket if joins else None, m)
 
-    def _verdict(self, buf: Tensor, x: Tensor | None, failed: bool, group, members) -> Tensor | None:
-        """Read the summed first message: go on (with the carried sum), or raise on every rank."""
+    def _want(self, x: Tensor | None) -> tuple:
+        """The wire this call would fill: (elements, wants float32, wants float64) for the header."""
+        parts = [] if x is None else [(x.numel(), x.dtype)]
+        b = self.bucket
+        if b is not None and _HEAD + sum(k for k, _ in parts) + b.numel <= _cap(b.dtype):
+            parts.append((b.numel, b.dtype))
+        if not parts:
+            return 0.0, 0.0, 0.0  # nothing to carry: no say in the wire's size
+        wide = any(d == torch.float64 for _, d in parts)
+        return float(_HEAD + sum(k for k, _ in parts)), float(not wide), float(wide)
+
+    def _verdict(self, buf: Tensor, x: Tensor | None, failed: bool, group, members, layout) -> Tensor | None:
+        """Read the summed first message: go on (with the carried sums), or raise on every rank."""
         owner = self.owner
         n = len(members)
+        rides, bucket, m = layout
         with torch._C.DisableTorchFunction():
             sums = [int(v) for v in buf[:_HEAD].tolist()]
         s, sq = sums[:_CHUNKS], sums[_CHUNKS : 2 * _CHUNKS]
-        carried, n_failed, mask = sums[2 * _CHUNKS :]
+        carried, joined, n_failed, mask, want, in32, in64 = sums[2 * _CHUNKS :]
         if n_failed:
             if failed:
                 return None  # this rank's own error is on its way
@@ -594,10 +646,27 @@ class _Agreement:
             )
         if any(n * q != t * t for t, q in zip(s, sq)):
             self._raise(group, members)  # every rank (a failed one too) gathers, then raises
-        if failed or x is None or carried != n:
+        self._resize(n, want, in32, in64)
+        if bucket is not None:  # every rank's bucket rode, or it goes again at its own place
+            with torch._C.DisableTorchFunction():
+                bucket.rode(buf[buf.numel() - m :] if joined == n else None)
+        if failed or not rides or carried != n:
             return None
         with torch._C.DisableTorchFunction():
             return buf[_HEAD : _HEAD + x.numel()].view(x.shape).to(x.dtype)
+
+    def _resize(self, n: int, want: int, in32: int, in64: int) -> None:
+        """Grow the wire to the room every rank wants (the same sums, so the same size everywhere)."""
+        if in32 == n and n < _F32_RANKS:
+            dtype = torch.float32
+        elif in64 == n:
+            dtype = torch.float64
+        else:
+            return  # the ranks want no room, or rooms of different dtypes: keep the wire
+        size = min(-(-want // n), _cap(dtype))
+        old_dtype, old = self._wire()
+        wires = self.owner.mg.root.wires
+        wires[frozenset(self.owner.axes)] = (dtype, max(old, size) if dtype == old_dtype else max(_WIRE0[1], size))
 
     def _raise(self, group, members) -> None:
         owner = self.owner
@@ -608,11 +677,64 @@ class _Agreement:
         raise ValueError(f"fpar.shard({owner.fname}): " + _differences(by_rank))
 
 
-_BITS, _CHUNKS = 14, 4  # the 56-bit signature hash in chunks whose sums of squares stay exact
-_HEAD = 2 * _CHUNKS + 3  # chunks, squares, carried, failed count, failed mask
-_MASK_BITS = 52  # group ranks below this are named in the failed mask (exact in float64)
-_WIRE = 64  # float64 values in every rank's first message of a call: 512 bytes
-_ROOM = _WIRE - _HEAD  # payload elements a first psum/pmean can carry
+class _First:
+    """A planned call's first message, sent without waiting; its verdict runs at the next settling.
+
+    ``send`` builds and posts it (with bucket 0 when that rides); until then it counts as in
+    flight (``pending.in_flight``), so other buckets are held behind it, and a settling sends
+    it alone.
+    """
+
+    __slots__ = ("agree", "x", "kind", "n", "out", "work", "buf", "group", "members", "layout")
+
+    def __init__(self, agree: _Agreement, x: Tensor | None, kind: str, n: int, out: Pending | None):
+        self.agree, self.x, self.kind, self.n, self.out = agree, x, kind, n, out
+        self.work = None
+
+    def send(self, bucket) -> bool:
+        """Post the message (``bucket``'s gradients in it if they fit); whether they rode."""
+        self.buf, self.group, self.members, self.layout = self.agree._message(
+            self.x, False, bucket, settle=False
+        )
+        self.work = dist.all_reduce(self.buf, group=self.group, async_op=True)
+        return self.layout[1] is not None
+
+    def is_completed(self) -> bool:
+        return self.work is not None and self.work.is_completed()
+
+    def verdict(self) -> None:
+        if self.work is None:  # bucket 0 never came: the check goes alone
+            self.agree.first = None
+            self.send(None)
+        self.work.wait()
+        x = self.x
+        y = self.agree._verdict(self.buf, x, False, self.group, self.members, self.layout)
+        if x is None:
+            return
+        with torch._C.DisableTorchFunction():
+            if y is None:  # only some ranks' blocks rode along: the sum as usual, in order
+                y = x.clone()
+                dist.all_reduce(y, group=self.group)
+            self.out.elem.copy_(y / self.n if self.kind == "pmean" else y)
+
+
+def _rides(dtype: torch.dtype, wire: torch.dtype) -> bool:
+    """Whether a float block of ``dtype`` may be summed in a wire of dtype ``wire`` (fp16/bf16 in
+    float32 or wider, and rounded once, as fpar's sums over devices)."""
+    return dtype.is_floating_point and (wire == torch.float64 or dtype != torch.float64)
+
+
+def _cap(dtype: torch.dtype) -> int:
+    """The most elements a wire of (blocks of) ``dtype`` grows to."""
+    return _CAP_BYTES // (8 if dtype == torch.float64 else 4)
+
+
+_BITS, _CHUNKS = 8, 7  # the 56-bit signature hash in chunks whose sums of squares stay exact
+_HEAD = 2 * _CHUNKS + 7  # chunks, squares, carried, joined, failed count and mask, wanted room
+_MASK_BITS = 24  # group ranks below this are named in the failed mask (exact in float32)
+_F32_RANKS = 128  # a float32 wire keeps every header sum exact below this many ranks
+_WIRE0 = (torch.float64, 64)  # a mesh's first wire: 512 bytes
+_CAP_BYTES = 2**19  # the wire grows to at most 512 KiB (a first message padded to it costs ~0.2 ms here)
 
 
 def _differences(by_rank: dict) -> str:
