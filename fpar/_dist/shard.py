@@ -719,8 +719,10 @@ class _First:
 
 
 def _rides(dtype: torch.dtype, wire: torch.dtype) -> bool:
-    """Whether a float block of ``dtype`` may be summed in a wire of dtype ``wire`` (fp16/bf16 in
-    float32 or wider, and rounded once, as fpar's sums over devices)."""
+    """Whether a float block of ``dtype`` may be summed in a wire of dtype ``wire``.
+
+    fp16/bf16 in float32 or wider, rounded once, as fpar's sums over devices; float64 only in float64.
+    """
     return dtype.is_floating_point and (wire == torch.float64 or dtype != torch.float64)
 
 
