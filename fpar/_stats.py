@@ -84,6 +84,11 @@ def record(kind: str, axes: tuple[str, ...], n: int, block: torch.Tensor, pairs:
     _add(kind, axes, bytes_sent(kind, n, block.numel() * block.element_size(), pairs))
 
 
+def record_bytes(kind: str, axes: tuple[str, ...], n: int, nbytes: int) -> None:
+    """Count one call of ``kind`` on a per-device block of ``nbytes`` bytes."""
+    _add(kind, axes, bytes_sent(kind, n, nbytes, None))
+
+
 def record_p2p(axis: str, kind: str, t: torch.Tensor) -> None:
     """Count one point-to-point ``"send"`` or ``"recv"`` of ``t`` along ``axis`` (its full bytes)."""
     _add(kind, (axis,), t.numel() * t.element_size())

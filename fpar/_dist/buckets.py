@@ -44,6 +44,7 @@ from torch._C import _functorch
 
 from .. import _defer
 from .. import _stats as stats
+from .._registry import bound_once
 from . import pending
 from .exchange import _Exchange, _first_order_level
 
@@ -60,7 +61,7 @@ class _State:
 
     __slots__ = (
         "bucket", "shapes", "held", "index", "kept", "flat", "adding", "offsets", "arrived", "work", "narrow",
-        "rider", "numel", "dtype",
+        "rider", "numel", "dtype", "wire",
     )
 
     def __init__(self, bucket: tuple, xs: list[Tensor], held=None, index: int = 0, kept: dict | None = None):
@@ -79,6 +80,7 @@ class _State:
         # call's first message; False: summed and waited for
         self.narrow = None  # (fp16/bf16 flat buffer, its float32 copy being summed)
         self.rider = None  # the call's shard._Agreement, when this bucket may ride in its first message
+        self.wire = None  # that message's buffer, when ``flat`` is its tail (no copy in or out)
         self.numel, self.dtype = at, self.shapes[0][1]
 
     # -- the launch: a hook on each tensor's launch view, run as soon as its cotangent is final --
@@ -128,6 +130,10 @@ class _State:
         if buf is not None:
             self.adding = True
             return buf
+        if self.rider is not None:
+            self.wire = self.rider.wire_for(self)
+            if self.wire is not None:  # the cotangents go straight into the first message
+                return self.wire[self.wire.numel() - total :]
         if self.kept is None:
             return torch.empty(total, dtype=dtype, device=device)
         # As DDP's persistent buckets: the last call's buffer, when nothing holds it any more
@@ -157,7 +163,8 @@ class _State:
             # verdict says so on every rank and ``_again`` sends it here, in launch order.
             self.work = _RIDING
             axes, mg = self.bucket
-            stats.record("psum", axes, mg.mesh.axis_size(axes), self._wide_meta())
+            wide = 4 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype.itemsize
+            stats.record_bytes("psum", axes, mg.mesh.axis_size(axes), self.numel * wide)  # as _send's
             pending.hold(self._again)
             return
         if hold and pending.in_flight():
@@ -171,24 +178,21 @@ class _State:
             if not got and not self.adding:  # no cotangent reached it: its gradient is zero
                 self._slot(i).zero_()
 
-    def _wide_meta(self) -> Tensor:
-        """What is summed, for ``comm_stats``: the flat buffer (fp16/bf16 widened to float32)."""
-        low = self.dtype in (torch.float16, torch.bfloat16)
-        return torch.empty(self.numel, dtype=torch.float32 if low else self.dtype, device="meta")
-
     def pack(self, into: Tensor) -> None:
-        """Copy the bucket into its place in the call's first message (``shard._Agreement``)."""
+        """Put the bucket in its place in the call's first message (``shard._Agreement``)."""
         with torch._C._DisableFuncTorch():
             self._fill()
-            into.copy_(self.flat)
+            if into.data_ptr() != self.flat.data_ptr():
+                into.copy_(self.flat)
 
     def rode(self, summed: Tensor | None) -> None:
         """The first message's verdict: the bucket's sum, or ``None`` (some rank's did not ride)."""
         if summed is None:
             self.work = _HELD_BACK  # ``_again`` sends it, where it was launched
             return
-        with torch._C._DisableFuncTorch():
-            self.flat.copy_(summed)  # fp16/bf16: rounded once, after the wider sum
+        if summed.data_ptr() != self.flat.data_ptr():
+            with torch._C._DisableFuncTorch():
+                self.flat.copy_(summed)  # fp16/bf16: rounded once, after the wider sum
         self.work = False
 
     def _again(self) -> None:
@@ -232,6 +236,7 @@ class _State:
                 flat.copy_(wide)  # rounded once, after the float32 sum
 
 
+@bound_once
 class _Defer(torch.autograd.Function):
     """A deferred bucket (``fpar.defer_reduction``): backward adds the cotangents into its buffer."""
 

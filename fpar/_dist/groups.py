@@ -77,6 +77,7 @@ class MeshGroups:
             self.coords = parent.coords  # the parent's coordinates: members() needs all of them
             self._groups = parent._groups
         self.root = self if parent is None else parent.root
+        self._members: dict[tuple, list[int]] = {}
 
     def _connect_axes(self) -> None:
         """NCCL: start every axis group's communicator now, with every rank of it taking part.
@@ -139,7 +140,16 @@ class MeshGroups:
         return parts
 
     def members(self, axes: tuple[str, ...]) -> list[int]:
-        """Global ranks of this rank's group over ``axes``, by combined index in written order."""
+        """Global ranks of this rank's group over ``axes``, by combined index in written order.
+
+        Computed once per ``axes`` (every collective asks); callers do not modify the list.
+        """
+        got = self._members.get(axes)
+        if got is None:
+            got = self._members[axes] = self._members_of(axes)
+        return got
+
+    def _members_of(self, axes: tuple[str, ...]) -> list[int]:
         sizes = [self.mesh.shape[a] for a in axes]
         out = []
         for m in range(math.prod(sizes)):

@@ -111,6 +111,10 @@ _SHAPE_ONLY = {
 }
 
 
+def _unwrap(t: Any) -> Any:
+    return t.elem if isinstance(t, Pending) else t
+
+
 class Pending(Tensor):
     """A collective's result whose value arrives later; any op that reads it waits for it first."""
 
@@ -168,8 +172,13 @@ class Pending(Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if func not in _SHAPE_ONLY:
             settle()
-        unwrap = lambda t: t.elem if isinstance(t, Pending) else t  # noqa: E731
-        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        if any(isinstance(a, (list, tuple)) for a in args):  # a tensor list (cat, stack, ...)
+            args = tree_map(_unwrap, args)
+        else:  # the usual case (``ones_like(loss)`` in every backward): no pytree walk
+            args = [a.elem if isinstance(a, Pending) else a for a in args]
+        if kwargs:
+            kwargs = tree_map(_unwrap, kwargs)
+        return func(*args, **(kwargs or {}))
 
 
 class Stand(Pending):

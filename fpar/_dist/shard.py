@@ -66,6 +66,7 @@ from .. import _stats as stats
 from .._collectives import Frame, frames
 from .._compile import eager
 from .._errors import ReplicationError
+from .._registry import bound_once
 from .._spec import PartitionSpec, check_spec
 from .._tree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from ..random._guard import RANDOM_OPS, check_random_op
@@ -94,7 +95,7 @@ class _Plan:
 
     __slots__ = (
         "digest", "sig", "fast", "in_reduce", "in_order", "coll", "out_broken", "out_specs", "out_treedef",
-        "varying", "flats",
+        "varying", "flats", "heads",
     )
 
     def __init__(self, digest: int):
@@ -107,7 +108,8 @@ class _Plan:
         self.out_broken: list[tuple[str, ...]] = []
         self.out_specs: list = []
         self.out_treedef = None
-        self.flats: dict[int, Tensor] = {}  # gradient buckets' flat buffers, reused across calls
+        self.flats: dict[Any, Tensor] = {}  # gradient buckets' flat buffers, reused across calls
+        self.heads: dict[tuple, Tensor] = {}  # first-message headers, by their values
         self.varying: dict = {}  # (shape, dtype) -> axes a queried value varies over (None: ambiguous)
 
 
@@ -416,6 +418,7 @@ def _grad_sum(x: Tensor, axes: tuple[str, ...], mg) -> Tensor:
     return _Exchange.apply(x, "pvary", (), 0, axes, mg)
 
 
+@bound_once
 class _Planned(torch.autograd.Function):
     """Identity forward; backward sums the cotangent over the axes ``resolve()`` names then.
 
@@ -576,6 +579,23 @@ class _Agreement:
         defer(first.verdict, first)
         return out
 
+    def wire_for(self, bucket) -> Tensor | None:
+        """A buffer for the first message whose tail ``bucket`` may use as its flat buffer.
+
+        When bucket 0 will ride in the waiting first message in the wire's own dtype, its
+        cotangents are written straight into the message and summed there: no copy in or out.
+        Kept by the plan and reused once nothing holds it (its gradients were dropped).
+        """
+        first = self.first
+        dtype, size = self._wire()
+        if first is None or first.work is not None or bucket.dtype != dtype or not self._fits(first.x, bucket):
+            return None
+        from .buckets import kept_or_new
+
+        flats = self.plan.flats
+        flats["wire"] = kept_or_new(flats.get("wire"), (size,), dtype, bucket.shapes[0][2])
+        return flats["wire"]
+
     def _fits(self, x: Tensor | None, bucket) -> bool:
         """Whether ``bucket`` rides with ``x`` in the wire as it is now."""
         dtype, size = self._wire()
@@ -599,20 +619,35 @@ class _Agreement:
         rides = x is not None and _rides(x.dtype, dtype) and _HEAD + k <= size
         m = 0 if bucket is None else bucket.numel
         joins = bucket is not None and _rides(bucket.dtype, dtype) and _HEAD + k + m <= size
-        want, in32, in64 = self._want(x)
-        with torch._C.DisableTorchFunction():
+        mask = float(2**me) if failed and me < _MASK_BITS else 0.0
+        want = self._want(x)
+        if self.bucket is not None:  # this call's first message goes now: bucket 0 rides or it does not
+            self.bucket.rider = self.bucket = None  # (and no reference cycle keeps its buffer)
+        with torch._C.DisableTorchFunction(), torch._C._DisableFuncTorch():  # plain buffers, also in a hook
             dev = x.device if x is not None else _device([])
-            h = self.plan.digest
-            chunks = [(h >> (_BITS * i)) & ((1 << _BITS) - 1) for i in range(_CHUNKS)]
-            head = [*chunks, *(c * c for c in chunks), float(rides), float(joins), float(failed)]
-            head += [float(2**me) if failed and me < _MASK_BITS else 0.0, want, in32, in64]
-            buf = torch.zeros(size, dtype=dtype, device=dev)
-            buf[:_HEAD] = torch.tensor(head, dtype=dtype, device=dev)
+            head = self._head(dtype, dev, rides, joins, failed, mask, want)
+            if joins and bucket.wire is not None and bucket.wire.shape == (size,) and bucket.wire.dtype == dtype:
+                buf = bucket.wire  # its tail holds the bucket already
+                buf[: size - m].zero_()
+            else:
+                buf = torch.zeros(size, dtype=dtype, device=dev)
+            buf[:_HEAD] = head
             if rides:
                 buf[_HEAD : _HEAD + k] = x.detach().reshape(-1)
             if joins:
                 bucket.pack(buf[size - m :])
         return buf, group, members, (rides, bucket if joins else None, m)
+
+    def _head(self, dtype, dev, rides: bool, joins: bool, failed: bool, mask: float, want: tuple) -> Tensor:
+        """The header's values as a tensor (kept per plan: the same few recur every call)."""
+        key = (dtype, dev, rides, joins, failed, mask, *want)
+        head = self.plan.heads.get(key)
+        if head is None:
+            h = self.plan.digest
+            chunks = [(h >> (_BITS * i)) & ((1 << _BITS) - 1) for i in range(_CHUNKS)]
+            values = [*chunks, *(c * c for c in chunks), float(rides), float(joins), float(failed), mask, *want]
+            head = self.plan.heads[key] = torch.tensor(values, dtype=dtype, device=dev)
+        return head
 
     def _want(self, x: Tensor | None) -> tuple:
         """The wire this call would fill: (elements, wants float32, wants float64) for the header."""

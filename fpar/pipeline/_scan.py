@@ -27,6 +27,7 @@ import torch
 
 import fpar
 
+from .._registry import bound_once
 from .._tree import tree_leaves, tree_map
 
 __all__ = ["gpipe_scan"]
@@ -130,6 +131,7 @@ def _chunk(stage_params: Any, c: Tensor, v: int) -> Any:
     return tree_map(lambda w: torch.index_select(w, 0, index).squeeze(0), stage_params)
 
 
+@bound_once
 class _GradMask(torch.autograd.Function):
     """Identity on ``w``; the backward keeps the gradient only where ``keep`` (no copy of ``w``)."""
 
