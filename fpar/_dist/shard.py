@@ -731,7 +731,8 @@ class _First:
         self.buf, self.group, self.members, self.layout = self.agree._message(
             self.x, False, bucket, settle=False
         )
-        self.work = dist.all_reduce(self.buf, group=self.group, async_op=True)
+        with torch._C._DisableFuncTorch():  # from a hook under torch.func.grad: ~3x the cost otherwise
+            self.work = dist.all_reduce(self.buf, group=self.group, async_op=True)
         return self.layout[1] is not None
 
     def is_completed(self) -> bool:
