@@ -149,7 +149,7 @@ def riding_cases() -> dict:
         return step
 
     def wire():
-        dtype, size = mesh._dist.root.wires[frozenset({"data"})]
+        dtype, size = mesh._dist.root.wires[frozenset({"data"})].now
         return str(dtype), size
 
     step = stepper(w, xl)
@@ -170,6 +170,29 @@ def riding_cases() -> dict:
     out["wire64"] = wire()
     out["f32_again"] = [step(), step()]
     out["wire_again"] = wire()
+
+    # another collective between a call's forward and its backward (a second sharded call, a
+    # pipeline's next microbatch): the waiting first message goes alone, and from then on this
+    # plan sends it in the forward (no waiting for bucket 0 that costs a round trip a call)
+    other = fpar.shard(lambda t: fpar.psum(t, "data"), mesh, P(), P())
+    one = torch.ones(2)
+    other(one)
+    leaf = w.clone().requires_grad_()
+
+    def interleaved():
+        leaf.grad = None
+        loss = f(leaf, xl)
+        total = other(one)
+        loss.backward()
+        return loss.item(), total.clone(), leaf.grad.clone()
+
+    out["interleaved_sent"] = [_sent(lambda: got.append(interleaved())) for _ in range(2)]
+    out["interleaved"] = got[-2:]
+    out["lone_sent"] = _sent(lambda: got.append(step()))
+    out["lone"] = got[-1]
+    for _ in range(dist_shard._WINDOW):
+        step()
+    out["wire_after"] = wire()  # nothing wants the room any more: back to the smallest wire
     return out
 
 

@@ -115,6 +115,20 @@ def test_first_bucket_rides_in_the_first_message_and_goes_again_when_a_rank_read
         assert res["after_early_sent"] == [room], res["after_early_sent"]
         assert res["wire64"] == ("torch.float64", room // 4)  # the same elements, now float64
         assert res["wire_again"] == ("torch.float32", room // 4)
+        # another sharded call between forward and backward: the first message went alone,
+        # then the plan sends it in the forward (header and loss), its bucket on its own
+        small = 4 * fpar._dist.shard._WIRE0[1]
+        first, second = res["interleaved_sent"]
+        assert first == [room, room, 4 * w.numel()], first  # f alone; other (its psum rides); bucket
+        assert second == [room, room, 4 * w.numel()], second
+        for loss, total, grad in res["interleaved"]:
+            assert loss == pytest.approx(ref32[0].item(), rel=1e-6)
+            torch.testing.assert_close(total, torch.full((2,), 2.0))
+            torch.testing.assert_close(grad, ref32[1])
+        assert res["lone_sent"] == [room, 4 * w.numel()], res["lone_sent"]
+        assert res["lone"][0] == pytest.approx(ref32[0].item(), rel=1e-6)
+        torch.testing.assert_close(res["lone"][2], ref32[1])
+        assert res["wire_after"] == ("torch.float32", small // 4)
 
 
 def test_repeated_launches_exit_cleanly():

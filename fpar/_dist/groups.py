@@ -108,7 +108,7 @@ class MeshGroups:
         ``settle=False`` only for a call's first message itself, sent with its first bucket.
         """
         if settle and (pending._UNSETTLED or pending._HELD):
-            pending.settle()
+            pending.settle(collective=True)
         key = frozenset(axes)
         if key not in self._groups:
             if len(axes) == 1:

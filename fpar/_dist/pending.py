@@ -39,17 +39,20 @@ Tensor = torch.Tensor
 _UNSETTLED: list[tuple[Callable[[], None], Any]] = []  # (verdict, its message's work), oldest first
 _HELD: list[Callable[[], None]] = []  # messages sent once the verdicts have run, in order
 _settling = [False]
+_for_collective = [False]  # the settling in progress comes before another collective
 
 
-def settle() -> None:
+def settle(*, collective: bool = False) -> None:
     """Run every pending verdict, oldest first, then send the held messages in order.
 
     A verdict may raise the agreement's error; it then drops the held messages (they belong to
-    the failed call; every rank drops the same ones).
+    the failed call; every rank drops the same ones).  ``collective``: this settling comes
+    before another collective (``MeshGroups.group``), not a read of a value.
     """
     if _settling[0]:
         return  # a held message asking for its group: the loop below goes on in order
     _settling[0] = True
+    _for_collective[0] = collective
     try:
         with torch._C._DisableFuncTorch():  # plain buffers, also from a hook under functorch
             while _UNSETTLED:
@@ -61,7 +64,12 @@ def settle() -> None:
         _HELD.clear()
         raise
     finally:
-        _settling[0] = False
+        _settling[0] = _for_collective[0] = False
+
+
+def for_collective() -> bool:
+    """Whether the settling in progress comes before another collective."""
+    return _for_collective[0]
 
 
 def defer(verdict: Callable[[], None], work: Any) -> None:

@@ -53,6 +53,7 @@ depends on shapes, not on values; a changed sequence of collectives in a fast ca
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 from typing import Any
@@ -70,6 +71,7 @@ from .._registry import bound_once
 from .._spec import PartitionSpec, check_spec
 from .._tree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from ..random._guard import RANDOM_OPS, check_random_op
+from . import pending
 from .pending import Pending, defer
 
 __all__ = ["DistShard"]
@@ -95,7 +97,7 @@ class _Plan:
 
     __slots__ = (
         "digest", "sig", "fast", "in_reduce", "in_order", "coll", "out_broken", "out_specs", "out_treedef",
-        "varying", "flats", "heads",
+        "varying", "flats", "heads", "lone",
     )
 
     def __init__(self, digest: int):
@@ -110,6 +112,7 @@ class _Plan:
         self.out_treedef = None
         self.flats: dict[Any, Tensor] = {}  # gradient buckets' flat buffers, reused across calls
         self.heads: dict[tuple, Tensor] = {}  # first-message headers, by their values
+        self.lone = False  # another collective came before bucket 0 could ride: send at once
         self.varying: dict = {}  # (shape, dtype) -> axes a queried value varies over (None: ambiguous)
 
 
@@ -227,7 +230,8 @@ class DistShard:
 
             sources = [(i, leaves[i], plan.in_reduce[i]) for i in plan.in_order]
             for i, x in reduce_inputs(
-                sources, mg, self.bucket_mb, owner=(self, plan), fname=self.fname, kept=plan.flats, rider=agree
+                sources, mg, self.bucket_mb, owner=(self, plan), fname=self.fname, kept=plan.flats,
+                rider=None if plan.lone else agree,
             ).items():
                 local[i] = x
         frames().append(frame)
@@ -603,7 +607,8 @@ class _Agreement:
         return _HEAD + k + bucket.numel <= size and _rides(bucket.dtype, dtype)
 
     def _wire(self) -> tuple:
-        return self.owner.mg.root.wires.get(frozenset(self.owner.axes), _WIRE0)
+        wire = self.owner.mg.root.wires.get(frozenset(self.owner.axes))
+        return _WIRE0 if wire is None else wire.now
 
     def _message(self, x: Tensor | None, failed: bool, bucket=None, *, settle: bool = True) -> tuple:
         """This rank's first message: the header, ``x``'s block and ``bucket``'s gradients if they ride."""
@@ -691,17 +696,19 @@ class _Agreement:
             return buf[_HEAD : _HEAD + x.numel()].view(x.shape).to(x.dtype)
 
     def _resize(self, n: int, want: int, in32: int, in64: int) -> None:
-        """Grow the wire to the room every rank wants (the same sums, so the same size everywhere)."""
+        """Size the wire to the room the ranks want (the same sums, so the same size everywhere)."""
         if in32 == n and n < _F32_RANKS:
             dtype = torch.float32
         elif in64 == n:
             dtype = torch.float64
+        elif in32 == in64 == 0:
+            dtype = None  # no rank wants room
         else:
-            return  # the ranks want no room, or rooms of different dtypes: keep the wire
-        size = min(-(-want // n), _cap(dtype))
-        old_dtype, old = self._wire()
+            return  # rooms of different dtypes: keep the wire
         wires = self.owner.mg.root.wires
-        wires[frozenset(self.owner.axes)] = (dtype, max(old, size) if dtype == old_dtype else max(_WIRE0[1], size))
+        key = frozenset(self.owner.axes)
+        wire = wires.get(key) or wires.setdefault(key, _Wire())
+        wire.add(dtype, 0 if dtype is None else min(-(-want // n), _cap(dtype)))
 
     def _raise(self, group, members) -> None:
         owner = self.owner
@@ -710,6 +717,29 @@ class _Agreement:
         dist.all_gather_object(sigs, mine, group=group)
         by_rank = dict(zip(sorted(members), sigs))  # all_gather_object orders by group rank
         raise ValueError(f"fpar.shard({owner.fname}): " + _differences(by_rank))
+
+
+class _Wire:
+    """The size of every first message over some axes: the most room any of the last ``_WINDOW``
+    calls wanted, in the dtype the latest one that wanted room asked for (``_WIRE0`` if none).
+
+    A window, not a high-water mark, so that a mesh whose calls stop carrying buckets (a
+    pipeline's stage calls, ``_First.verdict``) stops padding every call's first message.
+    """
+
+    __slots__ = ("recent", "now")
+
+    def __init__(self):
+        self.recent: collections.deque = collections.deque(maxlen=_WINDOW)
+        self.now = _WIRE0
+
+    def add(self, dtype: torch.dtype | None, size: int) -> None:
+        self.recent.append((dtype, size))
+        dtype = next((d for d, _ in reversed(self.recent) if d is not None), None)
+        if dtype is None:
+            self.now = _WIRE0
+        else:
+            self.now = (dtype, max([_WIRE0[1], *(k for d, k in self.recent if d == dtype)]))
 
 
 class _First:
@@ -741,6 +771,11 @@ class _First:
     def verdict(self) -> None:
         if self.work is None:  # bucket 0 never came: the check goes alone
             self.agree.first = None
+            if pending.for_collective():
+                # Another collective came between the forward and bucket 0 (a pipeline's next
+                # microbatch, a second sharded call): waiting for bucket 0 costs this plan a
+                # round trip each call, so its later calls send their first message at once.
+                self.agree.plan.lone = True
             self.send(None)
         self.work.wait()
         x = self.x
@@ -772,6 +807,7 @@ _HEAD = 2 * _CHUNKS + 7  # chunks, squares, carried, joined, failed count and ma
 _MASK_BITS = 24  # group ranks below this are named in the failed mask (exact in float32)
 _F32_RANKS = 128  # a float32 wire keeps every header sum exact below this many ranks
 _WIRE0 = (torch.float64, 64)  # a mesh's first wire: 512 bytes
+_WINDOW = 16  # calls a wire's size looks back over
 _CAP_BYTES = 2**19  # the wire grows to at most 512 KiB (a first message padded to it costs ~0.2 ms here)
 
 
