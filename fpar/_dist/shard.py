@@ -720,10 +720,10 @@ class _Agreement:
 
 
 class _Wire:
-    """The size of every first message over some axes: the most room any of the last ``_WINDOW``
-    calls wanted, in the dtype the latest one that wanted room asked for (``_WIRE0`` if none).
+    """The size of every first message over some axes.
 
-    A window, not a high-water mark, so that a mesh whose calls stop carrying buckets (a
+    The most room any of the last ``_WINDOW`` calls wanted, in the dtype the latest one that
+    wanted room asked for (``_WIRE0`` if none).  A window, not a high-water mark, so that a mesh whose calls stop carrying buckets (a
     pipeline's stage calls, ``_First.verdict``) stops padding every call's first message.
     """
 
