@@ -2,14 +2,17 @@
 
 A planned call whose first collective is a small sum over every mesh axis (a data-parallel
 loss ``pmean``) sends it, with the signature check it carries (``shard._Agreement``), without
-waiting: the result is a ``Pending`` tensor, as torch's ``AsyncCollectiveTensor``.  Its value
-is waited on, and the check read, at the first of:
+waiting, or, when the call's first gradient bucket may ride in the same message, once that
+bucket is ready in the backward (``shard._First``; until then it counts as in flight): the
+result is a ``Pending`` tensor, as torch's ``AsyncCollectiveTensor``.  Its value is waited on,
+and the check read, at the first of:
 
 * any operation that reads it (``.item()``, printing, arithmetic, ``.detach()``, ...): every
   op but the few that need only its shape (``ones_like``, ``zeros_like``, ``empty_like``, which
   is all ``loss.backward()`` and ``torch.func.grad`` ask of it);
 * the next collective fpar issues, on any mesh (``MeshGroups.group`` settles first): a rank
-  never sends a message whose size depends on its signature before every rank has agreed on it;
+  never sends a message whose size depends on its signature before every rank has agreed on it
+  (a first message still waiting for its bucket goes then, alone);
 * the end of ``fpar.launch``'s function, and interpreter exit.
 
 So a training step costs one synchronisation, at its gradient all-reduce, as DDP's, instead of

@@ -33,11 +33,14 @@ value, or the function differentiates inside itself (an inner ``torch.func.grad`
 traced.
 
 **Agreement.**  Every rank must call with the same signature (shapes, dtypes, specs).  No
-message is sent just to check it: every rank's first message of a call is the same 512-byte
-SUM all-reduce over the mesh's own ranks (``_Agreement``), carrying the signature's 56-bit hash
-in a form whose sums show whether all ranks agree, and, when the call's first collective is a
-small float psum/pmean over every mesh axis (a data-parallel loss), that collective's block too;
-otherwise it goes alone just before the first collective or before returning.  On a planned
+message is sent just to check it: every rank's first message of a call is the same SUM
+all-reduce over the mesh's own ranks (``_Agreement``), of the mesh's current *wire* (a dtype and
+a length every rank holds alike, sized by earlier verdicts: ``_Wire``), carrying the signature's
+56-bit hash in a form whose sums show whether all ranks agree, and, when they fit, the block of
+the call's first collective if it is a float psum/pmean over every mesh axis (a data-parallel
+loss) and the call's first gradient bucket (``buckets.py``): such a call's first message waits
+for that bucket's launch in the backward, so a small data-parallel step makes one round trip.
+Otherwise it goes alone just before the first collective or before returning.  On a planned
 call a carried block's message is sent without waiting: the result is a ``Pending`` tensor,
 whose sum and check are read at its first use or before the next collective fpar issues
 (``pending.py``), so a data-parallel step synchronises once, at its gradients.  Because every
@@ -45,7 +48,8 @@ rank's first message has the same form, a rank whose cache hits pairs with one t
 ranks that disagree never meet in different collectives.  On mismatch every rank gathers the
 signatures and raises naming the argument, ranks and what differs; a rank whose function raises
 before its first collective sends its part flagged, and the others raise naming it.  The plan
-itself holds no state a rank could disagree on.
+itself holds no state a rank could disagree on; the wire's size changes only in a verdict, from
+the sums every rank reads.
 
 The plan assumes the data flow (which values meet which, which collectives run in which order)
 depends on shapes, not on values; a changed sequence of collectives in a fast call raises.
