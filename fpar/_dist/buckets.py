@@ -19,6 +19,13 @@ two views with tensor hooks (``_hooked``), created when the sharded function is 
   handed on are then the sums, and nothing ever read them before: not ``AccumulateGrad``, not
   a hook, not ``torch.autograd.grad``'s capture, not an op outside the sharded function.
 
+**Bucket 0 rides in the call's first message** when its all-reduce is over the same ranks and
+it fits the wire (``shard._Agreement``): its launch sends the call's waiting first message with
+it, so the signature check costs no round trip of its own; when the wire is in the bucket's
+dtype the flat buffer is the message's tail, summed in place.  If some rank's bucket did not
+ride (that rank read its loss before the backward), every rank sends it again, at its launch's
+place among the held messages (``_again``).
+
 Hooks rather than ``autograd.Function``s: under ``torch.func.grad`` every custom Function costs
 ~0.4 ms of functorch's Python in the forward and more in the backward.  When a cotangent may
 itself be differentiated (``create_graph``, nested ``torch.func`` transforms, jacrev, hessian),
