@@ -196,6 +196,46 @@ def riding_cases() -> dict:
     return out
 
 
+def carried_sum_plain_autograd() -> dict:
+    """Plain autograd of planned calls whose first psum/pmean carries the check: no custom
+    Function in the forward (the sum's history is an add, ``exchange._carried_plain``), first
+    order by ``.backward()``, and a second order through the sum's cotangent (``grad_outputs``
+    that require grad, ``create_graph``), which needs pvary's transpose (a psum)."""
+    from fpar._dist import exchange
+
+    mesh = fpar.make_mesh((2,), ("data",))
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(3, 2, generator=gen, dtype=F64), torch.randn(4, 3, generator=gen, dtype=F64)
+    u = torch.randn(3, 2, generator=gen, dtype=F64)
+    xl = fpar.device_put(x, mesh, P("data"))
+    out = {}
+    for name, (local, plain) in _carried_losses().items():
+        if plain is None:
+            continue
+        f = fpar.shard(local, mesh, (P(), P("data")), P())
+        leaf = w.clone().requires_grad_()
+        f(leaf, xl).backward()  # the first call of a signature plans it
+        leaf.grad = None
+        applied, original = [], exchange._Exchange.apply
+        exchange._Exchange.apply = lambda *a, seen=applied, apply=original: seen.append(a[1]) or apply(*a)
+        try:
+            loss = f(leaf, xl)
+        finally:
+            exchange._Exchange.apply = original
+        loss.backward()
+        v = torch.tensor(1.7, dtype=F64, requires_grad=True)
+        (g,) = torch.autograd.grad(f(leaf, xl), leaf, grad_outputs=v, create_graph=True)
+        (dv,) = torch.autograd.grad((g * u).sum(), v)
+        out[name] = {
+            "functions": applied,
+            "lazy": type(loss).__name__,
+            "value": loss.detach().clone(),
+            "grad": leaf.grad.clone(),
+            "dv": dv,
+        }
+    return out
+
+
 def dp_steps(steps: int) -> float:
     """A few warm data-parallel steps (bucketed async all-reduces), then a clean exit."""
     mesh = fpar.make_mesh((2,), ("data",))

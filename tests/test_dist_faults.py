@@ -131,6 +131,27 @@ def test_first_bucket_rides_in_the_first_message_and_goes_again_when_a_rank_read
         assert res["wire_after"] == ("torch.float32", small // 4)
 
 
+def test_carried_sum_under_plain_autograd_has_no_function_and_right_second_order():
+    """Under plain autograd a warm call's carried psum/pmean applies no custom Function either;
+    ``.backward()`` gives the unsharded gradient, and differentiating the gradient with respect
+    to the loss's cotangent (it goes through pvary, whose transpose is a psum over "data")
+    gives the unsharded value too, not one device's share."""
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(3, 2, generator=gen, dtype=D.F64), torch.randn(4, 3, generator=gen, dtype=D.F64)
+    u = torch.randn(3, 2, generator=gen, dtype=D.F64)
+    for res in fpar.launch(D.carried_sum_plain_autograd, 2, timeout=60.0):
+        for name, (_, plain) in D._carried_losses().items():
+            if plain is None:
+                continue
+            got = res[name]
+            assert got["functions"] == [], (name, got)
+            assert got["lazy"] == ("Tensor" if name == "vector" else "Pending"), (name, got)
+            want_grad, want = torch.func.grad_and_value(plain)(w, x)
+            torch.testing.assert_close(got["value"], want)
+            torch.testing.assert_close(got["grad"], want_grad)
+            torch.testing.assert_close(got["dv"], (want_grad * u).sum())  # d/dv of v * dL/dw . u
+
+
 def test_repeated_launches_exit_cleanly():
     """Every rank exits with code 0 after delivering (launch checks the exit codes), every time."""
     results = [fpar.launch(D.dp_steps, 2, 3, timeout=60.0) for _ in range(3)]

@@ -253,12 +253,16 @@ def summed(x: Tensor, kind: str, params: tuple, axes: tuple, mg: MeshGroups) -> 
     value is then overwritten by the all-reduce, out of autograd's sight (nothing saved it).
     The call's first psum/pmean, which carries the signature check (``params``: shard.py's
     ``_Agreement``), may come back unsettled (a ``Pending``): its history is then an add
-    (``_pending_sum``).  Plain autograd keeps the Function: whether ``create_graph`` follows is
-    not known here.
+    (``_pending_sum``).  Under plain autograd the carried one takes the same add (its history
+    an add, whose cotangent a hook hands on through a differentiable pvary when the backward
+    records a graph, ``create_graph``); other sums keep the Function there.
     """
     level = _first_order_level(x) if kind in ("psum", "pmean") else None
-    if not level or x.dtype in _LOW_PRECISION or x.dtype == torch.bool or x.is_complex():
+    plain_autograd = level is None and params and _plain_autograd(x)
+    if not (level or plain_autograd) or x.dtype in _LOW_PRECISION or x.dtype == torch.bool or x.is_complex():
         return _Exchange.apply(x, kind, params, 0, axes, mg)
+    if plain_autograd:
+        return _carried_plain(x, kind, params[0], axes, mg)
     n = len(mg.members(axes))
     plain_x = _functorch._unwrap_for_grad(x, level)
     with torch._C._DisableFuncTorch():
@@ -279,6 +283,36 @@ def summed(x: Tensor, kind: str, params: tuple, axes: tuple, mg: MeshGroups) -> 
             dist.all_reduce(total, group=mg.group(axes))
             plain.copy_(total / n)
     return y
+
+
+def _plain_autograd(x: Tensor) -> bool:
+    """Whether only plain autograd differentiates ``x`` (no ``torch.func`` transform, no forward AD)."""
+    return (
+        x.requires_grad
+        and torch.is_grad_enabled()
+        and not _functorch.get_interpreter_stack()
+        and torch.autograd.forward_ad._current_level < 0
+    )
+
+
+def _carried_plain(x: Tensor, kind: str, agree, axes: tuple, mg: MeshGroups) -> Tensor:
+    """The call's first psum/pmean under plain autograd, carried by its first message, no Function.
+
+    ``base + Stand(total)`` as under ``torch.func.grad`` (``_pending_sum``): the add's backward
+    hands the cotangent to ``base`` (a view of ``x``, or ``x / n``), the first-order transpose.
+    A higher order (``create_graph``) needs pvary's own transpose, a psum of the cotangent's
+    cotangent: a hook on ``base`` applies the differentiable pvary when the backward records a
+    graph (grad mode is on in a hook exactly then).  ``autograd.Function.apply`` cost ~0.1 ms
+    of a tiny data-parallel step.
+    """
+    n = len(mg.members(axes))
+    plain_x = x.detach()
+    stats.record(kind, axes, n, plain_x)
+    total = agree.reduce(plain_x, kind, n)  # a fast call under plain autograd: never waited for
+    assert isinstance(total, Pending), "fpar internal: a carried sum under plain autograd was waited for"
+    base = x / n if kind == "pmean" else x.view_as(x)
+    base.register_hook(lambda ct: _pvary(ct, 0, axes, mg) if torch.is_grad_enabled() else ct)
+    return torch.add(base, Stand(total))
 
 
 def _pending_sum(base: Tensor, total: Pending, level: int) -> Tensor:
