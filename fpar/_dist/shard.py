@@ -502,8 +502,8 @@ class _Agreement:
     the ranks that failed; or, where only some ranks' blocks or buckets rode along (a rank read
     its loss before the backward, or traced this signature while another had it planned),
     discard those sums and send them again as usual, in the same place on every rank.  The
-    verdict also grows the wire to the room the ranks want (up to ``_CAP_BYTES``), for the next
-    call on these axes: every rank computes the same size from the same sums.
+    verdict also sizes the wire for the next calls on these axes from the room the ranks want
+    (``_Wire``, up to ``_CAP_BYTES``): every rank computes the same size from the same sums.
     """
 
     def __init__(self, owner: DistShard, plan: _Plan, *, lazy: bool = False):
@@ -727,8 +727,9 @@ class _Wire:
     """The size of every first message over some axes.
 
     The most room any of the last ``_WINDOW`` calls wanted, in the dtype the latest one that
-    wanted room asked for (``_WIRE0`` if none).  A window, not a high-water mark, so that a mesh whose calls stop carrying buckets (a
-    pipeline's stage calls, ``_First.verdict``) stops padding every call's first message.
+    wanted room asked for (``_WIRE0`` if none).  A window, not a high-water mark, so that a mesh
+    whose calls stop carrying buckets (a pipeline's stage calls, ``_First.verdict``) stops
+    padding every call's first message.
     """
 
     __slots__ = ("recent", "now")
