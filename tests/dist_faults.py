@@ -236,6 +236,51 @@ def carried_sum_plain_autograd() -> dict:
     return out
 
 
+def random_schedules(seeds: list[int], length: int) -> dict:
+    """Random sequences of data-parallel calls on one mesh, the same on every rank except where a
+    rank reads its loss before the backward (drawn per rank): plain and ``torch.func.grad``
+    steps, an early read, another sharded call between a forward and its backward, a float64
+    signature, a forward never run backward, two meshes' worth of shapes.  Returns every loss
+    and gradient, for the test to compare with the unsharded function."""
+    import random
+
+    mesh = fpar.make_mesh((2,), ("data",))
+    r = dist.get_rank()
+    gen = torch.Generator().manual_seed(5)
+    ws = {n: torch.randn(n, 4, generator=gen) for n in (8, 40)}  # a bucket under / over 64 elements
+    xs = {n: torch.randn(6, n, generator=gen) for n in (8, 40)}
+    f = fpar.shard(_loss, mesh, (P(), P("data")), P())
+    other = fpar.shard(lambda t: fpar.psum(t, "data"), mesh, P(), P())
+    out: dict = {}
+    for seed in seeds:
+        same, mine = random.Random(seed), random.Random(seed * 1000 + r)
+        got = []
+        for _ in range(length):
+            n = same.choice((8, 40))
+            dtype = same.choice((torch.float32, torch.float32, torch.float64))
+            w, x = ws[n].to(dtype), fpar.device_put(xs[n].to(dtype), mesh, P("data"))
+            action = same.choice(("backward", "func_grad", "between", "no_backward"))
+            early = mine.random() < 0.3
+            if action == "func_grad":
+                g, loss = torch.func.grad_and_value(f)(w, x)
+                got.append((n, str(dtype), float(loss), g))
+                continue
+            leaf = w.clone().requires_grad_()
+            loss = f(leaf, x)
+            value = loss.item() if early else None
+            if action == "between":
+                total = other(torch.ones(3, dtype=dtype))
+                assert torch.equal(total, torch.full((3,), 2.0, dtype=dtype)), total
+            if action == "no_backward":
+                got.append((n, str(dtype), loss.item(), None))
+                continue
+            loss.backward()
+            assert value is None or value == loss.item()
+            got.append((n, str(dtype), loss.item(), leaf.grad))
+        out[seed] = got
+    return out
+
+
 def dp_steps(steps: int) -> float:
     """A few warm data-parallel steps (bucketed async all-reduces), then a clean exit."""
     mesh = fpar.make_mesh((2,), ("data",))
