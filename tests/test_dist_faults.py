@@ -167,7 +167,7 @@ def test_random_call_sequences_keep_every_rank_in_step_and_right():
         for (n, dtype, loss, grad), (n1, _, loss1, grad1) in zip(res[0][seed], res[1][seed]):
             dt = getattr(torch, dtype.split(".")[1])
             w, x = ws[n].to(dt), xs[n].to(dt)
-            plain = lambda w: ((x @ w) ** 2).mean()  # noqa: E731 - the unsharded function
+            plain = lambda w, x=x: ((x @ w) ** 2).mean()  # noqa: E731 - the unsharded function
             want_grad, want = torch.func.grad_and_value(plain)(w)
             tol = 1e-12 if dt == torch.float64 else 1e-5
             assert n == n1 and loss == loss1
