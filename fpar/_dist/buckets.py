@@ -170,8 +170,7 @@ class _State:
             # verdict says so on every rank and ``_again`` sends it here, in launch order.
             self.work = _RIDING
             axes, mg = self.bucket
-            wide = 4 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype.itemsize
-            stats.record_bytes("psum", axes, mg.mesh.axis_size(axes), self.numel * wide)  # as _send's
+            stats.record_bytes("psum", axes, mg.mesh.axis_size(axes), self._summed_bytes())
             pending.hold(self._again)
             return
         if hold and pending.in_flight():
@@ -179,6 +178,11 @@ class _State:
             pending.hold(self._send)
             return
         self._send()
+
+    def _summed_bytes(self) -> int:
+        """The bytes its all-reduce sums (fp16/bf16 in float32): what ``comm_stats`` counts."""
+        low = self.dtype in (torch.float16, torch.bfloat16)
+        return self.numel * (4 if low else self.dtype.itemsize)
 
     def _fill(self) -> None:
         for i, got in enumerate(self.arrived):
@@ -217,7 +221,7 @@ class _State:
                 wire = flat.float()
                 self.narrow = (flat, wire)
             axes, mg = self.bucket
-            stats.record("psum", axes, mg.mesh.axis_size(axes), wire)  # counted as issued: one per bucket
+            stats.record_bytes("psum", axes, mg.mesh.axis_size(axes), self._summed_bytes())  # as issued
             self.work = dist.all_reduce(wire, group=mg.group(axes), async_op=True)
 
     # -- the wait: a hook on each tensor's waiting view, run once nothing else is ready -------

@@ -261,13 +261,13 @@ def summed(x: Tensor, kind: str, params: tuple, axes: tuple, mg: MeshGroups) -> 
     plain_autograd = level is None and params and _plain_autograd(x)
     if not (level or plain_autograd) or x.dtype in _LOW_PRECISION or x.dtype == torch.bool or x.is_complex():
         return _Exchange.apply(x, kind, params, 0, axes, mg)
-    if plain_autograd:
-        return _carried_plain(x, kind, params[0], axes, mg)
     n = len(mg.members(axes))
-    plain_x = _functorch._unwrap_for_grad(x, level)
+    plain_x = _functorch._unwrap_for_grad(x, level) if level else x.detach()
     with torch._C._DisableFuncTorch():
         stats.record(kind, axes, n, plain_x)
         got = params[0].reduce(plain_x, kind, n) if params else None
+    if plain_autograd:
+        return _carried_plain(x, kind, got, n, axes, mg)
     base = x / n if kind == "pmean" else x
     if isinstance(got, Pending):
         return _pending_sum(base, got, level)
@@ -295,7 +295,7 @@ def _plain_autograd(x: Tensor) -> bool:
     )
 
 
-def _carried_plain(x: Tensor, kind: str, agree, axes: tuple, mg: MeshGroups) -> Tensor:
+def _carried_plain(x: Tensor, kind: str, total: Pending, n: int, axes: tuple, mg: MeshGroups) -> Tensor:
     """The call's first psum/pmean under plain autograd, carried by its first message, no Function.
 
     ``base + Stand(total)`` as under ``torch.func.grad`` (``_pending_sum``): the add's backward
@@ -305,10 +305,7 @@ def _carried_plain(x: Tensor, kind: str, agree, axes: tuple, mg: MeshGroups) -> 
     graph (grad mode is on in a hook exactly then).  ``autograd.Function.apply`` cost ~0.1 ms
     of a tiny data-parallel step.
     """
-    n = len(mg.members(axes))
-    plain_x = x.detach()
-    stats.record(kind, axes, n, plain_x)
-    total = agree.reduce(plain_x, kind, n)  # a fast call under plain autograd: never waited for
+    # A fast call under plain autograd sends its first message without waiting: always a Pending.
     assert isinstance(total, Pending), "fpar internal: a carried sum under plain autograd was waited for"
     base = x / n if kind == "pmean" else x.view_as(x)
     base.register_hook(lambda ct: _pvary(ct, 0, axes, mg) if torch.is_grad_enabled() else ct)

@@ -61,9 +61,9 @@ class MeshGroups:
             self.coords = dict(zip(mesh.axis_names, _unravel(self.rank, mesh.axis_sizes)))
             self._groups: dict[frozenset, Any] = {}
             self.root = self
-            # The size of every call's first message over each set of axes (shard._Agreement):
-            # (dtype, elements), the same on every rank, changed only by an agreed verdict.
-            self.wires: dict[frozenset, tuple] = {}
+            # The size of every call's first message over each set of axes (shard._Wire): the
+            # same on every rank, changed only by an agreed verdict.
+            self.wires: dict[frozenset, Any] = {}
             # Create the groups over every set of two or more axes now, while every rank is
             # here: creating one later is a collective over *all* ranks, which would hang when
             # only some ranks run (one pipeline stage's shard calls).
