@@ -285,7 +285,7 @@ def _apply(api: str, x: Any, axis_name: AxisName, kind: str, params: tuple = (),
             f"collectives take pytrees of tensors."
         )
 
-    return tree_map(one, x)
+    return one(x) if isinstance(x, Tensor) else tree_map(one, x)
 
 
 def _count_implicit_pvary(frame: Frame, leaf: Tensor, axes: tuple[str, ...]) -> None:

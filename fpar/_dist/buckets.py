@@ -170,7 +170,7 @@ class _State:
             # verdict says so on every rank and ``_again`` sends it here, in launch order.
             self.work = _RIDING
             axes, mg = self.bucket
-            stats.record_bytes("psum", axes, mg.mesh.axis_size(axes), self._summed_bytes())
+            stats.record_bytes("psum", axes, len(mg.members(axes)), self._summed_bytes())
             pending.hold(self._again)
             return
         if hold and pending.in_flight():
@@ -221,7 +221,7 @@ class _State:
                 wire = flat.float()
                 self.narrow = (flat, wire)
             axes, mg = self.bucket
-            stats.record_bytes("psum", axes, mg.mesh.axis_size(axes), self._summed_bytes())  # as issued
+            stats.record_bytes("psum", axes, len(mg.members(axes)), self._summed_bytes())  # as issued
             self.work = dist.all_reduce(wire, group=mg.group(axes), async_op=True)
 
     # -- the wait: a hook on each tensor's waiting view, run once nothing else is ready -------
@@ -385,9 +385,9 @@ def _several_levels(x: Tensor) -> bool:
 def _hooked(x: Tensor, state: _State, i: int) -> Tensor:
     """``x``'s identity, two views deep: its backward launches, then waits on, the bucket's sum.
 
-    Views with tensor hooks, not ``autograd.Function``s: under ``torch.func.grad`` every custom
-    Function costs ~0.4 ms of functorch's Python in the forward and ~1.5 ms in the backward; a
-    hook next to nothing.
+    Views with hooks on their nodes, not ``autograd.Function``s: under ``torch.func.grad`` every
+    custom Function costs ~0.4 ms of functorch's Python in the forward and ~1.5 ms in the
+    backward; a hook next to nothing.
 
     * The outer view's hook (``arrive``) runs as soon as the cotangent of ``x`` in this call is
       final.  Autograd runs the ready node with the highest sequence number first and numbers
@@ -404,10 +404,12 @@ def _hooked(x: Tensor, state: _State, i: int) -> Tensor:
     w = x.view_as(x)
     if not w.requires_grad:
         return x
-    w.register_hook(state.waited)
+    # Pre-hooks on the views' nodes (one input each): as tensor hooks, and ~2 us cheaper each.
+    w.grad_fn.register_prehook(lambda cts: state.waited(cts[0]))
     v = w.view_as(w)
-    v.register_hook(lambda ct: state.arrive(i, ct))
-    v.grad_fn._set_sequence_nr(_ASAP)
+    node = v.grad_fn
+    node.register_prehook(lambda cts: (state.arrive(i, cts[0]),))
+    node._set_sequence_nr(_ASAP)
     return v
 
 

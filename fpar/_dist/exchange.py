@@ -308,7 +308,8 @@ def _carried_plain(x: Tensor, kind: str, total: Pending, n: int, axes: tuple, mg
     # A fast call under plain autograd sends its first message without waiting: always a Pending.
     assert isinstance(total, Pending), "fpar internal: a carried sum under plain autograd was waited for"
     base = x / n if kind == "pmean" else x.view_as(x)
-    base.register_hook(lambda ct: _pvary(ct, 0, axes, mg) if torch.is_grad_enabled() else ct)
+    # On the node (as a tensor hook on ``base``, ~2 us cheaper).
+    base.grad_fn.register_prehook(lambda cts: (_pvary(cts[0], 0, axes, mg),) if torch.is_grad_enabled() else None)
     return torch.add(base, Stand(total))
 
 

@@ -129,6 +129,7 @@ class DistShard:
         self.in_specs, self.out_specs, self.check_rep = in_specs, out_specs, check_rep
         self._prefix = prefix  # _shard._prefix: spec tree broadcast with the user-facing errors
         self.axes = mesh.axis_names
+        self.wire_key = frozenset(self.axes)  # its first messages' wire (MeshGroups.wires)
         self.mg = mesh._dist
         self.plans: dict[Any, _Plan] = {}
         self.spec_cache: dict[Any, list] = {}
@@ -611,40 +612,45 @@ class _Agreement:
         return _HEAD + k + bucket.numel <= size and _rides(bucket.dtype, dtype)
 
     def _wire(self) -> tuple:
-        wire = self.owner.mg.root.wires.get(frozenset(self.owner.axes))
+        wire = self.owner.mg.root.wires.get(self.owner.wire_key)
         return _WIRE0 if wire is None else wire.now
 
     def _message(self, x: Tensor | None, failed: bool, bucket=None, *, settle: bool = True) -> tuple:
         """This rank's first message: the header, ``x``'s block and ``bucket``'s gradients if they ride."""
-        from .groups import _device
-
         self.pending = False
         mg = self.owner.mg
         group = mg.group(self.owner.axes, settle=settle)  # settles earlier calls' messages first
         members = mg.members(self.owner.axes)
-        me = dist.get_group_rank(group, mg.rank)
         dtype, size = self._wire()
         k = 0 if x is None else x.numel()
         rides = x is not None and _rides(x.dtype, dtype) and _HEAD + k <= size
         m = 0 if bucket is None else bucket.numel
         joins = bucket is not None and _rides(bucket.dtype, dtype) and _HEAD + k + m <= size
-        mask = float(2**me) if failed and me < _MASK_BITS else 0.0
+        mask = 0.0
+        if failed:
+            me = dist.get_group_rank(group, mg.rank)
+            mask = float(2**me) if me < _MASK_BITS else 0.0
         want = self._want(x)
         if self.bucket is not None:  # this call's first message goes now: bucket 0 rides or it does not
             self.bucket.rider = self.bucket = None  # (and no reference cycle keeps its buffer)
         with torch._C.DisableTorchFunction(), torch._C._DisableFuncTorch():  # plain buffers, also in a hook
-            dev = x.device if x is not None else _device([])
+            if x is not None:
+                dev = x.device
+            else:
+                from .groups import _device
+
+                dev = _device([])
             head = self._head(dtype, dev, rides, joins, failed, mask, want)
             if joins and bucket.wire is not None and bucket.wire.shape == (size,) and bucket.wire.dtype == dtype:
                 buf = bucket.wire  # its tail holds the bucket already
-                buf[: size - m].zero_()
+                buf.narrow(0, 0, size - m).zero_()
             else:
                 buf = torch.zeros(size, dtype=dtype, device=dev)
-            buf[:_HEAD] = head
+            buf.narrow(0, 0, _HEAD).copy_(head)
             if rides:
-                buf[_HEAD : _HEAD + k] = x.detach().reshape(-1)
+                buf.narrow(0, _HEAD, k).copy_(x.detach().reshape(-1))
             if joins:
-                bucket.pack(buf[size - m :])
+                bucket.pack(buf.narrow(0, size - m, m))
         return buf, group, members, (rides, bucket if joins else None, m)
 
     def _head(self, dtype, dev, rides: bool, joins: bool, failed: bool, mask: float, want: tuple) -> Tensor:
@@ -693,11 +699,11 @@ class _Agreement:
         self._resize(n, want, in32, in64)
         if bucket is not None:  # every rank's bucket rode, or it goes again at its own place
             with torch._C.DisableTorchFunction():
-                bucket.rode(buf[buf.numel() - m :] if joined == n else None)
+                bucket.rode(buf.narrow(0, buf.numel() - m, m) if joined == n else None)
         if failed or not rides or carried != n:
             return None
         with torch._C.DisableTorchFunction():
-            return buf[_HEAD : _HEAD + x.numel()].view(x.shape).to(x.dtype)
+            return buf.narrow(0, _HEAD, x.numel()).view(x.shape).to(x.dtype)
 
     def _resize(self, n: int, want: int, in32: int, in64: int) -> None:
         """Size the wire to the room the ranks want (the same sums, so the same size everywhere)."""
@@ -710,7 +716,7 @@ class _Agreement:
         else:
             return  # rooms of different dtypes: keep the wire
         wires = self.owner.mg.root.wires
-        key = frozenset(self.owner.axes)
+        key = self.owner.wire_key
         wire = wires.get(key) or wires.setdefault(key, _Wire())
         wire.add(dtype, 0 if dtype is None else min(-(-want // n), _cap(dtype)))
 
@@ -740,6 +746,8 @@ class _Wire:
 
     def add(self, dtype: torch.dtype | None, size: int) -> None:
         self.recent.append((dtype, size))
+        if (dtype, size) == self.now:
+            return  # the latest dtype, and the most room it wants: the size stays
         dtype = next((d for d, _ in reversed(self.recent) if d is not None), None)
         if dtype is None:
             self.now = _WIRE0
