@@ -63,32 +63,46 @@ _HELD_BACK = object()  # a bucket's ``work`` while its all-reduce waits in ``pen
 _RIDING = object()  # a bucket's ``work`` while it rides in the call's first message (shard._First)
 
 
-class _State:
-    """One bucket in one call: its flat buffer, the cotangents that arrived, the pending all-reduce."""
+class _Layout:
+    """A bucket's fixed part, the same in every call of a plan: its tensors' places in the flat buffer."""
 
-    __slots__ = (
-        "bucket", "shapes", "held", "index", "kept", "flat", "adding", "offsets", "arrived", "work", "narrow",
-        "rider", "numel", "dtype", "wire",
-    )
+    __slots__ = ("slots", "bucket", "shapes", "offsets", "numel", "dtype", "device", "summed_bytes")
 
-    def __init__(self, bucket: tuple, xs: list[Tensor], held=None, index: int = 0, kept: dict | None = None):
+    def __init__(self, slots: list[int], bucket: tuple, xs: list[Tensor]):
+        self.slots = slots  # the sources' slots, in order
         self.bucket = bucket  # (axes, mesh groups)
-        self.shapes = [(x.shape, x.dtype, x.device) for x in xs]
-        self.held, self.index, self.kept = held, index, kept
-        self.flat = None  # chosen when the first cotangent arrives
-        self.adding = False  # the flat buffer holds deferred microbatches' sums: add into it
+        self.shapes = [x.shape for x in xs]
         self.offsets = []
         at = 0
         for x in xs:
             self.offsets.append(at)
             at += x.numel()
-        self.arrived = [False] * len(xs)
+        self.numel, self.dtype, self.device = at, xs[0].dtype, xs[0].device
+        low = self.dtype in (torch.float16, torch.bfloat16)
+        # What its all-reduce sums (fp16/bf16 in float32): what ``comm_stats`` counts.
+        self.summed_bytes = at * (4 if low else self.dtype.itemsize)
+
+
+class _State:
+    """One bucket in one call: its flat buffer, the cotangents that arrived, the pending all-reduce."""
+
+    __slots__ = (
+        "layout", "bucket", "shapes", "held", "index", "kept", "flat", "adding", "arrived", "work", "narrow",
+        "rider", "numel", "dtype", "wire",
+    )
+
+    def __init__(self, layout: _Layout, held=None, index: int = 0, kept: dict | None = None):
+        self.layout, self.bucket, self.shapes = layout, layout.bucket, layout.shapes
+        self.numel, self.dtype = layout.numel, layout.dtype
+        self.held, self.index, self.kept = held, index, kept
+        self.flat = None  # chosen when the first cotangent arrives
+        self.adding = False  # the flat buffer holds deferred microbatches' sums: add into it
+        self.arrived = [False] * len(self.shapes)
         self.work = None  # None: not launched; _HELD_BACK: held (pending.hold); _RIDING: in the
         # call's first message; False: summed and waited for
         self.narrow = None  # (fp16/bf16 flat buffer, its float32 copy being summed)
         self.rider = None  # the call's shard._Agreement, when this bucket may ride in its first message
         self.wire = None  # that message's buffer, when ``flat`` is its tail (no copy in or out)
-        self.numel, self.dtype = at, self.shapes[0][1]
 
     # -- the launch: a hook on each tensor's launch view, run as soon as its cotangent is final --
 
@@ -125,14 +139,12 @@ class _State:
     def _slot(self, i: int) -> Tensor:
         if self.flat is None:
             self.flat = self._buffer()
-        shape = self.shapes[i][0]
-        at = self.offsets[i]
-        return self.flat[at : at + shape.numel()].view(shape)
+        shape = self.shapes[i]
+        return self.flat.narrow(0, self.layout.offsets[i], shape.numel()).view(shape)
 
     def _buffer(self) -> Tensor:
         """The bucket's flat buffer: the deferred microbatches' sum, the plan's kept buffer, or new."""
-        _, dtype, device = self.shapes[0]
-        total = sum(s.numel() for s, _, _ in self.shapes)
+        dtype, device, total = self.dtype, self.layout.device, self.numel
         buf = self.held.take(self.index) if self.held is not None else None
         if buf is not None:
             self.adding = True
@@ -140,7 +152,7 @@ class _State:
         if self.rider is not None:
             self.wire = self.rider.wire_for(self)
             if self.wire is not None:  # the cotangents go straight into the first message
-                return self.wire[self.wire.numel() - total :]
+                return self.wire.narrow(0, self.wire.numel() - total, total)
         if self.kept is None:
             return torch.empty(total, dtype=dtype, device=device)
         # As DDP's persistent buckets: the last call's buffer, when nothing holds it any more
@@ -170,7 +182,7 @@ class _State:
             # verdict says so on every rank and ``_again`` sends it here, in launch order.
             self.work = _RIDING
             axes, mg = self.bucket
-            stats.record_bytes("psum", axes, len(mg.members(axes)), self._summed_bytes())
+            stats.record_bytes("psum", axes, len(mg.members(axes)), self.layout.summed_bytes)
             pending.hold(self._again)
             return
         if hold and pending.in_flight():
@@ -178,11 +190,6 @@ class _State:
             pending.hold(self._send)
             return
         self._send()
-
-    def _summed_bytes(self) -> int:
-        """The bytes its all-reduce sums (fp16/bf16 in float32): what ``comm_stats`` counts."""
-        low = self.dtype in (torch.float16, torch.bfloat16)
-        return self.numel * (4 if low else self.dtype.itemsize)
 
     def _fill(self) -> None:
         for i, got in enumerate(self.arrived):
@@ -221,7 +228,7 @@ class _State:
                 wire = flat.float()
                 self.narrow = (flat, wire)
             axes, mg = self.bucket
-            stats.record_bytes("psum", axes, len(mg.members(axes)), self._summed_bytes())  # as issued
+            stats.record_bytes("psum", axes, len(mg.members(axes)), self.layout.summed_bytes)  # as issued
             self.work = dist.all_reduce(wire, group=mg.group(axes), async_op=True)
 
     # -- the wait: a hook on each tensor's waiting view, run once nothing else is ready -------
@@ -288,6 +295,7 @@ def reduce_inputs(
     owner: tuple,
     fname: str,
     kept: dict | None = None,
+    layouts: dict | None = None,
     rider=None,
 ) -> dict[int, Tensor]:
     """Wrap replicated inputs so their cotangents are all-reduced over their axes, bucketed.
@@ -304,18 +312,19 @@ def reduce_inputs(
         kept under.
       fname: the sharded function's name, for messages.
       kept: where the flat buffers are kept between calls (the plan's), or ``None``.
+      layouts: where the buckets' layouts are kept between calls (the plan's), or ``None``.
       rider: the call's ``shard._Agreement``: the first bucket, when its all-reduce is over the
         same ranks as the call's first message, may ride in that message.
 
     Returns:
       ``{slot: wrapped tensor}``: the identity on values.
     """
-    buckets = _buckets(sources, bucket_mb)
+    buckets = _buckets(sources, bucket_mb, mg, layouts)
     out: dict[int, Tensor] = {}
     scope = _defer.current()
     held = None
     if scope is not None or _defer._PENDING:
-        bases = [(slot, _defer.base_of(x)) for slots, xs, _ in buckets for slot, x in zip(slots, xs)]
+        bases = [(slot, _defer.base_of(x)) for layout, xs in buckets for slot, x in zip(layout.slots, xs)]
         if bases and all(b is not None for _, b in bases):
             key = (*owner, tuple((slot, _defer.identity(b)) for slot, b in bases))
             if scope is not None:
@@ -325,20 +334,21 @@ def reduce_inputs(
                 # accumulate's one torch.func.grad: hooks (plain autograd keeps the Function)
                 hooks = scope._expanded_zeros and bool(_functorch.get_interpreter_stack())
                 hooks = hooks and not _several_levels(buckets[0][1][0])
-                for index, (slots, xs, _) in enumerate(buckets):
+                for index, (layout, xs) in enumerate(buckets):
                     deferred = _defer_hooked(held, index, xs) if hooks else _Defer.apply(held, index, *xs)
-                    out.update(zip(slots, deferred))
+                    out.update(zip(layout.slots, deferred))
                 return out
             held = _defer.claim(key)
-    for index, (slots, xs, axes) in enumerate(buckets):
+    for index, (layout, xs) in enumerate(buckets):
+        axes = layout.bucket[0]
         if _several_levels(xs[0]):
             # Hooks act at one autograd level; each level's cotangent needs its own sum: a
             # pvary Function per tensor (its backward a psum at every level), not bucketed.
-            out.update((slot, _Exchange.apply(x, "pvary", (), 0, axes, mg)) for slot, x in zip(slots, xs))
+            out.update((slot, _Exchange.apply(x, "pvary", (), 0, axes, mg)) for slot, x in zip(layout.slots, xs))
             continue
-        state = _State((axes, mg), xs, held, index, kept)
+        state = _State(layout, held, index, kept)
         views = [_hooked(x, state, i) for i, x in enumerate(xs)]
-        out.update(zip(slots, views))
+        out.update(zip(layout.slots, views))
         hooked = any(v is not x for v, x in zip(views, xs))
         if index == 0 and rider is not None and hooked and set(axes) == set(rider.owner.axes):
             state.rider, rider.bucket = rider, state
@@ -416,27 +426,34 @@ def _hooked(x: Tensor, state: _State, i: int) -> Tensor:
 _ASAP = 2**64 - 1  # AccumulateGrad's sequence number (UINT64_MAX)
 
 
-def _buckets(sources: list, bucket_mb: float) -> list[tuple[list[int], list[Tensor], tuple]]:
-    """Group the sources into buckets: ``(slots, tensors, axes)``, the same for every call of a plan."""
-    open_: dict = {}  # (axes, dtype, device) -> [slots, tensors, bytes, axes], not yet full
-    buckets: list = []
-    for slot, x, axes in sources:
-        if not x.requires_grad and not _tracked(x):
-            continue  # no gradient will flow: nothing to reduce
-        key = (axes, x.dtype, x.device)
-        b = open_.get(key)
-        if b is None:
-            b = open_[key] = [[], [], 0, axes]
-            buckets.append(b)
-        b[0].append(slot)
-        b[1].append(x)
-        b[2] += x.numel() * x.element_size()
-        # As DDP: a bucket closes once it reaches its cap; the first one is small (1 MB), so the
-        # last layer's gradients start their all-reduce while the earlier layers' backward runs.
-        cap = (FIRST_BUCKET_MB if len(buckets) == 1 else bucket_mb) * 2**20
-        if b[2] >= cap:
-            del open_[key]
-    return [(slots, xs, axes) for slots, xs, _, axes in buckets]
+def _buckets(sources: list, bucket_mb: float, mg, cache: dict | None = None) -> list[tuple[_Layout, list[Tensor]]]:
+    """Group the sources into buckets: ``(layout, tensors)``, the same layouts in every call of a plan
+    (kept in ``cache``, by which sources get a gradient and their devices)."""
+    flows = tuple((x.requires_grad or _tracked(x), x.device) for _, x, _ in sources)
+    layouts = None if cache is None else cache.get(flows)
+    if layouts is None:
+        open_: dict = {}  # (axes, dtype, device) -> [positions, tensors, bytes, axes], not yet full
+        groups: list = []
+        for j, ((_, x, axes), (flow, _)) in enumerate(zip(sources, flows)):
+            if not flow:
+                continue  # no gradient will flow: nothing to reduce
+            key = (axes, x.dtype, x.device)
+            b = open_.get(key)
+            if b is None:
+                b = open_[key] = [[], [], 0, axes]
+                groups.append(b)
+            b[0].append(j)
+            b[1].append(x)
+            b[2] += x.numel() * x.element_size()
+            # As DDP: a bucket closes once it reaches its cap; the first one is small (1 MB), so the
+            # last layer's gradients start their all-reduce while the earlier layers' backward runs.
+            cap = (FIRST_BUCKET_MB if len(groups) == 1 else bucket_mb) * 2**20
+            if b[2] >= cap:
+                del open_[key]
+        layouts = [(at, _Layout([sources[j][0] for j in at], (axes, mg), xs)) for at, xs, _, axes in groups]
+        if cache is not None:
+            cache[flows] = layouts
+    return [(layout, [sources[j][1] for j in at]) for at, layout in layouts]
 
 
 def kept_or_new(old: Tensor | None, shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -101,7 +101,7 @@ class _Plan:
 
     __slots__ = (
         "digest", "sig", "fast", "in_reduce", "in_order", "coll", "out_broken", "out_specs", "out_treedef",
-        "varying", "flats", "heads", "lone",
+        "varying", "flats", "layouts", "heads", "lone",
     )
 
     def __init__(self, digest: int):
@@ -115,6 +115,7 @@ class _Plan:
         self.out_specs: list = []
         self.out_treedef = None
         self.flats: dict[Any, Tensor] = {}  # gradient buckets' flat buffers, reused across calls
+        self.layouts: dict = {}  # gradient buckets' layouts (buckets._Layout), by the sources' flows
         self.heads: dict[tuple, Tensor] = {}  # first-message headers, by their values
         self.lone = False  # another collective came before bucket 0 could ride: send at once
         self.varying: dict = {}  # (shape, dtype) -> axes a queried value varies over (None: ambiguous)
@@ -235,7 +236,7 @@ class DistShard:
 
             sources = [(i, leaves[i], plan.in_reduce[i]) for i in plan.in_order]
             for i, x in reduce_inputs(
-                sources, mg, self.bucket_mb, owner=(self, plan), fname=self.fname, kept=plan.flats,
+                sources, mg, self.bucket_mb, owner=(self, plan), fname=self.fname, kept=plan.flats, layouts=plan.layouts,
                 rider=None if plan.lone else agree,
             ).items():
                 local[i] = x
@@ -602,7 +603,7 @@ class _Agreement:
         from .buckets import kept_or_new
 
         flats = self.plan.flats
-        flats["wire"] = kept_or_new(flats.get("wire"), (size,), dtype, bucket.shapes[0][2])
+        flats["wire"] = kept_or_new(flats.get("wire"), (size,), dtype, bucket.layout.device)
         return flats["wire"]
 
     def _fits(self, x: Tensor | None, bucket) -> bool:
