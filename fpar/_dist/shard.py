@@ -76,6 +76,9 @@ from .._spec import PartitionSpec, check_spec
 from .._tree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from ..random._guard import RANDOM_OPS, check_random_op
 from . import pending
+from .buckets import kept_or_new, reduce_inputs
+from .exchange import _Exchange, _TakeFirst, summed
+from .groups import _device
 from .pending import Pending, defer
 
 __all__ = ["DistShard"]
@@ -184,8 +187,6 @@ class DistShard:
         return out
 
     def _run(self, plan: _Plan, leaves, treedef, specs, *, traced: bool, first: bool = False):
-        from .exchange import _TakeFirst, summed
-
         mg = self.mg
         agree = _Agreement(self, plan, lazy=not traced)
         tracker = _Tracker(self, plan) if traced else None
@@ -232,8 +233,6 @@ class DistShard:
                 if spec is not None and isinstance(leaf, Tensor):
                     local[i] = tracker.enter(i, leaf, spec)
         elif plan.in_reduce:
-            from .buckets import reduce_inputs
-
             sources = [(i, leaves[i], plan.in_reduce[i]) for i in plan.in_order]
             for i, x in reduce_inputs(
                 sources, mg, self.bucket_mb, owner=(self, plan), fname=self.fname, kept=plan.flats, layouts=plan.layouts,
@@ -284,8 +283,6 @@ class DistShard:
         Right when every sum of the signature sits at its inputs (a fast plan without sums at
         collective outputs): the recomputed region then needs none of its own.
         """
-        from .exchange import _Exchange
-
         if not plan.fast or any(r for _, _, r in plan.coll):
             raise NotImplementedError(
                 f"fpar.shard({self.fname}) on a real mesh: a recomputation in the backward "
@@ -370,8 +367,6 @@ class DistShard:
         """This rank's coordinate per axis, as 0-d int64 tensors on the arguments' device."""
         device = next((x.device for x in leaves if isinstance(x, Tensor)), None)
         if self.index is None or (device is not None and self.index[0] != device):
-            from .groups import _device
-
             dev = device if device is not None else _device([])
             self.index = (dev, {a: torch.tensor(self.mg.coords[a], device=dev) for a in self.axes})
         return self.index[1]
@@ -423,8 +418,6 @@ def _drew_message(fname: str) -> str:
 
 def _grad_sum(x: Tensor, axes: tuple[str, ...], mg) -> Tensor:
     """Identity forward; all-reduces the cotangent over ``axes`` backward (counted when issued)."""
-    from .exchange import _Exchange
-
     return _Exchange.apply(x, "pvary", (), 0, axes, mg)
 
 
@@ -448,8 +441,6 @@ class _Planned(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, ct):
-        from .exchange import _Exchange
-
         axes = ctx.resolve()
         return (_Exchange.apply(ct, "psum", (), 0, axes, ctx.mg) if axes else ct), None, None
 
@@ -600,8 +591,6 @@ class _Agreement:
         dtype, size = self._wire()
         if first is None or first.work is not None or bucket.dtype != dtype or not self._fits(first.x, bucket):
             return None
-        from .buckets import kept_or_new
-
         flats = self.plan.flats
         flats["wire"] = kept_or_new(flats.get("wire"), (size,), dtype, bucket.layout.device)
         return flats["wire"]
@@ -635,12 +624,7 @@ class _Agreement:
         if self.bucket is not None:  # this call's first message goes now: bucket 0 rides or it does not
             self.bucket.rider = self.bucket = None  # (and no reference cycle keeps its buffer)
         with torch._C.DisableTorchFunction(), torch._C._DisableFuncTorch():  # plain buffers, also in a hook
-            if x is not None:
-                dev = x.device
-            else:
-                from .groups import _device
-
-                dev = _device([])
+            dev = x.device if x is not None else _device([])
             head = self._head(dtype, dev, rides, joins, failed, mask, want)
             if joins and bucket.wire is not None and bucket.wire.shape == (size,) and bucket.wire.dtype == dtype:
                 buf = bucket.wire  # its tail holds the bucket already
@@ -967,8 +951,6 @@ class _Tracker(TorchFunctionMode):
     # collectives and outputs
 
     def collective(self, k: int, kind: str, axes: tuple, params: tuple, x: Tensor) -> Tensor:
-        from .exchange import _Exchange
-
         with torch._C.DisableTorchFunction():
             v, d = self.info(x)
             inv = tuple(a for a in axes if a not in v)
