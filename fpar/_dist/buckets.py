@@ -120,15 +120,22 @@ class _State:
             self._done(i)
             axes, mg = self.bucket
             return _Exchange.apply(ct, "psum", (), 0, axes, mg)
-        plain = _functorch._unwrap_for_grad(ct, level) if level else ct
-        with torch._C._DisableFuncTorch():  # plain buffers, also from a hook under functorch
-            slot = self._slot(i)
-            if self.adding:
-                slot.add_(plain)
-            else:
-                slot.copy_(plain)
+        if level:
+            with torch._C._DisableFuncTorch():  # plain buffers, from a hook under functorch
+                slot = self._put(i, _functorch._unwrap_for_grad(ct, level))
+            self._done(i)
+            return _functorch._wrap_for_grad(slot, level)
+        slot = self._put(i, ct)
         self._done(i)
-        return _functorch._wrap_for_grad(slot, level) if level else slot
+        return slot
+
+    def _put(self, i: int, ct: Tensor) -> Tensor:
+        slot = self._slot(i)
+        if self.adding:
+            slot.add_(ct)
+        else:
+            slot.copy_(ct)
+        return slot
 
     def _reset(self) -> None:
         if self.work:  # the last round's all-reduce, never waited on (its graph was cut short)
