@@ -486,6 +486,19 @@ def fast_paths(axes):
         out[f"{name}_backward"] = {k: v.grad for k, v in leaves.items()}
     # grad of grad through the bucketed reduction
     f = fpar.shard(_dp_mlp, mesh, (P(), P("data"), P("data")), P())
+    # .backward() of the loss (on a real mesh an unsettled Pending, which makes its own seed)
+    # with a seed given and a retained graph; with a subset of the inputs
+    seeded = {k: v.clone().requires_grad_() for k, v in inits.items()}
+    subset = {k: v.clone().requires_grad_() for k, v in inits.items()}
+    for _ in range(3):
+        for p in (*seeded.values(), *subset.values()):
+            p.grad = None
+        loss = f(seeded, xl, yl)
+        loss.backward(torch.tensor(2.0), retain_graph=True)
+        loss.backward()  # the retained graph again, seeded with 1: 3 x the gradient in all
+        f(subset, xl, yl).backward(inputs=[subset["w1"]])
+    out["backward_seeded"] = {k: v.grad for k, v in seeded.items()}
+    out["backward_inputs"] = {k: v.grad for k, v in subset.items()}
 
     def gnorm(p):
         g = torch.func.grad(f)(p, xl, yl)

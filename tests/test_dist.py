@@ -699,6 +699,11 @@ def test_fast_paths_match_in_process_and_the_unsharded_gradient(n):
             for how, scale in (("func_grad", 1), ("autograd_grad", 1), ("backward", 3)):
                 for k in g:
                     torch.testing.assert_close(got[r][f"{name}_{how}"][k], scale * g[k])
+        for k in g:
+            torch.testing.assert_close(got[r]["backward_seeded"][k], 3 * g[k])
+        sub = got[r]["backward_inputs"]
+        torch.testing.assert_close(sub["w1"], g["w1"])
+        assert sub["b1"] is None and sub["w2"] is None  # only what inputs= names
         for k in gg:
             torch.testing.assert_close(got[r]["grad_of_grad"][k], gg[k])
         w = D.randn((d,), 9)
