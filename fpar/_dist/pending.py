@@ -197,8 +197,11 @@ class Pending(Tensor):
             args = tree_map(_unwrap, args)
         else:  # the usual case (``ones_like(loss)`` in every backward): no pytree walk
             args = [a.elem if isinstance(a, Pending) else a for a in args]
-        if kwargs:
-            kwargs = tree_map(_unwrap, kwargs)
+        if kwargs:  # ``memory_format=`` of the seed's ``ones_like``: no pytree walk either
+            if any(isinstance(v, (list, tuple, dict)) for v in kwargs.values()):
+                kwargs = tree_map(_unwrap, kwargs)
+            else:
+                kwargs = {k: v.elem if isinstance(v, Pending) else v for k, v in kwargs.items()}
         return func(*args, **(kwargs or {}))
 
 
