@@ -3,7 +3,7 @@
 A bucket is a group of tensors replicated over the same axes, with the same dtype, in the
 order their gradients are expected (the reverse of their first use), closed once it holds
 ``bucket_mb`` megabytes (the first one at 1 MB, as DDP).  Each tensor enters the function as
-two views with tensor hooks (``_hooked``), created when the sharded function is entered::
+two views with hooks on their nodes (``_hooked``), created when the sharded function is entered::
 
     x  ->  waiting view (hook: wait)  ->  launch view (hook: arrive)  ->  the function's uses
 
