@@ -87,17 +87,15 @@ class _State:
     """One bucket in one call: its flat buffer, the cotangents that arrived, the pending all-reduce."""
 
     __slots__ = (
-        "layout", "bucket", "shapes", "held", "index", "kept", "flat", "adding", "arrived", "work", "narrow",
-        "rider", "numel", "dtype", "wire",
+        "layout", "held", "index", "kept", "flat", "adding", "arrived", "work", "narrow", "rider", "wire",
     )
 
     def __init__(self, layout: _Layout, held=None, index: int = 0, kept: dict | None = None):
-        self.layout, self.bucket, self.shapes = layout, layout.bucket, layout.shapes
-        self.numel, self.dtype = layout.numel, layout.dtype
+        self.layout = layout  # its fixed part: axes, shapes, offsets, size, dtype
         self.held, self.index, self.kept = held, index, kept
         self.flat = None  # chosen when the first cotangent arrives
         self.adding = False  # the flat buffer holds deferred microbatches' sums: add into it
-        self.arrived = [False] * len(self.shapes)
+        self.arrived = [False] * len(self.layout.shapes)
         self.work = None  # None: not launched; _HELD_BACK: held (pending.hold); _RIDING: in the
         # call's first message; False: summed and waited for
         self.narrow = None  # (fp16/bf16 flat buffer, its float32 copy being summed)
@@ -118,7 +116,7 @@ class _State:
         level = _first_order_level(ct)
         if level is None:
             self._done(i)
-            axes, mg = self.bucket
+            axes, mg = self.layout.bucket
             return _Exchange.apply(ct, "psum", (), 0, axes, mg)
         if level:
             with torch._C._DisableFuncTorch():  # plain buffers, from a hook under functorch
@@ -141,17 +139,17 @@ class _State:
         if self.work:  # the last round's all-reduce, never waited on (its graph was cut short)
             self.waited(None)
         self.flat, self.adding, self.work = None, False, None
-        self.arrived = [False] * len(self.shapes)
+        self.arrived = [False] * len(self.layout.shapes)
 
     def _slot(self, i: int) -> Tensor:
         if self.flat is None:
             self.flat = self._buffer()
-        shape = self.shapes[i]
+        shape = self.layout.shapes[i]
         return self.flat.narrow(0, self.layout.offsets[i], shape.numel()).view(shape)
 
     def _buffer(self) -> Tensor:
         """The bucket's flat buffer: the deferred microbatches' sum, the plan's kept buffer, or new."""
-        dtype, device, total = self.dtype, self.layout.device, self.numel
+        dtype, device, total = self.layout.dtype, self.layout.device, self.layout.numel
         buf = self.held.take(self.index) if self.held is not None else None
         if buf is not None:
             self.adding = True
@@ -188,7 +186,7 @@ class _State:
             # If some rank's bucket did not ride (it read its loss before the backward), the
             # verdict says so on every rank and ``_again`` sends it here, in launch order.
             self.work = _RIDING
-            axes, mg = self.bucket
+            axes, mg = self.layout.bucket
             stats.record_bytes("psum", axes, len(mg.members(axes)), self.layout.summed_bytes)
             pending.hold(self._again)
             return
@@ -234,7 +232,7 @@ class _State:
                 # mesh and every other psum: fp16/bf16 summed in float32 and rounded once.
                 wire = flat.float()
                 self.narrow = (flat, wire)
-            axes, mg = self.bucket
+            axes, mg = self.layout.bucket
             stats.record_bytes("psum", axes, len(mg.members(axes)), self.layout.summed_bytes)  # as issued
             self.work = dist.all_reduce(wire, group=mg.group(axes), async_op=True)
 

@@ -589,7 +589,7 @@ class _Agreement:
         """
         first = self.first
         dtype, size = self._wire()
-        if first is None or first.work is not None or bucket.dtype != dtype or not self._fits(first.x, bucket):
+        if first is None or first.work is not None or bucket.layout.dtype != dtype or not self._fits(first.x, bucket):
             return None
         flats = self.plan.flats
         flats["wire"] = kept_or_new(flats.get("wire"), (size,), dtype, bucket.layout.device)
@@ -599,7 +599,7 @@ class _Agreement:
         """Whether ``bucket`` rides with ``x`` in the wire as it is now."""
         dtype, size = self._wire()
         k = 0 if x is None else x.numel()
-        return _HEAD + k + bucket.numel <= size and _rides(bucket.dtype, dtype)
+        return _HEAD + k + bucket.layout.numel <= size and _rides(bucket.layout.dtype, dtype)
 
     def _wire(self) -> tuple:
         wire = self.owner.mg.root.wires.get(self.owner.wire_key)
@@ -614,8 +614,8 @@ class _Agreement:
         dtype, size = self._wire()
         k = 0 if x is None else x.numel()
         rides = x is not None and _rides(x.dtype, dtype) and _HEAD + k <= size
-        m = 0 if bucket is None else bucket.numel
-        joins = bucket is not None and _rides(bucket.dtype, dtype) and _HEAD + k + m <= size
+        m = 0 if bucket is None else bucket.layout.numel
+        joins = bucket is not None and _rides(bucket.layout.dtype, dtype) and _HEAD + k + m <= size
         mask = 0.0
         if failed:
             me = dist.get_group_rank(group, mg.rank)
@@ -653,8 +653,8 @@ class _Agreement:
         """The wire this call would fill: (elements, wants float32, wants float64) for the header."""
         parts = [] if x is None else [(x.numel(), x.dtype)]
         b = self.bucket
-        if b is not None and _HEAD + sum(k for k, _ in parts) + b.numel <= _cap(b.dtype):
-            parts.append((b.numel, b.dtype))
+        if b is not None and _HEAD + sum(k for k, _ in parts) + b.layout.numel <= _cap(b.layout.dtype):
+            parts.append((b.layout.numel, b.layout.dtype))
         if not parts:
             return 0.0, 0.0, 0.0  # nothing to carry: no say in the wire's size
         wide = any(d == torch.float64 for _, d in parts)
