@@ -107,6 +107,10 @@ class defer_reduction:
             raise RuntimeError(f"{where}: " + _stale_message(stale))
 
 
+def _new_buffer(b: int, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
 _ZERO: dict = {}  # (dtype, device) -> a one-element zero that deferred_zeros expands
 
 
@@ -149,8 +153,11 @@ class Deferred:
     added into bucket ``b``.  The final call takes each bucket's buffer once.
     """
 
-    def __init__(self, scope: defer_reduction, fname: str, key: tuple, bases: list, n_buckets: int):
+    def __init__(self, scope: defer_reduction, fname: str, key: tuple, bases: list, n_buckets: int, buffer=None):
         self.scope, self.fname, self.key = scope, fname, key
+        # ``buffer(b, numel, dtype, device)``: an uninitialised flat buffer for bucket ``b`` (the
+        # plan's kept one when nothing holds it: no fresh pages touched every step), or a new one.
+        self.buffer = buffer or _new_buffer
         self.bases = bases  # (argument slot, base tensor, version): held, so identities stay unique
         self.flats: list[Tensor | None] = [None] * n_buckets
         self.filled: list[list[bool] | None] = [None] * n_buckets  # per slot, by add_one
@@ -197,7 +204,7 @@ class Deferred:
             if flat is None:
                 _, dtype, device = metas[0]
                 self.sizes[b] = [m[0].numel() for m in metas]
-                flat = self.flats[b] = torch.empty(sum(self.sizes[b]), dtype=dtype, device=device)
+                flat = self.flats[b] = self.buffer(b, sum(self.sizes[b]), dtype, device)
                 self.filled[b] = [False] * len(metas)
             at = sum(m[0].numel() for m in metas[:i])
             slot = flat[at : at + metas[i][0].numel()].view(metas[i][0])
@@ -213,19 +220,22 @@ class Deferred:
         if self.filled[b] is not None:  # add_one's buffer: every slot initialised before adding
             self._zero_unfilled(b)
         flat = self.flats[b]
-        if flat is None and all(ct is not None for ct in cts):
-            self.flats[b] = torch.cat([ct.detach().reshape(-1) for ct in cts])
-        else:
-            if flat is None:
-                shape, dtype, device = metas[0]
-                total = sum(m[0].numel() for m in metas)
-                flat = self.flats[b] = torch.zeros(total, dtype=dtype, device=device)
-            at = 0
-            for ct, (shape, _, _) in zip(cts, metas):
-                n = shape.numel()
-                if ct is not None:
-                    flat[at : at + n].view(shape).add_(ct.detach())
-                at += n
+        first = flat is None
+        if first:
+            _, dtype, device = metas[0]
+            flat = self.flats[b] = self.buffer(b, sum(m[0].numel() for m in metas), dtype, device)
+        at = 0
+        for ct, (shape, _, _) in zip(cts, metas):
+            n = shape.numel()
+            slot = flat[at : at + n].view(shape)
+            if ct is None:
+                if first:  # no cotangent reached it: its gradient so far is zero
+                    slot.zero_()
+            elif first:
+                slot.copy_(ct.detach())  # the buffer is uninitialised: no zero fill first
+            else:
+                slot.add_(ct.detach())
+            at += n
 
     def _too_late(self) -> RuntimeError:
         return RuntimeError(
@@ -309,15 +319,17 @@ def identity(t: Tensor) -> tuple:
     return (t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
-def open_deferred(scope: defer_reduction, fname: str, key: tuple, bases: list, n_buckets: int) -> Deferred:
-    """The open buffers for ``key`` in ``scope``, created on first use."""
+def open_deferred(
+    scope: defer_reduction, fname: str, key: tuple, bases: list, n_buckets: int, buffer=None
+) -> Deferred:
+    """The open buffers for ``key`` in ``scope``, created on first use (``buffer``: see ``Deferred``)."""
     d = _PENDING.get(key)
     if d is not None and d.scope is not scope:
         stale = [d]
         d.drop()
         raise RuntimeError(_stale_message(stale))
     if d is None:
-        d = _PENDING[key] = Deferred(scope, fname, key, bases, n_buckets)
+        d = _PENDING[key] = Deferred(scope, fname, key, bases, n_buckets, buffer)
     d.check_unchanged()
     return d
 

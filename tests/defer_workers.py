@@ -200,6 +200,47 @@ def misuse_job() -> dict:
     return out
 
 
+def reuse_job() -> dict:
+    """Steps whose deferred sums reuse the plan's kept buffers, while earlier steps' gradients live.
+
+    Each step scales the inputs differently, so a buffer handed out while a previous step's
+    gradients still view it would show up as that step's gradients changing.  Both forms: the
+    ``.backward()`` one (``_Defer``) and ``fpar.optim.accumulate``'s (per-tensor hooks).
+    """
+    mesh, params, f, x, y = _setup()
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+
+    def backward_step(scale: float) -> dict:
+        for t in leaves.values():
+            t.grad = None
+        with fpar.defer_reduction():
+            for i in range(N_MICRO - 1):
+                f(leaves, _micro(x, i) * scale, _micro(y, i)).backward()
+        f(leaves, _micro(x, N_MICRO - 1) * scale, _micro(y, N_MICRO - 1)).backward()
+        return {k: v.grad for k, v in leaves.items()}
+
+    acc = fpar.optim.accumulate(
+        lambda p, batch: torch.func.grad_and_value(f)(p, *batch), N_MICRO, mesh, (P("data"), P("data"))
+    )
+    backward_step(1.0)  # the signature's traced first call
+    acc(params, (x, y))
+    scales = (1.0, 0.5, 2.0)
+    held = [backward_step(s) for s in scales]  # every step's gradients held while the next ones run
+    held_acc = [acc(params, (x * s, y))[0] for s in scales]
+    # Gradients dropped before the next step: its sums land in the same memory (no fresh pages).
+    ptrs = []
+    for _ in range(2):
+        g = backward_step(1.0)
+        ptrs.append({k: v.data_ptr() for k, v in g.items()})
+        del g
+    return {
+        "scales": scales,
+        "backward": [{k: v / N_MICRO for k, v in g.items()} for g in held],
+        "accumulate": held_acc,
+        "same_memory": ptrs[0] == ptrs[1],
+    }
+
+
 def run(jobs: list) -> list:
     """Run the named jobs in order (one launch for all of them)."""
     return [globals()[name]() for name in jobs]

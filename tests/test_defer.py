@@ -40,7 +40,7 @@ def test_in_process_mesh_is_unchanged():
 
 @pytest.fixture(scope="module")
 def launched():
-    return fpar.launch(W.run, 2, ["accumulate_job", "misuse_job"], timeout=90.0)
+    return fpar.launch(W.run, 2, ["accumulate_job", "misuse_job", "reuse_job"], timeout=90.0)
 
 
 @pytest.mark.multiprocess
@@ -48,7 +48,7 @@ def test_accumulate_reduces_once_per_bucket_per_step(launched):
     prob = W.problem()
     expected = W.unsharded_grad(prob)
     param_bytes = sum(t.numel() * t.element_size() for t in prob["params"].values())
-    for rank, (acc, _) in enumerate(launched):
+    for rank, (acc, *_) in enumerate(launched):
         for step in acc["steps"]:
             _close(step["grads"], expected)
         # warm steps defer with tensor hooks, not the _Defer Function (~0.4 ms each under functorch)
@@ -86,7 +86,7 @@ def test_accumulate_reduces_once_per_bucket_per_step(launched):
     ],
 )
 def test_misuse_raises_on_every_rank(launched, case, kind, phrase):
-    for _, misuse in launched:
+    for _, misuse, _ in launched:
         assert misuse[case] is not None, f"{case}: no error"
         got_kind, message = misuse[case]
         assert got_kind == kind, message
@@ -96,8 +96,35 @@ def test_misuse_raises_on_every_rank(launched, case, kind, phrase):
 
 @pytest.mark.multiprocess
 def test_state_is_clean_after_errors(launched):
-    for _, misuse in launched:
+    for _, misuse, _ in launched:
         _close(misuse["recovered"], misuse["recovered_plain"])
+
+
+@pytest.mark.multiprocess
+def test_deferred_sums_reuse_buffers_only_once_nothing_holds_them(launched):
+    prob = W.problem()
+    for _, _, reuse in launched:
+        for s, by_backward, by_accumulate in zip(reuse["scales"], reuse["backward"], reuse["accumulate"]):
+            expected = W.unsharded_grad({**prob, "x": prob["x"] * s})
+            _close(by_backward, expected)
+            _close(by_accumulate, expected)
+        assert reuse["same_memory"], "a step's deferred sums did not reuse the buffer the last step dropped"
+
+
+def test_deferred_buffer_filled_per_call_is_whole_when_taken():
+    """``add`` (the ``_Defer`` Function's backward) copies into an uninitialised buffer (the plan's
+    kept one): a slot no cotangent reached in the first call is zero, never left-over memory."""
+    from fpar import _defer
+
+    cpu = torch.device("cpu")
+    metas = [(torch.Size([2, 3]), torch.float64, cpu), (torch.Size([4]), torch.float64, cpu)]
+    stale = lambda b, n, dtype, device: torch.full((n,), float("nan"), dtype=dtype, device=device)  # noqa: E731
+    held = _defer.Deferred(_defer.defer_reduction(), "f", ("key",), [], 1, stale)
+    held.calls = 2
+    a, b = torch.arange(6.0, dtype=torch.float64).view(2, 3), torch.ones(4, dtype=torch.float64)
+    held.add(0, [a, None], metas)  # call 1: only tensor 0 got a cotangent
+    held.add(0, [a, b], metas)  # call 2: both
+    torch.testing.assert_close(held.take(0), torch.cat([(2 * a).reshape(-1), b]))
 
 
 def test_deferred_buffer_filled_per_tensor_is_whole_when_taken(monkeypatch):

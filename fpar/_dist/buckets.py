@@ -34,7 +34,8 @@ instead, so higher orders stay right; it is not bucketed.
 
 **Deferral** (``fpar.defer_reduction``, ``fpar/_defer.py``): a call inside the context builds
 the same buckets but one node each, ``_Defer``, whose backward adds the cotangents into the
-bucket's flat buffer (no communication) and gives the inputs no gradient (under
+bucket's flat buffer (the plan's kept one, as above: a step touches no fresh pages; no
+communication) and gives the inputs no gradient (under
 ``fpar.optim.accumulate``'s ``torch.func.grad``: a hook per tensor, ``_defer_hooked``, passing on
 an expanded shared zero that ``accumulate`` skips).  The next call
 outside the context on the same input tensors hands the buffers to its buckets: ``arrive``
@@ -44,6 +45,8 @@ all-reduce is issued (one call per bucket).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -334,7 +337,8 @@ def reduce_inputs(
             key = (*owner, tuple((slot, _defer.identity(b)) for slot, b in bases))
             if scope is not None:
                 versions = [(slot, b, b._version) for slot, b in bases]
-                held = _defer.open_deferred(scope, fname, key, versions, len(buckets))
+                buffer = None if kept is None else functools.partial(_kept_view, kept)
+                held = _defer.open_deferred(scope, fname, key, versions, len(buckets), buffer)
                 held.calls += 1
                 # accumulate's one torch.func.grad: hooks (plain autograd keeps the Function)
                 hooks = scope._expanded_zeros and bool(_functorch.get_interpreter_stack())
@@ -466,6 +470,16 @@ def kept_or_new(old: Tensor | None, shape: tuple, dtype: torch.dtype, device: to
     if old is not None and (tuple(old.shape), old.dtype, old.device) == (tuple(shape), dtype, device) and _unheld(old):
         return old
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _kept_view(kept: dict, b: int, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Bucket ``b``'s kept flat buffer for deferred sums, as a view of it.
+
+    The view makes the buffer count as held while the sums are open, so ``kept_or_new`` hands it
+    to no one else until they (and the gradients the final call makes of them) are dropped.
+    """
+    buf = kept[b] = kept_or_new(kept.get(b), (numel,), dtype, device)
+    return buf.view(numel)
 
 
 def _unheld(buf: Tensor) -> bool:
