@@ -205,7 +205,8 @@ def reuse_job() -> dict:
 
     Each step scales the inputs differently, so a buffer handed out while a previous step's
     gradients still view it would show up as that step's gradients changing.  Both forms: the
-    ``.backward()`` one (``_Defer``) and ``fpar.optim.accumulate``'s (per-tensor hooks).
+    ``.backward()`` one (``_Defer``) and ``fpar.optim.accumulate``'s (per-tensor hooks, and the
+    means it returns, kept in its own buffers).
     """
     mesh, params, f, x, y = _setup()
     leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
@@ -224,20 +225,24 @@ def reuse_job() -> dict:
     )
     backward_step(1.0)  # the signature's traced first call
     acc(params, (x, y))
-    scales = (1.0, 0.5, 2.0)
-    held = [backward_step(s) for s in scales]  # every step's gradients held while the next ones run
-    held_acc = [acc(params, (x * s, y))[0] for s in scales]
     # Gradients dropped before the next step: its sums land in the same memory (no fresh pages).
-    ptrs = []
+    ptrs, acc_ptrs = [], []
     for _ in range(2):
         g = backward_step(1.0)
         ptrs.append({k: v.data_ptr() for k, v in g.items()})
         del g
+        g = acc(params, (x, y))[0]
+        acc_ptrs.append({k: v.data_ptr() for k, v in g.items()})
+        del g
+    scales = (1.0, 0.5, 2.0)
+    held = [backward_step(s) for s in scales]  # every step's gradients held while the next ones run
+    held_acc = [acc(params, (x * s, y))[0] for s in scales]
     return {
         "scales": scales,
         "backward": [{k: v / N_MICRO for k, v in g.items()} for g in held],
         "accumulate": held_acc,
         "same_memory": ptrs[0] == ptrs[1],
+        "accumulate_same_memory": acc_ptrs[0] == acc_ptrs[1],
     }
 
 

@@ -109,6 +109,7 @@ def test_deferred_sums_reuse_buffers_only_once_nothing_holds_them(launched):
             _close(by_backward, expected)
             _close(by_accumulate, expected)
         assert reuse["same_memory"], "a step's deferred sums did not reuse the buffer the last step dropped"
+        assert reuse["accumulate_same_memory"], "accumulate's means did not reuse the buffers the caller dropped"
 
 
 def test_deferred_buffer_filled_per_call_is_whole_when_taken():

@@ -54,6 +54,7 @@ from torch._C import _functorch
 
 from .. import _defer
 from .. import _stats as stats
+from .._buffers import kept_or_new
 from .._registry import bound_once
 from . import pending
 from .exchange import _Exchange, _first_order_level
@@ -465,13 +466,6 @@ def _buckets(sources: list, bucket_mb: float, mg, cache: dict | None = None) -> 
     return [(layout, [sources[j][1] for j in at]) for at, layout in layouts]
 
 
-def kept_or_new(old: Tensor | None, shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``old`` when it fits and nothing but it holds its memory any more, else a new buffer."""
-    if old is not None and (tuple(old.shape), old.dtype, old.device) == (tuple(shape), dtype, device) and _unheld(old):
-        return old
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
 def _kept_view(kept: dict, b: int, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """Bucket ``b``'s kept flat buffer for deferred sums, as a view of it.
 
@@ -480,12 +474,6 @@ def _kept_view(kept: dict, b: int, numel: int, dtype: torch.dtype, device: torch
     """
     buf = kept[b] = kept_or_new(kept.get(b), (numel,), dtype, device)
     return buf.view(numel)
-
-
-def _unheld(buf: Tensor) -> bool:
-    """Whether nothing but ``buf`` itself refers to its memory (the count includes the storage
-    object asked for here)."""
-    return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) == 2
 
 
 def _tracked(x: Tensor) -> bool:

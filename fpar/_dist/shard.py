@@ -68,6 +68,7 @@ from torch._C._functorch import maybe_current_level
 from torch.overrides import TorchFunctionMode
 
 from .. import _stats as stats
+from .._buffers import kept_or_new
 from .._collectives import Frame, frames
 from .._compile import eager
 from .._errors import ReplicationError
@@ -76,7 +77,7 @@ from .._spec import PartitionSpec, check_spec
 from .._tree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from ..random._guard import RANDOM_OPS, check_random_op
 from . import pending
-from .buckets import kept_or_new, reduce_inputs
+from .buckets import reduce_inputs
 from .exchange import _Exchange, _TakeFirst, summed
 from .groups import _device
 from .pending import Pending, defer

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .. import _dist
+from .._buffers import kept_or_new
 from .._defer import defer_reduction
 from .._mesh import Mesh
 from .._tree import tree_flatten, tree_map, tree_unflatten
@@ -313,8 +314,6 @@ def _gradient_rows(st: Stage, stacked: Any, kept: list) -> list:
     ZB-H1), where stacking is free: a step's first W took 12-13 ms against 6 ms for the others,
     and reuse took 1F1B and ZB-H1 steps from 185 and 189 ms to 176 and 180 (2 stages, one run).
     """
-    from .._dist.buckets import kept_or_new
-
     leaves = tree_flatten(stacked)[0]
     bufs = []
     for i, t in enumerate(leaves):
