@@ -13,6 +13,10 @@ float32, MSE loss) on the same global batch split over 2 gloo processes on this 
   Update: SGD with ``torch._foreach_add_``.  Also timed: **fpar .backward()**, the same sharded
   loss on leaf parameters with ``loss.backward()`` (the same step written PyTorch's way, without
   functorch's per-op wrapping).
+* **floor**: the same per-rank loss in plain torch under ``torch.func.grad`` (no fpar), then one
+  flat ``all_reduce`` of the gradients (no overlap), SGD as above: the least any data
+  parallelism written with ``torch.func.grad`` costs.  fpar's ``torch.func.grad`` step is
+  compared with it (fpar's own cost) and it with DDP (functorch's own cost).
 * **DDP**: the same MLP as an ``nn.Module`` in ``torch.nn.parallel.DistributedDataParallel``
   (gloo, default buckets, its built-in all-reduce overlapped with the backward pass),
   ``loss.backward()``, ``torch.optim.SGD(foreach=True)``.
@@ -72,11 +76,16 @@ LR = 0.01
 KEYS = ("w1", "b1", "w2", "b2")  # nn.Linear layout: weight (out, in), bias (out,)
 
 
-def loss_local(params, x_BD, y_BD):
-    """Per-device loss: the MLP on this device's rows, MSE averaged over "data"."""
+def plain_loss(params, x_BD, y_BD):
+    """The MLP's MSE on this device's rows: plain torch, no fpar."""
     h_BH = torch.relu(F.linear(x_BD, params["w1"], params["b1"]))
     out_BD = F.linear(h_BH, params["w2"], params["b2"])
-    return fpar.pmean(F.mse_loss(out_BD, y_BD), "data")
+    return F.mse_loss(out_BD, y_BD)
+
+
+def loss_local(params, x_BD, y_BD):
+    """Per-device loss: the MLP on this device's rows, MSE averaged over "data"."""
+    return fpar.pmean(plain_loss(params, x_BD, y_BD), "data")
 
 
 def make_module(params) -> nn.Module:
@@ -187,16 +196,33 @@ def worker(cfg: dict) -> dict:
         F.mse_loss(model(x_local), y_local).backward()
         opt.step()
 
+    # (c) the floor of any data parallelism written with torch.func.grad: the same loss with no
+    # fpar (this rank's rows; the mean over ranks taken by hand), then one flat all-reduce of the
+    # gradients, no overlap.  What functorch alone costs against DDP: no library built on
+    # torch.func.grad can be faster than this at a fixed cost per call.
+    floor_params = {k: params[k].detach().clone() for k in KEYS}
+    floor_list = [floor_params[k] for k in KEYS]
+    floor_grad = torch.func.grad(plain_loss)
+    world = dist.get_world_size()
+
+    def floor_step():
+        g = floor_grad(floor_params, x_local, y_local)
+        flat = torch.cat([g[k].reshape(-1) for k in KEYS])
+        dist.all_reduce(flat)
+        parts = [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in floor_list]), floor_list)]
+        torch._foreach_add_(floor_list, parts, alpha=-LR / world)
+
     # One step of each from the same parameters: the same update.
     before = [p.clone() for p in plist]
     fpar_step()
     fpar_bw_step()
     ddp_step()
+    floor_step()
     worst = 0.0
-    for k, p0, pf, pb, pd in zip(KEYS, before, plist, leaves, model.parameters()):
+    for k, p0, pf, pb, pd, pl in zip(KEYS, before, plist, leaves, model.parameters(), floor_list):
         # Compare the updates, not the parameters: an update is ~1e-4 of a parameter's size.
         ud = pd.detach() - p0
-        for name, u in (("fpar", pf - p0), ("fpar .backward()", pb.detach() - p0)):
+        for name, u in (("fpar", pf - p0), ("fpar .backward()", pb.detach() - p0), ("floor", pl - p0)):
             rel = ((u - ud).norm() / ud.norm()).item()
             worst = max(worst, rel)
             if not torch.allclose(u, ud, rtol=1e-4, atol=1e-4 * ud.abs().max().item()):
@@ -206,6 +232,7 @@ def worker(cfg: dict) -> dict:
         fpar_step()
         fpar_bw_step()
         ddp_step()
+        floor_step()
     # Bytes per step, in the steady state (a call's first message grows to fit its first
     # gradient bucket after the first planned call: fpar/_dist/shard.py's _Agreement).
     fpar.reset_comm_stats()
@@ -226,7 +253,7 @@ def worker(cfg: dict) -> dict:
     ddp_held = sum(p.numel() * p.element_size() for p in model.parameters()) * 2
     fpar_held = sum(p.numel() * p.element_size() for p in plist)
     peaks = {"fpar": step_peak_bytes(fpar_step) + fpar_held, "ddp": step_peak_bytes(ddp_step) + ddp_held}
-    steps = {"fpar": fpar_step, "fpar_bw": fpar_bw_step, "ddp": ddp_step}
+    steps = {"fpar": fpar_step, "fpar_bw": fpar_bw_step, "ddp": ddp_step, "floor": floor_step}
     times = interleaved(steps, cfg["repeats"])
 
     return {
@@ -287,7 +314,7 @@ def main(argv=None) -> None:
         f"{n} gloo processes x {threads} thread(s), fpar {fpar.__version__}, torch {torch.__version__}, "
         f"{args.repeats} repeats"
     )
-    for k in ("fpar", "fpar_bw", "ddp"):
+    for k in ("fpar", "fpar_bw", "ddp", "floor"):
         print(
             f"  {k:7s}  median {med[k]:8.2f} ms   min {lo[k]:8.2f}   max {hi[k]:8.2f}   (rank 1 median {med1[k]:.2f})"
         )
@@ -298,6 +325,10 @@ def main(argv=None) -> None:
     print(
         f"  ratio fpar .backward()/DDP: {med['fpar_bw'] / med['ddp']:.2f}x (medians), "
         f"{lo['fpar_bw'] / lo['ddp']:.2f}x (minima)"
+    )
+    print(
+        f"  floor (torch.func.grad, no fpar, + one flat all-reduce) / DDP: {med['floor'] / med['ddp']:.2f}x; "
+        f"fpar func.grad / floor: {med['fpar'] / med['floor']:.2f}x (medians)"
     )
     pk = r0["peaks"]
     print(
@@ -327,12 +358,13 @@ def main(argv=None) -> None:
     )
     print()
     print(
-        "| benchmark | config | fpar func.grad / .backward() (ms) | DDP (ms) | ratio | peak mem ratio | all-reduce bytes/step fpar / DDP / formula | threads |"
+        "| benchmark | config | fpar func.grad / .backward() (ms) | DDP (ms) | ratio | floor (ms) / DDP | peak mem ratio | all-reduce bytes/step fpar / DDP / formula | threads |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     print(
         f"| data_parallel | MLP train step B={B} D={D} H={H} fp32, {n} gloo procs "
         f"| {med['fpar']:.2f} / {med['fpar_bw']:.2f} | {med['ddp']:.2f} | {ratio:.2f}x / {med['fpar_bw'] / med['ddp']:.2f}x "
+        f"| {med['floor']:.2f} / {med['floor'] / med['ddp']:.2f}x "
         f"| {pk['fpar'] / pk['ddp']:.2f}x "
         f"| {fpar_total:,} / {ddp_total:,} / {formula:,} | {n}x{threads} |"
     )
