@@ -26,7 +26,7 @@ import torch
 from torch._C._functorch import maybe_current_level
 
 from . import _stats as stats
-from ._compile import opaque
+from ._compile import opaque, untraced
 from ._errors import UnboundAxisError
 from ._registry import internal
 from ._tree import tree_map
@@ -304,6 +304,7 @@ def _count_implicit_pvary(frame: Frame, leaf: Tensor, axes: tuple[str, ...]) -> 
         stats.count_transpose(leaf, "pvary", inv, frame.mesh.axis_size(inv))
 
 
+@untraced  # a frame Dynamo never compiles: see _compile.py
 def psum(x: Any, axis_name: AxisName) -> Any:
     """Sum over mesh axes: ``psum(x varying over axis) -> x replicated over axis``.
 
@@ -320,11 +321,13 @@ def psum(x: Any, axis_name: AxisName) -> Any:
     return _apply("psum", x, axis_name, "psum", number=lambda c, n: c * n)
 
 
+@untraced  # a frame Dynamo never compiles: see _compile.py
 def pmean(x: Any, axis_name: AxisName) -> Any:
     """Mean over mesh axes: ``pmean(x varying over axis) -> x replicated over axis``."""
     return _apply("pmean", x, axis_name, "pmean", number=lambda c, n: c)
 
 
+@untraced  # a frame Dynamo never compiles: see _compile.py
 def pmax(x: Any, axis_name: AxisName) -> Any:
     """Elementwise max over mesh axes: ``pmax(x varying) -> x replicated``.
 
@@ -334,11 +337,13 @@ def pmax(x: Any, axis_name: AxisName) -> Any:
     return _apply("pmax", x, axis_name, "pmax", number=lambda c, n: c)
 
 
+@untraced  # a frame Dynamo never compiles: see _compile.py
 def pmin(x: Any, axis_name: AxisName) -> Any:
     """Elementwise min over mesh axes: ``pmin(x varying) -> x replicated``; differentiable like pmax."""
     return _apply("pmin", x, axis_name, "pmin", number=lambda c, n: c)
 
 
+@untraced  # a frame Dynamo never compiles: see _compile.py
 def all_gather(x: Any, axis_name: AxisName, *, axis: int = 0, tiled: bool = False) -> Any:
     """Gather every device's block: ``all_gather(x: [*s]) -> [*s[:axis], n, *s[axis:]]``.
 
@@ -359,6 +364,7 @@ def all_gather(x: Any, axis_name: AxisName, *, axis: int = 0, tiled: bool = Fals
     return _apply("all_gather", x, axis_name, "all_gather", check=check)
 
 
+@untraced  # a frame Dynamo never compiles: see _compile.py
 def all_gather_invariant(x: Any, axis_name: AxisName, *, axis: int = 0, tiled: bool = False) -> Any:
     """``all_gather`` whose result is typed replicated over the axis (JAX's ``all_gather_invariant``).
 
@@ -375,6 +381,7 @@ def all_gather_invariant(x: Any, axis_name: AxisName, *, axis: int = 0, tiled: b
     return _apply("all_gather_invariant", x, axis_name, "all_gather_invariant", check=check)
 
 
+@untraced  # a frame Dynamo never compiles: see _compile.py
 def psum_scatter(x: Any, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False) -> Any:
     """Sum over devices, each keeping one chunk: the transpose of ``all_gather``.
 
@@ -403,6 +410,7 @@ def ppermute(x: Any, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> An
     return _apply("ppermute", x, axis_name, "ppermute", (pairs,))
 
 
+@untraced  # a frame Dynamo never compiles: see _compile.py
 def all_to_all(x: Any, axis_name: AxisName, split_axis: int, concat_axis: int, *, tiled: bool = False) -> Any:
     """Split ``split_axis`` into n chunks, send chunk j to device j, join what arrives on ``concat_axis``.
 

@@ -15,16 +15,30 @@ reproduced on torch 2.13 with gloo).  So fpar never lets Dynamo trace its own ma
   each collective;
 * where fpar intercepts every op (the in-process mesh, and a real-mesh call that plans a
   signature or stays traced), a compiled per-device function runs eagerly
-  (:func:`eager`): Dynamo would otherwise try to trace fpar's interception itself.
+  (:func:`eager`): Dynamo would otherwise try to trace fpar's interception itself;
+* what autograd calls back into fpar (a gradient bucket's hooks, a collective's backward, the
+  ``Pending`` loss) is :func:`untraced`: inside a compiled step, ``loss.backward()`` is a graph
+  break that runs eagerly, but Dynamo still intercepts every Python frame it calls and would
+  compile fpar's hooks one by one (recompiling for every tensor slot and shape, then guarding
+  on each call), which made a compiled step slower than the eager one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 
-__all__ = ["REASON", "eager", "opaque"]
+try:  # torch's per-code-object frame strategy (what torch._dynamo.skip_code uses)
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+except ImportError:  # a torch without Dynamo: nothing ever compiles a frame
+    set_code_exec_strategy = None
+
+T = TypeVar("T")
+
+__all__ = ["REASON", "eager", "opaque", "untraced"]
 
 REASON = (
     "fpar.shard: a sharded function and fpar's collectives are graph breaks under torch.compile "
@@ -43,3 +57,36 @@ def opaque(fn: Callable) -> Callable:
 def eager():
     """A context in which compiled functions run eagerly (fpar intercepts every op there)."""
     return torch.compiler.set_stance("force_eager")
+
+
+def untraced(obj: T) -> T:
+    """``obj``'s frames, and the frames they call, run as they are under ``torch.compile``.
+
+    ``obj`` is a function (with every function and lambda defined in it) or a class (its methods).
+    Dynamo never compiles these frames, nor any frame called from them, except a function the
+    user compiled explicitly (``torch.compile(f)`` called from them still compiles).  Meant for
+    what autograd calls back during a compiled step's ``loss.backward()``: hooks, a Function's
+    ``backward``.  Dynamo still inlines ``obj`` where it traces a caller (a graph break inside it
+    then falls back to running it).  Costs nothing outside ``torch.compile``: it marks the code
+    objects, it does not wrap them.
+    """
+    if set_code_exec_strategy is not None:
+        skip = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
+        for code in _codes(obj):
+            set_code_exec_strategy(code, skip)
+    return obj
+
+
+def _codes(obj) -> Iterator[types.CodeType]:
+    if isinstance(obj, type):
+        for value in vars(obj).values():
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            if isinstance(value, types.FunctionType):
+                yield from _codes(value)
+        return
+    stack = [obj.__code__]
+    while stack:
+        code = stack.pop()
+        yield code
+        stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import inspect
 
+from ._compile import untraced
+
 __all__ = ["INTERNAL", "bound_once", "internal"]
 
 INTERNAL: set[type] = set()
@@ -22,11 +24,13 @@ def internal(cls: type) -> type:
 
 
 def bound_once(cls: type) -> type:
-    """An autograd.Function whose ``forward`` signature is read once, not on every ``apply``.
+    """An fpar autograd.Function: its ``forward`` signature read once, its frames never compiled.
 
     ``Function.apply`` binds the arguments of a Function with ``setup_context`` to its
     ``forward``'s signature on every call, and ``inspect.signature`` builds that signature anew
     each time (~10 us, a third of an apply); it returns a function's ``__signature__`` as is.
+    Its ``backward``, which autograd may call inside a compiled step, runs as it is
+    (``_compile.untraced``).
     """
     cls.forward.__signature__ = inspect.signature(cls.forward)
-    return cls
+    return untraced(cls)

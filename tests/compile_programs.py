@@ -9,6 +9,8 @@ torch autograd in the same process, or the error the form raised.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
@@ -68,6 +70,15 @@ def _graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def _fpar_frames() -> list[str]:
+    """fpar's source files among the frames Dynamo has tried to compile since the last reset."""
+    from torch._dynamo import convert_frame
+
+    root = str(Path(fpar.__file__).parent)
+    codes = (ref() for ref in convert_frame.input_codes.seen)
+    return sorted({c.co_filename[len(root) + 1 :] for c in codes if c is not None and c.co_filename.startswith(root)})
 
 
 def run_forms(backend: str = "aot_eager") -> dict:
@@ -180,4 +191,7 @@ def run_forms(backend: str = "aot_eager") -> dict:
     form("c_tp", c_tensor_parallel)
     form("c_fullgraph", c_fullgraph)
     form("d", d_step_with_optimizer)
+    # What autograd calls back into fpar from a compiled step's backward (bucket hooks, the
+    # collectives' backward, the Pending loss) runs as it is: Dynamo compiled no frame of fpar's.
+    out["fpar_frames"] = _fpar_frames()
     return out

@@ -55,6 +55,7 @@ from torch._C import _functorch
 from .. import _defer
 from .. import _stats as stats
 from .._buffers import kept_or_new
+from .._compile import untraced
 from .._registry import bound_once
 from . import pending
 from .exchange import _Exchange, _first_order_level
@@ -87,6 +88,7 @@ class _Layout:
         self.summed_bytes = at * (4 if low else self.dtype.itemsize)
 
 
+@untraced
 class _State:
     """One bucket in one call: its flat buffer, the cotangents that arrived, the pending all-reduce."""
 
@@ -365,6 +367,7 @@ def reduce_inputs(
     return out
 
 
+@untraced
 def _defer_hooked(held, index: int, xs: list[Tensor]) -> list[Tensor]:
     """``_Defer`` as tensor hooks, under ``fpar.optim.accumulate``'s one ``torch.func.grad``.
 
@@ -402,6 +405,7 @@ def _several_levels(x: Tensor) -> bool:
     return False
 
 
+@untraced
 def _hooked(x: Tensor, state: _State, i: int) -> Tensor:
     """``x``'s identity, two views deep: its backward launches, then waits on, the bucket's sum.
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch._C import _functorch
 
 from .. import _stats as stats
+from .._compile import untraced
 from .._registry import internal
 from .groups import MeshGroups
 from .pending import Pending, Stand
@@ -295,6 +296,7 @@ def _plain_autograd(x: Tensor) -> bool:
     )
 
 
+@untraced
 def _carried_plain(x: Tensor, kind: str, total: Pending, n: int, axes: tuple, mg: MeshGroups) -> Tensor:
     """The call's first psum/pmean under plain autograd, carried by its first message, no Function.
 

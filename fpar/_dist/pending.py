@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from .._compile import untraced
+
 Tensor = torch.Tensor
 
 _UNSETTLED: list[tuple[Callable[[], None], Any]] = []  # (verdict, its message's work), oldest first
@@ -45,6 +47,7 @@ _settling = [False]
 _for_collective = [False]  # the settling in progress comes before another collective
 
 
+@untraced
 def settle(*, collective: bool = False) -> None:
     """Run every pending verdict, oldest first, then send the held messages in order.
 
@@ -89,6 +92,7 @@ def hold(send: Callable[[], None]) -> None:
     _HELD.append(send)
 
 
+@untraced
 def _settle_at_exit() -> None:
     """At interpreter exit: no work handle outlives the process, and a failed check is shown."""
     if not (_UNSETTLED or _HELD):
@@ -126,6 +130,7 @@ def _unwrap(t: Any) -> Any:
     return t.elem if isinstance(t, Pending) else t
 
 
+@untraced
 class Pending(Tensor):
     """A collective's result whose value arrives later; any op that reads it waits for it first."""
 
@@ -205,6 +210,7 @@ class Pending(Tensor):
         return func(*args, **(kwargs or {}))
 
 
+@untraced
 class Stand(Pending):
     """``total - base`` in ``base + stand``, the one op it takes: that add is ``total`` itself.
 

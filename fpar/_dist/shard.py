@@ -70,7 +70,7 @@ from torch.overrides import TorchFunctionMode
 from .. import _stats as stats
 from .._buffers import kept_or_new
 from .._collectives import Frame, frames
-from .._compile import eager
+from .._compile import eager, untraced
 from .._errors import ReplicationError
 from .._registry import bound_once
 from .._spec import PartitionSpec, check_spec
@@ -467,6 +467,7 @@ def _may_wait_later() -> bool:
     return all(i.key() == _functorch.TransformType.Grad for i in stack)
 
 
+@untraced
 class _Agreement:
     """The per-call signature check, carried by the call's first message (see the module doc).
 
@@ -741,6 +742,7 @@ class _Wire:
             self.now = (dtype, max([_WIRE0[1], *(k for d, k in self.recent if d == dtype)]))
 
 
+@untraced
 class _First:
     """A planned call's first message, sent without waiting; its verdict runs at the next settling.
 

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .._compile import untraced
+
 __all__ = ["Record", "capture", "weight_grads"]
 
 Tensor = torch.Tensor
@@ -114,6 +116,7 @@ def _reshape_of(t: Tensor, leaf: Tensor) -> bool:
 _VIEW_NODES = {"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0", "AliasBackward0"}
 
 
+@untraced
 class _Linear(torch.autograd.Function):
     """``F.linear`` or ``x @ w`` whose backward returns only the input gradient and records ``(x, dy)``."""
 
