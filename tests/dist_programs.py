@@ -548,6 +548,27 @@ def fast_paths(axes):
     for _ in range(3):
         (gcap,) = torch.autograd.grad(fcap(xl), [wcap])
     out["captured"] = gcap
+    # a loss whose carried pmean the function itself reads (squares it): on a real mesh the traced
+    # call sees the read, so planned calls wait for the sum there (a plain tensor, which a
+    # compiled f can go on with, where a loss returned as it is stays a Pending); second order too
+    seen: list[type] = []
+
+    def squared(params, x, y):
+        loss = _dp_mlp(params, x, y)
+        seen.append(type(loss))
+        return loss * loss
+
+    fs = fpar.shard(squared, mesh, (P(), P("data"), P("data")), P())
+    leaves = {k: v.clone().requires_grad_() for k, v in inits.items()}
+    ps = list(leaves.values())
+    for _ in range(4):
+        g1 = torch.autograd.grad(fs(leaves, xl, yl), ps, create_graph=True)
+        gg = torch.autograd.grad(sum((t * t).sum() for t in g1), ps)
+    out["read_inside_grad"] = dict(zip(leaves, g1))
+    out["read_inside_double_backward"] = dict(zip(leaves, gg))
+    out["read_inside_func_grad"] = [torch.func.grad(fs)(inits, xl, yl) for _ in range(3)][-1]
+    if mesh.backend != "local" and mesh.axis_names == ("data",):  # (a pmean over every axis is carried)
+        assert pending.Pending not in seen, seen
     return out
 
 

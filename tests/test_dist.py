@@ -692,9 +692,18 @@ def test_fast_paths_match_in_process_and_the_unsharded_gradient(n):
     def unsharded(p):
         return ((torch.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] - y) ** 2).mean()
 
+    def squared(p):  # the loss read inside the sharded function
+        return unsharded(p) ** 2
+
     g = torch.func.grad(unsharded)(inits)
     gg = torch.func.grad(lambda p: sum((t * t).sum() for t in torch.func.grad(unsharded)(p).values()))(inits)
+    g_sq = torch.func.grad(squared)(inits)
+    gg_sq = torch.func.grad(lambda p: sum((t * t).sum() for t in torch.func.grad(squared)(p).values()))(inits)
     for r in range(n):
+        for k in g:
+            torch.testing.assert_close(got[r]["read_inside_grad"][k], g_sq[k])
+            torch.testing.assert_close(got[r]["read_inside_func_grad"][k], g_sq[k])
+            torch.testing.assert_close(got[r]["read_inside_double_backward"][k], gg_sq[k])
         for name in ("one_bucket", "buckets"):
             for how, scale in (("func_grad", 1), ("autograd_grad", 1), ("backward", 3)):
                 for k in g:

@@ -256,7 +256,8 @@ def summed(x: Tensor, kind: str, params: tuple, axes: tuple, mg: MeshGroups) -> 
     ``_Agreement``), may come back unsettled (a ``Pending``): its history is then an add
     (``_pending_sum``).  Under plain autograd the carried one takes the same add (its history
     an add, whose cotangent a hook hands on through a differentiable pvary when the backward
-    records a graph, ``create_graph``); other sums keep the Function there.
+    records a graph, ``create_graph``), or, waited for (a plan that reads it inside the
+    function), the clone (division) above with that hook; other sums keep the Function there.
     """
     level = _first_order_level(x) if kind in ("psum", "pmean") else None
     plain_autograd = level is None and params and _plain_autograd(x)
@@ -267,13 +268,17 @@ def summed(x: Tensor, kind: str, params: tuple, axes: tuple, mg: MeshGroups) -> 
     with torch._C._DisableFuncTorch():
         stats.record(kind, axes, n, plain_x)
         got = params[0].reduce(plain_x, kind, n) if params else None
-    if plain_autograd:
+    if plain_autograd and isinstance(got, Pending):
         return _carried_plain(x, kind, got, n, axes, mg)
     base = x / n if kind == "pmean" else x
     if isinstance(got, Pending):
         return _pending_sum(base, got, level)
     y = base if kind == "pmean" else x.clone()
-    plain = _functorch._unwrap_for_grad(y, level)
+    if plain_autograd:  # the carried sum, waited for (its plan reads it inside the function)
+        _pvary_when_recorded(y, axes, mg)
+        plain = y.detach()
+    else:
+        plain = _functorch._unwrap_for_grad(y, level)
     with torch._C._DisableFuncTorch():
         if got is not None:  # the check's message carried it, and it was waited for
             plain.copy_(got)
@@ -307,12 +312,19 @@ def _carried_plain(x: Tensor, kind: str, total: Pending, n: int, axes: tuple, mg
     graph (grad mode is on in a hook exactly then).  ``autograd.Function.apply`` cost ~0.1 ms
     of a tiny data-parallel step.
     """
-    # A fast call under plain autograd sends its first message without waiting: always a Pending.
-    assert isinstance(total, Pending), "fpar internal: a carried sum under plain autograd was waited for"
     base = x / n if kind == "pmean" else x.view_as(x)
-    # On the node (as a tensor hook on ``base``, ~2 us cheaper).
-    base.grad_fn.register_prehook(lambda cts: (_pvary(cts[0], 0, axes, mg),) if torch.is_grad_enabled() else None)
+    _pvary_when_recorded(base, axes, mg)
     return torch.add(base, Stand(total))
+
+
+@untraced
+def _pvary_when_recorded(t: Tensor, axes: tuple, mg: MeshGroups) -> None:
+    """Under ``create_graph``, ``t``'s cotangent goes on through the differentiable pvary.
+
+    So the cotangent's own cotangent is summed: the carried sum's second order.  A pre-hook on ``t``'s node (as a tensor hook, ~2 us cheaper); grad mode is on in a hook
+    exactly when the backward records a graph.
+    """
+    t.grad_fn.register_prehook(lambda cts: (_pvary(cts[0], 0, axes, mg),) if torch.is_grad_enabled() else None)
 
 
 def _pending_sum(base: Tensor, total: Pending, level: int) -> Tensor:

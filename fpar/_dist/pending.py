@@ -4,8 +4,10 @@ A planned call whose first collective is a small sum over every mesh axis (a dat
 loss ``pmean``) sends it, with the signature check it carries (``shard._Agreement``), without
 waiting, or, when the call's first gradient bucket may ride in the same message, once that
 bucket is ready in the backward (``shard._First``; until then it counts as in flight): the
-result is a ``Pending`` tensor, as torch's ``AsyncCollectiveTensor``.  Its value is waited on,
-and the check read, at the first of:
+result is a ``Pending`` tensor, as torch's ``AsyncCollectiveTensor``.  (Unless the signature's
+traced call saw the function itself read the sum, a tensor-parallel activation: waiting at once
+costs nothing more there, and a plain tensor lets a compiled ``f`` go on compiled.)  Its value
+is waited on, and the check read, at the first of:
 
 * any operation that reads it (``.item()``, printing, arithmetic, ``.detach()``, ...): every
   op but the few that need only its shape (``ones_like``, ``zeros_like``, ``empty_like``, which

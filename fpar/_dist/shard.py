@@ -95,6 +95,23 @@ _NOT_OPS = {
 }
 
 
+# What reads a tensor's value without returning a tensor (as the ops that make a ``Pending`` wait)
+_VALUE_READS = {
+    Tensor.item, Tensor.tolist, Tensor.numpy, Tensor.__bool__, Tensor.__float__, Tensor.__int__,
+    Tensor.__index__, Tensor.__format__, Tensor.__repr__, Tensor.__array__, Tensor.data_ptr,
+}
+_SHAPE_LIKE = {torch.ones_like, torch.zeros_like, torch.empty_like}
+
+
+def _reads_value(func, result: Any) -> bool:
+    """Whether an op that took a tensor read its value (not only its shape, dtype or device)."""
+    if func in _VALUE_READS:
+        return True
+    if func in _SHAPE_LIKE:
+        return False
+    return any(isinstance(t, Tensor) for t in (result if isinstance(result, (tuple, list)) else (result,)))
+
+
 def _diff(t: Tensor) -> bool:
     """Whether a cotangent can flow to ``t`` (float or complex dtype)."""
     return t.is_floating_point() or t.is_complex()
@@ -105,7 +122,7 @@ class _Plan:
 
     __slots__ = (
         "digest", "sig", "fast", "in_reduce", "in_order", "coll", "out_broken", "out_specs", "out_treedef",
-        "varying", "flats", "layouts", "heads", "lone",
+        "varying", "flats", "layouts", "heads", "lone", "read_inside",
     )
 
     def __init__(self, digest: int):
@@ -122,6 +139,10 @@ class _Plan:
         self.layouts: dict = {}  # gradient buckets' layouts (buckets._Layout), by the sources' flows
         self.heads: dict[tuple, Tensor] = {}  # first-message headers, by their values
         self.lone = False  # another collective came before bucket 0 could ride: send at once
+        # the traced call read the carried sum inside the function (a tensor-parallel activation,
+        # not a loss it returns): planned calls wait for it there and go on with a plain tensor
+        # (nothing to gain from a Pending, and Dynamo traces none: a compiled f goes on compiled)
+        self.read_inside = False
         self.varying: dict = {}  # (shape, dtype) -> axes a queried value varies over (None: ambiguous)
 
 
@@ -534,7 +555,7 @@ class _Agreement:
         next collective.  The first call of a signature waits, as under a transform that could
         look inside the value (vmap, forward-mode AD).
         """
-        if self.lazy and _may_wait_later():
+        if self.lazy and not self.plan.read_inside and _may_wait_later():
             return self._send_async(x, kind, n)
         y = self._exchange(x, failed=False)
         return None if y is None else (y / n if kind == "pmean" else y)
@@ -868,6 +889,7 @@ class _Tracker(TorchFunctionMode):
         self.inner = False  # the function differentiates inside itself
         self.base = maybe_current_level()
         self.coll: list = []
+        self.carried: Tensor | None = None  # the sum the call's first message carried, until an op reads it
 
     # bookkeeping
 
@@ -933,6 +955,7 @@ class _Tracker(TorchFunctionMode):
         idx = [i for i, t in enumerate(leaves) if isinstance(t, Tensor)]
         if not idx:
             return func(*args, **kwargs)
+        reads = self.carried is not None and any(leaves[i] is self.carried for i in idx)
         infos = [self.info(leaves[i]) for i in idx]
         union = frozenset().union(*(v for v, _ in infos))
         deps: set = set()
@@ -949,6 +972,8 @@ class _Tracker(TorchFunctionMode):
             args, kwargs = tree_unflatten(treedef, leaves)
         result = func(*args, **kwargs)
         self._mark(result, union, frozenset(deps))
+        if reads and _reads_value(func, result):
+            self.plan.read_inside, self.carried = True, None
         return result
 
     # collectives and outputs
@@ -974,6 +999,8 @@ class _Tracker(TorchFunctionMode):
                 y = _Planned.apply(y, lambda: plan.coll[k][2] if plan.fast else (), self.mg)
         self.coll.append((kind, axes))
         self._mark(y, varying, frozenset(deps))
+        if params and isinstance(params[0], _Agreement):
+            self.carried = y  # read by an op of the function, or only returned (plan.read_inside)
         return y
 
     def output(self, t: Tensor, named: tuple[str, ...]) -> Tensor:
