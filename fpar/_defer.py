@@ -303,6 +303,17 @@ class Deferred:
             _LIVE.remove(self)
 
 
+def drop_all() -> None:
+    """Drop every open deferred sum: a sharded call's signature check failed on every rank.
+
+    The step those sums belong to is lost on every rank alike; dropping them everywhere keeps
+    the ranks' states the same, so the next step starts clean on all of them (a rank left
+    holding sums would raise on its own when it enters the next ``defer_reduction()``).
+    """
+    for d in list(_LIVE):
+        d.drop()
+
+
 def base_of(t: Tensor) -> Tensor | None:
     """The plain tensor under at most one ``torch.func.grad`` level, or None (not deferrable)."""
     if is_functorch_wrapped_tensor(t):

@@ -183,6 +183,25 @@ def misuse_job() -> dict:
         fpar.optim.accumulate(grad_fn, N_MICRO, mesh, (P("data"), P("data")))(params, (x, y))
 
     out["new_tensors"] = _error(new_tensors_each_microbatch)
+    rank = torch.distributed.get_rank()
+
+    def ranks_disagree():  # rank 0 defers one more microbatch than the others
+        leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+        with fpar.defer_reduction():
+            for i in range(2 if rank == 0 else 1):
+                f(leaves, _micro(x, i), _micro(y, i)).backward()
+        f(leaves, _micro(x, 2), _micro(y, 2)).backward()
+
+    out["ranks_disagree"] = _error(ranks_disagree)
+
+    def ranks_disagree_accumulate():  # 4 microbatches on rank 0, 2 of the same size on the others
+        n = N_MICRO if rank == 0 else 2
+        rows = x.shape[0] * n // N_MICRO
+        fpar.optim.accumulate(
+            lambda p, batch: torch.func.grad_and_value(f)(p, *batch), n, mesh, (P("data"), P("data"))
+        )(params, (x[:rows], y[:rows]))
+
+    out["ranks_disagree_accumulate"] = _error(ranks_disagree_accumulate)
 
     def after_errors():  # the state is clean again: a correct step works
         with fpar.defer_reduction():

@@ -83,6 +83,10 @@ def test_accumulate_reduces_once_per_bucket_per_step(launched):
         ("never_final", "RuntimeError", "were never reduced"),
         ("final_backward_first", "RuntimeError", "1 of the 1 deferred calls have not run their backward yet"),
         ("new_tensors", "RuntimeError", "fpar.optim.accumulate: gradients deferred under"),
+        # ranks that defer different microbatches: before, gloo aborted the process (a collective
+        # size mismatch) and NCCL would hang; the deferral salts the signature check
+        ("ranks_disagree", "ValueError", "rank 0 deferred this call's gradient reduction (fpar.defer_reduction()) but rank 1 did not"),
+        ("ranks_disagree_accumulate", "ValueError", "rank 0 deferred this call's gradient reduction"),
     ],
 )
 def test_misuse_raises_on_every_rank(launched, case, kind, phrase):

@@ -308,7 +308,7 @@ def reduce_inputs(
     kept: dict | None = None,
     layouts: dict | None = None,
     rider=None,
-) -> dict[int, Tensor]:
+) -> tuple[dict[int, Tensor], bool]:
     """Wrap replicated inputs so their cotangents are all-reduced over their axes, bucketed.
 
     Under ``fpar.defer_reduction()`` the cotangents are added into per-bucket buffers instead;
@@ -328,7 +328,8 @@ def reduce_inputs(
         same ranks as the call's first message, may ride in that message.
 
     Returns:
-      ``{slot: wrapped tensor}``: the identity on values.
+      ``({slot: wrapped tensor}, deferred)``: the identity on values, and whether this call's
+      sums were deferred (it then sends no bucket messages: the ranks must agree on it).
     """
     buckets = _buckets(sources, bucket_mb, mg, layouts)
     out: dict[int, Tensor] = {}
@@ -349,7 +350,7 @@ def reduce_inputs(
                 for index, (layout, xs) in enumerate(buckets):
                     deferred = _defer_hooked(held, index, xs) if hooks else _Defer.apply(held, index, *xs)
                     out.update(zip(layout.slots, deferred))
-                return out
+                return out, True
             held = _defer.claim(key)
     for index, (layout, xs) in enumerate(buckets):
         axes = layout.bucket[0]
@@ -364,7 +365,7 @@ def reduce_inputs(
         hooked = any(v is not x for v, x in zip(views, xs))
         if index == 0 and rider is not None and hooked and set(axes) == set(rider.owner.axes):
             state.rider, rider.bucket = rider, state
-    return out
+    return out, False
 
 
 @untraced

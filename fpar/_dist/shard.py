@@ -67,6 +67,7 @@ import torch.distributed as dist
 from torch._C._functorch import maybe_current_level
 from torch.overrides import TorchFunctionMode
 
+from .. import _defer
 from .. import _stats as stats
 from .._buffers import kept_or_new
 from .._collectives import Frame, frames
@@ -256,10 +257,11 @@ class DistShard:
                     local[i] = tracker.enter(i, leaf, spec)
         elif plan.in_reduce:
             sources = [(i, leaves[i], plan.in_reduce[i]) for i in plan.in_order]
-            for i, x in reduce_inputs(
+            wrapped, agree.deferred = reduce_inputs(
                 sources, mg, self.bucket_mb, owner=(self, plan), fname=self.fname, kept=plan.flats, layouts=plan.layouts,
                 rider=None if plan.lone else agree,
-            ).items():
+            )
+            for i, x in wrapped.items():
                 local[i] = x
         frames().append(frame)
         ok = False
@@ -528,6 +530,9 @@ class _Agreement:
         self.lazy = lazy  # a planned call: a carried sum may be waited on at its first use
         self.bucket = None  # bucket 0 (buckets._State) when it may ride in the first message
         self.first: _First | None = None  # the first message while it waits for bucket 0
+        # this call's gradient sums are deferred (fpar.defer_reduction): it sends no bucket
+        # messages, so ranks must agree on it as on the signature (it salts the hash)
+        self.deferred = False
 
     def carry(self, kind: str, axes: tuple, x: Tensor, params: tuple) -> tuple:
         """Before a communicating collective: the params to run it with (the check done or carried).
@@ -663,10 +668,10 @@ class _Agreement:
 
     def _head(self, dtype, dev, rides: bool, joins: bool, failed: bool, mask: float, want: tuple) -> Tensor:
         """The header's values as a tensor (kept per plan: the same few recur every call)."""
-        key = (dtype, dev, rides, joins, failed, mask, *want)
+        key = (dtype, dev, rides, joins, failed, mask, self.deferred, *want)
         head = self.plan.heads.get(key)
         if head is None:
-            h = self.plan.digest
+            h = self.plan.digest ^ (_DEFERRED_SALT if self.deferred else 0)
             chunks = [(h >> (_BITS * i)) & ((1 << _BITS) - 1) for i in range(_CHUNKS)]
             values = [*chunks, *(c * c for c in chunks), float(rides), float(joins), float(failed), mask, *want]
             head = self.plan.heads[key] = torch.tensor(values, dtype=dtype, device=dev)
@@ -695,6 +700,7 @@ class _Agreement:
         if n_failed:
             if failed:
                 return None  # this rank's own error is on its way
+            _defer.drop_all()  # every rank raises: no rank keeps sums of the failed step
             ranks = [dist.get_global_rank(group, i) for i in range(min(n, _MASK_BITS)) if mask >> i & 1]
             raise RuntimeError(
                 f"fpar.shard({owner.fname}): {n_failed} of the {n} ranks raised before this call's "
@@ -703,6 +709,7 @@ class _Agreement:
                 + "; see their errors. This rank stops here rather than wait for them."
             )
         if any(n * q != t * t for t, q in zip(s, sq)):
+            _defer.drop_all()
             self._raise(group, members)  # every rank (a failed one too) gathers, then raises
         self._resize(n, want, in32, in64)
         if bucket is not None:  # every rank's bucket rode, or it goes again at its own place
@@ -731,7 +738,7 @@ class _Agreement:
     def _raise(self, group, members) -> None:
         owner = self.owner
         sigs: list = [None] * len(members)
-        mine = (owner.fname, owner.static_text, self.plan.sig)
+        mine = (owner.fname, owner.static_text, self.plan.sig, self.deferred)
         dist.all_gather_object(sigs, mine, group=group)
         by_rank = dict(zip(sorted(members), sigs))  # all_gather_object orders by group rank
         raise ValueError(f"fpar.shard({owner.fname}): " + _differences(by_rank))
@@ -825,6 +832,7 @@ def _cap(dtype: torch.dtype) -> int:
 
 
 _BITS, _CHUNKS = 8, 7  # the 56-bit signature hash in chunks whose sums of squares stay exact
+_DEFERRED_SALT = 0x5A5A_A5A5_5A5A_A5  # flips every chunk of the hash of a call whose gradient sums are deferred
 _HEAD = 2 * _CHUNKS + 7  # chunks, squares, carried, joined, failed count and mask, wanted room
 _MASK_BITS = 24  # group ranks below this are named in the failed mask (exact in float32)
 _F32_RANKS = 128  # a float32 wire keeps every header sum exact below this many ranks
@@ -863,6 +871,17 @@ def _differences(by_rank: dict) -> str:
                         + ")"
                     )
     if not lines:
+        deferred = {r: by_rank[r][3] for r in ranks}
+        if len(set(deferred.values())) > 1:
+            inside = [r for r in ranks if deferred[r]]
+            outside = [r for r in ranks if not deferred[r]]
+            return (
+                f"rank{'s' if len(inside) > 1 else ''} {', '.join(map(str, inside))} deferred this call's "
+                f"gradient reduction (fpar.defer_reduction()) but rank{'s' if len(outside) > 1 else ''} "
+                f"{', '.join(map(str, outside))} did not, so their next messages would not pair up. "
+                f"Every process must run the same microbatches inside the context (the same number of "
+                f"microbatches per step, the last one outside it)."
+            )
         lines.append("the ranks called with different signatures")
     return (
         "the ranks passed blocks of different shapes, dtypes or specs; every process must pass its "
