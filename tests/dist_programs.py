@@ -18,6 +18,7 @@ returns per job ``("ok", result)`` or ``("error", type, message, traceback)``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -443,6 +444,20 @@ def mismatch(axes):
         warm(torch.ones(2, 3, dtype=F64))
     # (rank 0's planned call sends its check without waiting: the error comes at the first use)
     out["warm"] = _catch(lambda: warm(torch.ones(2 + (r == 1), 3, dtype=F64)).tolist())
+    # gradients enabled on some ranks only: their backwards would send different messages
+    w = torch.ones(3, dtype=F64, requires_grad=True)
+    dp = fpar.shard(lambda w, x: fpar.psum((x * w).sum(), names), mesh, (P(), P(names)), P())
+    for _ in range(2):
+        dp(w, torch.ones(2, 3, dtype=F64)).backward()
+
+    def no_grad_on_rank_1():
+        with torch.no_grad() if r == 1 else contextlib.nullcontext():
+            loss = dp(w, torch.ones(2, 3, dtype=F64))
+        if r != 1:
+            loss.backward()
+        loss.item()  # (rank 1's planned call sends its check without waiting: read it here)
+
+    out["grad_mode"] = _catch(no_grad_on_rank_1)
     out["sync"] = _psum_all(mesh, names)  # still in step afterwards
     return out
 
@@ -518,6 +533,16 @@ def fast_paths(axes):
     first = torch.autograd.grad(loss, ps, retain_graph=True)
     second = torch.autograd.grad(loss, ps)  # the same graph again: its buckets reduce again
     out["retained"] = (dict(zip(leaves, first)), dict(zip(leaves, second)))
+    # evaluation of the trained signature (leaves that require grad) with gradients disabled:
+    # no graph, so nothing to reduce (this crashed on a real mesh before, in the bucket hooks)
+    with torch.no_grad():
+        out["no_grad"] = [f(leaves, xl, yl) + 0 for _ in range(2)]
+    with torch.inference_mode():
+        out["inference_mode"] = f(leaves, xl, yl) + 0
+    for p in ps:
+        p.grad = None
+    f(leaves, xl, yl).backward()  # and training goes on after it
+    out["after_no_grad"] = {k: v.grad for k, v in leaves.items()}
     if "tensor" in axes:
         t = mesh.shape["tensor"]
         w_in, w_out, v = randn((d, 2 * t), 6), randn((c, 2), 7), randn((2 * t, c), 8)

@@ -85,8 +85,8 @@ def test_accumulate_reduces_once_per_bucket_per_step(launched):
         ("new_tensors", "RuntimeError", "fpar.optim.accumulate: gradients deferred under"),
         # ranks that defer different microbatches: before, gloo aborted the process (a collective
         # size mismatch) and NCCL would hang; the deferral salts the signature check
-        ("ranks_disagree", "ValueError", "rank 0 deferred this call's gradient reduction (fpar.defer_reduction()) but rank 1 did not"),
-        ("ranks_disagree_accumulate", "ValueError", "rank 0 deferred this call's gradient reduction"),
+        ("ranks_disagree", "ValueError", "they are all-reduced (gradients enabled, outside fpar.defer_reduction()) on rank 1; deferred (inside fpar.defer_reduction()) on rank 0"),
+        ("ranks_disagree_accumulate", "ValueError", "on rank 1; deferred (inside fpar.defer_reduction()) on rank 0"),
     ],
 )
 def test_misuse_raises_on_every_rank(launched, case, kind, phrase):

@@ -676,6 +676,12 @@ def test_mismatched_blocks_raise_on_every_rank(n):
         assert "args[0] has a different shape" in g["warm"][1], g["warm"]
         assert "rank 1: (3, 3)" in g["warm"][1] and "rank 0: (2, 3)" in g["warm"][1], g["warm"]
         assert "out_specs/check_rep differ" in g["out_spec"][1], g["out_spec"]
+        # before, rank 1's planned call under torch.no_grad() crashed in the bucket hooks; with
+        # that mended, the ranks' backwards would send different messages (a gloo abort)
+        assert g["grad_mode"][0] == "ValueError", g["grad_mode"]
+        assert "gradients, so their next messages would not pair up" in g["grad_mode"][1], g["grad_mode"]
+        assert "all-reduced (gradients enabled, outside fpar.defer_reduction()) on rank" in g["grad_mode"][1]
+        assert "not computed (under torch.no_grad(), or no such input requires grad) on rank 1" in g["grad_mode"][1]
     for g in got:
         torch.testing.assert_close(g["sync"], torch.full((2,), float(n), dtype=F64))
 
@@ -721,6 +727,10 @@ def test_fast_paths_match_in_process_and_the_unsharded_gradient(n):
         ref = torch.func.grad(lambda w: ((x.to(w.dtype) @ w).abs() ** 2).mean())(wc)
         torch.testing.assert_close(got[r]["complex"], ref)
         torch.testing.assert_close(got[r]["captured"], x.sum(0) / axes["data"])
+        for value in (*got[r]["no_grad"], got[r]["inference_mode"]):
+            torch.testing.assert_close(value, unsharded(inits))
+        for k in g:
+            torch.testing.assert_close(got[r]["after_no_grad"][k], g[k])
     if "tensor" in axes:  # w_out used after the psum only: its gradient is not summed over 'tensor'
         t = axes["tensor"]
         w_in, w_out, v = D.randn((d, 2 * t), 6), D.randn((c, 2), 7), D.randn((2 * t, c), 8)

@@ -308,7 +308,7 @@ def reduce_inputs(
     kept: dict | None = None,
     layouts: dict | None = None,
     rider=None,
-) -> tuple[dict[int, Tensor], bool]:
+) -> tuple[dict[int, Tensor], str]:
     """Wrap replicated inputs so their cotangents are all-reduced over their axes, bucketed.
 
     Under ``fpar.defer_reduction()`` the cotangents are added into per-bucket buffers instead;
@@ -328,9 +328,13 @@ def reduce_inputs(
         same ranks as the call's first message, may ride in that message.
 
     Returns:
-      ``({slot: wrapped tensor}, deferred)``: the identity on values, and whether this call's
-      sums were deferred (it then sends no bucket messages: the ranks must agree on it).
+      ``({slot: wrapped tensor}, grads)``: the identity on values, and what this call's
+      backward sends: ``"reduced"`` (its buckets' all-reduces), ``"deferred"`` (nothing; the
+      sums are kept) or ``"none"`` (no gradient flows).  The ranks must agree on it
+      (``shard._Agreement.grads``).
     """
+    if not torch.is_grad_enabled():
+        return {}, "none"  # torch.no_grad(), inference_mode(): no graph, nothing to reduce
     buckets = _buckets(sources, bucket_mb, mg, layouts)
     out: dict[int, Tensor] = {}
     scope = _defer.current()
@@ -350,22 +354,26 @@ def reduce_inputs(
                 for index, (layout, xs) in enumerate(buckets):
                     deferred = _defer_hooked(held, index, xs) if hooks else _Defer.apply(held, index, *xs)
                     out.update(zip(layout.slots, deferred))
-                return out, True
+                return out, "deferred"
             held = _defer.claim(key)
+    grads = "none"
     for index, (layout, xs) in enumerate(buckets):
         axes = layout.bucket[0]
         if _several_levels(xs[0]):
             # Hooks act at one autograd level; each level's cotangent needs its own sum: a
             # pvary Function per tensor (its backward a psum at every level), not bucketed.
             out.update((slot, _Exchange.apply(x, "pvary", (), 0, axes, mg)) for slot, x in zip(layout.slots, xs))
+            grads = "reduced"
             continue
         state = _State(layout, held, index, kept)
         views = [_hooked(x, state, i) for i, x in enumerate(xs)]
         out.update(zip(layout.slots, views))
         hooked = any(v is not x for v, x in zip(views, xs))
+        if hooked:
+            grads = "reduced"
         if index == 0 and rider is not None and hooked and set(axes) == set(rider.owner.axes):
             state.rider, rider.bucket = rider, state
-    return out, False
+    return out, grads
 
 
 @untraced

@@ -257,7 +257,7 @@ class DistShard:
                     local[i] = tracker.enter(i, leaf, spec)
         elif plan.in_reduce:
             sources = [(i, leaves[i], plan.in_reduce[i]) for i in plan.in_order]
-            wrapped, agree.deferred = reduce_inputs(
+            wrapped, agree.grads = reduce_inputs(
                 sources, mg, self.bucket_mb, owner=(self, plan), fname=self.fname, kept=plan.flats, layouts=plan.layouts,
                 rider=None if plan.lone else agree,
             )
@@ -530,9 +530,11 @@ class _Agreement:
         self.lazy = lazy  # a planned call: a carried sum may be waited on at its first use
         self.bucket = None  # bucket 0 (buckets._State) when it may ride in the first message
         self.first: _First | None = None  # the first message while it waits for bucket 0
-        # this call's gradient sums are deferred (fpar.defer_reduction): it sends no bucket
-        # messages, so ranks must agree on it as on the signature (it salts the hash)
-        self.deferred = False
+        # what this call's backward sends for its replicated inputs (buckets.reduce_inputs):
+        # "reduced" (bucket all-reduces), "deferred" (fpar.defer_reduction: none, sums kept) or
+        # "none" (no gradient flows: torch.no_grad(), no input requires grad).  The ranks must
+        # agree on it as on the signature, or their next messages would not pair: it salts the hash
+        self.grads = "reduced"
 
     def carry(self, kind: str, axes: tuple, x: Tensor, params: tuple) -> tuple:
         """Before a communicating collective: the params to run it with (the check done or carried).
@@ -668,10 +670,10 @@ class _Agreement:
 
     def _head(self, dtype, dev, rides: bool, joins: bool, failed: bool, mask: float, want: tuple) -> Tensor:
         """The header's values as a tensor (kept per plan: the same few recur every call)."""
-        key = (dtype, dev, rides, joins, failed, mask, self.deferred, *want)
+        key = (dtype, dev, rides, joins, failed, mask, self.grads, *want)
         head = self.plan.heads.get(key)
         if head is None:
-            h = self.plan.digest ^ (_DEFERRED_SALT if self.deferred else 0)
+            h = self.plan.digest ^ _GRAD_SALTS[self.grads]
             chunks = [(h >> (_BITS * i)) & ((1 << _BITS) - 1) for i in range(_CHUNKS)]
             values = [*chunks, *(c * c for c in chunks), float(rides), float(joins), float(failed), mask, *want]
             head = self.plan.heads[key] = torch.tensor(values, dtype=dtype, device=dev)
@@ -738,7 +740,7 @@ class _Agreement:
     def _raise(self, group, members) -> None:
         owner = self.owner
         sigs: list = [None] * len(members)
-        mine = (owner.fname, owner.static_text, self.plan.sig, self.deferred)
+        mine = (owner.fname, owner.static_text, self.plan.sig, self.grads)
         dist.all_gather_object(sigs, mine, group=group)
         by_rank = dict(zip(sorted(members), sigs))  # all_gather_object orders by group rank
         raise ValueError(f"fpar.shard({owner.fname}): " + _differences(by_rank))
@@ -832,13 +834,21 @@ def _cap(dtype: torch.dtype) -> int:
 
 
 _BITS, _CHUNKS = 8, 7  # the 56-bit signature hash in chunks whose sums of squares stay exact
-_DEFERRED_SALT = 0x5A5A_A5A5_5A5A_A5  # flips every chunk of the hash of a call whose gradient sums are deferred
+# the hash of a call per what its backward sends (_Agreement.grads): the salts differ in every chunk
+_GRAD_SALTS = {"reduced": 0, "deferred": 0x5A5A_A5A5_5A5A_A5, "none": 0x3C3C_C3C3_3C3C_C3}
 _HEAD = 2 * _CHUNKS + 7  # chunks, squares, carried, joined, failed count and mask, wanted room
 _MASK_BITS = 24  # group ranks below this are named in the failed mask (exact in float32)
 _F32_RANKS = 128  # a float32 wire keeps every header sum exact below this many ranks
 _WIRE0 = (torch.float64, 64)  # a mesh's first wire: 512 bytes
 _WINDOW = 16  # calls a wire's size looks back over
 _CAP_BYTES = 2**19  # the wire grows to at most 512 KiB (a first message padded to it costs ~0.2 ms here)
+
+
+_GRAD_MODES = {
+    "reduced": "all-reduced (gradients enabled, outside fpar.defer_reduction())",
+    "deferred": "deferred (inside fpar.defer_reduction())",
+    "none": "not computed (under torch.no_grad(), or no such input requires grad)",
+}
 
 
 def _differences(by_rank: dict) -> str:
@@ -871,16 +881,18 @@ def _differences(by_rank: dict) -> str:
                         + ")"
                     )
     if not lines:
-        deferred = {r: by_rank[r][3] for r in ranks}
-        if len(set(deferred.values())) > 1:
-            inside = [r for r in ranks if deferred[r]]
-            outside = [r for r in ranks if not deferred[r]]
+        grads = {r: by_rank[r][3] for r in ranks}
+        if len(set(grads.values())) > 1:
+            said = []
+            for mode, what in _GRAD_MODES.items():
+                these = [r for r in ranks if grads[r] == mode]
+                if these:
+                    said.append(f"{what} on rank{'s' if len(these) > 1 else ''} {', '.join(map(str, these))}")
             return (
-                f"rank{'s' if len(inside) > 1 else ''} {', '.join(map(str, inside))} deferred this call's "
-                f"gradient reduction (fpar.defer_reduction()) but rank{'s' if len(outside) > 1 else ''} "
-                f"{', '.join(map(str, outside))} did not, so their next messages would not pair up. "
-                f"Every process must run the same microbatches inside the context (the same number of "
-                f"microbatches per step, the last one outside it)."
+                "the ranks differ in what this call's backward does with the replicated inputs' "
+                "gradients, so their next messages would not pair up: they are " + "; ".join(said) + ". Every "
+                "process must run the same microbatches inside fpar.defer_reduction() (the same number "
+                "per step, the last one outside it), with gradients enabled alike."
             )
         lines.append("the ranks called with different signatures")
     return (
