@@ -530,11 +530,12 @@ class _Agreement:
         self.lazy = lazy  # a planned call: a carried sum may be waited on at its first use
         self.bucket = None  # bucket 0 (buckets._State) when it may ride in the first message
         self.first: _First | None = None  # the first message while it waits for bucket 0
-        # what this call's backward sends for its replicated inputs (buckets.reduce_inputs):
-        # "reduced" (bucket all-reduces), "deferred" (fpar.defer_reduction: none, sums kept) or
-        # "none" (no gradient flows: torch.no_grad(), no input requires grad).  The ranks must
-        # agree on it as on the signature, or their next messages would not pair: it salts the hash
-        self.grads = "reduced"
+        # what this call's backward sends for its replicated inputs (a planned call's from
+        # buckets.reduce_inputs): "reduced" (all-reduces), "deferred" (fpar.defer_reduction:
+        # none, sums kept) or "none" (no gradient flows: torch.no_grad(), no input requires
+        # grad).  The ranks must agree on it as on the signature, or their next messages would
+        # not pair: it salts the hash
+        self.grads = "reduced" if torch.is_grad_enabled() else "none"
 
     def carry(self, kind: str, axes: tuple, x: Tensor, params: tuple) -> tuple:
         """Before a communicating collective: the params to run it with (the check done or carried).
