@@ -458,6 +458,9 @@ def mismatch(axes):
         loss.item()  # (rank 1's planned call sends its check without waiting: read it here)
 
     out["grad_mode"] = _catch(no_grad_on_rank_1)
+    # a different bucket size: the ranks' gradient all-reduces would not pair
+    sized = fpar.shard(lambda w, x: fpar.psum((x * w).sum(), names), mesh, (P(), P(names)), P(), bucket_mb=1.0 + r)
+    out["bucket_mb"] = _catch(lambda: sized(w, torch.ones(2, 3, dtype=F64)).backward())
     out["sync"] = _psum_all(mesh, names)  # still in step afterwards
     return out
 

@@ -201,7 +201,7 @@ class DistShard:
                 )
             check_spec(spec, tuple(leaf.shape), self.mesh.shape, where=where, blocks=True)
             sig.append((f"args{keystr(path)}", str(spec), tuple(leaf.shape), str(leaf.dtype)))
-        text = repr((self.fname, self.static_text, sig))
+        text = repr((self.fname, self.static_text, self.bucket_mb, sig))  # bucket_mb: the buckets' sizes
         digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
         plan = _Plan(digest)
         plan.sig = sig
@@ -741,7 +741,7 @@ class _Agreement:
     def _raise(self, group, members) -> None:
         owner = self.owner
         sigs: list = [None] * len(members)
-        mine = (owner.fname, owner.static_text, self.plan.sig, self.grads)
+        mine = (owner.fname, owner.static_text, self.plan.sig, self.grads, owner.bucket_mb)
         dist.all_gather_object(sigs, mine, group=group)
         by_rank = dict(zip(sorted(members), sigs))  # all_gather_object orders by group rank
         raise ValueError(f"fpar.shard({owner.fname}): " + _differences(by_rank))
@@ -862,6 +862,9 @@ def _differences(by_rank: dict) -> str:
             "in_specs/out_specs/check_rep differ: "
             + "; ".join(f"rank {r}: {statics[r]}" for r in ranks)
         )
+    buckets = {r: by_rank[r][4] for r in ranks}
+    if len(set(buckets.values())) > 1:  # the gradient buckets, so their all-reduces, would differ
+        lines.append("bucket_mb differs: " + ", ".join(f"rank {r}: {buckets[r]:g}" for r in ranks))
     sigs = {r: by_rank[r][2] for r in ranks}
     lengths = {r: len(s) for r, s in sigs.items()}
     if len(set(lengths.values())) > 1:
