@@ -458,6 +458,10 @@ def mismatch(axes):
         loss.item()  # (rank 1's planned call sends its check without waiting: read it here)
 
     out["grad_mode"] = _catch(no_grad_on_rank_1)
+    # a parameter that requires grad on some ranks only: their gradient buckets would differ
+    two = fpar.shard(lambda w, v, x: fpar.psum((x * w).sum() + (x * v).sum(), names), mesh, (P(), P(), P(names)), P())
+    frozen = torch.ones(3, dtype=F64, requires_grad=r != 1)
+    out["requires_grad"] = _catch(lambda: two(frozen, w, torch.ones(2, 3, dtype=F64)).backward())
     # a different bucket size: the ranks' gradient all-reduces would not pair
     sized = fpar.shard(lambda w, x: fpar.psum((x * w).sum(), names), mesh, (P(), P(names)), P(), bucket_mb=1.0 + r)
     out["bucket_mb"] = _catch(lambda: sized(w, torch.ones(2, 3, dtype=F64)).backward())

@@ -682,6 +682,8 @@ def test_mismatched_blocks_raise_on_every_rank(n):
         assert "gradients, so their next messages would not pair up" in g["grad_mode"][1], g["grad_mode"]
         assert "all-reduced (gradients enabled, outside fpar.defer_reduction()) on rank" in g["grad_mode"][1]
         assert "not computed (under torch.no_grad(), or no such input requires grad) on rank 1" in g["grad_mode"][1]
+        assert g["requires_grad"][0] == "ValueError", g["requires_grad"]
+        assert "args[0] has a different requires_grad on different ranks (rank 0: True, rank 1: False" in g["requires_grad"][1]
         assert g["bucket_mb"][0] == "ValueError", g["bucket_mb"]
         assert "bucket_mb differs: rank 0: 1, rank 1: 2" in g["bucket_mb"][1], g["bucket_mb"]
     for g in got:

@@ -128,7 +128,7 @@ class _Plan:
 
     def __init__(self, digest: int):
         self.digest = digest
-        self.sig: list = []  # (argument, spec, shape, dtype) per tensor argument, for messages
+        self.sig: list = []  # (argument, spec, shape, dtype, requires_grad) per tensor argument
         self.fast = False
         self.in_reduce: dict[int, tuple[str, ...]] = {}  # tensor slot -> axes to all-reduce
         self.in_order: list[int] = []  # those slots, latest first use first (gradient-ready order)
@@ -200,7 +200,8 @@ class DistShard:
                     f"Pass a tensor, or give it the in_spec None to pass it through untouched."
                 )
             check_spec(spec, tuple(leaf.shape), self.mesh.shape, where=where, blocks=True)
-            sig.append((f"args{keystr(path)}", str(spec), tuple(leaf.shape), str(leaf.dtype)))
+            # requires_grad: which inputs get gradients sets the gradient buckets' layout
+            sig.append((f"args{keystr(path)}", str(spec), tuple(leaf.shape), str(leaf.dtype), leaf.requires_grad))
         text = repr((self.fname, self.static_text, self.bucket_mb, sig))  # bucket_mb: the buckets' sizes
         digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
         plan = _Plan(digest)
@@ -870,7 +871,7 @@ def _differences(by_rank: dict) -> str:
     if len(set(lengths.values())) > 1:
         lines.append("the number of tensor arguments differs: " + ", ".join(f"rank {r}: {n}" for r, n in lengths.items()))
     else:
-        fields = ("spec", "shape", "dtype")
+        fields = ("spec", "shape", "dtype", "requires_grad")
         for i in range(min(lengths.values())):
             entries = {r: sigs[r][i] for r in ranks if isinstance(sigs[r][i], tuple)}
             if len(entries) < len(ranks):
