@@ -8,11 +8,13 @@ One purpose per file:
   the fast calls on plain local tensors, the per-call signature agreement;
 * ``buckets.py``: the bucketed, overlapped gradient all-reduces of replicated inputs;
 * ``values.py``: ``device_put``/``gather``/DTensor interop on a real mesh;
-* ``launch.py``: ``init_distributed`` and ``fpar.launch``.
+* ``launch.py``: ``init_distributed`` and ``fpar.launch``;
+* ``agree.py``: every rank passed the same description of a step (the pipeline executor's check).
 
 Nothing here imports ``fpar._mesh`` (which imports this package lazily, to attach groups).
 """
 
+from .agree import check_same
 from .exchange import _Exchange, _TakeFirst
 from .groups import (
     Incoming,
@@ -34,6 +36,7 @@ __all__ = [
     "MeshGroups",
     "attach",
     "block",
+    "check_same",
     "device_type",
     "from_dtensor",
     "gather",

@@ -16,6 +16,7 @@ reduced with the last one's, one all-reduce per bucket (``fpar/_defer.py``).
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any
 
@@ -25,7 +26,7 @@ from .. import _dist
 from .._buffers import kept_or_new
 from .._defer import defer_reduction
 from .._mesh import Mesh
-from .._tree import tree_flatten, tree_map, tree_unflatten
+from .._tree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 from ._schedule import COMPUTE, Action, Schedule, next_stage, prev_stage
 from ._stage import Fns, Stage, StepResult, last_stage, stack
 from ._timeline import Timeline
@@ -52,15 +53,22 @@ class DistDriver:
         self.finals = _last_backwards(self.ticks)
         self.shapes: dict[int, tuple] = {}  # chunk -> (shape, dtype) of the activations it receives
         self.kept_rows: list = []  # the stacked gradient buffers of the last step, reused when free
+        digest = hashlib.blake2b(repr(schedule.actions).encode(), digest_size=6).hexdigest()
+        self.described = f"{schedule.name} (p={schedule.p}, m={schedule.m}, v={schedule.v}, actions #{digest})"
 
     def run(self, params: dict, xs: Tensor, targets: Any, key: Tensor | None = None) -> StepResult:
         sch = self.schedule
         stacked = params["stages"]
+        self.device = _device_of(stacked)
+        # Before any message: every rank runs the same schedule on the same shapes, or every rank
+        # raises (a mismatch would pair the wrong sends and receives: a hang, or a gloo abort).
+        fields = {"schedule": self.described, "xs": _described(xs), "targets": _described(targets)}
+        fields.update(params=_described(params), key=_described(key))
+        _dist.check_same(self.mesh, fields, self.device, "fpar.pipeline.pipeline: step")
         chunks = [tree_map(lambda t, c=c: t[c], stacked) for c in range(sch.v)]
         st = Stage(self.me, sch, self.fns, chunks, params.get("first"), params.get("last"), key)
         st.deferral, st.finals = defer_reduction(), self.finals  # DP gradients reduced once per step
         bufs = _gradient_rows(st, stacked, self.kept_rows)
-        self.device = _device_of(stacked)
         start = time.perf_counter()
         sending: list = []
         early: set = set()
@@ -247,6 +255,17 @@ def _last_backwards(ticks: list) -> set[tuple[int, int]]:
             if a.kind in ("B", "BW"):
                 last[a.chunk] = a.microbatch
     return {(j, c) for c, j in last.items()}
+
+
+def _described(tree: Any) -> str:
+    """A tree's leaves: path, shape and dtype, as text (``_dist.check_same``)."""
+    paths, leaves, _ = tree_flatten_with_path(tree)
+    parts = [
+        f"{keystr(path)} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}".lstrip()
+        if isinstance(t, Tensor) else f"{keystr(path)} {type(t).__name__}".lstrip()
+        for path, t in zip(paths, leaves)
+    ]
+    return ", ".join(parts) or "None"
 
 
 def _device_of(tree: Any) -> torch.device:

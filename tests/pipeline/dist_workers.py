@@ -111,6 +111,31 @@ def run_jobs(jobs: list) -> list:
     return out
 
 
+def mismatch_job() -> dict:
+    """Ranks that run different steps (schedule, microbatch count): the error each rank raises,
+    then a step all ranks run alike (the state is clean after the error)."""
+    mesh = mesh_for((("pipe", 2),))
+    me = mesh._dist.coords["pipe"]
+    out = {}
+    for case, (name, m) in {"schedule": ("gpipe", 4), "microbatches": ("1f1b", 2)}.items():
+        prob = M.problem(2, 4, 1)
+        fns = M.stage_fns(mesh)
+        params = {
+            "stages": fpar.device_put(pp.stage_major(prob["stages"], 2, 1), mesh, M.stage_spec(mesh)),
+            "first": prob["first"],
+            "last": prob["last"],
+        }
+        name, m = (name, m) if me == 1 else ("1f1b", 4)
+        step = pp.pipeline(fns["stage"], M.schedule(name, 2, m, 1), mesh, loss=fns["loss"], first=fns["first"])
+        try:
+            step(params, prob["xs"][:m], prob["ts"][:m])
+            out[case] = None
+        except ValueError as e:
+            out[case] = str(e)
+    out["after"] = exec_job((("pipe", 2),), "1f1b", 2, 4, 1)
+    return out
+
+
 def early_sends(name: str, p: int, m: int, v: int) -> int:
     """How many BW input gradients this rank posted before running their W (``_early_sender``)."""
     from fpar.pipeline import _run_dist

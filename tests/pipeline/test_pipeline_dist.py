@@ -88,6 +88,24 @@ def test_in_process_jobs_match_the_unpipelined_model():
 
 
 @pytest.mark.multiprocess
+def test_ranks_running_different_steps_raise_on_every_rank():
+    """A rank with another schedule, or another number of microbatches, would post sends and
+    receives the others do not pair: before the check, a hang until the timeout (schedule) or a
+    gloo abort (microbatches). Every rank raises naming what differs, then a correct step works."""
+    got = fpar.launch(W.run_jobs, 2, [("mismatch_job", ())], timeout=60.0)
+    expected = W.exec_job((("pipe", 2),), "1f1b", 2, 4, 1)  # in-process
+    for rank, [(status, res)] in enumerate(got):
+        assert status == "ok", f"rank {rank}:\n{res}"
+        assert res["schedule"] is not None and res["microbatches"] is not None, res
+        for case in ("schedule", "microbatches"):
+            assert "fpar.pipeline.pipeline: step: the ranks run different steps" in res[case], res[case]
+        assert "schedule (rank 0: 1F1B (p=2, m=4, v=1, actions #" in res["schedule"], res["schedule"]
+        assert "rank 1: GPipe (p=2, m=4, v=1" in res["schedule"], res["schedule"]
+        assert "xs (rank 0: (4, 4) int64; rank 1: (2, 4) int64)" in res["microbatches"], res["microbatches"]
+        _compare(res["after"], expected, f"after the errors, rank {rank}")
+
+
+@pytest.mark.multiprocess
 def test_input_gradients_leave_before_the_weight_gradients_are_computed():
     """A BW's input gradient is posted as soon as B has it (the upstream stage waits on it, not
     on this stage's W): every BW with a stage upstream sends early; the first stage has none."""

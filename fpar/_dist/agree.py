@@ -1,0 +1,59 @@
+"""Every rank calls with the same description, or every rank raises: one small SUM all-reduce.
+
+For drivers whose messages all ranks must post alike but that no ``fpar.shard`` signature check
+covers (the pipeline executor's point-to-point schedule): each rank hashes its description of
+the step (schedule, shapes, dtypes) into ``_CHUNKS`` chunks of ``_BITS`` bits, and all-reduces
+the chunks and their squares over the mesh. The hashes agree on every rank iff
+``n * sum(c**2) == sum(c)**2`` for every chunk (the same test as ``shard._Agreement``). On a
+mismatch every rank gathers the descriptions and raises the same ``ValueError`` naming what
+differs and on which ranks, before any message whose pairing depends on the description.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["check_same"]
+
+_BITS, _CHUNKS = 8, 7  # as shard._Agreement: a 56-bit hash, sums of squares exact in float64
+_HEADS: dict = {}  # (description, device) -> its header tensor (the same few recur every step)
+
+
+def check_same(mesh, fields: dict[str, str], device: torch.device, api: str) -> None:
+    """Raise ``ValueError`` on every rank of ``mesh`` unless all of them passed equal ``fields``.
+
+    ``fields``: name -> this rank's value, as text (what the message names when they differ).
+    """
+    mg = mesh._dist
+    group = mg.group(mesh.axis_names)
+    n = mesh.size
+    if n == 1:
+        return
+    text = repr(sorted(fields.items()))
+    key = (text, device)
+    head = _HEADS.get(key)
+    if head is None:
+        h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+        chunks = [(h >> (_BITS * i)) & ((1 << _BITS) - 1) for i in range(_CHUNKS)]
+        head = _HEADS[key] = torch.tensor([*chunks, *(c * c for c in chunks)], dtype=torch.float64, device=device)
+    buf = head.clone()
+    dist.all_reduce(buf, group=group)
+    sums = [int(v) for v in buf.tolist()]
+    if all(n * q == s * s for s, q in zip(sums[:_CHUNKS], sums[_CHUNKS:])):
+        return
+    everyone: list = [None] * n
+    dist.all_gather_object(everyone, (mg.rank, fields), group=group)
+    by_rank = dict(everyone)
+    lines = []
+    for name in fields:
+        values = {r: f.get(name) for r, f in sorted(by_rank.items())}
+        if len(set(values.values())) > 1:
+            lines.append(f"{name} (" + "; ".join(f"rank {r}: {v}" for r, v in values.items()) + ")")
+    raise ValueError(
+        f"{api}: the ranks run different steps, so their messages would not pair up; what differs: "
+        + ("; ".join(lines) or "their descriptions")
+        + ". Every process must run the same step: the same schedule and the same shapes and dtypes."
+    )
