@@ -19,7 +19,6 @@ import torch.distributed as dist
 __all__ = ["check_same"]
 
 _BITS, _CHUNKS = 8, 7  # as shard._Agreement: a 56-bit hash, sums of squares exact in float64
-_HEADS: dict = {}  # (description, device) -> its header tensor (the same few recur every step)
 
 
 def check_same(mesh, fields: dict[str, str], device: torch.device, api: str) -> None:
@@ -27,19 +26,15 @@ def check_same(mesh, fields: dict[str, str], device: torch.device, api: str) -> 
 
     ``fields``: name -> this rank's value, as text (what the message names when they differ).
     """
-    mg = mesh._dist
-    group = mg.group(mesh.axis_names)
     n = mesh.size
     if n == 1:
         return
-    text = repr(sorted(fields.items()))
-    key = (text, device)
-    head = _HEADS.get(key)
-    if head is None:
-        h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
-        chunks = [(h >> (_BITS * i)) & ((1 << _BITS) - 1) for i in range(_CHUNKS)]
-        head = _HEADS[key] = torch.tensor([*chunks, *(c * c for c in chunks)], dtype=torch.float64, device=device)
-    buf = head.clone()
+    mg = mesh._dist
+    group = mg.group(mesh.axis_names)
+    # (not cached: a step's shapes may change every step, e.g. with the sequence length)
+    h = int.from_bytes(hashlib.blake2b(repr(sorted(fields.items())).encode(), digest_size=7).digest(), "little")
+    chunks = [(h >> (_BITS * i)) & ((1 << _BITS) - 1) for i in range(_CHUNKS)]
+    buf = torch.tensor([*chunks, *(c * c for c in chunks)], dtype=torch.float64, device=device)
     dist.all_reduce(buf, group=group)
     sums = [int(v) for v in buf.tolist()]
     if all(n * q == s * s for s, q in zip(sums[:_CHUNKS], sums[_CHUNKS:])):
