@@ -103,16 +103,13 @@ def pipeline(
     driver = DistDriver(schedule, mesh, axis, fns) if mesh.backend == "dist" else LocalDriver(schedule, fns)
 
     def step(params: dict, xs: Tensor, targets: Any = None, *, key: Tensor | None = None) -> StepResult:
-        _check_params(params, xs, targets, schedule, local=mesh.backend != "dist")
-        is_key = isinstance(key, Tensor) and key.dtype == torch.int64 and key.shape == (2,)
-        if key is not None and not is_key:
-            got = type(key).__name__
-            if isinstance(key, Tensor):
-                got = f"dtype {key.dtype} and shape {tuple(key.shape)}"
-            raise TypeError(
-                f"fpar.pipeline.pipeline: step(..., key=) must be a fpar.random key (an int64 tensor of "
-                f"shape (2,) from fpar.random.key / fold_in / split), got {got}."
-            )
+        try:
+            _check_params(params, xs, targets, schedule, local=mesh.backend != "dist")
+            _check_key(key)
+        except Exception:
+            if mesh.backend == "dist":
+                driver.failed()  # the other ranks raise too, naming this one, instead of waiting
+            raise
         return driver.run(params, xs, targets, key)
 
     return step
@@ -120,6 +117,18 @@ def pipeline(
 
 
 # Error checking and messages ---------------------------------------------------------------
+
+
+def _check_key(key: Any) -> None:
+    is_key = isinstance(key, Tensor) and key.dtype == torch.int64 and key.shape == (2,)
+    if key is not None and not is_key:
+        got = type(key).__name__
+        if isinstance(key, Tensor):
+            got = f"dtype {key.dtype} and shape {tuple(key.shape)}"
+        raise TypeError(
+            f"fpar.pipeline.pipeline: step(..., key=) must be a fpar.random key (an int64 tensor of "
+            f"shape (2,) from fpar.random.key / fold_in / split), got {got}."
+        )
 
 
 def _check_params(params: Any, xs: Any, targets: Any, schedule: Schedule, *, local: bool) -> None:

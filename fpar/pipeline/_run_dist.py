@@ -64,7 +64,7 @@ class DistDriver:
         # raises (a mismatch would pair the wrong sends and receives: a hang, or a gloo abort).
         fields = {"schedule": self.described, "xs": _described(xs), "targets": _described(targets)}
         fields.update(params=_described(params), key=_described(key))
-        _dist.check_same(self.mesh, fields, self.device, "fpar.pipeline.pipeline: step")
+        _dist.check_same(self.mesh, fields, self.device, _API)
         chunks = [tree_map(lambda t, c=c: t[c], stacked) for c in range(sch.v)]
         st = Stage(self.me, sch, self.fns, chunks, params.get("first"), params.get("last"), key)
         st.deferral, st.finals = defer_reduction(), self.finals  # DP gradients reduced once per step
@@ -92,6 +92,10 @@ class DistDriver:
             if g in params:
                 grads[g] = self._share(_local_group(st, g, params[g]), owners[g])
         return StepResult(loss, grads, stats)
+
+    def failed(self) -> None:
+        """This rank's step raised before its first message: tell the others (``_dist.check_same``)."""
+        _dist.check_same(self.mesh, {}, _dist._device([]), _API, failed=True)
 
     def _share(self, tree: Any, owner: int) -> Any:
         """The owning stage's gradient of first/last params on every stage.
@@ -241,6 +245,9 @@ class DistDriver:
             wall,
         )
         return loss, stats
+
+
+_API = "fpar.pipeline.pipeline: step"
 
 
 def _last_backwards(ticks: list) -> set[tuple[int, int]]:

@@ -132,6 +132,13 @@ def mismatch_job() -> dict:
             out[case] = None
         except ValueError as e:
             out[case] = str(e)
+    # rank 1 alone passes 3 microbatches to a 4-microbatch schedule: its own check raises first
+    step = pp.pipeline(fns["stage"], M.schedule("1f1b", 2, 4, 1), mesh, loss=fns["loss"], first=fns["first"])
+    try:
+        step(params, prob["xs"][: 4 - me], prob["ts"][: 4 - me])
+        out["one_rank_raises"] = None
+    except (ValueError, RuntimeError) as e:
+        out["one_rank_raises"] = (type(e).__name__, str(e))
     out["after"] = exec_job((("pipe", 2),), "1f1b", 2, 4, 1)
     return out
 

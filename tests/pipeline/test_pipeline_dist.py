@@ -91,7 +91,8 @@ def test_in_process_jobs_match_the_unpipelined_model():
 def test_ranks_running_different_steps_raise_on_every_rank():
     """A rank with another schedule, or another number of microbatches, would post sends and
     receives the others do not pair: before the check, a hang until the timeout (schedule) or a
-    gloo abort (microbatches). Every rank raises naming what differs, then a correct step works."""
+    gloo abort (microbatches); a rank whose own argument check fails tells the others, which name
+    it. Every rank raises naming what differs, then a correct step works."""
     got = fpar.launch(W.run_jobs, 2, [("mismatch_job", ())], timeout=60.0)
     expected = W.exec_job((("pipe", 2),), "1f1b", 2, 4, 1)  # in-process
     for rank, [(status, res)] in enumerate(got):
@@ -102,6 +103,12 @@ def test_ranks_running_different_steps_raise_on_every_rank():
         assert "schedule (rank 0: 1F1B (p=2, m=4, v=1, actions #" in res["schedule"], res["schedule"]
         assert "rank 1: GPipe (p=2, m=4, v=1" in res["schedule"], res["schedule"]
         assert "xs (rank 0: (4, 4) int64; rank 1: (2, 4) int64)" in res["microbatches"], res["microbatches"]
+        kind, message = res["one_rank_raises"]  # rank 1's own check, then rank 0 names it
+        if rank == 1:
+            assert kind == "ValueError" and "xs must be the 4 microbatches stacked on dim 0, got (3, 4)" in message
+        else:
+            assert kind == "RuntimeError", message
+            assert "1 of the 2 ranks raised before the step's first message (global rank 1)" in message
         _compare(res["after"], expected, f"after the errors, rank {rank}")
 
 
