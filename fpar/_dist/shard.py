@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
 from typing import Any
 
 import torch
@@ -78,6 +77,7 @@ from .._spec import PartitionSpec, check_spec
 from .._tree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from ..random._guard import RANDOM_OPS, check_random_op
 from . import pending
+from .agree import _CHUNKS, agreed, digest, failed_bit, failed_error, hash_values
 from .buckets import reduce_inputs
 from .exchange import _Exchange, _TakeFirst, summed
 from .groups import _device
@@ -203,8 +203,7 @@ class DistShard:
             # requires_grad: which inputs get gradients sets the gradient buckets' layout
             sig.append((f"args{keystr(path)}", str(spec), tuple(leaf.shape), str(leaf.dtype), leaf.requires_grad))
         text = repr((self.fname, self.static_text, self.bucket_mb, sig))  # bucket_mb: the buckets' sizes
-        digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
-        plan = _Plan(digest)
+        plan = _Plan(digest(text))
         plan.sig = sig
         out = self._run(plan, leaves, treedef, specs, traced=True, first=True)
         self.plans[key] = plan
@@ -512,7 +511,7 @@ class _Agreement:
     cannot be paired with one that misses.
 
     Header (exact in float32 for meshes of fewer than ``_F32_RANKS`` ranks): the signature hash
-    as ``_CHUNKS`` chunks of ``_BITS`` bits and their squares (all the same on every rank iff
+    as ``agree._CHUNKS`` chunks of ``agree._BITS`` bits and their squares (all the same on every rank iff
     ``n * sum(c**2) == sum(c)**2`` per chunk), how many ranks' blocks and buckets ride along,
     how many ranks' functions raised before their first collective (and a bitmask of the
     first ``_MASK_BITS`` group ranks), and the room each rank would want (elements, and whether
@@ -648,10 +647,7 @@ class _Agreement:
         rides = x is not None and _rides(x.dtype, dtype) and _HEAD + k <= size
         m = 0 if bucket is None else bucket.layout.numel
         joins = bucket is not None and _rides(bucket.layout.dtype, dtype) and _HEAD + k + m <= size
-        mask = 0.0
-        if failed:
-            me = dist.get_group_rank(group, mg.rank)
-            mask = float(2**me) if me < _MASK_BITS else 0.0
+        mask = failed_bit(group, mg.rank, _MASK_BITS) if failed else 0.0
         want = self._want(x)
         if self.bucket is not None:  # this call's first message goes now: bucket 0 rides or it does not
             self.bucket.rider = self.bucket = None  # (and no reference cycle keeps its buffer)
@@ -676,8 +672,7 @@ class _Agreement:
         head = self.plan.heads.get(key)
         if head is None:
             h = self.plan.digest ^ _GRAD_SALTS[self.grads]
-            chunks = [(h >> (_BITS * i)) & ((1 << _BITS) - 1) for i in range(_CHUNKS)]
-            values = [*chunks, *(c * c for c in chunks), float(rides), float(joins), float(failed), mask, *want]
+            values = [*hash_values(h), float(rides), float(joins), float(failed), mask, *want]
             head = self.plan.heads[key] = torch.tensor(values, dtype=dtype, device=dev)
         return head
 
@@ -699,20 +694,15 @@ class _Agreement:
         rides, bucket, m = layout
         with torch._C.DisableTorchFunction():
             sums = [int(v) for v in buf[:_HEAD].tolist()]
-        s, sq = sums[:_CHUNKS], sums[_CHUNKS : 2 * _CHUNKS]
         carried, joined, n_failed, mask, want, in32, in64 = sums[2 * _CHUNKS :]
         if n_failed:
             if failed:
                 return None  # this rank's own error is on its way
             _defer.drop_all()  # every rank raises: no rank keeps sums of the failed step
-            ranks = [dist.get_global_rank(group, i) for i in range(min(n, _MASK_BITS)) if mask >> i & 1]
-            raise RuntimeError(
-                f"fpar.shard({owner.fname}): {n_failed} of the {n} ranks raised before this call's "
-                f"first collective"
-                + (f" (global rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})" if ranks else "")
-                + "; see their errors. This rank stops here rather than wait for them."
+            raise failed_error(
+                f"fpar.shard({owner.fname})", "this call's first collective", n_failed, n, mask, group, _MASK_BITS
             )
-        if any(n * q != t * t for t, q in zip(s, sq)):
+        if not agreed(sums, n):
             _defer.drop_all()
             self._raise(group, members)  # every rank (a failed one too) gathers, then raises
         self._resize(n, want, in32, in64)
@@ -835,7 +825,6 @@ def _cap(dtype: torch.dtype) -> int:
     return _CAP_BYTES // (8 if dtype == torch.float64 else 4)
 
 
-_BITS, _CHUNKS = 8, 7  # the 56-bit signature hash in chunks whose sums of squares stay exact
 # the hash of a call per what its backward sends (_Agreement.grads): the salts differ in every chunk
 _GRAD_SALTS = {"reduced": 0, "deferred": 0x5A5A_A5A5_5A5A_A5, "none": 0x3C3C_C3C3_3C3C_C3}
 _HEAD = 2 * _CHUNKS + 7  # chunks, squares, carried, joined, failed count and mask, wanted room
