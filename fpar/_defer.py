@@ -38,6 +38,8 @@ from __future__ import annotations
 import torch
 from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor, is_gradtrackingtensor
 
+from ._buffers import block
+
 __all__ = ["defer_reduction"]
 
 Tensor = torch.Tensor
@@ -207,7 +209,7 @@ class Deferred:
                 flat = self.flats[b] = self.buffer(b, sum(self.sizes[b]), dtype, device)
                 self.filled[b] = [False] * len(metas)
             at = sum(m[0].numel() for m in metas[:i])
-            slot = flat[at : at + metas[i][0].numel()].view(metas[i][0])
+            slot = block(flat, at, metas[i][0])
             filled = self.filled[b]
             if filled is not None and not filled[i]:
                 slot.copy_(ct)  # the buffer is uninitialised there: no zero fill first
@@ -227,7 +229,7 @@ class Deferred:
         at = 0
         for ct, (shape, _, _) in zip(cts, metas):
             n = shape.numel()
-            slot = flat[at : at + n].view(shape)
+            slot = block(flat, at, shape)
             if ct is None:
                 if first:  # no cotangent reached it: its gradient so far is zero
                     slot.zero_()

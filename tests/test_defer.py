@@ -12,6 +12,8 @@ from __future__ import annotations
 import defer_workers as W
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fpar
 from fpar import P
@@ -148,3 +150,29 @@ def test_deferred_buffer_filled_per_tensor_is_whole_when_taken(monkeypatch):
     held.add_one(0, 0, b, metas, True)  # call 2: the same
     flat = held.take(0)
     torch.testing.assert_close(flat, torch.cat([(a + b).reshape(-1), torch.zeros(4, dtype=torch.float64)]))
+
+
+@given(
+    shape=st.lists(st.integers(0, 4), min_size=0, max_size=4),
+    before=st.integers(0, 7),
+    start=st.integers(0, 5),
+)
+@settings(max_examples=60, deadline=None)
+def test_block_is_the_slice_of_a_flat_buffer_viewed(shape, before, start):
+    """``_buffers.block`` (every bucket's and message's slots) is ``flat[at:at+n].view(shape)``:
+    the same values and the same memory, also for a flat buffer that is itself a slice of a
+    larger one (a bucket that is the tail of the first message)."""
+    from fpar._buffers import block, contiguous_strides
+
+    shape = torch.Size(shape)
+    n = shape.numel()
+    big = torch.arange(float(start + before + n + 3))
+    flat = big.narrow(0, start, before + n + 3)  # storage_offset start
+    got = block(flat, before, shape)
+    want = flat[before : before + n].view(shape)
+    assert got.shape == want.shape and got.stride() == want.stride() == contiguous_strides(shape)
+    torch.testing.assert_close(got, want)
+    if n:
+        got.fill_(-1.0)  # the same memory: a write through the block lands in the buffer
+        assert (big[start + before : start + before + n] == -1.0).all()
+        assert (big[: start + before] >= 0).all() and (big[start + before + n :] >= 0).all()

@@ -54,7 +54,7 @@ from torch._C import _functorch
 
 from .. import _defer
 from .. import _stats as stats
-from .._buffers import kept_or_new
+from .._buffers import block, contiguous_strides, kept_or_new
 from .._compile import untraced
 from .._registry import bound_once
 from . import pending
@@ -71,12 +71,13 @@ _RIDING = object()  # a bucket's ``work`` while it rides in the call's first mes
 class _Layout:
     """A bucket's fixed part, the same in every call of a plan: its tensors' places in the flat buffer."""
 
-    __slots__ = ("slots", "bucket", "shapes", "offsets", "numel", "dtype", "device", "summed_bytes")
+    __slots__ = ("slots", "bucket", "shapes", "strides", "offsets", "numel", "dtype", "device", "summed_bytes")
 
     def __init__(self, slots: list[int], bucket: tuple, xs: list[Tensor]):
         self.slots = slots  # the sources' slots, in order
         self.bucket = bucket  # (axes, mesh groups)
         self.shapes = [x.shape for x in xs]
+        self.strides = [contiguous_strides(x.shape) for x in xs]  # each slot's, in the flat buffer
         self.offsets = []
         at = 0
         for x in xs:
@@ -150,8 +151,8 @@ class _State:
     def _slot(self, i: int) -> Tensor:
         if self.flat is None:
             self.flat = self._buffer()
-        shape = self.layout.shapes[i]
-        return self.flat.narrow(0, self.layout.offsets[i], shape.numel()).view(shape)
+        layout = self.layout
+        return block(self.flat, layout.offsets[i], layout.shapes[i], layout.strides[i])
 
     def _buffer(self) -> Tensor:
         """The bucket's flat buffer: the deferred microbatches' sum, the plan's kept buffer, or new."""

@@ -68,7 +68,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _defer
 from .. import _stats as stats
-from .._buffers import kept_or_new
+from .._buffers import block, kept_or_new
 from .._collectives import Frame, frames
 from .._compile import eager, untraced
 from .._errors import ReplicationError
@@ -693,7 +693,7 @@ class _Agreement:
         n = len(members)
         rides, bucket, m = layout
         with torch._C.DisableTorchFunction():
-            sums = [int(v) for v in buf[:_HEAD].tolist()]
+            sums = [int(v) for v in buf.narrow(0, 0, _HEAD).tolist()]
         carried, joined, n_failed, mask, want, in32, in64 = sums[2 * _CHUNKS :]
         if n_failed:
             if failed:
@@ -712,7 +712,7 @@ class _Agreement:
         if failed or not rides or carried != n:
             return None
         with torch._C.DisableTorchFunction():
-            return buf.narrow(0, _HEAD, x.numel()).view(x.shape).to(x.dtype)
+            return block(buf, _HEAD, x.shape).to(x.dtype)
 
     def _resize(self, n: int, want: int, in32: int, in64: int) -> None:
         """Size the wire to the room the ranks want (the same sums, so the same size everywhere)."""
@@ -809,7 +809,10 @@ class _First:
             if y is None:  # only some ranks' blocks rode along: the sum as usual, in order
                 y = x.clone()
                 dist.all_reduce(y, group=self.group)
-            self.out.elem.copy_(y / self.n if self.kind == "pmean" else y)
+            if self.kind == "pmean":
+                torch.div(y, self.n, out=self.out.elem)  # one op, not a division then a copy
+            else:
+                self.out.elem.copy_(y)
 
 
 def _rides(dtype: torch.dtype, wire: torch.dtype) -> bool:
