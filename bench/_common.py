@@ -12,29 +12,42 @@ from typing import Callable
 import torch.distributed as dist
 
 
-def timed(step: Callable[[], object]) -> float:
-    """Wall time of one full step, every rank starting it together (after a barrier)."""
+def timed(step: Callable[[], object], cpu: list[float] | None = None) -> float:
+    """Wall time of one full step, every rank starting it together (after a barrier).
+
+    ``cpu``: where to append the step's CPU time on this thread (``time.thread_time``): no
+    waits, no time the thread sat preempted, so other load moves it less than the wall time.
+    It shows a step's own work (Python, kernels, posting messages), not its communication.
+    """
     dist.barrier()
+    c0 = time.thread_time()
     t0 = time.perf_counter()
     step()
-    return time.perf_counter() - t0
+    t = time.perf_counter() - t0
+    if cpu is not None:
+        cpu.append(time.thread_time() - c0)
+    return t
 
 
-def interleaved(steps: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+def interleaved(
+    steps: dict[str, Callable[[], object]], repeats: int, cpu: dict[str, list[float]] | None = None
+) -> dict[str, list[float]]:
     """Time each step ``repeats`` times, rotating their order every repeat, with the GC paused.
 
     Rotating spreads slow phases of a shared machine over every side; no collector pauses land
-    inside a timed step.
+    inside a timed step.  ``cpu``: filled with each step's CPU times on this thread (``timed``).
     """
     names = list(steps)
     times: dict[str, list[float]] = {k: [] for k in names}
+    if cpu is not None:
+        cpu.update({k: [] for k in names})
     gc.collect()
     gc.disable()
     try:
         for i in range(repeats):
             k = i % len(names)
             for name in names[k:] + names[:k]:
-                times[name].append(timed(steps[name]))
+                times[name].append(timed(steps[name], None if cpu is None else cpu[name]))
     finally:
         gc.enable()
     return times

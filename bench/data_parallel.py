@@ -37,8 +37,9 @@ updated parameters (so both do the same work).  Bytes all-reduced per step, per 
   on its second step, after DDP has rebuilt its buckets in gradient-ready order;
 * the formula: parameter bytes x 2(n-1)/n.
 
-Also printed: the peak memory of a step (CPU profiler memory events) of each side.  Timings
-are printed, never asserted.
+Also printed: the peak memory of a step (CPU profiler memory events) of each side, and each
+side's CPU time per step on the main thread (``time.thread_time``: a step's own work, without its
+waits, and less moved by other load than the wall time).  Timings are printed, never asserted.
 
 Run:
     python bench/data_parallel.py                     # 20 repeats, D=512 H=2048 B=128 (64/process)
@@ -254,10 +255,12 @@ def worker(cfg: dict) -> dict:
     fpar_held = sum(p.numel() * p.element_size() for p in plist)
     peaks = {"fpar": step_peak_bytes(fpar_step) + fpar_held, "ddp": step_peak_bytes(ddp_step) + ddp_held}
     steps = {"fpar": fpar_step, "fpar_bw": fpar_bw_step, "ddp": ddp_step, "floor": floor_step}
-    times = interleaved(steps, cfg["repeats"])
+    cpu: dict = {}
+    times = interleaved(steps, cfg["repeats"], cpu)
 
     return {
         "times": times,
+        "cpu": cpu,
         "peaks": peaks,
         "worst_rel": worst,
         "fpar_stats": fpar_bytes,
@@ -329,6 +332,13 @@ def main(argv=None) -> None:
     print(
         f"  floor (torch.func.grad, no fpar, + one flat all-reduce) / DDP: {med['floor'] / med['ddp']:.2f}x; "
         f"fpar func.grad / floor: {med['fpar'] / med['floor']:.2f}x (medians)"
+    )
+    cpu = {k: statistics.median(v) * 1e3 for k, v in r0["cpu"].items()}
+    print(
+        f"  CPU time of a step on the main thread (no waits; load moves it less than the wall time), rank 0: "
+        f"fpar {cpu['fpar']:.2f} / {cpu['fpar_bw']:.2f} ms (func.grad / .backward()), DDP {cpu['ddp']:.2f}, "
+        f"floor {cpu['floor']:.2f}; fpar / floor {cpu['fpar'] / cpu['floor']:.2f}x / {cpu['fpar_bw'] / cpu['floor']:.2f}x, "
+        f"fpar .backward() / DDP {cpu['fpar_bw'] / cpu['ddp']:.2f}x"
     )
     pk = r0["peaks"]
     print(
