@@ -20,7 +20,8 @@ Checked before timing: one step of each, from the same parameters, gives the sam
 Messages per step: ``fpar.comm_stats()`` (counted where issued) and a counting DDP comm hook.
 The 2 processes are started once (``fpar.launch``), 1 thread each; the three steps are timed
 interleaved (rotating order), each after a ``dist.barrier()``; medians of rank 0, ratios printed.
-Timings are printed, never asserted.
+Also printed: each side's CPU time per step on the main thread (``time.thread_time``: a step's own
+work, without its waits).  Timings are printed, never asserted.
 
 Run:
     python bench/accumulate.py                 # D=512 H=2048, global batch 256 (32 rows per microbatch)
@@ -143,9 +144,11 @@ def worker(cfg: dict) -> dict:
     for _ in range(cfg["warmup"]):
         for s in steps.values():
             s()
-    times = interleaved(steps, cfg["repeats"])
+    cpu: dict = {}
+    times = interleaved(steps, cfg["repeats"], cpu)
     return {
         "times": times,
+        "cpu": cpu,
         "worst": worst,
         "counts": counts,
         "ddp_count": counter,
@@ -185,6 +188,12 @@ def main(argv=None) -> None:
     print(
         f"  ratio fpar .backward()/DDP: {med['fpar_bw'] / med['ddp']:.2f}x (medians), "
         f"{lo['fpar_bw'] / lo['ddp']:.2f}x (minima)"
+    )
+    cpu = {k: statistics.median(v) * 1e3 for k, v in r0["cpu"].items()}
+    print(
+        f"  CPU time of a step on the main thread (no waits; load moves it less than the wall time), rank 0: "
+        f"fpar {cpu['fpar']:.2f} / {cpu['fpar_bw']:.2f} ms (accumulate / .backward()), DDP {cpu['ddp']:.2f}; "
+        f"ratios {cpu['fpar'] / cpu['ddp']:.2f}x / {cpu['fpar_bw'] / cpu['ddp']:.2f}x"
     )
     ring = 2 * (NPROCS - 1) / NPROCS
     c, cb, ce, d = r0["counts"]["fpar"], r0["counts"]["fpar_bw"], r0["counts"]["fpar_every"], r0["ddp_count"]
