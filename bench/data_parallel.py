@@ -17,6 +17,12 @@ float32, MSE loss) on the same global batch split over 2 gloo processes on this 
   flat ``all_reduce`` of the gradients (no overlap), SGD as above: the least any data
   parallelism written with ``torch.func.grad`` costs.  fpar's ``torch.func.grad`` step is
   compared with it (fpar's own cost) and it with DDP (functorch's own cost).
+* **hooks**: the floor's per-rank loss behind ``HookedBuckets``' views (no fpar): the least any
+  library pays in Python to all-reduce the gradients bucketed and overlapped with the backward,
+  as DDP does in C++ (two identity views per parameter with a hook on each node, a copy into the
+  bucket, an async all-reduce, a wait), by ``torch.func.grad`` and by ``.backward()``.  fpar
+  against it is fpar's own machinery per call (plan, signature check, loss, output handling);
+  it against the floor and DDP is what the hooks cost.
 * **DDP**: the same MLP as an ``nn.Module`` in ``torch.nn.parallel.DistributedDataParallel``
   (gloo, default buckets, its built-in all-reduce overlapped with the backward pass),
   ``loss.backward()``, ``torch.optim.SGD(foreach=True)``.
@@ -61,6 +67,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._C import _functorch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 try:
@@ -154,6 +161,76 @@ def step_peak_bytes(step) -> int:
     return peak
 
 
+class HookedBuckets:
+    """The least a library pays, in Python, to all-reduce gradients bucketed and overlapped as DDP does.
+
+    No fpar: plain tensors, one flat buffer per bucket (DDP's sizes: the first closes at 1 MB,
+    the others at 25 MB, in the order the gradients become ready), and for each parameter the
+    two identity views with a hook on each node that overlapping needs (fpar/_dist/buckets.py's
+    ``_hooked``): the outer one runs as soon as the parameter's cotangent is final (it copies
+    it into the bucket; the bucket's last one starts an async all-reduce), the inner one only
+    once nothing else is ready (it waits), so that nothing reads an unreduced gradient.  Works
+    under ``torch.func.grad`` (cotangents unwrapped and rewrapped at their level) and under
+    ``.backward()``.  The sides timed with it show how much of fpar's cost per call is these
+    hooks (what any hook-based design pays, in functorch's C++ and Python's calls) and how much
+    is fpar's own machinery around them.
+    """
+
+    FIRST_MB, MB = 1.0, 25.0  # torch.distributed's defaults for DDP
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.buckets = []  # [indices (in ready order), offsets, flat buffer, state]
+        order = list(reversed(range(len(params))))  # gradients become ready last layer first
+        current, size = [], 0
+        for i in order:
+            current.append(i)
+            size += params[i].numel() * params[i].element_size()
+            cap = (self.FIRST_MB if not self.buckets else self.MB) * 2**20
+            if size >= cap or i == order[-1]:
+                offsets, at = [], 0
+                for j in current:
+                    offsets.append(at)
+                    at += params[j].numel()
+                flat = torch.empty(at, dtype=params[current[0]].dtype)
+                slots = {j: flat[o : o + params[j].numel()].view(params[j].shape) for j, o in zip(current, offsets)}
+                self.buckets.append({"slots": slots, "flat": flat, "left": 0, "work": None})
+                current, size = [], 0
+
+    def wrap(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each parameter behind its two hooked views (call inside the function being differentiated)."""
+        out = list(params)
+        for b in self.buckets:
+            b["left"], b["work"] = len(b["slots"]), None
+            for i in b["slots"]:
+                w = params[i].view_as(params[i])
+                w.grad_fn.register_prehook(lambda cts, b=b: self._wait(b))
+                v = w.view_as(w)
+                v.grad_fn.register_prehook(lambda cts, b=b, i=i: (self._arrive(b, i, cts[0]),))
+                v.grad_fn._set_sequence_nr(2**64 - 1)  # AccumulateGrad's: run as soon as ready
+                out[i] = v
+        return out
+
+    @staticmethod
+    def _arrive(b: dict, i: int, ct: torch.Tensor) -> torch.Tensor:
+        level = _functorch.maybe_get_level(ct)
+        slot = b["slots"][i]
+        if level == -1:  # plain autograd
+            slot.copy_(ct)
+        else:
+            with torch._C._DisableFuncTorch():
+                slot.copy_(_functorch._unwrap_for_grad(ct, level))
+        b["left"] -= 1
+        if not b["left"]:
+            b["work"] = dist.all_reduce(b["flat"], async_op=True)
+        return slot if level == -1 else _functorch._wrap_for_grad(slot, level)
+
+    @staticmethod
+    def _wait(b: dict) -> None:
+        work, b["work"] = b["work"], None
+        if work is not None:
+            work.wait()
+
+
 def setup(cfg: dict):
     """The mesh, the replicated parameters and this rank's rows: the same global values everywhere."""
     B, D, H = cfg["batch"], cfg["dim"], cfg["hidden"]
@@ -213,27 +290,53 @@ def worker(cfg: dict) -> dict:
         parts = [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in floor_list]), floor_list)]
         torch._foreach_add_(floor_list, parts, alpha=-LR / world)
 
+    # (d) the floor plus the least an overlapped, bucketed all-reduce costs in Python (no fpar):
+    # the same loss behind HookedBuckets' views, by torch.func.grad and by .backward()
+    hooks_params = {k: params[k].detach().clone() for k in KEYS}
+    hooks_list = [hooks_params[k] for k in KEYS]
+    hooked = HookedBuckets(hooks_list)
+
+    def hooked_loss(ps, x_BD, y_BD):
+        return plain_loss(dict(zip(KEYS, hooked.wrap([ps[k] for k in KEYS]))), x_BD, y_BD)
+
+    hooks_grad = torch.func.grad(hooked_loss)
+
+    def hooks_step():
+        g = hooks_grad(hooks_params, x_local, y_local)
+        torch._foreach_add_(hooks_list, [g[k] for k in KEYS], alpha=-LR / world)
+
+    hooks_bw_step = backward_step(hooked_loss, params, KEYS, x_local, y_local, lr=LR / world)
+
     # One step of each from the same parameters: the same update.
     before = [p.clone() for p in plist]
     fpar_step()
     fpar_bw_step()
     ddp_step()
     floor_step()
+    hooks_step()
+    hooks_bw_step()
     worst = 0.0
-    for k, p0, pf, pb, pd, pl in zip(KEYS, before, plist, leaves, model.parameters(), floor_list):
+    sides = zip(KEYS, before, plist, leaves, model.parameters(), floor_list, hooks_list, hooks_bw_step.leaves)
+    for k, p0, pf, pb, pd, pl, ph, phb in sides:
         # Compare the updates, not the parameters: an update is ~1e-4 of a parameter's size.
         ud = pd.detach() - p0
-        for name, u in (("fpar", pf - p0), ("fpar .backward()", pb.detach() - p0), ("floor", pl - p0)):
+        updates = (
+            ("fpar", pf - p0), ("fpar .backward()", pb.detach() - p0), ("floor", pl - p0),
+            ("hooks", ph - p0), ("hooks .backward()", phb.detach() - p0),
+        )
+        for name, u in updates:
             rel = ((u - ud).norm() / ud.norm()).item()
             worst = max(worst, rel)
             if not torch.allclose(u, ud, rtol=1e-4, atol=1e-4 * ud.abs().max().item()):
                 raise AssertionError(f"the update of {k} differs, {name} vs DDP: relative norm diff {rel:.3e}")
 
+    steps = {
+        "fpar": fpar_step, "fpar_bw": fpar_bw_step, "ddp": ddp_step, "floor": floor_step,
+        "hooks": hooks_step, "hooks_bw": hooks_bw_step,
+    }
     for _ in range(cfg["warmup"]):
-        fpar_step()
-        fpar_bw_step()
-        ddp_step()
-        floor_step()
+        for step in steps.values():
+            step()
     # Bytes per step, in the steady state (a call's first message grows to fit its first
     # gradient bucket after the first planned call: fpar/_dist/shard.py's _Agreement).
     fpar.reset_comm_stats()
@@ -254,7 +357,6 @@ def worker(cfg: dict) -> dict:
     ddp_held = sum(p.numel() * p.element_size() for p in model.parameters()) * 2
     fpar_held = sum(p.numel() * p.element_size() for p in plist)
     peaks = {"fpar": step_peak_bytes(fpar_step) + fpar_held, "ddp": step_peak_bytes(ddp_step) + ddp_held}
-    steps = {"fpar": fpar_step, "fpar_bw": fpar_bw_step, "ddp": ddp_step, "floor": floor_step}
     cpu: dict = {}
     times = interleaved(steps, cfg["repeats"], cpu)
 
@@ -317,9 +419,9 @@ def main(argv=None) -> None:
         f"{n} gloo processes x {threads} thread(s), fpar {fpar.__version__}, torch {torch.__version__}, "
         f"{args.repeats} repeats"
     )
-    for k in ("fpar", "fpar_bw", "ddp", "floor"):
+    for k in ("fpar", "fpar_bw", "ddp", "floor", "hooks", "hooks_bw"):
         print(
-            f"  {k:7s}  median {med[k]:8.2f} ms   min {lo[k]:8.2f}   max {hi[k]:8.2f}   (rank 1 median {med1[k]:.2f})"
+            f"  {k:8s}  median {med[k]:8.2f} ms   min {lo[k]:8.2f}   max {hi[k]:8.2f}   (rank 1 median {med1[k]:.2f})"
         )
     print(
         f"  ratio fpar/DDP: {ratio:.2f}x (medians; target <= 1.0, tiny <= 1.3), {lo['fpar'] / lo['ddp']:.2f}x (minima); "
@@ -333,12 +435,22 @@ def main(argv=None) -> None:
         f"  floor (torch.func.grad, no fpar, + one flat all-reduce) / DDP: {med['floor'] / med['ddp']:.2f}x; "
         f"fpar func.grad / floor: {med['fpar'] / med['floor']:.2f}x (medians)"
     )
+    print(
+        f"  hooks (the floor's loss behind the least hooks an overlapped bucketed all-reduce needs, no fpar) / DDP: "
+        f"{med['hooks'] / med['ddp']:.2f}x / {med['hooks_bw'] / med['ddp']:.2f}x (torch.func.grad / .backward()); "
+        f"fpar / hooks: {med['fpar'] / med['hooks']:.2f}x / {med['fpar_bw'] / med['hooks_bw']:.2f}x (medians)"
+    )
     cpu = {k: statistics.median(v) * 1e3 for k, v in r0["cpu"].items()}
     print(
         f"  CPU time of a step on the main thread (no waits; load moves it less than the wall time), rank 0: "
         f"fpar {cpu['fpar']:.2f} / {cpu['fpar_bw']:.2f} ms (func.grad / .backward()), DDP {cpu['ddp']:.2f}, "
         f"floor {cpu['floor']:.2f}; fpar / floor {cpu['fpar'] / cpu['floor']:.2f}x / {cpu['fpar_bw'] / cpu['floor']:.2f}x, "
         f"fpar .backward() / DDP {cpu['fpar_bw'] / cpu['ddp']:.2f}x"
+    )
+    print(
+        f"  CPU time, the hooks alone: {cpu['hooks']:.2f} / {cpu['hooks_bw']:.2f} ms (func.grad / .backward()): "
+        f"{cpu['hooks'] - cpu['floor']:+.2f} ms over the floor, {cpu['hooks_bw'] - cpu['ddp']:+.2f} ms over DDP; "
+        f"fpar's machinery around them {cpu['fpar'] - cpu['hooks']:+.2f} / {cpu['fpar_bw'] - cpu['hooks_bw']:+.2f} ms"
     )
     pk = r0["peaks"]
     print(
