@@ -179,20 +179,18 @@ class HookedBuckets:
     FIRST_MB, MB = 1.0, 25.0  # torch.distributed's defaults for DDP
 
     def __init__(self, params: list[torch.Tensor]):
-        self.buckets = []  # [indices (in ready order), offsets, flat buffer, state]
-        order = list(reversed(range(len(params))))  # gradients become ready last layer first
+        # each bucket: {parameter index: its slot in the flat buffer}, the flat buffer, how many
+        # cotangents have yet to arrive this call, the pending all-reduce (one dtype: float32 here)
+        self.buckets = []
         current, size = [], 0
-        for i in order:
+        for i in reversed(range(len(params))):  # gradients become ready last layer first
             current.append(i)
             size += params[i].numel() * params[i].element_size()
             cap = (self.FIRST_MB if not self.buckets else self.MB) * 2**20
-            if size >= cap or i == order[-1]:
-                offsets, at = [], 0
-                for j in current:
-                    offsets.append(at)
-                    at += params[j].numel()
-                flat = torch.empty(at, dtype=params[current[0]].dtype)
-                slots = {j: flat[o : o + params[j].numel()].view(params[j].shape) for j, o in zip(current, offsets)}
+            if size >= cap or i == 0:
+                numels = [params[j].numel() for j in current]
+                flat = torch.empty(sum(numels), dtype=params[i].dtype)
+                slots = {j: piece.view(params[j].shape) for j, piece in zip(current, flat.split(numels))}
                 self.buckets.append({"slots": slots, "flat": flat, "left": 0, "work": None})
                 current, size = [], 0
 
