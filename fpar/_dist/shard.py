@@ -908,6 +908,9 @@ class _Tracker(TorchFunctionMode):
         super().__init__()
         self.owner, self.plan, self.mg = owner, plan, owner.mg
         self.axes = owner.axes
+        # Axes of more than one device: a sum over an axis of size 1 is the identity, so such an
+        # axis never makes a value a gradient source (it is still typed, for the replication check)
+        self.summed = frozenset(a for a in self.axes if owner.mesh.shape[a] > 1)
         self.infos: dict[int, tuple[Tensor, frozenset, frozenset]] = {}
         self.pvaried: dict = {}
         self.pvary_use: set = set()
@@ -937,7 +940,7 @@ class _Tracker(TorchFunctionMode):
     def enter(self, i: int, leaf: Tensor, spec: PartitionSpec) -> Tensor:
         """Register input ``i``; a replicated float one gets its source-level sum (planned)."""
         named = frozenset(spec.axes())
-        rep = [a for a in self.axes if a not in named]
+        rep = [a for a in self.axes if a not in named and a in self.summed]
         deps = frozenset((("in", i), a) for a in rep) if _diff(leaf) else frozenset()
         if deps:
             plan = self.plan
@@ -947,7 +950,7 @@ class _Tracker(TorchFunctionMode):
 
     def _use(self, t: Tensor, deps: frozenset, axes: tuple[str, ...]) -> None:
         """``t`` (replicated over ``axes``) is pvaried over them: record its sources' uses."""
-        for a in axes:
+        for a in (a for a in axes if a in self.summed):
             # Sorted: ``deps`` is a set, whose order follows string hashing, which differs between
             # processes; ``first_use`` orders the gradient buckets, which every rank must lay out
             # the same way (an all-reduce of differently ordered buffers sums unrelated gradients).
@@ -964,7 +967,8 @@ class _Tracker(TorchFunctionMode):
         if key in self.pvaried and self.pvaried[key][0] is t:
             return self.pvaried[key][1]
         plan = self.plan
-        out = _Planned.apply(t, lambda: () if plan.fast else axes, self.mg)
+        summed = tuple(a for a in axes if a in self.summed)
+        out = _Planned.apply(t, lambda: () if plan.fast else summed, self.mg)
         self.pvaried[key] = (t, out)
         return out
 
@@ -979,29 +983,76 @@ class _Tracker(TorchFunctionMode):
             return func(*args, **kwargs)
         if self.base != maybe_current_level():
             self.inner = True  # an op under the user's own transform inside the function
+        if getattr(func, "__name__", "").startswith("_foreach_"):
+            return self._foreach(func, args, kwargs)
         leaves, treedef = tree_flatten((args, kwargs))
         idx = [i for i, t in enumerate(leaves) if isinstance(t, Tensor)]
         if not idx:
             return func(*args, **kwargs)
         reads = self.carried is not None and any(leaves[i] is self.carried for i in idx)
-        infos = [self.info(leaves[i]) for i in idx]
-        union = frozenset().union(*(v for v, _ in infos))
-        deps: set = set()
-        changed = False
-        for i, (v, d) in zip(idx, infos):
-            missing = union - v
-            if missing and _diff(leaves[i]):
-                axes = tuple(a for a in self.axes if a in missing)
-                self._use(leaves[i], d, axes)
-                leaves[i] = self._pvary(leaves[i], axes)
-                changed = True
-            deps.update(x for x in d if x[1] not in missing)
-        if changed:
+        met, union, deps = self._meet([leaves[i] for i in idx])
+        if any(t is not leaves[i] for i, t in zip(idx, met)):
+            for i, t in zip(idx, met):
+                leaves[i] = t
             args, kwargs = tree_unflatten(treedef, leaves)
         result = func(*args, **kwargs)
-        self._mark(result, union, frozenset(deps))
+        self._mark(result, union, deps)
         if reads and _reads_value(func, result):
             self.plan.read_inside, self.carried = True, None
+        return result
+
+    def _meet(self, ts: list) -> tuple[list, frozenset, frozenset]:
+        """Tensors ``ts`` meet in one op: pvary each over the axes others vary over and it does not.
+
+        Returns the operands to use, the result's varying axes and its sources.
+        """
+        infos = [self.info(t) for t in ts]
+        union = frozenset().union(*(v for v, _ in infos))
+        deps: set = set()
+        out = list(ts)
+        for i, (t, (v, d)) in enumerate(zip(ts, infos)):
+            missing = union - v
+            if missing and _diff(t):
+                axes = tuple(a for a in self.axes if a in missing)
+                self._use(t, d, axes)
+                out[i] = self._pvary(t, axes)
+            deps.update(x for x in d if x[1] not in missing)
+        return out, union, frozenset(deps)
+
+    def _foreach(self, func, args: tuple, kwargs: dict) -> Any:
+        """A ``torch._foreach_*`` op: element ``j`` of its result meets only element ``j`` of each list.
+
+        (Typing the whole list by the union of every element's axes would make a replicated
+        parameter's update vary over the axes another parameter is split over.)  A tensor
+        operand shared by every element (a 0-d coefficient) that must be pvaried differently
+        for different elements splits the op into one call per element.
+        """
+        lists = [k for k, a in enumerate(args) if isinstance(a, (list, tuple))]
+        if not lists:
+            return func(*args, **kwargs)
+        elements: list[list] = []  # per element j: the op's args with each list replaced by its j-th entry
+        types: list[tuple] = []  # per element: its result's (varying axes, sources)
+        for j in range(len(args[lists[0]])):
+            mine = [a[j] if k in lists else a for k, a in enumerate(args)]
+            at = [k for k, a in enumerate(mine) if isinstance(a, Tensor)]
+            met, union, deps = self._meet([mine[k] for k in at])
+            for k, t in zip(at, met):
+                mine[k] = t
+            elements.append(mine)
+            types.append((union, deps))
+        shared = [k for k, a in enumerate(args) if k not in lists and isinstance(a, Tensor)]
+        if all(e[k] is args[k] for e in elements for k in shared):  # one call, as the user wrote it
+            result = func(*[[e[k] for e in elements] if k in lists else a for k, a in enumerate(args)], **kwargs)
+        else:
+            outs = [func(*[[a] if k in lists else a for k, a in enumerate(e)], **kwargs) for e in elements]
+            result = None if outs and outs[0] is None else [r[0] for r in outs]
+        if result is None:  # in place: the first list holds the results (and the views pvaried into it)
+            targets = [(args[lists[0]][j], e[lists[0]]) for j, e in enumerate(elements)]
+        else:
+            targets = [(t,) for t in result]
+        for ts, (union, deps) in zip(targets, types):
+            for t in ts:
+                self._mark(t, union, deps)
         return result
 
     # collectives and outputs
@@ -1021,7 +1072,7 @@ class _Tracker(TorchFunctionMode):
             varying = v | frozenset(axes)
         deps = {e for e in d if e[1] not in axes}
         if kind in _REDUCING and _diff(y):
-            deps.update((("coll", k), a) for a in axes)
+            deps.update((("coll", k), a) for a in axes if a in self.summed)
             plan = self.plan
             with torch._C.DisableTorchFunction():
                 y = _Planned.apply(y, lambda: plan.coll[k][2] if plan.fast else (), self.mg)
@@ -1035,7 +1086,7 @@ class _Tracker(TorchFunctionMode):
         v, d = self.info(t)
         rep_named = tuple(a for a in named if a not in v)
         for a in self.axes:
-            if a not in named and a not in v:
+            if a not in named and a not in v and a in self.summed:
                 self.plain_use.update(e for e in d if e[1] == a)
         if rep_named and _diff(t):
             with torch._C.DisableTorchFunction():

@@ -60,10 +60,15 @@ def mesh_axes() -> tuple[str, ...] | None:
 def varying_axes(t: Tensor) -> tuple[str, ...]:
     """The mesh axes ``t`` varies over inside the running shard (mesh order); ``()`` outside."""
     frame = current_frame()
-    if frame is None or not frame.levels:
+    if frame is None:
         return ()
-    levels = batched_levels(t, frame.levels)
-    return tuple(a for a in frame.mesh.axis_names if any(frame.levels[lv] == a for lv in levels))
+    if frame.levels:  # in-process: the mesh vmap levels t is batched at
+        levels = batched_levels(t, frame.levels)
+        return tuple(a for a in frame.mesh.axis_names if any(frame.levels[lv] == a for lv in levels))
+    if frame.varying is not None:  # a real mesh: the plan's typing of the plain local tensor
+        axes = frame.varying(t)
+        return tuple(a for a in frame.mesh.axis_names if a in axes)
+    return ()
 
 
 def is_plain(tensors: list[Any]) -> bool:

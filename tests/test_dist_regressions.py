@@ -1,0 +1,96 @@
+"""Real-mesh regressions: combinations a user reaches first, each once broken under torchrun.
+
+Each body runs on gloo processes (``fpar.testing.distributed``) and compares with the same
+program on the in-process mesh of the same shape, computed in every process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fpar
+import fpar.optim as fo
+from fpar import P
+from fpar.testing import distributed
+
+pytestmark = pytest.mark.multiprocess
+
+F64 = torch.float64
+
+
+def _mixed_specs_update(backend: str, shape: tuple, names: tuple) -> list:
+    """AdamW with global-norm clipping over leaves of different specs, two steps (zero stage 0)."""
+    mesh = fpar.make_mesh(shape, names, backend=backend)
+    g = torch.Generator().manual_seed(0)
+    specs = {"stage": P("pipeline", None, "tensor"), "first": P("tensor", None), "bias": P()}
+    whole = {
+        "stage": torch.randn(2, 3, 4, generator=g, dtype=F64),
+        "first": torch.randn(4, 3, generator=g, dtype=F64),
+        "bias": torch.randn(3, generator=g, dtype=F64),
+    }
+    params = fpar.device_put(whole, mesh, specs)
+    opt = fo.chain(fo.clip_by_global_norm(0.5), fo.adamw(0.1))
+    layout = fo.zero_layout(params, mesh, specs, stage=0, data_axis="data")
+    params, state = fo.zero_init(opt, params, layout)
+    update = fo.zero_update(opt, layout)
+    out = []
+    for step in range(2):
+        grads = fpar.device_put(
+            {k: torch.full_like(v, 0.3 * (step + 1)) + v for k, v in whole.items()}, mesh, specs
+        )
+        params, state = update(grads, state, params)
+        out.append(fpar.gather(params, mesh, specs))
+    return out
+
+
+@distributed(2, timeout=120)
+def _foreach_over_mixed_specs():
+    # torch._foreach_* ops in the optimizer: each element's type is its own, not the union of the
+    # list's (an axis of size 1 named by one leaf's spec made every update "vary" over it)
+    for shape in ((1, 2, 1), (1, 1, 2)):
+        names = ("pipeline", "data", "tensor")
+        got = _mixed_specs_update("dist", shape, names)
+        want = _mixed_specs_update("local", shape, names)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_optimizer_update_over_leaves_of_different_specs():
+    _foreach_over_mixed_specs()
+
+
+def _deferred_over_size_one(backend: str) -> dict:
+    """Two microbatches, the first under defer_reduction, on data=2 x tensor=1.
+
+    The activation ``x`` (split over 'data') is replicated over 'tensor', an axis of size 1, and
+    meets the tensor-split weight: a sum over one device is no sum, so ``x`` is no gradient
+    source (it was, and its deferral key, a new tensor each microbatch, never matched).
+    """
+    mesh = fpar.make_mesh((2, 1), ("data", "tensor"), backend=backend)
+    g = torch.Generator().manual_seed(1)
+    specs = {"a": P(None, "tensor"), "b": P("tensor", None)}
+    w = fpar.device_put({"a": torch.randn(3, 4, generator=g, dtype=F64), "b": torch.randn(4, 2, generator=g, dtype=F64)}, mesh, specs)
+    xs = [fpar.device_put(torch.randn(4, 3, generator=g, dtype=F64), mesh, P("data")) for _ in range(2)]
+
+    def loss(w, x):
+        h = torch.tanh(x @ w["a"])
+        return fpar.pmean(fpar.psum(h @ w["b"], "tensor").square().mean(), "data")
+
+    f = fpar.shard(loss, mesh, (specs, P("data")), P())
+    grad = torch.func.grad(f, argnums=(0, 1))  # the activation too, as a pipeline stage's
+    total = None
+    for step in range(2):  # the second step runs the planned (fast) calls
+        with fpar.defer_reduction():
+            (g0, dx0) = grad(w, xs[0])
+        (g1, dx1) = grad(w, xs[1])
+        total = {k: g0[k] + g1[k] for k in g0}
+    return fpar.gather((total, dx0, dx1), mesh, (specs, P("data"), P("data")))
+
+
+@distributed(2, timeout=120)
+def _defer_size_one():
+    torch.testing.assert_close(_deferred_over_size_one("dist"), _deferred_over_size_one("local"), rtol=1e-12, atol=1e-12)
+
+
+def test_deferred_gradients_with_an_axis_of_size_one():
+    _defer_size_one()
