@@ -23,7 +23,7 @@ from torch._C._functorch import maybe_current_level
 from . import _stats as stats
 from ._collectives import Frame, frames
 from ._compile import eager, opaque
-from ._errors import ReplicationError, SpecError
+from ._errors import ReplicationError, SpecError, replication_message
 from ._mesh import Mesh
 from ._mode import batched_levels, storage_of
 from ._spec import PartitionSpec, check_spec
@@ -288,7 +288,7 @@ class _Call:
             named = set(spec.axes())
             broken = [a for a in self.axes if a not in named and _level_of(frame, a) in varying]
             if broken and self.check_rep:
-                raise ReplicationError(_replication_message(where, spec, broken))
+                raise ReplicationError(replication_message(where, spec, broken))
             self.present.append([a for a in self.axes if a in named or a in broken])
             rep = tuple(a for a in self.axes if a in named and _level_of(frame, a) not in varying)
             if rep and (leaf.is_floating_point() or leaf.is_complex()):
@@ -376,16 +376,3 @@ def _prefix(fname: str, name: str, specs: Any, tree: Any, what: str) -> list:
             f"structure of {what}, down to where one spec covers a whole subtree; a single P "
             f"applies to everything."
         ) from None
-
-
-def _replication_message(where: str, spec: PartitionSpec, broken: list[str]) -> str:
-    axes = ", ".join(repr(a) for a in broken)
-    first = broken[0]
-    return (
-        f"{where} varies over mesh axis {first!r}"
-        + (f" (and {', '.join(repr(a) for a in broken[1:])})" if len(broken) > 1 else "")
-        + f", but its out_spec {spec} leaves {axes} out, which promises the value is the same on "
-        f"every device along {'them' if len(broken) > 1 else 'it'}. Reduce it first (e.g. "
-        f"fpar.psum or fpar.pmean over {first!r}), name {first!r} in the out_spec to return every "
-        f"device's block, or pass check_rep=False to return the block at coordinate 0 unchecked."
-    )

@@ -29,7 +29,7 @@ def _reference():
 def test_steady_state_sends_no_separate_agreement_message():
     """A warm DP step sends one 512-byte message: the check, the loss pmean and the gradient bucket."""
     _, x, _, g = _reference()
-    wire = 8 * fpar._dist.shard._WIRE0[1]
+    wire = 8 * fpar._dist.agreement._WIRE0[1]
     for r, res in enumerate(_results()):
         torch.testing.assert_close(res["grad"], g)
         assert res["dp_sent"] == [wire], res["dp_sent"]
@@ -53,7 +53,7 @@ def test_warm_mismatch_with_a_held_bucket_raises_on_every_rank_and_drops_it():
     step: the later calls of ``agreement_cases`` match)."""
     res = _results()
     assert res[0]["held"] == 1, res[0]["held"]
-    wire = 8 * fpar._dist.shard._WIRE0[1]
+    wire = 8 * fpar._dist.agreement._WIRE0[1]
     for r in res:
         assert r["held_sent"] == [wire], r["held_sent"]  # the first message only
     for r in res:
@@ -81,7 +81,7 @@ def test_partly_carried_check_falls_back_to_the_plain_collective():
     for r in res:
         torch.testing.assert_close(r["partial"], loss)
         torch.testing.assert_close(r["loss"], loss)
-    wire = 8 * fpar._dist.shard._WIRE0[1]
+    wire = 8 * fpar._dist.agreement._WIRE0[1]
     assert res[0]["partial_sent"] == [wire, 8]  # carried, then the plain pmean again
     assert res[1]["partial_sent"] == [wire, 8]  # the check alone, then the pmean
 
@@ -98,7 +98,7 @@ def test_first_bucket_rides_in_the_first_message_and_goes_again_when_a_rank_read
         loss = lambda w: ((x.to(w.dtype) @ w) ** 2).mean()  # noqa: E731 - the unsharded function
         return loss(w), torch.func.grad(loss)(w)
 
-    head = fpar._dist.shard._HEAD
+    head = fpar._dist.agreement._HEAD
     room = 4 * (head + 1 + w.numel())  # float32: header, loss, the bucket (w's gradient)
     ref32, ref64 = reference(w), reference(w.double())
     for r, res in enumerate(fpar.launch(D.riding_cases, 2, timeout=60.0)):
@@ -117,7 +117,7 @@ def test_first_bucket_rides_in_the_first_message_and_goes_again_when_a_rank_read
         assert res["wire_again"] == ("torch.float32", room // 4)
         # another sharded call between forward and backward: the first message went alone,
         # then the plan sends it in the forward (header and loss), its bucket on its own
-        small = 4 * fpar._dist.shard._WIRE0[1]
+        small = 4 * fpar._dist.agreement._WIRE0[1]
         first, second = res["interleaved_sent"]
         assert first == [room, room, 4 * w.numel()], first  # f alone; other (its psum rides); bucket
         assert second == [room, room, 4 * w.numel()], second

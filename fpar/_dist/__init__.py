@@ -4,8 +4,10 @@ One purpose per file:
 
 * ``groups.py``: ranks <-> mesh coordinates, process groups per set of axes, point-to-point;
 * ``exchange.py``: the collectives on local blocks as differentiable ``autograd.Function``s;
-* ``shard.py``: ``fpar.shard`` on a real mesh: the plan per signature, the traced first call,
-  the fast calls on plain local tensors, the per-call signature agreement;
+* ``shard.py``: ``fpar.shard`` on a real mesh: the plan per signature, the fast calls on plain
+  local tensors;
+* ``tracker.py``: the traced first call: varying axes, implicit pvaries, which sums the plan keeps;
+* ``agreement.py``: the per-call signature check, carried by the call's first message;
 * ``buckets.py``: the bucketed, overlapped gradient all-reduces of replicated inputs;
 * ``values.py``: ``device_put``/``gather``/DTensor interop on a real mesh;
 * ``launch.py``: ``init_distributed`` and ``fpar.launch``;

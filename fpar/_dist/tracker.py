@@ -1,0 +1,307 @@
+"""The traced call of a real-mesh ``fpar.shard``: varying axes, implicit pvaries, the plan's bookkeeping.
+
+**Which cotangents are summed.**  A value replicated over axis ``a`` (the same on every device
+of ``a``) has, in the global function, one copy per device wherever it meets a value varying
+over ``a`` (JAX's implicit ``pvary``), enters a collective over ``a``, or leaves through an
+output whose spec names ``a``.  The transpose of each such copy sums the cotangent over ``a``.
+Cotangent that flows through replicated computation only (a weight used after a psum over
+'tensor', in Megatron TP) is *not* summed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._C._functorch import maybe_current_level
+from torch.overrides import TorchFunctionMode
+
+from .. import _stats as stats
+from .._registry import bound_once
+from .._spec import PartitionSpec
+from .._tree import tree_flatten, tree_unflatten
+from ..random._guard import RANDOM_OPS, check_random_op
+from .agreement import _Agreement
+from .exchange import _Exchange
+
+__all__ = ["_Planned", "_Tracker"]
+
+Tensor = torch.Tensor
+_REDUCING = {"psum", "pmean", "pmax", "pmin", "all_gather_invariant"}
+_NOT_OPS = {
+    torch.autograd.grad,
+    torch.autograd.backward,
+    torch.Tensor.backward,
+    torch.Tensor.register_hook,
+    torch.Tensor.requires_grad_,
+}
+
+
+# What reads a tensor's value without returning a tensor (as the ops that make a ``Pending`` wait)
+_VALUE_READS = {
+    Tensor.item, Tensor.tolist, Tensor.numpy, Tensor.__bool__, Tensor.__float__, Tensor.__int__,
+    Tensor.__index__, Tensor.__format__, Tensor.__repr__, Tensor.__array__, Tensor.data_ptr,
+}
+_SHAPE_LIKE = {torch.ones_like, torch.zeros_like, torch.empty_like}
+
+
+def _reads_value(func, result: Any) -> bool:
+    """Whether an op that took a tensor read its value (not only its shape, dtype or device)."""
+    if func in _VALUE_READS:
+        return True
+    if func in _SHAPE_LIKE:
+        return False
+    return any(isinstance(t, Tensor) for t in (result if isinstance(result, (tuple, list)) else (result,)))
+
+
+def _diff(t: Tensor) -> bool:
+    """Whether a cotangent can flow to ``t`` (float or complex dtype)."""
+    return t.is_floating_point() or t.is_complex()
+
+
+
+@bound_once
+class _Planned(torch.autograd.Function):
+    """Identity forward; backward sums the cotangent over the axes ``resolve()`` names then.
+
+    The traced call's pvaries: by the time its backward runs the plan is decided, so the sums
+    happen where a fast call would do them (once at each source) or, for a signature that stays
+    traced, at every use.  A recomputation in the backward (``fpar.optim.remat``) then sees the
+    same sums as the forward it replaces.
+    """
+
+    @staticmethod
+    def forward(x, resolve, mg):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.resolve, ctx.mg = inputs
+
+    @staticmethod
+    def backward(ctx, ct):
+        axes = ctx.resolve()
+        return (_Exchange.apply(ct, "psum", (), 0, axes, ctx.mg) if axes else ct), None, None
+
+    @staticmethod
+    def jvp(ctx, x_t, *_):
+        return x_t
+
+    @staticmethod
+    def vmap(info, in_dims, x, resolve, mg):
+        return _Planned.apply(x, resolve, mg), in_dims[0]
+
+
+class _Tracker(TorchFunctionMode):
+    """Varying-axes tracking, per-use implicit pvary, and the plan's bookkeeping (first call)."""
+
+    def __init__(self, owner, plan):  # a shard.DistShard, its shard._Plan
+        super().__init__()
+        self.owner, self.plan, self.mg = owner, plan, owner.mg
+        self.axes = owner.axes
+        # Axes of more than one device: a sum over an axis of size 1 is the identity, so such an
+        # axis never makes a value a gradient source (it is still typed, for the replication check)
+        self.summed = frozenset(a for a in self.axes if owner.mesh.shape[a] > 1)
+        self.infos: dict[int, tuple[Tensor, frozenset, frozenset]] = {}
+        self.pvaried: dict = {}
+        self.pvary_use: set = set()
+        self.first_use: list = []  # sources in the order of their first pvaried use
+        self.plain_use: set = set()
+        self.unknown = False  # a tracked replicated tensor of unknown origin met a varying value
+        self.inner = False  # the function differentiates inside itself
+        self.base = maybe_current_level()
+        self.coll: list = []
+        self.carried: Tensor | None = None  # the sum the call's first message carried, until an op reads it
+
+    # bookkeeping
+
+    def info(self, t: Tensor) -> tuple[frozenset, frozenset]:
+        e = self.infos.get(id(t))
+        if e is not None and e[0] is t:
+            return e[1], e[2]
+        return frozenset(), frozenset()
+
+    def _mark(self, result: Any, varying: frozenset, deps: frozenset) -> None:
+        if not varying and not deps:
+            return
+        for t in tree_flatten(result)[0] if not isinstance(result, Tensor) else [result]:
+            if isinstance(t, Tensor):
+                self.infos[id(t)] = (t, varying, deps)
+
+    def enter(self, i: int, leaf: Tensor, spec: PartitionSpec) -> Tensor:
+        """Register input ``i``; a replicated float one gets its source-level sum (planned)."""
+        named = frozenset(spec.axes())
+        rep = [a for a in self.axes if a not in named and a in self.summed]
+        deps = frozenset((("in", i), a) for a in rep) if _diff(leaf) else frozenset()
+        if deps:
+            plan = self.plan
+            leaf = _Planned.apply(leaf, lambda: plan.in_reduce.get(i, ()) if plan.fast else (), self.mg)
+        self._mark(leaf, named, deps)
+        return leaf
+
+    def _use(self, t: Tensor, deps: frozenset, axes: tuple[str, ...]) -> None:
+        """``t`` (replicated over ``axes``) is pvaried over them: record its sources' uses."""
+        for a in (a for a in axes if a in self.summed):
+            # Sorted: ``deps`` is a set, whose order follows string hashing, which differs between
+            # processes; ``first_use`` orders the gradient buckets, which every rank must lay out
+            # the same way (an all-reduce of differently ordered buffers sums unrelated gradients).
+            found = sorted(d for d in deps if d[1] == a)
+            for d in found:
+                if d not in self.pvary_use:
+                    self.pvary_use.add(d)
+                    self.first_use.append(d[0])
+            if not found and stats._tracked(t):
+                self.unknown = True
+
+    def _pvary(self, t: Tensor, axes: tuple[str, ...]) -> Tensor:
+        key = (id(t), axes)
+        if key in self.pvaried and self.pvaried[key][0] is t:
+            return self.pvaried[key][1]
+        plan = self.plan
+        summed = tuple(a for a in axes if a in self.summed)
+        out = _Planned.apply(t, lambda: () if plan.fast else summed, self.mg)
+        self.pvaried[key] = (t, out)
+        return out
+
+    # torch ops
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in RANDOM_OPS:
+            check_random_op(func, args, kwargs, self.owner.fname)  # layout-dependent draws: use fpar.random
+        if func in _NOT_OPS:
+            self.inner = True
+            return func(*args, **kwargs)
+        if self.base != maybe_current_level():
+            self.inner = True  # an op under the user's own transform inside the function
+        if getattr(func, "__name__", "").startswith("_foreach_"):
+            return self._foreach(func, args, kwargs)
+        leaves, treedef = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(leaves) if isinstance(t, Tensor)]
+        if not idx:
+            return func(*args, **kwargs)
+        reads = self.carried is not None and any(leaves[i] is self.carried for i in idx)
+        met, union, deps = self._meet([leaves[i] for i in idx])
+        if any(t is not leaves[i] for i, t in zip(idx, met)):
+            for i, t in zip(idx, met):
+                leaves[i] = t
+            args, kwargs = tree_unflatten(treedef, leaves)
+        result = func(*args, **kwargs)
+        self._mark(result, union, deps)
+        if reads and _reads_value(func, result):
+            self.plan.read_inside, self.carried = True, None
+        return result
+
+    def _meet(self, ts: list) -> tuple[list, frozenset, frozenset]:
+        """Tensors ``ts`` meet in one op: pvary each over the axes others vary over and it does not.
+
+        Returns the operands to use, the result's varying axes and its sources.
+        """
+        infos = [self.info(t) for t in ts]
+        union = frozenset().union(*(v for v, _ in infos))
+        deps: set = set()
+        out = list(ts)
+        for i, (t, (v, d)) in enumerate(zip(ts, infos)):
+            missing = union - v
+            if missing and _diff(t):
+                axes = tuple(a for a in self.axes if a in missing)
+                self._use(t, d, axes)
+                out[i] = self._pvary(t, axes)
+            deps.update(x for x in d if x[1] not in missing)
+        return out, union, frozenset(deps)
+
+    def _foreach(self, func, args: tuple, kwargs: dict) -> Any:
+        """A ``torch._foreach_*`` op: element ``j`` of its result meets only element ``j`` of each list.
+
+        (Typing the whole list by the union of every element's axes would make a replicated
+        parameter's update vary over the axes another parameter is split over.)  A tensor
+        operand shared by every element (a 0-d coefficient) that must be pvaried differently
+        for different elements splits the op into one call per element.
+        """
+        lists = [k for k, a in enumerate(args) if isinstance(a, (list, tuple))]
+        if not lists:
+            return func(*args, **kwargs)
+        elements: list[list] = []  # per element j: the op's args with each list replaced by its j-th entry
+        types: list[tuple] = []  # per element: its result's (varying axes, sources)
+        for j in range(len(args[lists[0]])):
+            mine = [a[j] if k in lists else a for k, a in enumerate(args)]
+            at = [k for k, a in enumerate(mine) if isinstance(a, Tensor)]
+            met, union, deps = self._meet([mine[k] for k in at])
+            for k, t in zip(at, met):
+                mine[k] = t
+            elements.append(mine)
+            types.append((union, deps))
+        shared = [k for k, a in enumerate(args) if k not in lists and isinstance(a, Tensor)]
+        if all(e[k] is args[k] for e in elements for k in shared):  # one call, as the user wrote it
+            result = func(*[[e[k] for e in elements] if k in lists else a for k, a in enumerate(args)], **kwargs)
+        else:
+            outs = [func(*[[a] if k in lists else a for k, a in enumerate(e)], **kwargs) for e in elements]
+            result = None if outs and outs[0] is None else [r[0] for r in outs]
+        if result is None:  # in place: the first list holds the results (and the views pvaried into it)
+            targets = [(args[lists[0]][j], e[lists[0]]) for j, e in enumerate(elements)]
+        else:
+            targets = [(t,) for t in result]
+        for ts, (union, deps) in zip(targets, types):
+            for t in ts:
+                self._mark(t, union, deps)
+        return result
+
+    # collectives and outputs
+
+    def collective(self, k: int, kind: str, axes: tuple, params: tuple, x: Tensor) -> Tensor:
+        with torch._C.DisableTorchFunction():
+            v, d = self.info(x)
+            inv = tuple(a for a in axes if a not in v)
+            if inv and _diff(x):
+                self._use(x, d, inv)
+                x = self._pvary(x, inv)
+            # pvary: identity; the sum over the axes it adds is the implicit pvary above.
+            y = x.view_as(x) if kind == "pvary" else _Exchange.apply(x, kind, params, 0, axes, self.mg)
+        if kind in _REDUCING:
+            varying = v - frozenset(axes)
+        else:
+            varying = v | frozenset(axes)
+        deps = {e for e in d if e[1] not in axes}
+        if kind in _REDUCING and _diff(y):
+            deps.update((("coll", k), a) for a in axes if a in self.summed)
+            plan = self.plan
+            with torch._C.DisableTorchFunction():
+                y = _Planned.apply(y, lambda: plan.coll[k][2] if plan.fast else (), self.mg)
+        self.coll.append((kind, axes))
+        self._mark(y, varying, frozenset(deps))
+        if params and isinstance(params[0], _Agreement):
+            self.carried = y  # read by an op of the function, or only returned (plan.read_inside)
+        return y
+
+    def output(self, t: Tensor, named: tuple[str, ...]) -> Tensor:
+        v, d = self.info(t)
+        rep_named = tuple(a for a in named if a not in v)
+        for a in self.axes:
+            if a not in named and a not in v and a in self.summed:
+                self.plain_use.update(e for e in d if e[1] == a)
+        if rep_named and _diff(t):
+            with torch._C.DisableTorchFunction():
+                self._use(t, d, rep_named)
+                t = self._pvary(t, rep_named)
+        return t
+
+    def finish(self) -> None:
+        """Decide the plan: fast unless a source is used both ways or of unknown origin.
+
+        (Or a varying-axes query is ambiguous, see ``DistShard._varying``.)
+        """
+        plan = self.plan
+        mixed = self.pvary_use & self.plain_use
+        ambiguous = any(v is None for v in plan.varying.values())
+        plan.fast = not (mixed or self.unknown or self.inner or ambiguous)
+        reduce: dict = {}
+        for src, a in self.pvary_use:
+            reduce.setdefault(src, []).append(a)
+        order = {a: i for i, a in enumerate(self.axes)}
+        axes_of = {s: tuple(sorted(v, key=order.get)) for s, v in reduce.items()}
+        plan.in_reduce = {s[1]: ax for s, ax in axes_of.items() if s[0] == "in"}
+        seen = dict.fromkeys(s[1] for s in reversed(self.first_use) if s[0] == "in")
+        plan.in_order = list(seen)
+        plan.coll = [(kind, axes, axes_of.get(("coll", k), ())) for k, (kind, axes) in enumerate(self.coll)]
+        self.infos.clear()
+        self.pvaried.clear()
