@@ -94,3 +94,43 @@ def _defer_size_one():
 
 def test_deferred_gradients_with_an_axis_of_size_one():
     _defer_size_one()
+
+
+def _deferred_activation(backend: str) -> list:
+    """``.backward()`` over two microbatches, the first under defer_reduction, on tensor=2.
+
+    The sharded function's input ``h`` is an activation (computed from the leaf ``s`` before the
+    call), replicated over 'tensor' and meeting the tensor-split weight: its cotangent sum must
+    happen in its own call's backward (it flows on to ``s``), never be deferred.  (Deferred, ``s``
+    lost the first microbatch's gradient, and the final call, on a new ``h``, never matched.)
+    """
+    mesh = fpar.make_mesh((1, 2), ("data", "tensor"), backend=backend)
+    g = torch.Generator().manual_seed(2)
+    specs = {"a": P(None, "tensor"), "b": P("tensor", None)}
+    whole = {"a": torch.randn(3, 4, generator=g, dtype=F64), "b": torch.randn(4, 2, generator=g, dtype=F64)}
+    w = {k: v.requires_grad_() for k, v in fpar.device_put(whole, mesh, specs).items()}
+    s = torch.full((3,), 0.5, dtype=F64, requires_grad=True)
+    xs = [fpar.device_put(torch.randn(4, 3, generator=g, dtype=F64), mesh, P("data")) for _ in range(2)]
+
+    def loss(w, h):
+        return fpar.pmean(fpar.psum(torch.tanh(h @ w["a"]) @ w["b"], "tensor").square().mean(), "data")
+
+    f = fpar.shard(loss, mesh, (specs, P("data")), P())
+    out = []
+    for step in range(3):  # the first call of a signature is traced; later ones are planned
+        with fpar.defer_reduction():
+            f(w, xs[0] * s).backward()
+        f(w, xs[1] * s).backward()
+        out.append((fpar.gather({k: v.grad for k, v in w.items()}, mesh, specs), s.grad.clone()))
+        for t in (*w.values(), s):
+            t.grad = None
+    return out
+
+
+@distributed(2, timeout=120)
+def _defer_activation():
+    torch.testing.assert_close(_deferred_activation("dist"), _deferred_activation("local"), rtol=1e-12, atol=1e-12)
+
+
+def test_an_activation_input_is_never_deferred():
+    _defer_activation()

@@ -336,9 +336,25 @@ def reduce_inputs(
     """
     if not torch.is_grad_enabled():
         return {}, "none"  # torch.no_grad(), inference_mode(): no graph, nothing to reduce
+    scope = _defer.current()
+    if (scope is not None or _defer._PENDING) and any(x.grad_fn is not None for _, x, _ in sources):
+        # An input computed in the graph (an activation, a pipeline stage's input) passes its
+        # cotangent on within this call's backward, and is a new tensor every microbatch: its
+        # sums are never deferred (its own buckets, reduced at once); only leaves (parameters) are.
+        leaves = [s for s in sources if s[1].grad_fn is None]
+        flowing = [s for s in sources if s[1].grad_fn is not None]
+        out, grads = {}, "none"
+        if leaves:
+            out, grads = reduce_inputs(
+                leaves, mg, bucket_mb, owner=owner, fname=fname, kept=kept, layouts=layouts, rider=rider
+            )
+        sub_kept = None if kept is None else kept.setdefault("flowing", {})
+        sub_layouts = None if layouts is None else layouts.setdefault("flowing", {})
+        now, reduced = _reduce_now(_buckets(flowing, bucket_mb, mg, sub_layouts), None, sub_kept, None)
+        out.update(now)
+        return out, grads if grads != "none" else reduced
     buckets = _buckets(sources, bucket_mb, mg, layouts)
     out: dict[int, Tensor] = {}
-    scope = _defer.current()
     held = None
     if scope is not None or _defer._PENDING:
         bases = [(slot, _defer.base_of(x)) for layout, xs in buckets for slot, x in zip(layout.slots, xs)]
@@ -357,9 +373,17 @@ def reduce_inputs(
                     out.update(zip(layout.slots, deferred))
                 return out, "deferred"
             held = _defer.claim(key)
+    now, grads = _reduce_now(buckets, held, kept, rider)
+    out.update(now)
+    return out, grads
+
+
+def _reduce_now(buckets: list, held, kept: dict | None, rider) -> tuple[dict[int, Tensor], str]:
+    """Wrap each bucket's tensors so their backward all-reduces the bucket (plus ``held``'s sums)."""
+    out: dict[int, Tensor] = {}
     grads = "none"
     for index, (layout, xs) in enumerate(buckets):
-        axes = layout.bucket[0]
+        axes, mg = layout.bucket
         if _several_levels(xs[0]):
             # Hooks act at one autograd level; each level's cotangent needs its own sum: a
             # pvary Function per tensor (its backward a psum at every level), not bucketed.

@@ -151,7 +151,9 @@ class Stage:
                 h = xs[j] if self.fns.first is None else self.fns.first(args["first"], xs[j], *(key_j or ()))
             else:
                 x = self.take(("F", j, c)).detach().requires_grad_()
-                h = x
+                # a non-leaf, as an activation is: fpar.defer_reduction() defers the gradient
+                # sums of leaves (parameters) only, never those of a value that flows on
+                h = x.view_as(x)
             y = self.fns.stage(args["stages"], h, *(() if key_j is None else (_random.fold_in(key_j[0], k),)))
             last = k == self.last_k
             out = self.fns.loss(args["last"], y, None if targets is None else targets[j]) if last else y
