@@ -30,7 +30,18 @@ def init_distributed(*, backend: str | None = None, timeout: float = 600.0) -> N
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    wait = datetime.timedelta(seconds=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend, timeout=wait)
+        return
+    # Under torchrun, each attempt's process groups keep their keys apart in the agent's store,
+    # which outlives a restart (--max-restarts): with the same keys a restarted rank reads a dead
+    # rank's address and gloo's connect times out (torch 2.13 and 2.14, plain torch alike).
+    store, rank, world = next(dist.rendezvous("env://", timeout=wait))
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(f"fpar/attempt{attempt}", store), rank=rank, world_size=world, timeout=wait
+    )
 
 
 class LaunchError(RuntimeError):

@@ -1,0 +1,137 @@
+"""Under torchrun: a rank that raises fails the whole job promptly, naming the error; a killed rank
+is restarted by ``--max-restarts`` and the flagship's ``--resume`` continues with the same losses.
+
+Every run is bounded in time, and its whole process group is killed if it overruns.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import fpar
+
+pytestmark = pytest.mark.multiprocess
+
+ROOT = Path(__file__).resolve().parents[1]
+PROGRAMS = Path(__file__).resolve().parent / "torchrun_programs"
+STEP_LINE = re.compile(r"step\s+(\d+)/\d+ \| loss ([0-9.]+)")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(n: int, *args: str, restarts: int = 0) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--max-restarts", str(restarts),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_port()}", *args,
+    ]
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _run(cmd: list[str], timeout: float, cwd: Path = ROOT) -> tuple[int, str, float]:
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout:g}s:\n{out[-4000:]}")
+    return proc.returncode, out, time.monotonic() - start
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_rank_that_raises_fails_the_job_naming_its_error(when):
+    # "before": rank 1 raises before its call's first collective (fpar's signature check tells
+    # the others, which raise naming rank 1); "after": it raises after a psum, while the others
+    # wait in the next collective (torchrun stops them once rank 1 has exited)
+    rc, out, seconds = _run(_torchrun(4, str(PROGRAMS / "raise_mid_step.py"), when), timeout=150)
+    assert rc != 0
+    assert "the model raised on rank 1 at step 2" in out
+    summary = out[out.index("Root Cause") :]
+    if when == "before":
+        assert "raised before this call's first collective (global rank 1)" in summary
+    else:
+        assert "rank      : 1 (local_rank: 1)" in summary
+        assert "the model raised on rank 1 at step 2" in summary
+    assert "step 3 done" not in out
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+def _losses(out: str) -> dict[int, str]:
+    return {int(k): v for k, v in STEP_LINE.findall(out)}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds torchrun's workers in /proc")
+def test_a_killed_rank_restarts_and_resume_gives_the_uninterrupted_losses(tmp_path):
+    steps = 8
+    args = ["--tiny", "--steps", str(steps), "--ckpt-every", "1", "--log-every", "1", "--plot", "none", "--sample", "0"]
+    script = str(ROOT / "examples" / "train_gpt.py")
+    rc, straight, _ = _run(_torchrun(2, script, *args, "--ckpt-dir", str(tmp_path / "a")), timeout=240)
+    assert rc == 0, straight[-3000:]
+    want = _losses(straight)
+    assert sorted(want) == list(range(1, steps + 1))
+
+    ckpt = tmp_path / "b"
+    cmd = _torchrun(2, script, *args, "--resume", "--ckpt-dir", str(ckpt), restarts=1)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 180
+        killed = None
+        while killed is None and time.monotonic() < deadline and proc.poll() is None:
+            step = fpar.checkpoint.latest_step(ckpt) if ckpt.exists() else None
+            if step is not None and step >= 2:
+                kids = sorted(_children(proc.pid))  # torchrun's agent -> its workers
+                workers = [k for pid in kids for k in _children(pid)] or kids
+                if workers:
+                    killed = workers[-1]
+                    os.kill(killed, signal.SIGKILL)
+                    break
+            time.sleep(0.02)
+        out, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the restarted run did not finish:\n{out[-4000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert killed is not None, "the run ended before a rank could be killed: make it longer"
+    assert proc.returncode == 0, out[-4000:]
+    assert re.search(r"resumed from .* at step [2-9]", out), out[-4000:]
+    got = _losses(out)  # both attempts' lines: the steps redone after the restart print again, the same
+    assert set(got) == set(want)
+    for line_step, loss in STEP_LINE.findall(out):
+        assert loss == want[int(line_step)], f"step {line_step}: {loss} after the restart, {want[int(line_step)]} straight"
