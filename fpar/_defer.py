@@ -15,6 +15,9 @@ What is *not* deferred (reduced at once, as without the context, which is always
 * sums that are not at inputs: a signature that keeps running traced (its first call, or one
   whose plan stays traced, see ``_dist/shard.py``) and sums at collective outputs, whose
   cotangent flows on through per-microbatch values;
+* inputs computed in the graph (non-leaf tensors: an activation, a pipeline stage's input): their
+  cotangent flows on within the call's own backward, and each microbatch passes a new one; only
+  leaves (parameters) are deferred;
 * inputs under more than one ``torch.func`` level (a ``vmap`` of a ``grad``, a ``grad`` of a
   ``grad``);
 * the in-process mesh, which sends no messages: the context changes nothing there.
