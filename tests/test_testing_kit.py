@@ -258,7 +258,15 @@ def test_public_names_and_signatures():
             for p in inspect.signature(fn).parameters.values()
         ]
 
-    assert fpar.testing.__all__ == ["assert_equivalent", "default_tolerance", "distributed"]
+    assert fpar.testing.__all__ == [
+        "RealMeshMismatch",
+        "TrainingProgram",
+        "assert_equivalent",
+        "assert_programs_on_real_mesh",
+        "assert_same_on_real_mesh",
+        "default_tolerance",
+        "distributed",
+    ]
     pos, var, kw = "POSITIONAL_OR_KEYWORD", "VAR_POSITIONAL", "KEYWORD_ONLY"
     assert params(assert_equivalent) == [
         *[(n, pos, None) for n in ("reference", "fn", "mesh", "in_specs", "out_specs")],

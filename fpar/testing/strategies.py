@@ -1,5 +1,6 @@
-"""Hypothesis strategies for sharded layouts: in-process meshes, valid specs, arrays.
+"""Hypothesis strategies for sharded layouts: in-process meshes, valid specs, arrays, programs.
 
+``training_programs`` draws whole training programs with their layouts, for the real mesh.
 Needs hypothesis (``pip install fpar[test]``).
 
 Example:
@@ -31,8 +32,9 @@ except ImportError as e:  # pragma: no cover - exercised by a subprocess test
 
 from .._mesh import Mesh, make_mesh
 from .._spec import PartitionSpec
+from ._random_mesh import DRIVERS, MODELS, TrainingProgram
 
-__all__ = ["arrays", "meshes", "specs"]
+__all__ = ["arrays", "meshes", "specs", "training_programs"]
 
 _SIZES = (2, 1, 3, 4)  # axis sizes drawn, simplest first (hypothesis shrinks towards the front)
 
@@ -113,6 +115,134 @@ def arrays(shape: Sequence[int], dtype: torch.dtype = torch.float64) -> st.Searc
         return torch.randint(-8, 9, shape, generator=gen).to(dtype)
 
     return draw_array()
+
+
+def training_programs(
+    devices: int | Sequence[int] = (2, 4),
+    *,
+    drivers: Sequence[str] = DRIVERS,
+    models: Sequence[str] = MODELS,
+    max_steps: int = 3,
+) -> st.SearchStrategy[TrainingProgram]:
+    """Whole training programs and their layouts (``fpar.testing.TrainingProgram``), for a real mesh.
+
+    Drawn per program: the device count (from ``devices``); the mesh: ``"data"`` plus any of
+    ``"tensor"`` and ``"pipe"``, in random order, sizes 1, 2 or 4 (axes of size 1 included:
+    ``(1, 2, 1)``, ``(2, 1, 2)``, ...); the model (Megatron MLP blocks, or ``fpar.ops.gpt_block``
+    where there is a tensor axis) and its depth; the driver: a hand-written step
+    (``torch.func.grad`` or ``.backward()``, microbatches summed by a loop, a loop under
+    ``fpar.defer_reduction()`` or ``fpar.optim.accumulate``), ZeRO stage 0-3 (``zero_step``, or
+    ``zero_grads`` + ``zero_update``) or a pipeline (GPipe with 1 or 2 chunks per stage, or
+    1F1B; always when the pipe axis is larger than 1, possibly when it has size 1); dropout
+    (``fpar.random`` keys) or none; SGD or AdamW, behind ``clip_by_global_norm`` or not, its
+    update donated (in place on a real mesh) or not; 1 to ``max_steps`` steps (so a second
+    step after the optimizer's sharded update, and the sharded functions' cached calls);
+    evaluation under ``torch.no_grad()`` between steps or not.
+    Hypothesis shrinks towards a 1-axis data-parallel MLP step.
+
+    Draw on the parent and pass the programs to the processes (they are frozen, picklable
+    dataclasses): every rank must run the same example.  Run them with
+    ``fpar.testing.assert_programs_on_real_mesh``.
+
+    Args:
+      devices: the device counts (powers of two) to draw from.
+      drivers: the step drivers to draw from (``"manual"``, ``"zero"``, ``"pipeline"``).
+      models: the models to draw from (``"mlp"``, ``"gpt"``).
+      max_steps: the most training steps.
+
+    Example:
+      >>> from hypothesis import given, settings, strategies as st
+      >>> @settings(max_examples=3, deadline=None)
+      ... @given(st.lists(fst.training_programs(devices=(2, 4)), min_size=4, max_size=4))
+      ... def test_real_mesh(programs):
+      ...     fpar.testing.assert_programs_on_real_mesh(programs)   # one launch per device count
+    """
+    counts = (devices,) if isinstance(devices, int) else tuple(devices)
+    if not counts or any(
+        isinstance(n, bool) or not isinstance(n, int) or n < 1 or n & (n - 1) for n in counts
+    ):
+        raise ValueError(
+            f"fpar.testing.strategies.training_programs: devices must be powers of two (1, 2, 4, ...), "
+            f"got {devices!r}."
+        )
+    drivers, models = tuple(drivers), tuple(models)
+    if not drivers or not set(drivers) <= set(DRIVERS):
+        raise ValueError(
+            f"fpar.testing.strategies.training_programs: drivers must be among {DRIVERS}, got {drivers!r}."
+        )
+    if "mlp" not in models or not set(models) <= set(MODELS):
+        raise ValueError(
+            f"fpar.testing.strategies.training_programs: models must include 'mlp' (meshes without a tensor "
+            f"axis need it) and be among {MODELS}, got {models!r}."
+        )
+    if max_steps < 1:
+        raise ValueError(
+            f"fpar.testing.strategies.training_programs: max_steps must be >= 1, got {max_steps}."
+        )
+
+    cache: dict[Any, st.SearchStrategy] = {}  # strategies built once (hypothesis validates each)
+
+    def pick(*options: Any) -> st.SearchStrategy:
+        if options not in cache:
+            cache[options] = st.sampled_from(options)
+        return cache[options]
+
+    if drivers == ("pipeline",):
+        extra_axes = st.lists(st.just("tensor"), max_size=1).map(lambda t: ["pipe", *t])
+    else:  # a pipe axis without a pipeline driver has size 1 (an unused axis)
+        extra_axes = st.lists(pick("tensor", "pipe"), unique=True, max_size=2)
+    orders = {
+        k: st.permutations(["data", *k])
+        for k in [(), ("tensor",), ("pipe",), ("tensor", "pipe"), ("pipe", "tensor")]
+    }
+    seeds, steps = st.integers(0, 2**16), st.integers(1, max_steps)
+
+    @st.composite
+    def draw_program(draw) -> TrainingProgram:
+        n = draw(pick(*counts))
+        names = draw(orders[tuple(draw(extra_axes))])
+        size = dict.fromkeys(names, 1)
+        for _ in range(n.bit_length() - 1):  # hand out the factors of 2
+            room = [a for a in names if size[a] < 4 and (a != "pipe" or "pipeline" in drivers)] or ["data"]
+            size[draw(pick(*room))] *= 2
+        shape = tuple(size[a] for a in names)
+        feasible = [d for d in drivers if d != "pipeline" or "pipe" in size]
+        if size.get("pipe", 1) > 1:
+            feasible = ["pipeline"]
+        driver = draw(pick(*feasible))
+        model = draw(pick(*[m for m in models if m == "mlp" or "tensor" in size]))
+        kw: dict[str, Any] = {}
+        if driver == "manual":
+            kw["grad_api"] = draw(pick("func_grad", "backward"))
+            kw["accumulation"] = draw(pick("none", "loop", "defer", "accumulate"))
+            kw["n_micro"] = 1 if kw["accumulation"] == "none" else draw(pick(2, 3))
+            kw["layers"] = draw(pick(1, 2))
+        elif driver == "zero":
+            kw["zero_stage"] = draw(pick(0, 1, 2, 3))
+            kw["fused"] = draw(pick(True, False))
+            kw["n_micro"] = draw(pick(1, 2))
+            kw["layers"] = draw(pick(1, 2))
+        else:
+            kw["schedule"] = draw(pick("gpipe", "1f1b"))
+            kw["chunks"] = draw(pick(1, 2)) if kw["schedule"] == "gpipe" else 1
+            kw["layers"] = size["pipe"] * kw["chunks"]
+            kw["n_micro"] = draw(pick(2, 1, 4))
+        return TrainingProgram(
+            shape=shape,
+            names=tuple(names),
+            model=model,
+            driver=driver,
+            dropout=draw(pick(0.0, 0.25)),
+            optimizer=draw(pick("sgd", "adamw")),
+            clip=draw(pick(None, 0.05, 1.0)),
+            donate=draw(pick(False, True)),
+            steps=draw(steps),
+            evaluate=draw(pick(False, True)),
+            seed=draw(seeds),
+            **kw,
+        )
+
+    return draw_program()
 
 
 @st.composite
