@@ -10,10 +10,12 @@ and the same bytes moved, less activation memory.
 The text is, by default, Python's own standard library: the ``.py`` files next to the ``os``
 module, read as bytes (vocabulary 256).  ``--data FILE`` trains on any file instead.
 
-Everything runs on an in-process mesh (``--dp`` x ``--tp`` virtual devices, one process).
-Gradients are ``torch.func.grad`` of the sharded loss, i.e. of the global loss: the
-data-parallel all-reduce and Megatron's ``f``/``g`` backward all-reduces need no code here.  The
-optimizer is Adam written as a pair of pure functions over the parameter pytree.
+The mesh is ``data x tensor``: ``--tp`` (default 2), and data takes the rest of the devices: the
+``--devices N`` of an in-process mesh (default 4: data=2 x tensor=2; 2 devices: tensor=2 alone) or,
+under torchrun, the world size, one process per device.  Gradients are ``torch.func.grad`` of the
+sharded loss, i.e. of the global loss: the data-parallel all-reduce and Megatron's ``f``/``g``
+backward all-reduces need no code here.  The optimizer is Adam written as a pair of pure functions
+over the parameter pytree.
 
 Before training, the first ``--check-steps`` steps are also run on an unsharded copy of the model
 (plain torch, written below) from the same initial weights and batches; the script says whether
@@ -21,8 +23,9 @@ the two loss sequences agree and exits non-zero if they do not.
 
 Run:
     python examples/gpt_tensor_parallel.py                        # data=2 x tensor=2, 100 steps
+    torchrun --nproc-per-node 4 examples/gpt_tensor_parallel.py   # the same, one process per device
     python examples/gpt_tensor_parallel.py --sample 200           # then generate 200 bytes
-    python examples/gpt_tensor_parallel.py --tp 4 --sequence-parallel
+    python examples/gpt_tensor_parallel.py --devices 8 --tp 4 --sequence-parallel
     python examples/gpt_tensor_parallel.py --data README.md --steps 300
 
 Shape suffixes (torchtitan style); inside the sharded function they name the per-device block:
@@ -44,13 +47,12 @@ import optree
 import torch
 import torch.nn.functional as F
 
-try:
-    import fpar
-except ImportError:  # run from a checkout without installing: use the repo's fpar/
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import fpar
-import fpar.ops as ops
-from fpar import P
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common.py, next to this file
+import _common as C  # noqa: E402
+
+import fpar  # noqa: E402
+import fpar.ops as ops  # noqa: E402
+from fpar import P  # noqa: E402
 
 VOCAB = 256  # bytes
 
@@ -74,7 +76,7 @@ def load_corpus(path: str | None, max_bytes: int) -> torch.Tensor:
                 break
         data = b"\n".join(chunks)[:max_bytes]
         source = f"{len(chunks)} .py files of the standard library in {stdlib}"
-    print(f"corpus: {len(data):,} bytes from {source}")
+    C.say(f"corpus: {len(data):,} bytes from {source}")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
@@ -163,8 +165,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", help="train on this file's bytes (default: the stdlib's .py sources)")
     parser.add_argument("--max-bytes", type=int, default=1_000_000)
-    parser.add_argument("--dp", type=int, default=2, help="data-parallel size")
+    parser.add_argument("--dp", type=int, default=-1, help="data-parallel size (-1: devices / tp)")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
+    parser.add_argument("--devices", type=int, default=4, help="in-process devices (torchrun: world size)")
     parser.add_argument(
         "--sequence-parallel", action="store_true", help="Megatron-SP between parallel regions"
     )
@@ -178,25 +181,31 @@ def main(argv=None) -> None:
     parser.add_argument("--check-steps", type=int, default=3, help="steps compared with an unsharded run")
     parser.add_argument("--sample", type=int, default=0, help="bytes to generate at the end (~0.1 s each)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--log-every", type=int, default=10, help="print the loss every N steps")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    if args.threads > 0:
-        # At this size intra-op threads only add synchronisation (on a busy 2-core machine a step
-        # took ~10x longer with 2 threads than with 1).
-        torch.set_num_threads(args.threads)
+    C.start(args.threads)  # under torchrun: join the process group (a real mesh)
 
     tokens_N = load_corpus(args.data, args.max_bytes)
     split = int(0.95 * len(tokens_N))
     train_N, val_N = tokens_N[:split], tokens_N[split:]
 
-    mesh = fpar.make_mesh((args.dp, args.tp), ("data", "tensor"))
+    real = torch.distributed.is_initialized()
+    devices = torch.distributed.get_world_size() if real else args.devices
+    if devices % args.tp or (args.dp != -1 and args.dp * args.tp != devices):
+        raise SystemExit(
+            f"--dp {args.dp} x --tp {args.tp} does not fit {devices} devices (--dp -1: the rest)"
+        )
+    mesh = fpar.make_mesh((args.dp, args.tp), ("data", "tensor"), devices=None if real else devices)
     specs = ops.gpt_specs(args.layers, "tensor")
     inits = ops.init_gpt(VOCAB, args.d_model, args.layers, args.seq)
-    params0 = fpar.init(inits, mesh, specs, seed=0)  # the same values whatever the mesh
-    n_params = sum(p.numel() for p in optree.tree_leaves(params0))
+    params0 = fpar.init(inits, mesh, specs, seed=0)  # this process's blocks; the same values on any mesh
+    rows = P("data")  # a batch's rows are split over "data"
+    n_params = sum(p.numel() for p in optree.tree_leaves(fpar.gather(params0, mesh, specs)))
     mode = "tensor (Megatron 1D + sequence parallel)" if args.sequence_parallel else "tensor (Megatron 1D)"
-    print(
-        f"mesh {dict(mesh.shape)}: data x {mode}; GPT d={args.d_model} layers={args.layers} "
+    kind = "real: one process per device" if mesh.backend == "dist" else "in-process"
+    C.say(
+        f"mesh {dict(mesh.shape)} ({kind}): data x {mode}; GPT d={args.d_model} layers={args.layers} "
         f"heads={args.heads} seq={args.seq} vocab={VOCAB}, {n_params:,} parameters; batch {args.batch}"
     )
 
@@ -212,16 +221,20 @@ def main(argv=None) -> None:
         )
         return fpar.pmean(tok_BT.mean(), "data")  # equal shards: the mean of means is the global mean
 
-    sharded_loss = fpar.shard(loss_local, mesh, in_specs=(specs, P("data"), P("data")), out_specs=P())
+    sharded_loss = fpar.shard(loss_local, mesh, in_specs=(specs, rows, rows), out_specs=P())
     opt = adam(args.lr)
-    step = make_step(sharded_loss, opt)
+    sharded_step = make_step(sharded_loss, opt)
+
+    def step(params, state, ids_BT, targets_BT):  # each process passes its own rows (in-process: all)
+        return sharded_step(params, state, *fpar.device_put((ids_BT, targets_BT), mesh, rows))
 
     # --- Parity: the first steps, sharded and unsharded, from the same weights and batches -----
     k = args.check_steps
     if k > 0:
         ref_step = make_step(lambda p, i, t: unsharded_loss(p, i, t, args.heads), opt)
+        whole0 = fpar.gather(params0, mesh, specs)  # the unsharded copy: whole tensors, on every process
         got, want = [], []
-        p_s, s_s, p_u, s_u = params0, opt.init(params0), params0, opt.init(params0)
+        p_s, s_s, p_u, s_u = params0, opt.init(params0), whole0, opt.init(whole0)
         for _, (ids_BT, targets_BT) in zip(range(k), batches(train_N, args.batch, args.seq, seed=1)):
             p_s, s_s, loss_s = step(p_s, s_s, ids_BT, targets_BT)
             p_u, s_u, loss_u = ref_step(p_u, s_u, ids_BT, targets_BT)
@@ -230,7 +243,7 @@ def main(argv=None) -> None:
         got, want = torch.stack(got), torch.stack(want)
         diff = (got - want).abs().max().item()
         ok = torch.allclose(got, want, rtol=1e-4, atol=1e-5)
-        print(
+        C.say(
             f"parity check, first {k} steps: sharded {[round(x, 5) for x in got.tolist()]} vs unsharded "
             f"{[round(x, 5) for x in want.tolist()]}: max |diff| {diff:.2e} -> {'OK' if ok else 'MISMATCH'}"
         )
@@ -247,21 +260,22 @@ def main(argv=None) -> None:
         losses.append(loss.item())
         if i == 0:
             stats = fpar.comm_stats()  # one step's traffic, per device
-        if i % 10 == 0 or i == args.steps - 1:
+        if (i + 1) % args.log_every == 0 or i == 0 or i == args.steps - 1:
             recent = sum(losses[-10:]) / len(losses[-10:])
-            print(f"step {i:4d}  loss {loss.item():.4f}  mean of last {len(losses[-10:]):2d} {recent:.4f}")
+            n = len(losses[-10:])
+            C.say(f"step {i + 1:4d}/{args.steps} | loss {losses[-1]:.4f} | mean of last {n:2d} {recent:.4f}")
     elapsed = time.perf_counter() - t0
-    print(f"{args.steps} steps in {elapsed:.1f} s ({1000 * elapsed / args.steps:.0f} ms/step)")
+    C.say(f"{args.steps} steps in {elapsed:.1f} s ({1000 * elapsed / args.steps:.0f} ms/step)")
     for axis, kinds in stats.items():
         moved = ", ".join(f"{kind} {v['bytes']:,} B in {v['calls']} calls" for kind, v in kinds.items())
-        print(f"  traffic per device per step over {axis!r}: {moved}")
+        C.say(f"  traffic per device per step over {axis!r}: {moved}")
 
     # --- Validation and a sample -----------------------------------------------------------------
     with torch.no_grad():
-        val_ids, val_targets = next(batches(val_N, args.batch, args.seq, seed=2))
-        print(f"held-out loss {sharded_loss(params, val_ids, val_targets).item():.4f}")
+        val_ids, val_targets = fpar.device_put(next(batches(val_N, args.batch, args.seq, seed=2)), mesh, rows)
+        C.say(f"held-out loss {sharded_loss(params, val_ids, val_targets).item():.4f}")
         if args.sample > 0:
-            print("sample:\n" + generate(params, mesh, specs, args, train_N[: args.seq]))
+            C.say("sample:\n" + generate(params, mesh, specs, args, train_N[: args.seq]))
 
 
 def generate(params, mesh, specs, args, prompt_T) -> str:
@@ -276,7 +290,7 @@ def generate(params, mesh, specs, args, prompt_T) -> str:
     ids = prompt_T.tolist()
     for _ in range(args.sample):
         context = torch.tensor([ids[-args.seq :]])
-        last_V = logits(params, context)[0, -1]
+        last_V = fpar.gather(logits(params, context), mesh, P(None, None, "tensor"))[0, -1]  # whole V
         ids.append(torch.multinomial(torch.softmax(last_V / 0.8, -1), 1, generator=gen).item())
     return bytes(ids[len(prompt_T) :]).decode("utf-8", errors="replace")
 

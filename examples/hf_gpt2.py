@@ -13,7 +13,11 @@ At the end (``--export DIR``) the sharded parameters are checkpointed, merged in
 
     python examples/hf_gpt2.py                       # in-process mesh data=2 x tensor=2
     python examples/hf_gpt2.py --data-size 1 --tensor-size 4
+    python examples/hf_gpt2.py --devices 2           # tensor=2 alone
     torchrun --nproc-per-node 4 examples/hf_gpt2.py --steps 20   # a real mesh, data=2 x tensor=2
+
+The mesh is ``data x tensor``: ``--tensor-size`` (default 2), data the rest of the devices
+(``--devices`` in-process, the world size under torchrun).
 
 Needs ``pip install fpar[hf,examples]``.  Shapes: B batch rows (B/data per device), T sequence.
 """
@@ -85,8 +89,15 @@ def main(argv=None) -> Result:
     args = ap.parse_args(argv)
     C.start(args.threads)
     real = torch.distributed.is_available() and torch.distributed.is_initialized()
+    devices = torch.distributed.get_world_size() if real else args.devices
+    if devices % args.tensor_size or args.data_size not in (-1, devices // args.tensor_size):
+        raise SystemExit(
+            f"--data-size {args.data_size} x --tensor-size {args.tensor_size} does not fit {devices} devices "
+            "(--data-size -1: the rest)"
+        )
     shape = (args.data_size, args.tensor_size)
-    mesh = fpar.make_mesh(shape, ("data", "tensor"), devices=None if real else args.devices)
+    mesh = fpar.make_mesh(shape, ("data", "tensor"), devices=None if real else devices)
+    rows = P("data")  # a batch's rows are split over "data"; each process passes its own
 
     tokens_N, source = load_corpus(None, args.max_bytes)
     split = int(0.95 * len(tokens_N))
@@ -102,7 +113,7 @@ def main(argv=None) -> Result:
     def per_device(p, ids_BT):
         return fpar.pmean(apply_fn(p, ids_BT, labels=ids_BT, use_cache=False).loss, "data")
 
-    loss_fn = fpar.shard(per_device, mesh, (specs, P("data")), P())
+    loss_fn = fpar.shard(per_device, mesh, (specs, rows), P())
     value_and_grad = torch.func.grad_and_value(loss_fn)
     opt = fo.adamw(fo.warmup_cosine(args.lr, max(1, args.steps // 10), args.steps), weight_decay=0.01)
     state = opt.init(params)
@@ -111,24 +122,25 @@ def main(argv=None) -> Result:
     bar = C.Bar(args.steps, 0, enabled=not args.quiet)
     for step in range(args.steps):
         ids_BT, _ = batch_at(tokens_N[:split], step, args.batch, args.seq, args.seed)
-        grads, loss = value_and_grad(params, ids_BT)
+        grads, loss = value_and_grad(params, fpar.device_put(ids_BT, mesh, rows))
         updates, state = opt.update(grads, state, params)
         params = fo.apply_updates(params, updates)
         losses.append(float(loss))
         bar.update(step, f"loss {losses[-1]:.3f}")
-        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+        if (step + 1) % args.log_every == 0 or step == 0 or step + 1 == args.steps:
             bar.write(f"step {step + 1:4d}/{args.steps} | loss {losses[-1]:.4f}")
     bar.close()
     tok_s = args.steps * args.batch * args.seq / (time.perf_counter() - t0)
 
     val_BT, _ = batch_at(tokens_N[split:], 0, args.batch, args.seq, args.seed + 1)
     with torch.no_grad():
-        val = float(loss_fn(params, val_BT))
+        val = float(loss_fn(params, fpar.device_put(val_BT, mesh, rows)))
     C.say(
-        f"{args.steps} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f} (uniform guess 5.545); held-out "
-        f"{val:.4f}; {tok_s:.0f} tokens/s",
+        f"{args.steps} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f} (uniform guess 5.545); "
+        f"{tok_s:.0f} tokens/s",
         quiet=args.quiet,
     )
+    C.say(f"held-out loss {val:.4f}", quiet=args.quiet)
     exported = export(args.export, params, mesh, specs, apply_fn, model, val_BT) if args.export else None
     if exported is not None:
         C.say(f"from_pretrained({args.export!r}): held-out loss {exported:.4f}", quiet=args.quiet)

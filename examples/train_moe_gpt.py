@@ -12,13 +12,19 @@ Switch load-balancing loss ``aux_weight * aux``.  The mesh is ``data x expert x 
 * attention, the dense MLPs, the embedding and the head are Megatron 1D over ``tensor``, and so
   is each expert's hidden dim (expert-TP).
 
+The layout fits the devices it is given (``--devices N`` in-process, default 4; under torchrun
+the world size, one process per device): ``--expert`` (default 2), then tensor=2 if it fits, and
+data takes the rest: 2 devices are expert=2, 4 are expert=2 x tensor=2, 8 are
+data=2 x expert=2 x tensor=2.
+
 Every ``--log-every`` steps it prints the loss, the aux loss and the load per expert of each MoE
 block (the fraction of the (token, choice) pairs each expert got on a fixed probe batch; ``1/E``
-each is perfectly balanced).
+each is perfectly balanced); at the end, the loss on held-out text (the corpus' last 5%).
 
 Run (about 1-2 minutes on 2 CPU cores with the defaults: 4 in-process devices):
     python examples/train_moe_gpt.py                          # data=1 x expert=2 x tensor=2
     python examples/train_moe_gpt.py --expert 4 --tensor 1    # one expert per device
+    python examples/train_moe_gpt.py --devices 2              # expert=2
     python examples/train_moe_gpt.py --single-device          # the same model, unsharded
     torchrun --nproc-per-node 4 examples/train_moe_gpt.py     # the same, one process per device
 """
@@ -27,17 +33,21 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
+from pathlib import Path
 
-import _common as C
 import torch
 import torch.nn.functional as F
-from train_gpt import VOCAB, batch_at, load_corpus
 
-import fpar
-import fpar.ops as ops
-import fpar.optim as fo
-from fpar import P
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common.py and train_gpt.py, next to this file
+import _common as C  # noqa: E402
+from train_gpt import VOCAB, batch_at, load_corpus  # noqa: E402
+
+import fpar  # noqa: E402
+import fpar.ops as ops  # noqa: E402
+import fpar.optim as fo  # noqa: E402
+from fpar import P  # noqa: E402
 
 AXES = ("data", "expert", "tensor")
 TOKENS = P(("data", "expert"))  # the batch rows: split over data and expert
@@ -86,11 +96,34 @@ def expert_load(args, params: dict, ids_BT: torch.Tensor) -> list[list[float]]:
     return got.tolist()
 
 
+def layout(args, devices: int) -> tuple[int, int, int]:
+    """(data, expert, tensor) for ``devices``: ``--expert``, then tensor=2 if it fits, data the rest."""
+    if args.single_device:
+        return 1, 1, 1
+    expert = args.expert
+    tensor = args.tensor if args.tensor is not None else (2 if devices % (2 * expert) == 0 else 1)
+    data = devices // (expert * tensor) if args.dp == -1 else args.dp
+    if data * expert * tensor != devices:
+        given = "" if args.dp == -1 else f"data={args.dp} x "
+        raise SystemExit(
+            f"{given}expert={expert} x tensor={tensor} does not fit {devices} devices: the mesh is "
+            f"data x expert x tensor (e.g. 2 devices: expert=2; 4: expert=2 x tensor=2; 8: data=2 x ...)"
+        )
+    if args.experts % expert:
+        raise SystemExit(f"--experts {args.experts} must split evenly over expert={expert} devices")
+    return data, expert, tensor
+
+
 def main(argv=None) -> list[float]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data-size", "--dp", dest="dp", type=int, default=1, help="data-parallel size")
+    ap.add_argument("--devices", type=int, default=4, help="in-process devices (torchrun: the world size)")
+    ap.add_argument(
+        "--data-size", "--dp", dest="dp", type=int, default=-1, help="data-parallel size (-1: the rest)"
+    )
     ap.add_argument("--expert", type=int, default=2, help="expert-parallel size")
-    ap.add_argument("--tensor", type=int, default=2, help="tensor-parallel size (Megatron 1D + expert-TP)")
+    ap.add_argument(
+        "--tensor", type=int, help="tensor-parallel size, Megatron 1D + expert-TP (default 2 if it fits, else 1)"
+    )
     ap.add_argument("--single-device", action="store_true", help="one device: the unsharded model")
     ap.add_argument("--experts", type=int, default=4, help="E, experts per MoE block")
     ap.add_argument("--top-k", type=int, default=2)
@@ -113,14 +146,14 @@ def main(argv=None) -> list[float]:
     C.start(args.threads)
     say = lambda *a: C.say(*a, quiet=args.quiet)  # noqa: E731
 
-    if args.single_device:
-        args.dp = args.expert = args.tensor = 1
-    if torch.distributed.is_initialized():
-        mesh = fpar.make_mesh((-1, args.expert, args.tensor), AXES)
-    else:
-        mesh = fpar.make_mesh((args.dp, args.expert, args.tensor), AXES)
+    real = torch.distributed.is_initialized()
+    if real and args.single_device:
+        raise SystemExit("--single-device is for one process; run it without torchrun")
+    mesh = fpar.make_mesh(layout(args, torch.distributed.get_world_size() if real else args.devices), AXES)
     step_loss, specs = build(args, mesh)
     tokens_N, source = load_corpus(args.data, args.max_bytes)
+    split = int(0.95 * len(tokens_N))
+    train_N, val_N = tokens_N[:split], tokens_N[split:]
     say(f"corpus: {len(tokens_N):,} bytes from {source}")
     kind = "real" if mesh.backend == "dist" else "in-process"
     say(
@@ -140,11 +173,11 @@ def main(argv=None) -> list[float]:
         return total, (lm, aux)
 
     value_fn = torch.func.grad_and_value(objective, has_aux=True)
-    probe_BT, _ = batch_at(tokens_N, 10**6, 8, args.seq, args.seed + 1)
+    probe_BT, _ = batch_at(train_N, 10**6, 8, args.seq, args.seed + 1)
 
     losses, t0 = [], time.perf_counter()
     for step in range(args.steps):
-        ids_BT, targets_BT = batch_at(tokens_N, step, args.batch, args.seq, args.seed)
+        ids_BT, targets_BT = batch_at(train_N, step, args.batch, args.seq, args.seed)
         ids, targets = fpar.device_put((ids_BT, targets_BT), mesh, TOKENS)
         fpar.reset_comm_stats()
         grads, (_, (lm, aux)) = value_fn(params, ids, targets)
@@ -158,12 +191,19 @@ def main(argv=None) -> list[float]:
             load = expert_load(args, fpar.gather(params, mesh, specs), probe_BT)
             shown = " | ".join("[" + " ".join(f"{v:.2f}" for v in blk) + "]" for blk in load)
             per_block = aux.item() / len(load)
-            say(f"step {step + 1:4d} loss {lm.item():.4f} aux {per_block:.4f} load per expert {shown}")
+            say(
+                f"step {step + 1:4d}/{args.steps} | loss {lm.item():.4f} | aux {per_block:.4f} | "
+                f"load per expert {shown}"
+            )
     secs = time.perf_counter() - t0
     say(
         f"{args.steps} steps in {secs:.1f} s: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
         f"(uniform guess {math.log(VOCAB):.3f}); aux is per MoE block, 1.0 when perfectly balanced"
     )
+    val_BT, val_targets_BT = batch_at(val_N, 0, args.batch, args.seq, args.seed + 1)
+    with torch.no_grad():
+        _, val, _ = step_loss(params, *fpar.device_put((val_BT, val_targets_BT), mesh, TOKENS))
+    say(f"held-out loss {val.item():.4f} (the last 5% of the corpus, without the aux loss)")
     return losses
 
 

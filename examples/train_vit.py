@@ -20,6 +20,11 @@ The optimizer, checkpoints, meters and command line are ``train_gpt.py``'s (see 
     python examples/train_vit.py --single-device          # the same model, no parallelism
     python examples/train_vit.py --parallel "pipeline=1,data=4,tensor=2"
     torchrun --nproc-per-node 8 examples/train_vit.py --steps 20
+    torchrun --nproc-per-node 4 examples/train_vit.py --steps 20 --tiny   # pipeline=2 x data=2
+
+With no layout flags the mesh is ``_common.default_layout`` of the devices (``--devices N``
+in-process, the world size under torchrun): data, pipeline and tensor get 2 each in that order
+while they fit (8: 2 x 2 x 2; 4: pipeline=2 x data=2; 2: data=2).
 
 Shape suffixes; inside ``fpar.shard`` they name the per-device block:
     N images   B batch (B/M per microbatch, /data per device)   M microbatches
@@ -200,6 +205,7 @@ class Result(NamedTuple):
     mfu: float
     comm: dict  # bytes sent per step, per mesh axis
     accuracy: float  # on the 297 held-out images
+    val_loss: float  # the mean cross-entropy on them
 
 
 def main(argv=None) -> Result:
@@ -291,7 +297,7 @@ def main(argv=None) -> Result:
     timed = seconds[1:] or seconds  # the first step pays one-off costs
     mean_s = sum(timed) / len(timed) if timed else math.nan
     whole = fpar.gather(params, mesh, SPECS)  # every process gets the whole model (tiny)
-    accuracy = evaluate(args, whole, x_test, y_test)
+    accuracy, val_loss = evaluate(args, whole, x_test, y_test)
     result = Result(
         losses,
         sum(seconds),
@@ -299,6 +305,7 @@ def main(argv=None) -> Result:
         C.mfu(flops_per_image * args.batch, mean_s, peak),
         comm,
         accuracy,
+        val_loss,
     )
     if seconds:
         C.say(
@@ -311,14 +318,14 @@ def main(argv=None) -> Result:
             f"bytes sent per step, per mesh axis: {C.fmt_comm(comm)}; {C.COMM_NOTE[mesh.backend]}",
             quiet=quiet,
         )
-    C.say(f"held-out accuracy {100 * accuracy:.1f}% ({len(y_test)} images)", quiet=quiet)
+    C.say(f"held-out loss {val_loss:.4f}, accuracy {100 * accuracy:.1f}% ({len(y_test)} images)", quiet=quiet)
     if args.plot != "none" and losses and not quiet:
         C.plot_losses(losses, args.plot or f"{ckpt_dir}/loss.png", f"train_vit {dict(mesh.shape)}")
     return result
 
 
-def evaluate(args, params: dict, x_N64: torch.Tensor, y_N: torch.Tensor) -> float:
-    """Held-out accuracy of the whole model, unpipelined, on one in-process device."""
+def evaluate(args, params: dict, x_N64: torch.Tensor, y_N: torch.Tensor) -> tuple[float, float]:
+    """Held-out (accuracy, loss) of the whole model, unpipelined, on one in-process device."""
     one = fpar.make_mesh((1, 1), (DATA, TENSOR), backend="local")
     specs = {"stages": C.stacked_specs(BLOCK_SPECS, pipe_dim=False), "first": FIRST_SPECS, "last": LAST_SPECS}
 
@@ -330,8 +337,8 @@ def evaluate(args, params: dict, x_N64: torch.Tensor, y_N: torch.Tensor) -> floa
 
     flat = {**params, "stages": optree.tree_map(lambda t: t.flatten(0, 1), params["stages"])}  # [L, ...]
     with torch.no_grad():
-        pred_N = fpar.shard(logits, one, (specs, P()), P())(flat, x_N64).argmax(-1)
-    return (pred_N == y_N).double().mean().item()
+        logits_NC = fpar.shard(logits, one, (specs, P()), P())(flat, x_N64)
+    return (logits_NC.argmax(-1) == y_N).double().mean().item(), F.cross_entropy(logits_NC, y_N).item()
 
 
 if __name__ == "__main__":

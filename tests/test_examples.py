@@ -3,7 +3,10 @@
 Each example's ``main(argv)`` returns its per-step losses.  The parallel run (pipeline=2 x
 data=2 x tensor=2 on 8 in-process devices) must train exactly like ``--single-device`` (float
 tolerance), and resuming from a checkpoint must reproduce the uninterrupted run bit for bit.
-The torchrun path of the same files is checked by hand (see the examples' docstrings).
+The torchrun path of every file in examples/ is the examples tier, tests/test_examples_torchrun.py
+(marked ``multiprocess``): each runs under ``torchrun`` at 2 and 4 processes (train_gpt.py also
+at 8) and must print the same per-step losses and held-out figures as its in-process run with
+``--devices N``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,254 @@
+"""Examples tier: every file in examples/ under torchrun prints what its in-process run prints.
+
+DESIGN.md section 9: each example runs under ``torchrun`` at 2 and 4 processes (the flagship,
+``train_gpt.py``, also at 8) with its smallest settings, and its printed numbers must equal the
+same file run in one process on an in-process mesh of as many devices (``--devices N``).  The
+torchrun run is the user's command line, unchanged: ``python -m torch.distributed.run
+--nproc-per-node N examples/X.py ...`` in a session of its own (killed whole on timeout), with
+``OMP_NUM_THREADS=1``.  The in-process run is the same file's ``main([..., "--devices", N])`` in
+this process, its stdout captured: as ``python examples/X.py ... --devices N`` would print it,
+without paying a fresh interpreter's ~7 s of CPU for importing torch and fpar (the tier's cost is
+mostly such imports: 2 + 4 (+ 8) workers and a launcher per example).  Each run has its own
+scratch directory (checkpoints, exports).
+
+Every example prints on rank 0 only, in both runs:
+
+* one line per step, ``step <n>/<steps> | loss <x.xxxx> | ...`` (timings after it vary; the
+  ``loss`` and, for the MoE GPT, ``aux`` fields are compared);
+* at the end one line ``held-out ...`` (a loss at 4 decimals, and an accuracy where there is one),
+  compared up to its parenthesised remark;
+* its mesh (``mesh {...}`` or ``Mesh({...})``): the layout must be the same in both runs.
+
+The numbers are compared as printed (4 decimals), not within a tolerance.  The real mesh sums
+float32 in another order than the in-process one: at 9 decimals the two runs differ by at most
+2 ulp (4.8e-7) in about a fifth of the numbers, and each run is bit-for-bit repeatable, so the
+printed figures are stable; a change that moves one of those numbers onto a rounding boundary
+(odds about d / 1e-4 for a difference d, ~0.5 %) would show here as a last-digit mismatch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import importlib.util
+import io
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.multiprocess
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))  # the examples import each other (_common, train_gpt)
+TIMEOUT_S = 300  # one run; the whole tier takes a few minutes on 2 shared cores
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    file: str
+    args: tuple[str, ...]  # the example's smallest settings
+    sizes: tuple[int, ...] = (2, 4)  # process counts (= in-process devices)
+    needs: tuple[str, ...] = ()  # optional packages
+
+    def __str__(self) -> str:
+        return self.file.removesuffix(".py")
+
+
+TINY_GPT = ("--seq", "16", "--d-model", "32", "--heads", "2", "--batch", "8", "--max-bytes", "100000")
+TRAIN = ("--tiny", "--steps", "3", "--warmup", "1", "--log-every", "1", "--peak-tflops", "1")
+TRAIN += ("--plot", "none", "--ckpt-dir", "ckpt", "--ckpt-every", "0")
+
+CASES = [
+    Case("gpt_pipeline.py", ("--steps", "3", "--batch", "8")),
+    Case(
+        "gpt_tensor_parallel.py",
+        ("--steps", "3", "--layers", "1", "--check-steps", "1", "--log-every", "1", *TINY_GPT),
+    ),
+    Case(
+        "hf_gpt2.py",
+        ("--steps", "3", "--layers", "1", "--log-every", "1", "--export", "export", *TINY_GPT),
+        needs=("transformers",),
+    ),
+    Case("mlp_digits.py", ("--epochs", "1", "--log-every", "1"), needs=("sklearn",)),
+    Case("train_gpt.py", (*TRAIN, "--sample", "0"), sizes=(2, 4, 8)),
+    Case(
+        "train_moe_gpt.py",
+        ("--steps", "3", "--layers", "2", "--d-hidden", "64", "--log-every", "1", *TINY_GPT),
+    ),
+    Case("train_vit.py", TRAIN, needs=("sklearn",)),
+]
+
+
+def test_every_example_is_covered():
+    files = {p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith("_")}
+    assert files == {c.file for c in CASES}
+
+
+# Running ------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+_DIST_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in a session of its own; on timeout kill it and every process it started."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc.pid)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {TIMEOUT_S} s: {' '.join(cmd)}\n{_tail(out, err)}")
+    finally:
+        if proc.poll() is None:  # interrupted in between: leave nothing running
+            _kill_tree(proc.pid)
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s process group and each descendant's: torchrun starts every worker in a
+    session of its own, so killing the launcher's group alone would leave the workers blocked."""
+    for p in [pid, *_descendants(pid)]:
+        try:
+            os.killpg(p, signal.SIGKILL)  # p leads its group (the launcher, a worker)
+        except (ProcessLookupError, PermissionError):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _descendants(pid: int) -> list[int]:
+    parent = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # gone meanwhile
+            continue
+        parent[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [c for c, pp in parent.items() if pp in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def _torchrun(case: Case, n: int, cwd: Path) -> subprocess.CompletedProcess:
+    for _ in range(2):  # another job may take the free port before the launcher binds it
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n)]
+        cmd += ["--master-port", str(_free_port()), str(EXAMPLES / case.file), *case.args]
+        res = _run(cmd, cwd)
+        if res.returncode == 0 or "address already in use" not in res.stderr.lower():
+            return res
+    return res
+
+
+def _in_process(case: Case, n: int, cwd: Path, monkeypatch) -> str:
+    """``main(argv)`` of the example on ``n`` in-process devices, run in ``cwd``: what it printed."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        pytest.fail("this process joined a process group: the example would take it for a real mesh")
+    cwd.mkdir(parents=True, exist_ok=True)
+    monkeypatch.chdir(cwd)
+    main = importlib.import_module(case.file.removesuffix(".py")).main
+    threads, out = torch.get_num_threads(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            main([*case.args, "--devices", str(n)])
+    finally:
+        torch.set_num_threads(threads)  # the example sets its own (--threads)
+    return out.getvalue()
+
+
+def _tail(out: str, err: str, lines: int = 40) -> str:
+    return "--- stdout (end) ---\n" + "\n".join(out.splitlines()[-lines:]) + (
+        "\n--- stderr (end) ---\n" + "\n".join(err.splitlines()[-lines:])
+    )
+
+
+# What is compared ---------------------------------------------------------------------------------
+
+STEP = re.compile(r"^step\s+(\d+)/(\d+)\s*\|(.*)$", re.M)
+FIELD = re.compile(r"\b(loss|aux) (-?\d+\.\d+)\b")
+HELD_OUT = re.compile(r"^held-out [^(\n]*", re.M)
+MESH = re.compile(r"\b[Mm]esh\(?(\{[^}]*\})")
+
+
+@dataclasses.dataclass
+class Printed:
+    steps: list  # [(step, {"loss": "5.1234", ...}), ...]
+    held_out: list  # ["held-out loss 5.4321, accuracy 12.5%", ...]
+    mesh: str | None
+
+
+def _printed(out: str) -> Printed:
+    steps = [(int(m[1]), dict(FIELD.findall(m[3]))) for m in STEP.finditer(out)]
+    held_out = [h.strip().rstrip(",;") for h in HELD_OUT.findall(out)]
+    mesh = MESH.search(out)
+    return Printed(steps, held_out, mesh[1] if mesh else None)
+
+
+# The test -----------------------------------------------------------------------------------------
+
+
+def _params():
+    return [pytest.param(case, n, id=f"{case}-{n}") for case in CASES for n in case.sizes]
+
+
+@pytest.mark.parametrize("case,n", _params())
+def test_torchrun_equals_in_process(case: Case, n: int, tmp_path: Path, monkeypatch):
+    missing = [m for m in case.needs if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"{case.file} needs {', '.join(missing)} (pip install fpar[examples,hf])")
+    local = _in_process(case, n, tmp_path / "in_process", monkeypatch)
+    want = _printed(local)
+
+    # the in-process run printed one line per step with its loss, and a held-out figure
+    where = f"{case.file} {' '.join(case.args)} --devices {n}"
+    steps = [s for s, _ in want.steps]
+    assert steps and steps == list(range(1, len(steps) + 1)), f"step lines of {where}:\n{local}"
+    assert all("loss" in fields for _, fields in want.steps), f"{where}:\n{local}"
+    assert want.held_out, f"no held-out line from {where}:\n{local}"
+    first, last = (float(want.steps[i][1]["loss"]) for i in (0, -1))
+    assert last < first, f"{where}: the loss did not go down ({first} -> {last})"
+
+    # torchrun: the same layout, and the same numbers as printed, once (rank 0 only)
+    real = _torchrun(case, n, tmp_path / "torchrun")
+    cmd = " ".join(real.args)
+    assert real.returncode == 0, f"rc {real.returncode}: {cmd}\n{_tail(real.stdout, real.stderr)}"
+    got = _printed(real.stdout)
+    both = f"\n--- torchrun ---\n{real.stdout}\n--- in-process ---\n{local}"
+    assert got.mesh == want.mesh, f"{cmd}: mesh {got.mesh}, in-process {want.mesh}"
+    assert got.steps == want.steps, f"{cmd}: the step lines differ from the in-process run{both}"
+    assert got.held_out == want.held_out, f"{cmd}: the held-out lines differ from the in-process run{both}"
