@@ -9,8 +9,12 @@ translates between the two.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import itertools
 import math
+import time
+import weakref
 from typing import Any
 
 import torch
@@ -78,6 +82,10 @@ class MeshGroups:
             self._groups = parent._groups
         self.root = self if parent is None else parent.root
         self._members: dict[tuple, list[int]] = {}
+        _LIVE.add(self)  # its groups are let go of at exit (``close``)
+        if not _CLOSING_AT_EXIT[0]:
+            _CLOSING_AT_EXIT[0] = True
+            atexit.register(close)
 
     def _connect_axes(self) -> None:
         """NCCL: start every axis group's communicator now, with every rank of it taking part.
@@ -161,6 +169,68 @@ class MeshGroups:
     def me(self, axes: tuple[str, ...]) -> int:
         """This rank's combined index along ``axes`` (written order)."""
         return self.members(axes).index(self.rank)
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every MeshGroups (meshes and their views), for ``close``
+_CLOSING_AT_EXIT = [False]  # ``close`` is registered with atexit (once, at the first mesh's groups)
+
+
+def close() -> None:
+    """Before the interpreter finalizes: settle fpar's messages, then tear the process groups down.
+
+    Run at exit (``atexit``, registered when the first real mesh gets its groups, so after
+    ``init_process_group`` and before anything the script registers later).  It exists because a
+    gloo worker thread must never need the GIL once the interpreter is finalizing:
+
+    * A gloo collective is run by one of its process group's worker threads, which holds the
+      work (and its tensors) until just after it completes.  When Python has dropped its last
+      reference to such a tensor meanwhile, torch keeps the tensor's Python object alive for
+      C++ (PyObject preservation), and the worker's release of the work then takes the GIL to
+      free it.
+    * If the interpreter is finalizing by then, taking the GIL ends the thread (CPython's
+      ``PyThread_exit_thread``); its forced unwinding through the work's ``noexcept``
+      destructor calls ``std::terminate``: "terminate called without an active exception",
+      SIGABRT, and torchrun reports the job failed although every value was right.
+
+    fpar leaves exactly that behind: a planned call's first message is an async all-reduce
+    whose verdict waits for its first use (``pending.py``), so a script's last call may exit
+    with it still in flight; and fpar's meshes keep their process groups alive past
+    ``destroy_process_group()``, so they were only destroyed (and their workers joined) during
+    finalization.  Here, while the interpreter is whole: (1) every deferred first message is
+    waited for (its verdict run, when the default group is still up); (2) fpar lets go of its process
+    groups (every mesh's groups and ``DeviceMesh``); (3) a gloo default group still up is
+    destroyed, as torch asks every script to do before exit, and the garbage is collected, so
+    each group's destructor waits for its queued work and joins its worker threads now, with
+    the GIL released (torch's holder of a process group releases it), not during
+    finalization; that also finishes a bucket's all-reduce that no backward waited for (its
+    graph was cut short).  ``destroy_process_group`` runs only for gloo here (NCCL's teardown
+    may be collective in some versions).
+
+    A script that uses ``torch.distributed`` itself from an exit handler it registered *before*
+    making its first mesh finds the group destroyed; one registered after runs before this.
+    """
+    pending._settle_at_exit()  # every deferred message has arrived (or failed)
+    held = []
+    for mg in list(_LIVE):
+        held.extend(weakref.ref(g) for g in mg._groups.values() if g is not None)
+        mg._groups.clear()  # shared by a mesh's views
+        device_mesh, mg.device_mesh = mg.device_mesh, None
+        registry = getattr(device_mesh, "_pg_registry", None)  # torch's DeviceMesh keeps its groups
+        if isinstance(registry, dict):
+            held.extend(weakref.ref(g) for g in registry.values() if g is not None)
+            registry.clear()
+    _LIVE.clear()
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - nothing to raise to at exit; finalization tears it down
+            pass
+    gc.collect()  # groups that a reference cycle still held (a call's message keeps its group)
+    if any(r() is not None for r in held):
+        # Someone else still holds a group: its destructor (and the join) comes during
+        # finalization.  Its workers are idle (everything fpar sent has been waited for); let one
+        # that is just releasing a finished work take the GIL while the interpreter is whole.
+        time.sleep(0.05)
 
 
 def _ravel(coords, sizes) -> int:

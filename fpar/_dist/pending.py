@@ -96,28 +96,46 @@ def hold(send: Callable[[], None]) -> None:
 
 @untraced
 def _settle_at_exit() -> None:
-    """At interpreter exit: no work handle outlives the process, and a failed check is shown."""
+    """At exit (``groups.close``): every message sent has arrived, and a failed check is shown.
+
+    With the default group up, the verdicts run as at any settling.  Once the script has
+    destroyed it (``destroy_process_group()`` before exit), no verdict can send its own
+    messages and no held message can go (every rank drops the same ones); but a message
+    already sent is still in flight on a group fpar holds, and is waited for here, never just
+    dropped: its gloo worker would otherwise finish it during finalization and, holding the
+    last reference to its buffer, abort the process (``groups.close``).
+    """
     if not (_UNSETTLED or _HELD):
         return
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
-        _UNSETTLED.clear()  # the process group was destroyed, and its pending work with it
-        _HELD.clear()
+    if dist.is_available() and dist.is_initialized():
+        try:
+            settle()
+        except Exception:  # noqa: BLE001 - no caller is left to raise to: show it
+            import sys
+            import traceback
+
+            print("fpar: a sharded call's signature check failed after its result was last used:", file=sys.stderr)
+            traceback.print_exc()
+    _HELD.clear()
+    while _UNSETTLED:  # the group was destroyed first, or a verdict raised: wait, send nothing
+        _, work = _UNSETTLED.pop(0)
+        _wait_sent(work)
+
+
+def _wait_sent(work: Any) -> None:
+    """Wait for a deferred message, if it was sent (a ``_First`` keeps its handle as ``work``)."""
+    handle = getattr(work, "work", work)
+    if handle is None or not hasattr(handle, "wait") or handle.is_completed():
         return
     try:
-        settle()
-    except Exception:  # noqa: BLE001 - no caller is left to raise to: show it
-        import sys
-        import traceback
-
-        print("fpar: a sharded call's signature check failed after its result was last used:", file=sys.stderr)
-        traceback.print_exc()
-        _UNSETTLED.clear()
-        _HELD.clear()
+        handle.wait()
+    except Exception:  # noqa: BLE001 - a peer failed: the message will not arrive, and it is over
+        pass
 
 
-atexit.register(_settle_at_exit)
+atexit.register(_settle_at_exit)  # also run first by groups.close; here for a group fpar never closed
 
 # Ops that read only a tensor's metadata: what ``backward()`` and ``torch.func.grad`` do to a
 # scalar loss (the seed cotangent), answered without waiting.
