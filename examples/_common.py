@@ -56,6 +56,17 @@ def start(threads: int) -> int:
     return 0
 
 
+def entry(main) -> None:
+    """Run ``main()`` as a script: under torchrun, a raised error goes to torchrun's error file.
+
+    torch's ``record`` writes it there, so the job's summary names the first failing rank's
+    exception instead of only its exit code.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(main)()
+
+
 def rank() -> int:
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

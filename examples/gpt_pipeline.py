@@ -247,4 +247,4 @@ def main(argv=None) -> list[float]:
 
 
 if __name__ == "__main__":
-    main()
+    C.entry(main)

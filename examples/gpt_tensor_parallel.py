@@ -296,4 +296,4 @@ def generate(params, mesh, specs, args, prompt_T) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    C.entry(main)

@@ -163,4 +163,4 @@ def export(directory: str, params, mesh, specs, apply_fn, model, val_BT) -> floa
 
 
 if __name__ == "__main__":
-    main()
+    C.entry(main)

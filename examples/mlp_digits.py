@@ -295,4 +295,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    C.entry(main)

@@ -350,4 +350,4 @@ def evaluate(args, gpt: dict, val_N: torch.Tensor) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    C.entry(main)

@@ -342,4 +342,4 @@ def evaluate(args, params: dict, x_N64: torch.Tensor, y_N: torch.Tensor) -> tupl
 
 
 if __name__ == "__main__":
-    main()
+    C.entry(main)
