@@ -317,7 +317,7 @@ def test_example_parallel_equals_single_device():
 
     small = ["--steps", "3", "--quiet", "--d-model", "16", "--d-hidden", "16", "--layers", "2"]
     small += ["--heads", "2", "--seq", "16", "--batch", "8", "--max-bytes", "50000"]
-    parallel = train_moe_gpt.main([*small, "--dp", "2", "--expert", "2", "--tensor", "2"])
+    parallel = train_moe_gpt.main([*small, "--devices", "8", "--dp", "2", "--expert", "2", "--tensor", "2"])
     single = train_moe_gpt.main([*small, "--single-device"])
     assert single[-1] < single[0]
     torch.testing.assert_close(parallel, single, rtol=1e-4, atol=1e-5)
