@@ -35,14 +35,13 @@ import importlib.util
 import io
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from torchrun_util import free_port, kill_tree
 
 pytestmark = pytest.mark.multiprocess
 
@@ -95,12 +94,6 @@ def test_every_example_is_covered():
 # Running ------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
     env["OMP_NUM_THREADS"] = "1"
@@ -126,49 +119,20 @@ def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
     try:
         out, err = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        _kill_tree(proc.pid)
+        kill_tree(proc.pid)
         out, err = proc.communicate()
         pytest.fail(f"timed out after {TIMEOUT_S} s: {' '.join(cmd)}\n{_tail(out, err)}")
     finally:
         if proc.poll() is None:  # interrupted in between: leave nothing running
-            _kill_tree(proc.pid)
+            kill_tree(proc.pid)
             proc.wait()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL ``pid``'s process group and each descendant's: torchrun starts every worker in a
-    session of its own, so killing the launcher's group alone would leave the workers blocked."""
-    for p in [pid, *_descendants(pid)]:
-        try:
-            os.killpg(p, signal.SIGKILL)  # p leads its group (the launcher, a worker)
-        except (ProcessLookupError, PermissionError):
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-def _descendants(pid: int) -> list[int]:
-    parent = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:  # gone meanwhile
-            continue
-        parent[int(stat.parent.name)] = int(fields[1])
-    found, frontier = [], [pid]
-    while frontier:
-        children = [c for c, pp in parent.items() if pp in frontier]
-        found += children
-        frontier = children
-    return found
 
 
 def _torchrun(case: Case, n: int, cwd: Path) -> subprocess.CompletedProcess:
     for _ in range(2):  # another job may take the free port before the launcher binds it
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n)]
-        cmd += ["--master-port", str(_free_port()), str(EXAMPLES / case.file), *case.args]
+        cmd += ["--master-port", str(free_port()), str(EXAMPLES / case.file), *case.args]
         res = _run(cmd, cwd)
         if res.returncode == 0 or "address already in use" not in res.stderr.lower():
             return res

@@ -21,13 +21,12 @@ just before finalization, as it did by chance in the reported runs).
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from torchrun_util import free_port, kill_tree
 
 pytestmark = pytest.mark.multiprocess
 
@@ -36,58 +35,24 @@ TIMEOUT_S = 150  # one torchrun run (about 10-15 s on an idle 2-core machine)
 _DIST_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _descendants(pid: int) -> list[int]:
-    parent = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:  # gone meanwhile
-            continue
-        parent[int(stat.parent.name)] = int(fields[1])
-    found, frontier = [], [pid]
-    while frontier:
-        children = [c for c, pp in parent.items() if pp in frontier]
-        found += children
-        frontier = children
-    return found
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL the launcher and every worker (torchrun starts each worker in a session of its own)."""
-    for p in [*_descendants(pid), pid]:
-        try:
-            os.killpg(p, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
 def _torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for _ in range(2):  # another job may take the free port before the launcher binds it
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
-        cmd += ["--master-port", str(_free_port()), str(PROGRAM), *args]
+        cmd += ["--master-port", str(free_port()), str(PROGRAM), *args]
         proc = subprocess.Popen(
             cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
         )
         try:
             out, err = proc.communicate(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            _kill_tree(proc.pid)
+            kill_tree(proc.pid)
             out, err = proc.communicate()
             pytest.fail(f"timed out after {TIMEOUT_S} s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}")
         finally:
             if proc.poll() is None:  # interrupted in between: leave nothing running
-                _kill_tree(proc.pid)
+                kill_tree(proc.pid)
                 proc.wait()
         if proc.returncode == 0 or "address already in use" not in err.lower():
             break

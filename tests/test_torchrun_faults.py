@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from torchrun_util import children, free_port, kill_tree
 
 import fpar
 
@@ -26,16 +26,10 @@ PROGRAMS = Path(__file__).resolve().parent / "torchrun_programs"
 STEP_LINE = re.compile(r"step\s+(\d+)/\d+ \| loss ([0-9.]+)")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(n: int, *args: str, restarts: int = 0) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--max-restarts", str(restarts),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_port()}", *args,
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *args,
     ]
 
 
@@ -51,7 +45,7 @@ def _run(cmd: list[str], timeout: float, cwd: Path = ROOT) -> tuple[int, str, fl
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out, _ = proc.communicate()
         pytest.fail(f"{' '.join(cmd)} did not finish in {timeout:g}s:\n{out[-4000:]}")
     return proc.returncode, out, time.monotonic() - start
@@ -72,20 +66,6 @@ def test_a_rank_that_raises_fails_the_job_naming_its_error(when):
         assert "rank      : 1 (local_rank: 1)" in summary
         assert "the model raised on rank 1 at step 2" in summary
     assert "step 3 done" not in out
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                kids.append(int(entry))
-    return kids
 
 
 def _losses(out: str) -> dict[int, str]:
@@ -113,8 +93,8 @@ def test_a_killed_rank_restarts_and_resume_gives_the_uninterrupted_losses(tmp_pa
         while killed is None and time.monotonic() < deadline and proc.poll() is None:
             step = fpar.checkpoint.latest_step(ckpt) if ckpt.exists() else None
             if step is not None and step >= 2:
-                kids = sorted(_children(proc.pid))  # torchrun's agent -> its workers
-                workers = [k for pid in kids for k in _children(pid)] or kids
+                kids = sorted(children(proc.pid))  # torchrun's agent -> its workers
+                workers = [k for pid in kids for k in children(pid)] or kids
                 if workers:
                     killed = workers[-1]
                     os.kill(killed, signal.SIGKILL)
@@ -122,12 +102,12 @@ def test_a_killed_rank_restarts_and_resume_gives_the_uninterrupted_losses(tmp_pa
             time.sleep(0.02)
         out, _ = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out, _ = proc.communicate()
         pytest.fail(f"the restarted run did not finish:\n{out[-4000:]}")
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
     assert killed is not None, "the run ended before a rank could be killed: make it longer"
     assert proc.returncode == 0, out[-4000:]
     assert re.search(r"resumed from .* at step [2-9]", out), out[-4000:]
