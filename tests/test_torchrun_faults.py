@@ -60,11 +60,11 @@ def test_a_rank_that_raises_fails_the_job_naming_its_error(when):
     assert rc != 0
     assert "the model raised on rank 1 at step 2" in out
     summary = out[out.index("Root Cause") :]
+    # the first rank torchrun saw fail: rank 1 itself, or (before) a rank fpar's check told
+    named = "the model raised on rank 1 at step 2" in summary
     if when == "before":
-        assert "raised before this call's first collective (global rank 1)" in summary
-    else:
-        assert "rank      : 1 (local_rank: 1)" in summary
-        assert "the model raised on rank 1 at step 2" in summary
+        named = named or "raised before this call's first collective (global rank 1)" in summary
+    assert named, summary
     assert "step 3 done" not in out
 
 

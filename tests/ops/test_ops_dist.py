@@ -42,8 +42,9 @@ def test_bucket_layout_does_not_depend_on_the_hash_seed(monkeypatch):
     orders = []
     for seed in ("1", "2", "3"):
         monkeypatch.setenv("PYTHONHASHSEED", seed)
-        (order,) = fpar.launch(ops_dist_workers.bucket_order, 1, timeout=60.0)
+        order, other = fpar.launch(ops_dist_workers.bucket_order, 2, timeout=60.0)
+        assert other == order  # both ranks, with this seed
         orders.append(order)
     fast, slots, axes = orders[0]
-    assert fast and len(slots) > 4 and ("data", "tensor") in axes and ("data",) in axes
+    assert fast and len(slots) > 4 and set(axes) == {("data",)}
     assert orders[1] == orders[0] and orders[2] == orders[0]
