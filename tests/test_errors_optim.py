@@ -100,3 +100,47 @@ def test_matching_trees_still_step():
     updates, state = ADAM.update(grads, state, PARAMS)
     new = fpar.optim.apply_updates(PARAMS, updates)
     assert torch.all(new["w1"] < 0)
+
+
+# ZeRO: the gradient of one's own sharded loss handed to zero_update (issue 33) -----------------
+
+
+def _tour_loss(params, x, y):
+    h = x @ params["w1"] + params["b"]
+    out = fpar.psum(torch.relu(h) @ params["w2"], "tensor")
+    return fpar.pmean(((out - y) ** 2).mean(), "data")
+
+
+@pytest.mark.parametrize(
+    ("stage", "leaf", "given", "want"),
+    [(1, "['b']", "(32,)", "(2, 32)"), (2, "['w1']", "(16, 32)", "(512,)"), (3, "['w1']", "(16, 32)", "(512,)")],
+)
+def test_zero_update_given_the_global_gradient_says_what_it_takes(stage, leaf, given, want):
+    P = fpar.P
+    mesh = fpar.make_mesh((2, 2), ("data", "tensor"))
+    specs = {"w1": P(None, "tensor"), "w2": P("tensor", None), "b": P("tensor")}
+    sharded = fpar.shard(_tour_loss, mesh, in_specs=(specs, P("data"), P("data")), out_specs=P())
+    g = torch.Generator().manual_seed(0)
+    params = {"w1": torch.randn(16, 32, generator=g), "w2": torch.randn(32, 16, generator=g), "b": torch.zeros(32)}
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+    opt = fpar.optim.adamw(1e-3)
+    layout = fpar.optim.zero_layout(params, mesh, specs, stage=stage)
+    stored, state = fpar.optim.zero_init(opt, params, layout)
+    update = fpar.optim.zero_update(opt, layout)
+    grads = torch.func.grad(sharded)(params, x, y)
+    fpar.reset_comm_stats()
+    with pytest.raises(ValueError) as info:
+        update(grads, state, stored)
+    assert fpar.comm_stats() == {}  # raised before any communication
+    message = str(info.value)
+    assert message.startswith(
+        f"fpar.optim.zero_update (ZeRO stage {stage}): grads{leaf} has shape {given} (the parameter's shape: "
+        "a gradient of the global loss)"
+    ), message
+    assert f"shape {want} here" in message, message
+    assert "already summed over 'data', which only stage 0 takes" in message
+    assert "fpar.optim.zero_grads(loss_fn, layout)" in message and "fpar.optim.zero_step(" in message
+    # Stage 0 takes exactly that gradient.
+    layout0 = fpar.optim.zero_layout(params, mesh, specs, stage=0)
+    stored0, state0 = fpar.optim.zero_init(opt, params, layout0)
+    fpar.optim.zero_update(opt, layout0)(grads, state0, stored0)

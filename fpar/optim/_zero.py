@@ -58,7 +58,7 @@ from fpar import P
 
 from .. import _defer
 from .._buffers import pooled
-from .._tree import broadcast_prefix, tree_flatten, tree_map, tree_unflatten
+from .._tree import broadcast_prefix, keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 from . import _ops as ops
 from ._base import GradientTransformation, apply_updates
 from ._internal import block_shape
@@ -676,6 +676,14 @@ def zero_update(
 ) -> Callable:
     """Build ``update(grads, opt_state, params) -> (params, opt_state)`` for ``layout``'s stage.
 
+    Most training loops want ``zero_step`` (``zero_grads`` then this update).  ``grads`` must be
+    what ``zero_grads(loss_fn, layout)`` returns, laid out by ``layout.grad_specs``: stage 0 the
+    global gradient (shaped like the parameters); stage 1 each data rank's own, unreduced
+    gradient, stacked on a leading dim of the data axis's size; stages 2 and 3 each rank's chunk
+    of the reduced gradient, flattened.  The gradient of your own sharded loss
+    (``torch.func.grad(sharded)(params, ...)``) is the global one, right for stage 0 only; for
+    stages 1-3 ``update`` raises a ``ValueError`` saying so, before any communication.
+
     Stage 0 updates every (replicated) parameter on every device; stage 1 first reduce-scatters
     the per-rank gradients; stages 1 and 2 update this device's chunk of each parameter with
     its chunk of the state and all-gather the new parameters (``all_gather_invariant``: they
@@ -720,7 +728,69 @@ def zero_update(
         return tree_unflatten(treedef, _gather_all(leaves, layout, bucket_bytes)), state
 
     stored = layout.param_specs
-    return fpar.shard(per_device, mesh, (gspecs, sspecs, stored), (stored, sspecs))
+    sharded = fpar.shard(per_device, mesh, (gspecs, sspecs, stored), (stored, sspecs))
+
+    def update(grads, opt_state, params):
+        _check_grads(grads, layout)  # before any communication
+        return sharded(grads, opt_state, params)
+
+    return update
+
+
+# Error checking and messages ------------------------------------------------------------------
+
+
+def _global_shape(lf: _Leaf, mesh: fpar.Mesh) -> tuple[int, ...]:
+    """The parameter's global shape from its block and spec (in-process)."""
+    entries = tuple(lf.spec) + (None,) * (len(lf.block) - len(tuple(lf.spec)))
+    sizes = []
+    for b, entry in zip(lf.block, entries):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        sizes.append(b * math.prod(mesh.shape[a] for a in axes))
+    return tuple(sizes)
+
+
+def _expected_grad_shape(lf: _Leaf, layout: ZeroLayout) -> tuple[int, ...]:
+    """The shape ``zero_update`` takes for one gradient leaf (global in-process, a block on a real mesh)."""
+    real = layout.mesh.backend == "dist"
+    if layout.stage == 0:
+        return lf.block if real else _global_shape(lf, layout.mesh)
+    if layout.stage == 1:
+        return (1, *lf.block) if real else (layout.n, *_global_shape(lf, layout.mesh))
+    split = math.prod(layout.mesh.shape[a] for a in lf.split)
+    return (lf.chunk,) if real else (lf.chunk * layout.n * split,)
+
+
+def _check_grads(grads: Any, layout: ZeroLayout) -> None:
+    """Raise if ``grads`` are not laid out as ``layout.grad_specs`` says (a usual mistake: the global gradient)."""
+    paths, leaves, _ = tree_flatten_with_path(grads)
+    specs = tree_flatten(layout.grad_specs)[0]
+    if len(leaves) != len(layout.leaves) or len(specs) != len(leaves):
+        return  # fpar.shard names the mismatched trees
+    for path, g, lf, spec in zip(map(keystr, paths), leaves, layout.leaves, specs):
+        want = _expected_grad_shape(lf, layout)
+        if not isinstance(g, Tensor) or tuple(g.shape) == want:
+            continue
+        param = _global_shape(lf, layout.mesh) if layout.mesh.backend != "dist" else lf.block
+        given = " (the parameter's shape: a gradient of the global loss)" if tuple(g.shape) == param else ""
+        raise ValueError(
+            f"fpar.optim.zero_update (ZeRO stage {layout.stage}): grads{path} has shape {tuple(g.shape)}"
+            f"{given}; stage {layout.stage}'s update takes {_GRAD_KIND[min(layout.stage, 2)]}, laid out by "
+            f"layout.grad_specs ({spec}): shape {want} here. Gradients from torch.func.grad or .backward() of "
+            f"your own sharded loss are already summed over {layout.data_axis!r}, which only stage 0 takes. "
+            f"Compute them with fpar.optim.zero_grads(loss_fn, layout), or take the whole step with "
+            f"fpar.optim.zero_step:\n"
+            f"    step = fpar.optim.zero_step(loss_fn, opt, layout, batch_specs=P({layout.data_axis!r}))"
+            f"  # loss_fn(params, batch): per-device loss\n"
+            f"    params, opt_state, metrics = step(params, opt_state, batch)"
+        )
+
+
+_GRAD_KIND = {
+    0: "the global gradient, laid out like the parameters",
+    1: "each data rank's own, unreduced gradient (one copy per data rank, stacked on a leading dim)",
+    2: "each data rank's chunk of the reduced gradient (flattened and padded)",
+}
 
 
 def zero_step(
