@@ -45,7 +45,7 @@ REASON = (
     "(they run eagerly, with their custom backward: Dynamo can drop an autograd.Function's backward, "
     "pytorch#193279), so fullgraph=True cannot cover them. Compile the per-device code instead: "
     "fpar.shard(torch.compile(f), ...) (split at each collective), or torch.compile(g, fullgraph=True) "
-    "on a part of f without collectives; or drop fullgraph=True (see README, 'torch.compile')."
+    "on a part of f without collectives; or drop fullgraph=True (see docs/compile.md)."
 )
 
 

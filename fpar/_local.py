@@ -21,7 +21,7 @@ Tensor = torch.Tensor
 
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
-"""Dtypes the reductions accumulate in float32 (fpar's rule, README "Low precision")."""
+"""Dtypes the reductions accumulate in float32 (fpar's rule, docs/concepts.md, "Low precision")."""
 
 
 def _reduce(x: Tensor, kind: str) -> Tensor:

@@ -2,7 +2,7 @@
 
 pytorch#193279: under ``torch.compile(torch.func.grad(f))`` Dynamo drops an ``autograd.Function``'s
 custom backward, so a backward that all-reduces would return each device's *local* gradient.
-Every form (see README, "torch.compile") is checked against the *unsharded* function's gradient
+Every form (see docs/compile.md) is checked against the *unsharded* function's gradient
 computed by plain torch autograd; the data-parallel loss's gradient needs the all-reduce, so a
 dropped backward would show as a large difference.  Tests use the ``aot_eager`` backend (Dynamo and
 AOTAutograd, where the bug lives, without a C++ compile); ``bench/compile.py`` checks inductor's

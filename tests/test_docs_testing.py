@@ -1,8 +1,9 @@
-"""The README section "Prove your layout" runs as written.
+"""The docs page "Prove your layout" (docs/testing.md) runs as written, beyond what test_docs.py does.
 
-Its code blocks are taken from README.md (not copied here), written into a module and run: the
-first block as a script, the property test with hypothesis, the ``distributed`` example on two gloo
-processes; and the failure it shows for a forgotten ``psum`` is the one the kit gives.
+tests/test_docs.py runs every Python block of the page (the property test and the ``distributed``
+test are only defined there). Here its blocks are taken from the page (not copied), written into a
+module and run: the property test with hypothesis, the ``distributed`` example on two gloo
+processes; and the failure the page shows for a forgotten ``psum`` is the one the kit gives.
 """
 
 from __future__ import annotations
@@ -14,14 +15,11 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "testing.md"
 
 
 def _section() -> str:
-    text = README.read_text(encoding="utf-8")
-    start = text.index("## Prove your layout\n")
-    end = text.index("\n## ", start + 1)
-    return text[start:end]
+    return PAGE.read_text(encoding="utf-8")
 
 
 def _blocks(lang: str) -> list[str]:
@@ -56,12 +54,12 @@ def _load(tmp_path: Path, name: str, code: str):
 
 @pytest.fixture
 def module_name(request):
-    name = f"readme_prove_your_layout_{request.node.name}"
+    name = f"docs_prove_your_layout_{request.node.name}"
     yield name
     sys.modules.pop(name, None)
 
 
-def test_readme_has_the_blocks_this_test_runs():
+def test_page_has_the_blocks_this_test_runs():
     python = _blocks("python")
     assert len(python) == 3, python
     assert "assert_equivalent(torch.matmul, row_parallel" in python[0]
@@ -70,13 +68,13 @@ def test_readme_has_the_blocks_this_test_runs():
     assert len(_blocks("")) == 1  # the failure message
 
 
-def test_readme_example_and_property_test_run(tmp_path, module_name):
+def test_page_example_and_property_test_run(tmp_path, module_name):
     first, prop, _ = _blocks("python")
     module = _load(tmp_path, module_name, first + "\n" + prop)  # the first block runs on import
     module.test_my_layout()
 
 
-def test_readme_failure_message_is_what_the_kit_says(tmp_path, module_name):
+def test_page_failure_message_is_what_the_kit_says(tmp_path, module_name):
     first = _blocks("python")[0]
     forgot = first.replace('fpar.psum(x @ w, "tensor")', "x @ w")
     assert forgot != first
@@ -89,7 +87,7 @@ def test_readme_failure_message_is_what_the_kit_says(tmp_path, module_name):
 
 
 @pytest.mark.multiprocess
-def test_readme_distributed_example_runs(tmp_path, module_name):
+def test_page_distributed_example_runs(tmp_path, module_name):
     first, _, dist_block = _blocks("python")
     definitions = first[: first.index("\nmesh = ")]  # its imports and row_parallel, not the run
     module = _load(tmp_path, module_name, definitions + "\n\n" + dist_block)
