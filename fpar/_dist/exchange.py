@@ -6,6 +6,8 @@ transpose (DESIGN §3), itself an exchange, so grad-of-grad works.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch._C import _functorch
@@ -51,6 +53,8 @@ def _run(kind: str, params: tuple, x: Tensor, nb: int, axes, mg: MeshGroups) -> 
     """
     group, members = mg.group(axes), mg.members(axes)
     n = len(members)
+    if kind == "all_to_all_v":  # fpar.ops.moe's exact-count exchange (counted by the rows it sends)
+        return _all_to_all_v(x, nb, *params, members, mg.rank, group, axes)
     stats.record(kind, axes, n, x, len(params[0]) if kind == "ppermute" else None)
     if kind in _REDUCE:
         if params:  # psum/pmean carried by the call's first message (shard.py's _Agreement)
@@ -123,6 +127,40 @@ def _all_to_all(x: Tensor, nb: int, split: int, concat: int, tiled: bool, member
     return got.flatten(nb + concat, nb + concat + 1) if tiled else got
 
 
+def _all_to_all_v(x: Tensor, nb: int, send: tuple, recv: tuple, members, me_rank: int, group, axes) -> Tensor:
+    """An all_to_all of dim-0 rows with data-dependent split sizes (``fpar.ops.moe`` on a real mesh).
+
+    ``send[j]`` rows of ``x`` (consecutive, in member order) go to member ``j``; ``recv[j]`` rows
+    come from member ``j``, concatenated in member order.  The sizes are data exchanged by the
+    caller, not part of the plan's signature.  Its transpose is the same exchange with ``send``
+    and ``recv`` swapped.  Counted as an ``all_to_all`` of the bytes that leave this process
+    (the rows sent to the other members).
+    """
+    if nb:
+        raise NotImplementedError(
+            "fpar: an all_to_all with data-dependent split sizes cannot run under vmap (jacrev, "
+            "per-example gradients); fpar.ops.moe uses its static slots there."
+        )
+    me = members.index(me_rank)
+    row = math.prod(x.shape[1:]) * x.element_size()
+    stats._add("all_to_all", axes, sum(c for j, c in enumerate(send) if j != me) * row)
+    x = x.contiguous()
+    if len(members) == 1:
+        return x.clone()
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    if _ordered(members, group):
+        dist.all_to_all_single(out, x, list(recv), list(send), group=group)
+        return out
+    ranks = [dist.get_group_rank(group, r) for r in members]  # member j is group rank ranks[j]
+    by_rank = sorted(range(len(members)), key=ranks.__getitem__)  # members in group rank order
+    chunks = x.split(list(send))
+    x_g = torch.cat([chunks[j] for j in by_rank])
+    out_g = x.new_empty(out.shape)
+    dist.all_to_all_single(out_g, x_g, [recv[j] for j in by_rank], [send[j] for j in by_rank], group=group)
+    got = dict(zip(by_rank, out_g.split([recv[j] for j in by_rank])))
+    return torch.cat([got[j] for j in range(len(members))])
+
+
 @internal
 class _Exchange(torch.autograd.Function):
     """A collective on local blocks; differentiable, with the transposes of DESIGN §3."""
@@ -187,6 +225,8 @@ class _Exchange(torch.autograd.Function):
             g = _Exchange.apply(ct, "all_gather", p, nb, axes, mg)
         elif kind == "ppermute":
             g = _Exchange.apply(ct, kind, (tuple((d, s) for s, d in p[0]),), nb, axes, mg)
+        elif kind == "all_to_all_v":  # the rows go back: the split sizes swapped
+            g = _Exchange.apply(ct, kind, (p[1], p[0]), nb, axes, mg)
         else:  # all_to_all
             split, concat, tiled = p
             g = _Exchange.apply(ct, kind, (concat, split, tiled), nb, axes, mg)
@@ -259,8 +299,11 @@ def summed(x: Tensor, kind: str, params: tuple, axes: tuple, mg: MeshGroups) -> 
     records a graph, ``create_graph``), or, waited for (a plan that reads it inside the
     function), the clone (division) above with that hook; other sums keep the Function there.
     """
-    level = _first_order_level(x) if kind in ("psum", "pmean") else None
-    plain_autograd = level is None and params and _plain_autograd(x)
+    sums = kind in ("psum", "pmean")
+    level = _first_order_level(x) if sums else None
+    # Only a psum/pmean's params can be the carried check; other kinds' params are their own
+    # (all_to_all's dims), and .reduce on them failed every fast .backward() call.
+    plain_autograd = level is None and sums and params and _plain_autograd(x)
     if not (level or plain_autograd) or x.dtype in _LOW_PRECISION or x.dtype == torch.bool or x.is_complex():
         return _Exchange.apply(x, kind, params, 0, axes, mg)
     n = len(mg.members(axes))

@@ -55,13 +55,17 @@ Shape suffixes, per device inside ``fpar.shard``: ``T`` tokens, ``D`` model dim,
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
 import torch.nn.functional as F
+from torch._C import _functorch
+from torch._subclasses.fake_tensor import is_fake
 
 import fpar
 from fpar import P
+from fpar._collectives import frames
 
 from . import _check as check
 
@@ -81,8 +85,10 @@ def moe(
     axis=None,
     token_axes=None,
     tensor_axis=None,
-) -> tuple[Tensor, Tensor]:
-    """Apply a dropless top-k mixture-of-experts MLP; return ``(y, aux_loss)``.
+    capacity_factor: float | None = None,
+    return_stats: bool = False,
+):
+    """Apply a top-k mixture-of-experts MLP; return ``(y, aux_loss)`` (``+ (stats,)``).
 
     Args:
       params: ``{"router": [D, E], "w_in": [E, D, H], "w_out": [E, H, D]}`` (global shapes; inside
@@ -97,14 +103,25 @@ def moe(
         "expert")``.  Naming an axis the tokens are *not* split over counts them twice.
       tensor_axis: expert tensor parallelism: ``w_in`` split on ``H`` (dim 2), ``w_out`` on ``H``
         (dim 1) over this axis, ``x`` and the router replicated over it; one psum of ``y``.
+      capacity_factor: ``None`` (default): dropless.  A float ``> 0``: each expert takes at most
+        ``C = ceil(capacity_factor * T * top_k / E)`` (token, choice) pairs, ``T`` the *global*
+        tokens (over ``token_axes``), first come first served in global token order (GShard's
+        rule; a token's choices go to distinct experts, so token order decides).  A dropped pair
+        contributes zero expert output (the residual carries the token); its router weight is
+        not renormalised.  The result does not depend on the layout.
+      return_stats: also return ``stats = {"counts": int64 [E], "dropped": int64 0-d}``: the
+        (token, choice) pairs routed to each expert and the pairs dropped by the capacity, over
+        every token of ``token_axes`` (replicated, for logging; costs one all_gather of ``E``
+        ints over ``token_axes``, which ``capacity_factor`` needs anyway).
 
     Returns:
       ``y`` shaped like ``x`` (split like it) and ``aux_loss``, a 0-d tensor replicated over
-      ``token_axes`` (and ``tensor_axis``).
+      ``token_axes`` (and ``tensor_axis``); with ``return_stats``, ``stats`` as a third element.
 
     Raises:
       TypeError / ValueError: naming the argument, before any communication, for a bad
-        ``top_k``, experts not divisible over ``axis``, or router / expert / token shapes that
+        ``top_k`` (``top_k > E`` included), experts not divisible over ``axis``, a capacity
+        factor that is not a positive finite number, or router / expert / token shapes that
         disagree.  (Tokens not divisible over the axis are rejected by ``fpar.shard`` itself.)
 
     Example:
@@ -114,29 +131,46 @@ def moe(
       >>> y, aux = f(params, x)
     """
     check.floating("moe", "x", check.tensor("moe", "x", x, min_ndim=2))
-    n, token_axes = check_moe_args("moe", params, x.shape[-1], top_k, axis, token_axes, tensor_axis)
+    n, token_axes = check_moe_args(
+        "moe", params, x.shape[-1], top_k, axis, token_axes, tensor_axis, capacity_factor
+    )
+    if not isinstance(return_stats, bool):
+        raise TypeError(f"fpar.ops.moe: return_stats must be a bool, got {return_stats!r}.")
     router, w_in, w_out = params["router"], params["w_in"], params["w_out"]
-    d = router.shape[0]
+    d, e = router.shape
     shape = x.shape
     x_TD = x.reshape(-1, d)
+    t = x_TD.shape[0]
     probs_TE = torch.softmax(x_TD @ router, dim=-1)
     w_TK, idx_TK = probs_TE.topk(top_k, dim=-1)
     w_TK = w_TK / w_TK.sum(-1, keepdim=True)
     aux = _aux_loss(probs_TE, idx_TK, token_axes)
+    keep_TK, stats = None, None
+    if capacity_factor is not None or return_stats:
+        keep_TK, stats = _capacity(idx_TK, e, capacity_factor, token_axes)
     if axis is None:
-        t = x_TD.shape[0]
-        pairs = torch.arange(t * top_k, device=x.device) // top_k
-        y_TKD = _grouped_ffn(x_TD, pairs, idx_TK.reshape(-1), None, w_in, w_out).view(t, top_k, d)
+        if _dynamic_shapes_ok(x_TD):
+            y_TKD = _local_exact(x_TD, idx_TK, keep_TK, w_in, w_out)
+        else:  # under vmap (the in-process mesh): fixed shapes
+            pairs = torch.arange(t * top_k, device=x.device) // top_k
+            keep = None if keep_TK is None else keep_TK.reshape(-1)
+            y_TKD = _grouped_ffn(x_TD, pairs, idx_TK.reshape(-1), keep, w_in, w_out).view(t, top_k, d)
     else:
-        y_TKD = _expert_parallel(x_TD, idx_TK, w_in, w_out, axis, n)
+        frame = _real_frame()
+        if frame is not None and _dynamic_shapes_ok(x_TD):
+            y_TKD = _expert_parallel_exact(x_TD, idx_TK, keep_TK, w_in, w_out, axis, n, frame)
+        else:
+            y_TKD = _expert_parallel(x_TD, idx_TK, keep_TK, w_in, w_out, axis, n)
     y_TD = (w_TK.unsqueeze(-1) * y_TKD).sum(1)
     if tensor_axis is not None:
         y_TD = fpar.psum(y_TD, tensor_axis)
+    if return_stats:
+        return y_TD.reshape(shape), aux, stats
     return y_TD.reshape(shape), aux
 
 
 def check_moe_args(
-    api: str, params, d_x: int, top_k, axis, token_axes, tensor_axis
+    api: str, params, d_x: int, top_k, axis, token_axes, tensor_axis, capacity_factor=None
 ) -> tuple[int, tuple]:
     """Check ``moe``'s arguments (``d_x``: the tokens' width); return the axis size and the token axes.
 
@@ -155,6 +189,17 @@ def check_moe_args(
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e:
         raise ValueError(
             f"fpar.ops.{api}: top_k must be an int with 1 <= top_k <= E = {e} experts, got {top_k!r}."
+        )
+    if capacity_factor is not None and (
+        isinstance(capacity_factor, bool)
+        or not isinstance(capacity_factor, (int, float))
+        or not math.isfinite(capacity_factor)
+        or capacity_factor <= 0
+    ):
+        raise ValueError(
+            f"fpar.ops.{api}: capacity_factor must be None (dropless) or a finite number > 0 "
+            f"(each expert takes at most ceil(capacity_factor * T * top_k / E) pairs), got "
+            f"{capacity_factor!r}."
         )
     if e % n:
         raise ValueError(
@@ -233,8 +278,144 @@ def _aux_loss(probs_TE: Tensor, idx_TK: Tensor, token_axes: tuple) -> Tensor:
     return e * (f_E * p_E).sum()
 
 
-def _expert_parallel(x_TD: Tensor, idx_TK: Tensor, w_in: Tensor, w_out: Tensor, axis, n: int) -> Tensor:
-    """Send each (token, choice) pair to its expert's device, apply it, bring it back: ``[T, K, D]``."""
+def _capacity(idx_TK: Tensor, e: int, capacity_factor, token_axes: tuple) -> tuple[Tensor | None, dict]:
+    """Which pairs an expert keeps under ``capacity_factor`` (``None``: all), and the layer's stats.
+
+    A pair's place in its expert's queue is the number of pairs routed to that expert by the
+    tokens before it in *global* token order: the pairs of the devices before this one along
+    ``token_axes`` (one all_gather of the per-expert counts) plus the earlier local ones.  So
+    the kept set is the unsharded layer's on every layout.
+    """
+    t, k = idx_TK.shape
+    expert = idx_TK.reshape(-1)
+    onehot = F.one_hot(expert, e)  # [T K, E]
+    counts_E = onehot.sum(0)
+    t_all, prefix_E, total_E = t, None, counts_E
+    if token_axes:
+        every_NE = fpar.all_gather_invariant(counts_E, token_axes)  # [devices along token_axes, E]
+        m = every_NE.shape[0]
+        before_N = torch.arange(m, device=expert.device) < fpar.axis_index(token_axes)
+        prefix_E = (every_NE * before_N.unsqueeze(1)).sum(0)
+        total_E, t_all = every_NE.sum(0), t * m
+    keep, dropped = None, total_E.new_zeros(())
+    if capacity_factor is not None:
+        cap = math.ceil(capacity_factor * t_all * k / e)
+        place = ((onehot.cumsum(0) - onehot) * onehot).sum(1)  # earlier local pairs, same expert
+        if prefix_E is not None:
+            place = place + prefix_E[expert]
+        keep = (place < cap).view(t, k)
+        dropped = (total_E - cap).clamp(min=0).sum()
+    return keep, {"counts": total_E, "dropped": dropped}
+
+
+def _dynamic_shapes_ok(x: Tensor) -> bool:
+    """Whether shapes may depend on the routing: no vmap (the in-process mesh, jacrev), no forward
+    AD, and real values to read (not the meta / fake tensors of ``fpar.plan``'s paper mesh)."""
+    if x.is_meta or is_fake(x):
+        return False
+    if any(i.key() != _functorch.TransformType.Grad for i in _functorch.get_interpreter_stack() or ()):
+        return False
+    return torch.autograd.forward_ad._current_level < 0
+
+
+def _real_frame():
+    """The running real-mesh ``fpar.shard`` frame (its ``direct`` issues process-group calls), or None."""
+    stack = frames()
+    return stack[-1] if stack and stack[-1].direct is not None else None
+
+
+def _sorted_pairs(idx_TK: Tensor, keep_TK: Tensor | None, e: int) -> tuple[Tensor, Tensor]:
+    """The kept pairs sorted by expert (stable: token order within an expert), and counts ``[E]``."""
+    expert = idx_TK.reshape(-1)
+    if keep_TK is not None:
+        expert = torch.where(keep_TK.reshape(-1), expert, e)  # dropped pairs sort last, uncounted
+    order = torch.argsort(expert, stable=True)
+    return order, torch.bincount(expert, minlength=e + 1)[:e]
+
+
+def _local_exact(x_TD: Tensor, idx_TK: Tensor, keep_TK: Tensor | None, w_in: Tensor, w_out: Tensor) -> Tensor:
+    """Every expert local, exact shapes: rows sorted by expert, one grouped FFN, back in place."""
+    t, d = x_TD.shape
+    k, e = idx_TK.shape[1], w_in.shape[0]
+    order, counts_E = _sorted_pairs(idx_TK, keep_TK, e)
+    counts = counts_E.tolist()
+    sel = order[: sum(counts)]  # the kept pairs, by expert
+    out = _ffn_exact(x_TD.index_select(0, sel // k), counts, w_in, w_out)
+    return out.new_zeros(t * k, d).index_copy(0, sel, out).view(t, k, d)
+
+
+def _expert_parallel_exact(
+    x_TD: Tensor, idx_TK: Tensor, keep_TK: Tensor | None, w_in: Tensor, w_out: Tensor, axis, n: int, frame
+) -> Tensor:
+    """The real mesh's exact-count dispatch: ``[T, K, D]``, each pair's expert output (0 if dropped).
+
+    1. the pairs sorted by global expert (so by destination device, then local expert);
+    2. one small all_to_all of the per-expert counts ``[n, E/n]``: each device learns how many
+       rows of each of its experts every source sends;
+    3. an all_to_all of exactly those rows (split sizes as data), regrouped from source-major
+       to expert-major, one grouped FFN on exactly the rows received, the inverse regrouping,
+       and the same all_to_all back with the split sizes swapped.
+    """
+    t, d = x_TD.shape
+    k, e_l = idx_TK.shape[1], w_in.shape[0]
+    axes = _axes(axis)
+    order, counts_E = _sorted_pairs(idx_TK, keep_TK, e_l * n)
+    recv_NE = fpar.all_to_all(counts_E.view(n, e_l), axes, 0, 0)  # [source, local expert]
+    sent_NE, got_NE = torch.stack([counts_E.view(n, e_l), recv_NE]).tolist()  # one host read
+    send = tuple(sum(r) for r in sent_NE)
+    recv = tuple(sum(r) for r in got_NE)
+    sel = order[: sum(send)]  # the kept pairs, by destination then local expert
+    rows = frame.direct("all_to_all_v", axes, (send, recv), x_TD.index_select(0, sel // k))
+    per_expert = [sum(got_NE[s][j] for s in range(n)) for j in range(e_l)]
+    if n > 1 and e_l > 1:  # source-major -> expert-major
+        segs = torch.arange(rows.shape[0], device=rows.device).split([c for r in got_NE for c in r])
+        perm = torch.cat([segs[s * e_l + j] for j in range(e_l) for s in range(n)])
+        out = _ffn_exact(rows.index_select(0, perm), per_expert, w_in, w_out)
+        out = out.new_zeros(out.shape).index_copy(0, perm, out)
+    else:
+        out = _ffn_exact(rows, per_expert, w_in, w_out)
+    back = frame.direct("all_to_all_v", axes, (recv, send), out)
+    return back.new_zeros(t * k, d).index_copy(0, sel, back).view(t, k, d)
+
+
+def _ffn_exact(rows_RD: Tensor, counts: list, w_in: Tensor, w_out: Tensor) -> Tensor:
+    """``gelu(rows @ w_in[e]) @ w_out[e]`` for rows sorted by expert, ``counts[e]`` rows each.
+
+    One ``torch._grouped_mm`` per weight where the build has it and the operands fit its
+    constraints (fp32/bf16/fp16, rows of a multiple of 16 bytes); otherwise one matmul per
+    expert on its segment (a loop over experts, never over tokens).
+    """
+    if _grouped_mm_fits(rows_RD, w_in, w_out):
+        offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=rows_RD.device)
+        h = F.gelu(torch._grouped_mm(rows_RD, w_in, offs=offs))
+        return torch._grouped_mm(h, w_out, offs=offs)
+    outs = [
+        F.gelu(seg @ wi) @ wo
+        for seg, wi, wo in zip(rows_RD.split(counts), w_in.unbind(0), w_out.unbind(0))
+    ]
+    return torch.cat(outs)
+
+
+def _grouped_mm_fits(rows: Tensor, w_in: Tensor, w_out: Tensor) -> bool:
+    if not _GROUPED_MM or rows.shape[0] == 0 or rows.dtype not in _GROUPED_DTYPES:
+        return False
+    s = rows.element_size()
+    if (w_in.shape[1] * s) % 16 or (w_in.shape[2] * s) % 16:  # its stride rule
+        return False
+    return all(
+        t.dtype == rows.dtype and t.is_contiguous() and (t.storage_offset() * s) % 16 == 0
+        for t in (rows, w_in, w_out)
+    )
+
+
+_GROUPED_MM = hasattr(torch, "_grouped_mm")
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _expert_parallel(
+    x_TD: Tensor, idx_TK: Tensor, keep_TK: Tensor | None, w_in: Tensor, w_out: Tensor, axis, n: int
+) -> Tensor:
+    """Fixed-shape dispatch (vmap, the in-process mesh): each pair to its expert's device and back."""
     t, d = x_TD.shape
     k = idx_TK.shape[1]
     e_local = w_in.shape[0]
@@ -242,10 +423,13 @@ def _expert_parallel(x_TD: Tensor, idx_TK: Tensor, w_in: Tensor, w_out: Tensor, 
     expert = idx_TK.reshape(-1)
     dest, local = expert // e_local, expert % e_local
     pos = dest * cap + _rank_in_group(dest, n)  # this pair's row in the [n, cap] send buffer
+    if keep_TK is not None:
+        pos = torch.where(keep_TK.reshape(-1), pos, n * cap)  # a dropped pair: the dump slot
     device = x_TD.device
     token = torch.arange(t * k, device=device) // k
-    slot_token = torch.full((n * cap,), t, dtype=torch.long, device=device).scatter(0, pos, token)
-    slot_expert = torch.full((n * cap,), -1, dtype=torch.long, device=device).scatter(0, pos, local)
+    slot_token = torch.full((n * cap + 1,), t, dtype=torch.long, device=device).scatter(0, pos, token)
+    slot_expert = torch.full((n * cap + 1,), -1, dtype=torch.long, device=device).scatter(0, pos, local)
+    slot_token, slot_expert = slot_token[: n * cap], slot_expert[: n * cap]
     x_pad = torch.cat([x_TD, x_TD.new_zeros(1, d)])  # row t: the zeros of an empty slot
     send = x_pad[slot_token].view(n, cap, d)
     recv = fpar.all_to_all(send, axis, 0, 0).reshape(n * cap, d)  # rows from every source device
@@ -253,6 +437,8 @@ def _expert_parallel(x_TD: Tensor, idx_TK: Tensor, w_in: Tensor, w_out: Tensor, 
     rows = torch.arange(n * cap, device=device)
     out = _grouped_ffn(recv, rows, recv_expert.clamp(min=0), recv_expert >= 0, w_in, w_out)
     back = fpar.all_to_all(out.view(n, cap, d), axis, 0, 0).reshape(n * cap, d)
+    if keep_TK is not None:
+        back = torch.cat([back, back.new_zeros(1, d)])
     return back[pos].view(t, k, d)
 
 

@@ -21,24 +21,36 @@ from fpar import P
 # The reference ---------------------------------------------------------------------------------
 
 
-def reference(params, x, top_k):
-    """The issue's semantics, one token and one choice at a time (no grouping, no sorting)."""
+def reference(params, x, top_k, capacity_factor=None, *, stats=False):
+    """The issue's semantics, one token and one choice at a time (no grouping, no sorting).
+
+    With ``capacity_factor``: expert ``e`` serves the first ``ceil(cf * T * k / E)`` pairs routed
+    to it in token order; a later pair adds nothing (zero expert output, weight kept as is).
+    """
     router, w_in, w_out = params["router"], params["w_in"], params["w_out"]
     t_all, e = x.shape[0], router.shape[1]
-    ys, load, prob_sum = [], [0] * e, 0
+    cap = math.inf if capacity_factor is None else math.ceil(capacity_factor * t_all * top_k / e)
+    ys, load, served, dropped, prob_sum = [], [0] * e, [0] * e, 0, 0
     for t in range(t_all):
         probs = torch.softmax(x[t] @ router, dim=-1)
         prob_sum = prob_sum + probs
         w, idx = torch.topk(probs, top_k)
         w = w / w.sum()
-        y = 0
+        y = torch.zeros_like(x[t])
         for j in range(top_k):
             ex = int(idx[j])
             load[ex] += 1
+            if served[ex] >= cap:
+                dropped += 1
+                continue
+            served[ex] += 1
             y = y + w[j] * (F.gelu(x[t] @ w_in[ex]) @ w_out[ex])
         ys.append(y)
     f = torch.tensor(load, dtype=x.dtype) / (t_all * top_k)
-    return torch.stack(ys), e * (f * prob_sum / t_all).sum()
+    out = torch.stack(ys), e * (f * prob_sum / t_all).sum()
+    if stats:
+        return out + ({"counts": torch.tensor(load), "dropped": torch.tensor(dropped)},)
+    return out
 
 
 def make(t, d, h, e, *, seed=0, skew=0.0, dtype=torch.float64):
@@ -53,20 +65,21 @@ def make(t, d, h, e, *, seed=0, skew=0.0, dtype=torch.float64):
     return optree.tree_map(lambda a: a.to(dtype), params), x.to(dtype)
 
 
-def layer(mesh, *, top_k, axis="expert", token_spec=None, token_axes=None, tensor_axis=None):
+def layer(mesh, *, top_k, axis="expert", token_spec=None, token_axes=None, tensor_axis=None, **kw):
     """The sharded layer: tokens split over ``token_spec`` (default ``P(axis)``), experts over ``axis``."""
     specs = ops.moe_specs(axis, tensor_axis=tensor_axis)
     tokens = P(axis) if token_spec is None else token_spec
 
     def per_device(p, x):
-        return ops.moe(p, x, top_k=top_k, axis=axis, token_axes=token_axes, tensor_axis=tensor_axis)
+        return ops.moe(p, x, top_k=top_k, axis=axis, token_axes=token_axes, tensor_axis=tensor_axis, **kw)
 
-    return fpar.shard(per_device, mesh, (specs, tokens), (tokens, P()))
+    outs = (tokens, P(), P()) if kw.get("return_stats") else (tokens, P())
+    return fpar.shard(per_device, mesh, (specs, tokens), outs)
 
 
-def check(fn, params, x, top_k, *, grads=True):
+def check(fn, params, x, top_k, *, grads=True, capacity_factor=None):
     """``fn(params, x) == reference``: y, aux, and the gradients of <y, ct> + 3 aux."""
-    want = reference(params, x, top_k)
+    want = reference(params, x, top_k, capacity_factor)
     assert_tree_close(fn(params, x), want)
     if not grads:
         return
@@ -80,7 +93,8 @@ def check(fn, params, x, top_k, *, grads=True):
         return o
 
     got = torch.func.grad(objective(fn), argnums=(0, 1))(params, x)
-    want = torch.func.grad(objective(lambda p, x: reference(p, x, top_k)), argnums=(0, 1))(params, x)
+    ref = lambda p, x: reference(p, x, top_k, capacity_factor)  # noqa: E731
+    want = torch.func.grad(objective(ref), argnums=(0, 1))(params, x)
     assert_tree_close(got, want, "grad")
 
 
@@ -178,6 +192,90 @@ def test_experts_replicated_tensor_parallel_only():
     mesh = fpar.make_mesh((2,), ("tensor",))
     params, x = make(5, 3, 4, 3, seed=4)
     check(layer(mesh, top_k=2, axis=None, token_spec=P(), tensor_axis="tensor"), params, x, 2)
+
+
+# Capacity factor (token dropping) and the layer's stats ---------------------------------------------
+
+
+@FEW
+@given(
+    n=st.sampled_from([None, 1, 2, 4]),
+    per_device=st.integers(1, 2),
+    tokens=st.integers(1, 3),
+    k=st.integers(1, 3),
+    cf=st.sampled_from([0.1, 0.5, 1.0, 1.25, 2.0]),
+    skew=st.sampled_from([0.0, 3.0, 30.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_capacity_equals_per_token_loop(n, per_device, tokens, k, cf, skew, seed):
+    """First come, first served per expert in global token order; dropped pairs add nothing."""
+    e = (n or 2) * per_device
+    assume(k <= e)
+    params, x = make((n or 2) * tokens, 3, 4, e, seed=seed, skew=skew)
+    if n is None:
+        fn = lambda p, x: ops.moe(p, x, top_k=k, capacity_factor=cf)  # noqa: E731
+    else:
+        fn = layer(fpar.make_mesh((n,), ("expert",)), top_k=k, capacity_factor=cf)
+    check(fn, params, x, k, capacity_factor=cf)
+
+
+def test_capacity_is_layout_independent():
+    """Tokens over data x expert: the kept pairs are the unsharded layer's (global token order)."""
+    mesh = fpar.make_mesh((2, 2), ("data", "expert"))
+    params, x = make(16, 3, 4, 4, seed=3, skew=2.0)
+    tokens = P(("data", "expert"))
+    for cf in (0.5, 1.0):
+        fn = layer(mesh, top_k=2, token_spec=tokens, token_axes=("data", "expert"), capacity_factor=cf)
+        check(fn, params, x, 2, capacity_factor=cf)
+        unsharded = lambda p, x, cf=cf: ops.moe(p, x, top_k=2, capacity_factor=cf)  # noqa: E731
+        check(unsharded, params, x, 2, capacity_factor=cf)
+
+
+@pytest.mark.parametrize("cf", [None, 0.5])
+def test_stats_count_routed_and_dropped_pairs(cf):
+    params, x = make(12, 3, 4, 4, seed=8, skew=3.0)
+    _, _, want = reference(params, x, 2, cf, stats=True)
+    assert cf is None or want["dropped"] > 0
+    sharded = layer(fpar.make_mesh((2,), ("expert",)), top_k=2, capacity_factor=cf, return_stats=True)
+    for got in (ops.moe(params, x, top_k=2, capacity_factor=cf, return_stats=True)[2], sharded(params, x)[2]):
+        assert got["counts"].dtype == torch.int64
+        assert torch.equal(got["counts"], want["counts"]) and int(got["dropped"]) == int(want["dropped"])
+
+
+def test_skewed_router_dropless_at_scale():
+    """Every token to one expert, T=8192: the exact path holds only the routed rows."""
+    params, x = make(8192, 16, 32, 8, seed=1, dtype=torch.float32)
+    x = x.abs() + 0.1
+    params["router"] = torch.zeros(16, 8)
+    params["router"][:, 0] = 1.0  # expert 0 wins every token
+    y, _, st = ops.moe(params, x, top_k=1, return_stats=True)
+    assert int(st["counts"][0]) == 8192 and int(st["dropped"]) == 0
+    w = params
+    want = F.gelu(x @ w["w_in"][0]) @ w["w_out"][0]
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_mm_path_equals_per_expert_matmuls(monkeypatch):
+    """fp32 with 16-byte rows takes torch._grouped_mm where it exists: the same values and grads."""
+    import fpar.ops._moe as moe_mod
+
+    params, x = make(64, 8, 12, 4, seed=2, skew=1.0, dtype=torch.float32)
+    ct = randn(*x.shape, seed=7).float()
+
+    def run():
+        return torch.func.grad_and_value(
+            lambda p, x: (ops.moe(p, x, top_k=2)[0] * ct).sum(), argnums=(0, 1)
+        )(params, x)
+
+    calls = []
+    if moe_mod._GROUPED_MM:
+        real = torch._grouped_mm
+        monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    fast = run()
+    assert len(calls) == (2 if moe_mod._GROUPED_MM else 0)
+    monkeypatch.setattr(moe_mod, "_GROUPED_MM", False)
+    slow = run()
+    assert_tree_close(fast, slow)
 
 
 # Traffic -----------------------------------------------------------------------------------------------
@@ -284,6 +382,8 @@ def test_bad_input_is_named_before_any_communication():
     bad = dict(params, w_out=torch.randn(4, 5, 3, dtype=torch.float64))
     _error(mesh, bad, x, r"w_out.shape\[1\] != w_in.shape\[2\] \(H\) \(5 != 4\)")
     _error(mesh, params, x, r"token_axes=\(\) leaves out \['expert'\]", token_axes=())
+    for cf in (0, -1.0, float("nan"), float("inf"), True, "1"):
+        _error(mesh, params, x, r"capacity_factor must be None \(dropless\) or a finite number > 0", capacity_factor=cf)
     # Tokens not divisible over the axis: fpar.shard's own check, naming the argument.
     msg = r"args\[1\]: dim 0 of size 3 is not evenly divisible by the mesh axes \(.expert.,\)"
     _error(mesh, params, x[:3], msg, exc=fpar.SpecError, top_k=2)
@@ -295,14 +395,21 @@ def test_bad_input_is_named_before_any_communication():
 
 
 @pytest.mark.multiprocess
-def test_real_mesh_equals_in_process():
-    results = fpar.launch(moe_dist_workers.worker, 2, timeout=60.0)
-    want = moe_dist_workers.program(fpar.make_mesh((2,), ("expert",)))
-    params, x, _ = moe_dist_workers.inputs()
-    assert_tree_close(want[:2], reference(params, x, moe_dist_workers.TOP_K))
+@pytest.mark.parametrize("cf, all_to_one", [(None, False), (0.5, False), (None, True)])
+def test_real_mesh_equals_in_process(cf, all_to_one):
+    """Exact-count dispatch on 2 gloo processes: the in-process values and gradients (first call,
+    planned call, plain .backward()), and all_to_all bytes = the rows each rank actually sends."""
+    results = fpar.launch(moe_dist_workers.worker, 2, cf, all_to_one, timeout=120.0)
+    want = moe_dist_workers.program(fpar.make_mesh((2,), ("expert",)), cf, all_to_one)
+    params, x, _ = moe_dist_workers.inputs(all_to_one)
+    assert_tree_close(want[:2], reference(params, x, moe_dist_workers.TOP_K, cf))
     for rank, got in enumerate(results):
         assert_tree_close(got[:3], want[:3], what=f"rank {rank}")
-        assert without_gradient_sums(got[3]) == without_gradient_sums(want[3]), f"rank {rank} traffic"
+        assert_tree_close(got[4], want[:3], what=f"rank {rank}, planned call")
+        assert_tree_close(got[5], want[2][0], what=f"rank {rank}, .backward()")
+        traffic = without_gradient_sums(got[3])["expert"]
+        assert traffic["all_to_all"]["bytes"] == moe_dist_workers.exact_bytes(rank, 2, cf, all_to_one)
+        assert traffic["all_to_all"]["calls"] == 5  # counts; dispatch, combine and their transposes
 
 
 # The example --------------------------------------------------------------------------------------------
