@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import gc
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -125,13 +126,33 @@ def time_pair(steps: dict, repeats: int, warmup: int, sync=None) -> dict:
 
 
 def formula(cfg, n, t_local, itemsize=4):
+    """The bytes the issue's formulas give per device, fwd + bwd (see the module docstring)."""
     d, e, k = cfg["dim"], cfg["experts"], cfg["top_k"]
     cap = t_local * min(e // n, k)
-    payload = (n - 1) * cap * d * itemsize
-    ids = (n - 1) * cap * 8
+    static = 4 * (n - 1) * cap * d * itemsize + (n - 1) * cap * 8  # in-process static slots
+    counts = (n - 1) * e * 8 // n  # the [n, E/n] int64 counts, forward only
+    balanced = 4 * ((n - 1) * t_local * k * d * itemsize // n) + counts  # exact counts, balanced routing
     aux = 2 * (n - 1) * (2 * e + d * e) * itemsize // n  # aux sums forward, router gradient backward
-    balanced = (n - 1) * t_local * k * d * itemsize // n
-    return {"all_to_all": 4 * payload + ids, "psum": aux, "balanced_payload": balanced, "cap": cap}
+    return {"static": static, "balanced": balanced, "counts": counts, "psum": aux, "cap": cap}
+
+
+def routed_bytes(params, x_local, cfg, rank, n, itemsize=4):
+    """The exact-count bytes one rank sends, fwd + bwd, from the routing it actually sees.
+
+    Rows it sends (pairs of its tokens whose expert lives elsewhere) go out in the forward's
+    dispatch and come back as the backward's combine transpose; rows it returns (pairs of the
+    other ranks' tokens routed to its experts) leave in the forward's combine and the backward's
+    dispatch transpose.  The rows of every rank are gathered so each can count what it returns.
+    """
+    d, e, k = cfg["dim"], cfg["experts"], cfg["top_k"]
+    idx = torch.softmax(x_local @ params["router"], -1).topk(k, -1).indices
+    dest = idx // (e // n)
+    sent = torch.bincount(dest.reshape(-1), minlength=n)  # rows this rank sends to each rank
+    every = [torch.zeros_like(sent) for _ in range(n)]
+    dist.all_gather(every, sent)
+    out = int(sent.sum() - sent[rank])
+    back = sum(int(every[r][rank]) for r in range(n) if r != rank)
+    return 2 * (out + back) * d * itemsize + (n - 1) * e * 8 // n
 
 
 def expert_layer(mesh, k):
@@ -141,57 +162,50 @@ def expert_layer(mesh, k):
     return fpar.shard(per_device, mesh, (ops.moe_specs("expert"), P("expert")), (P("expert"), P()))
 
 
+def skew_router(params, x):
+    """Every token's top choices are experts 0, 1, ... (all on device 0): the worst case."""
+    d, e = params["router"].shape
+    params = dict(params, router=torch.zeros(d, e))
+    params["router"][:, : min(e, 4)] = torch.tensor([4.0, 3.0, 2.0, 1.0][: min(e, 4)])
+    return params, x.abs() + 0.1
+
+
 def worker(cfg: dict) -> dict:
     """On each of the 2 gloo processes: check, count bytes, time fpar EP vs the local torch MoE."""
     torch.set_num_threads(cfg["threads"])
-    n = dist.get_world_size()
+    n, rank = dist.get_world_size(), dist.get_rank()
     mesh = fpar.make_mesh((n,), ("expert",))
     params, x, ct = make(cfg, cfg["tokens"])
+    if cfg["skew"]:
+        params, x = skew_router(params, x)
     specs = ops.moe_specs("expert")
     p_local = fpar.device_put(params, mesh, specs)
     x_local, ct_local = fpar.device_put((x, ct), mesh, P("expert"))
     ep = objective(expert_layer(mesh, cfg["top_k"]), ct_local)
     base = objective(lambda p, x: torch_moe(p, x, cfg["top_k"]), ct_local)
+    want = fpar.gather(ep(p_local, x_local), mesh, (specs, P("expert")))
+    # The torch MoE on all T tokens: the EP layer's global gradients (aux is global in both).
+    full = objective(lambda p, x: torch_moe(p, x, cfg["top_k"]), ct)(params, x)
+    check_same(want, full, f"rank {rank}: EP on gloo vs torch")
     fpar.reset_comm_stats()
     ep(p_local, x_local)
     stats = fpar.comm_stats()
+    expected = routed_bytes(params, x_local, cfg, rank, n)
     times = time_pair(
         {"fpar": lambda: ep(p_local, x_local), "torch": lambda: base(params, x_local)},
         cfg["repeats"],
         cfg["warmup"],
         sync=dist.barrier,
     )
-    return {"times": times, "stats": stats}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)
+    return {"times": times, "stats": stats, "expected": expected, "peak_mib": peak}
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=2048, help="T, global tokens")
-    ap.add_argument("--dim", type=int, default=256, help="D")
-    ap.add_argument("--hidden", type=int, default=512, help="H, each expert's hidden width")
-    ap.add_argument("--experts", type=int, default=8, help="E")
-    ap.add_argument("--top-k", type=int, default=2, help="k")
-    ap.add_argument("--devices", type=int, default=2, help="n, the in-process expert axis")
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (per process under gloo)")
-    ap.add_argument("--skip-gloo", action="store_true", help="in-process only")
-    args = ap.parse_args(argv)
-    cfg = {
-        "tokens": args.tokens, "dim": args.dim, "hidden": args.hidden, "experts": args.experts,
-        "top_k": args.top_k, "repeats": args.repeats, "warmup": args.warmup, "threads": args.threads,
-    }
-    torch.set_num_threads(args.threads)
+def in_process(args, cfg) -> list:
     t, n, k = args.tokens, args.devices, args.top_k
-    head = (
-        f"MoE fwd+bwd T={t} D={args.dim} H={args.hidden} E={args.experts} k={k} fp32, "
-        f"{args.threads} thread(s), {args.repeats} repeats, torch {torch.__version__}"
-    )
-    print(head)
-    rows = []
-
-    # Equal work: fpar's values and gradients are the plain torch MoE's.
     params, x, ct = make(cfg, t)
+    if args.skew:
+        params, x = skew_router(params, x)
     mesh = fpar.make_mesh((n,), ("expert",))
     ep = objective(expert_layer(mesh, k), ct)
     unsharded = objective(lambda p, x: ops.moe(p, x, top_k=k), ct)
@@ -212,41 +226,79 @@ def main(argv=None) -> None:
         args.warmup,
     )
     med = {kk: statistics.median(v) * 1e3 for kk, v in times.items()}
-    print(f"in-process, expert={n}: C = {form['cap']} rows per (source -> destination) slot")
+    print(f"in-process, expert={n}: static slots, C = {form['cap']} rows per (source -> destination) slot")
     for kk in med:
         print(f"  {kk:15s} median {med[kk]:8.1f} ms   min {min(times[kk]) * 1e3:8.1f}")
     print(f"  ratio EP / torch {med['fpar EP'] / med['torch']:.2f}x, unsharded / torch "
           f"{med['fpar unsharded'] / med['torch']:.2f}x")
-    bytes_line = (
-        f"all_to_all {stats['all_to_all']['bytes']:,} B (formula {form['all_to_all']:,}), "
-        f"psum {stats['psum']['bytes']:,} B (formula {form['psum']:,}); balanced exact-count payload "
-        f"would be {form['balanced_payload']:,} B per all_to_all"
+    print(
+        f"  bytes/device fwd+bwd: all_to_all {stats['all_to_all']['bytes']:,} B (static-slot formula "
+        f"{form['static']:,}), psum {stats['psum']['bytes']:,} B (formula {form['psum']:,})"
     )
-    print(f"  bytes/device fwd+bwd: {bytes_line}")
-    rows.append((f"in-process expert={n}, T={t}", med["fpar EP"], med["torch"], stats, form))
-    rows.append(("unsharded (axis=None), same T", med["fpar unsharded"], med["torch"], None, None))
+    return [
+        (f"in-process expert={n}, T={t}", med["fpar EP"], med["torch"], stats["all_to_all"]["bytes"], form["static"]),
+        ("unsharded (axis=None), same T", med["fpar unsharded"], med["torch"], None, None),
+    ]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=2048, help="T, global tokens")
+    ap.add_argument("--dim", type=int, default=256, help="D")
+    ap.add_argument("--hidden", type=int, default=512, help="H, each expert's hidden width")
+    ap.add_argument("--experts", type=int, default=8, help="E")
+    ap.add_argument("--top-k", type=int, default=2, help="k")
+    ap.add_argument("--devices", type=int, default=2, help="n, the in-process expert axis")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (per process under gloo)")
+    ap.add_argument("--skew", action="store_true", help="every token to experts 0..k-1 (all on device 0)")
+    ap.add_argument("--skip-gloo", action="store_true", help="in-process only")
+    ap.add_argument("--skip-in-process", action="store_true", help="gloo only")
+    args = ap.parse_args(argv)
+    cfg = {
+        "tokens": args.tokens, "dim": args.dim, "hidden": args.hidden, "experts": args.experts,
+        "top_k": args.top_k, "repeats": args.repeats, "warmup": args.warmup, "threads": args.threads,
+        "skew": args.skew,
+    }
+    torch.set_num_threads(args.threads)
+    t, k = args.tokens, args.top_k
+    print(
+        f"MoE fwd+bwd T={t} D={args.dim} H={args.hidden} E={args.experts} k={k} fp32"
+        f"{' skewed router' if args.skew else ''}, {args.threads} thread(s), {args.repeats} repeats, "
+        f"torch {torch.__version__}"
+    )
+    rows = [] if args.skip_in_process else in_process(args, cfg)
 
     if not args.skip_gloo:
         res = fpar.launch(worker, NPROCS, cfg, timeout=600.0)
+        form = formula(cfg, NPROCS, t // NPROCS)
+        print(f"gloo, {NPROCS} processes x {args.threads} thread(s), T/{NPROCS} tokens each, exact counts:")
+        for rank, r in enumerate(res):
+            med = {kk: statistics.median(v) * 1e3 for kk, v in r["times"].items()}
+            st = r["stats"]["expert"]
+            print(
+                f"  rank {rank}: fpar median {med['fpar']:.1f} ms (min {min(r['times']['fpar']) * 1e3:.1f}), "
+                f"torch {med['torch']:.1f} ms (min {min(r['times']['torch']) * 1e3:.1f}); ratio "
+                f"{med['fpar'] / med['torch']:.2f}x; peak RSS {r['peak_mib']:.0f} MiB"
+            )
+            print(
+                f"          all_to_all {st['all_to_all']['bytes']:,} B (rows it routed: {r['expected']:,}; "
+                f"balanced formula {form['balanced']:,}), psum {st['psum']['bytes']:,} B (formula {form['psum']:,})"
+            )
         r0 = res[0]
-        medg = {kk: statistics.median(v) * 1e3 for kk, v in r0["times"].items()}
-        st = r0["stats"]["expert"]
-        formg = formula(cfg, NPROCS, t // NPROCS)
-        print(f"gloo, {NPROCS} processes x {args.threads} thread(s), T/{NPROCS} tokens each:")
-        for kk in medg:
-            print(f"  {kk:15s} median {medg[kk]:8.1f} ms   min {min(r0['times'][kk]) * 1e3:8.1f}")
-        print(f"  ratio fpar EP / local torch MoE {medg['fpar'] / medg['torch']:.2f}x")
-        print(
-            f"  bytes/device fwd+bwd (rank 0): all_to_all {st['all_to_all']['bytes']:,} B "
-            f"(formula {formg['all_to_all']:,}), psum {st['psum']['bytes']:,} B (formula {formg['psum']:,})"
-        )
-        rows.append((f"{NPROCS} gloo procs, T/{NPROCS} each", medg["fpar"], medg["torch"], st, formg))
+        med0 = {kk: statistics.median(v) * 1e3 for kk, v in r0["times"].items()}
+        st0 = r0["stats"]["expert"]
+        rows.append((
+            f"{NPROCS} gloo procs, T/{NPROCS} each", med0["fpar"], med0["torch"],
+            st0["all_to_all"]["bytes"], r0["expected"],
+        ))
 
     print()
     print("| bench/moe.py | fpar (ms) | torch MoE (ms) | ratio | all_to_all B/device fwd+bwd (formula) |")
     print("|---|---|---|---|---|")
-    for name, a, b, st, fm in rows:
-        byt = "–" if st is None else f"{st['all_to_all']['bytes']:,} ({fm['all_to_all']:,})"
+    for name, a, b, got, want in rows:
+        byt = "–" if got is None else f"{got:,} ({want:,})"
         print(f"| {name} | {a:.1f} | {b:.1f} | {a / b:.2f}x | {byt} |")
     print(f"<!-- {platform.processor() or platform.machine()}, torch {torch.__version__} -->")
 

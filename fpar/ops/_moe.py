@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -387,8 +388,9 @@ def _ffn_exact(rows_RD: Tensor, counts: list, w_in: Tensor, w_out: Tensor) -> Te
     """
     if _grouped_mm_fits(rows_RD, w_in, w_out):
         offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=rows_RD.device)
-        h = F.gelu(torch._grouped_mm(rows_RD, w_in, offs=offs))
-        return torch._grouped_mm(h, w_out, offs=offs)
+        out = _gmm_ffn(rows_RD, offs, w_in, w_out)
+        if out is not None:
+            return out
     outs = [
         F.gelu(seg @ wi) @ wo
         for seg, wi, wo in zip(rows_RD.split(counts), w_in.unbind(0), w_out.unbind(0))
@@ -402,10 +404,22 @@ def _grouped_mm_fits(rows: Tensor, w_in: Tensor, w_out: Tensor) -> bool:
     s = rows.element_size()
     if (w_in.shape[1] * s) % 16 or (w_in.shape[2] * s) % 16:  # its stride rule
         return False
-    return all(
-        t.dtype == rows.dtype and t.is_contiguous() and (t.storage_offset() * s) % 16 == 0
-        for t in (rows, w_in, w_out)
-    )
+    return all(t.dtype == rows.dtype for t in (w_in, w_out))
+
+
+def _gmm_ffn(rows: Tensor, offs: Tensor, w_in: Tensor, w_out: Tensor) -> Tensor | None:
+    """Two ``torch._grouped_mm`` (rows ``offs[e-1]:offs[e]`` use expert ``e``), or None if it refuses.
+
+    Under vmap (the in-process mesh) torch has no batching rule for it and loops over the
+    devices (its warning is silenced: a handful of devices, each a grouped matmul).
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*batching rule for aten::_grouped_mm")
+            h = F.gelu(torch._grouped_mm(rows, w_in.contiguous(), offs=offs))
+            return torch._grouped_mm(h, w_out.contiguous(), offs=offs)
+    except RuntimeError:  # an operand it cannot take (alignment, layout): the exact fallback
+        return None
 
 
 _GROUPED_MM = hasattr(torch, "_grouped_mm")
@@ -458,6 +472,17 @@ def _grouped_ffn(
     matmul.  All shapes depend only on the number of rows and experts, never on the routing.
     """
     r, e, d = src.shape[0], w_in.shape[0], x.shape[1]
+    if _grouped_mm_fits(x, w_in, w_out):
+        # Rows sorted by expert (invalid ones last, outside every group): torch._grouped_mm computes
+        # only the rows inside the groups, so the cost is the valid rows', not the static bound's.
+        key = expert if valid is None else torch.where(valid, expert, e)
+        order = torch.argsort(key, stable=True)
+        offs = F.one_hot(key, e + 1)[:, :e].sum(0).cumsum(0).to(torch.int32)
+        rows = x.index_select(0, src.index_select(0, order))
+        out = _gmm_ffn(rows, offs, w_in, w_out)
+        if out is not None:
+            out = out.new_zeros(out.shape).index_copy(0, order, out)  # row r back at r
+            return out if valid is None else torch.where(valid.unsqueeze(1), out, 0.0)
     b = max(1, math.ceil(r / (_TILES_PER_EXPERT * e)))
     tiles = math.ceil(r / b) + e
     slots = tiles * b

@@ -261,21 +261,27 @@ def test_grouped_mm_path_equals_per_expert_matmuls(monkeypatch):
 
     params, x = make(64, 8, 12, 4, seed=2, skew=1.0, dtype=torch.float32)
     ct = randn(*x.shape, seed=7).float()
+    mesh = fpar.make_mesh((2,), ("expert",))
+    layers = {  # unsharded (exact shapes), in-process expert parallel (static slots under vmap)
+        "unsharded": lambda p, x: ops.moe(p, x, top_k=2, capacity_factor=0.75),
+        "in-process EP": layer(mesh, top_k=2, capacity_factor=0.75),
+    }
 
-    def run():
-        return torch.func.grad_and_value(
-            lambda p, x: (ops.moe(p, x, top_k=2)[0] * ct).sum(), argnums=(0, 1)
-        )(params, x)
+    def run(fn):
+        return torch.func.grad_and_value(lambda p, x: (fn(p, x)[0] * ct).sum(), argnums=(0, 1))(params, x)
 
-    calls = []
-    if moe_mod._GROUPED_MM:
-        real = torch._grouped_mm
-        monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    fast = run()
-    assert len(calls) == (2 if moe_mod._GROUPED_MM else 0)
+    fast = {}
+    for name, fn in layers.items():
+        calls = []
+        if moe_mod._GROUPED_MM:
+            real = torch._grouped_mm
+            monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        fast[name] = run(fn)
+        assert len(calls) == (2 if moe_mod._GROUPED_MM else 0), name
+        monkeypatch.undo()
     monkeypatch.setattr(moe_mod, "_GROUPED_MM", False)
-    slow = run()
-    assert_tree_close(fast, slow)
+    for name, fn in layers.items():
+        assert_tree_close(fast[name], run(fn), name)
 
 
 # Traffic -----------------------------------------------------------------------------------------------
