@@ -18,14 +18,18 @@ data takes the rest: 2 devices are expert=2, 4 are expert=2 x tensor=2, 8 are
 data=2 x expert=2 x tensor=2.
 
 Every ``--log-every`` steps it prints the loss, the aux loss and the load per expert of each MoE
-block (the fraction of the (token, choice) pairs each expert got on a fixed probe batch; ``1/E``
-each is perfectly balanced); at the end, the loss on held-out text (the corpus' last 5%).
+block (the (token, choice) pairs each expert got on a fixed probe batch of 8 x seq tokens, as the
+layer reports them with ``return_stats=True``; equal counts are perfectly balanced, and with
+``--capacity-factor`` the pairs dropped over capacity); at the end, the loss on held-out text
+(the corpus' last 5%).  On a real mesh (torchrun) the tokens travel to their experts with
+exact-count all_to_alls (the bytes printed at step 1 are the rows actually routed).
 
 Run (about 1-2 minutes on 2 CPU cores with the defaults: 4 in-process devices):
     python examples/train_moe_gpt.py                          # data=1 x expert=2 x tensor=2
     python examples/train_moe_gpt.py --expert 4 --tensor 1    # one expert per device
     python examples/train_moe_gpt.py --devices 2              # expert=2
     python examples/train_moe_gpt.py --single-device          # the same model, unsharded
+    python examples/train_moe_gpt.py --capacity-factor 1.25   # drop pairs over capacity (Switch)
     torchrun --nproc-per-node 4 examples/train_moe_gpt.py     # the same, one process per device
 """
 
@@ -38,7 +42,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common.py and train_gpt.py, next to this file
 import _common as C  # noqa: E402
@@ -56,7 +59,7 @@ TOKENS = P(("data", "expert"))  # the batch rows: split over data and expert
 def build(args, mesh: fpar.Mesh):
     """The training loss ``loss(params, ids, targets) -> (loss + w aux, loss, aux)`` and the specs."""
     specs = ops.gpt_specs(args.layers, "tensor", moe=True, expert_axis="expert")
-    moe = dict(top_k=args.top_k, axis="expert", token_axes=("data", "expert"))
+    moe = dict(top_k=args.top_k, axis="expert", token_axes=("data", "expert"), **_capacity(args))
 
     def loss(params, ids_BT, targets_BT):
         tok_BT, aux = ops.gpt_loss(params, ids_BT, targets_BT, axis="tensor", n_heads=args.heads, moe=moe)
@@ -66,34 +69,40 @@ def build(args, mesh: fpar.Mesh):
     return fpar.shard(loss, mesh, (specs, TOKENS, TOKENS), (P(), P(), P())), specs
 
 
-def expert_load(args, params: dict, ids_BT: torch.Tensor) -> list[list[float]]:
-    """The fraction of (token, choice) pairs each expert of each MoE block gets on ``ids_BT``.
+def _capacity(args) -> dict:
+    return {} if args.capacity_factor is None else {"capacity_factor": args.capacity_factor}
+
+
+def expert_load(args, params: dict, ids_BT: torch.Tensor) -> tuple[list[list[int]], list[int]]:
+    """Per MoE block: the (token, choice) pairs each expert gets on ``ids_BT``, and the pairs dropped.
 
     Recomputes the model's forward on whole parameters (one in-process device) up to each MoE
-    block's router, as ``fpar.ops.gpt`` runs it.
+    block, as ``fpar.ops.gpt`` runs it, and reads the counts the layer itself reports
+    (``fpar.ops.moe(..., return_stats=True)``: routed pairs per expert, pairs over capacity).
     """
     one = fpar.make_mesh((1,), ("tensor",), backend="local")
     specs = ops.gpt_specs(args.layers, "tensor", moe=True, expert_axis=None)
-    moe = dict(top_k=args.top_k)
+    moe = dict(top_k=args.top_k, **_capacity(args))
 
     def loads(p, ids):
         x = ops.vocab_embedding(ids, p["w_emb"], axis="tensor") + p["w_pos"][: ids.shape[1]]
-        out = []
+        counts, dropped = [], []
         for block in p["blocks"]:
             if "moe" not in block:
                 x = ops.gpt_block(block, x, axis="tensor", n_heads=args.heads)
                 continue
             h = x + ops.attention(block["attn"], ops.layer_norm(block["ln1"], x), axis="tensor",
                                   n_heads=args.heads, causal=True)
-            router = block["moe"]["router"]
-            idx = (ops.layer_norm(block["ln2"], h) @ router).topk(args.top_k, dim=-1).indices
-            out.append(F.one_hot(idx, router.shape[1]).flatten(0, -2).sum(0) / idx.numel())
+            _, _, stats = ops.moe(block["moe"], ops.layer_norm(block["ln2"], h), tensor_axis="tensor",
+                                  return_stats=True, **moe)
+            counts.append(stats["counts"])
+            dropped.append(stats["dropped"])
             x, _ = ops.moe_block(block, x, axis="tensor", n_heads=args.heads, moe=moe)
-        return torch.stack(out)
+        return torch.stack(counts), torch.stack(dropped)
 
     with torch.no_grad():
-        got = fpar.shard(loads, one, (specs, P()), P())(params, ids_BT)
-    return got.tolist()
+        counts, dropped = fpar.shard(loads, one, (specs, P()), (P(), P()))(params, ids_BT)
+    return counts.tolist(), dropped.tolist()
 
 
 def layout(args, devices: int) -> tuple[int, int, int]:
@@ -127,6 +136,9 @@ def main(argv=None) -> list[float]:
     ap.add_argument("--single-device", action="store_true", help="one device: the unsharded model")
     ap.add_argument("--experts", type=int, default=4, help="E, experts per MoE block")
     ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument(
+        "--capacity-factor", type=float, help="drop pairs over ceil(cf * T * k / E) per expert (default: dropless)"
+    )
     ap.add_argument("--aux-weight", type=float, default=0.01, help="weight of the load-balancing loss")
     ap.add_argument("--d-model", type=int, default=64)
     ap.add_argument("--d-hidden", type=int, default=128, help="each expert's (and dense MLP's) hidden width")
@@ -188,12 +200,13 @@ def main(argv=None) -> list[float]:
             sent = {a: sum(v["bytes"] for v in d.values()) for a, d in fpar.comm_stats().items()}
             say("bytes sent per device per step: " + ", ".join(f"{a} {b:,}" for a, b in sent.items()))
         if (step + 1) % args.log_every == 0 or step == 0:
-            load = expert_load(args, fpar.gather(params, mesh, specs), probe_BT)
-            shown = " | ".join("[" + " ".join(f"{v:.2f}" for v in blk) + "]" for blk in load)
-            per_block = aux.item() / len(load)
+            counts, dropped = expert_load(args, fpar.gather(params, mesh, specs), probe_BT)
+            shown = " | ".join("[" + " ".join(str(v) for v in blk) + "]" for blk in counts)
+            per_block = aux.item() / len(counts)
+            drops = f" | dropped {dropped}" if args.capacity_factor is not None else ""
             say(
                 f"step {step + 1:4d}/{args.steps} | loss {lm.item():.4f} | aux {per_block:.4f} | "
-                f"load per expert {shown}"
+                f"pairs per expert {shown}{drops}"
             )
     secs = time.perf_counter() - t0
     say(

@@ -159,7 +159,7 @@ def gpt(
       batch_axes: the mesh axes the batch dim is split over (``None``: inferred, see
         ``gpt_block``).
       moe: for a MoE GPT (``init_gpt(..., n_experts=E)``), the keyword arguments of
-        ``fpar.ops.moe`` (``top_k``, ``axis``, ``token_axes``); its blocks with a ``"moe"`` MLP
+        ``fpar.ops.moe`` (``top_k``, ``axis``, ``token_axes``, ``capacity_factor``); its blocks with a ``"moe"`` MLP
         run ``fpar.ops.moe_block`` (expert-TP over ``axis``), and the result is ``(logits,
         aux_loss)``, ``aux_loss`` the sum over the MoE blocks.
 
@@ -424,9 +424,10 @@ def _check_moe(api: str, params: dict, moe, sequence_parallel: bool, axis) -> No
         raise ValueError(f"fpar.ops.{api}: moe and sequence_parallel=True do not combine yet; pick one.")
     if moe is None:
         return
-    if not isinstance(moe, dict) or set(moe) - {"top_k", "axis", "token_axes"}:
+    if not isinstance(moe, dict) or set(moe) - {"top_k", "axis", "token_axes", "capacity_factor"}:
         raise TypeError(
-            f"fpar.ops.{api}: moe must be a dict with keys among 'top_k', 'axis', 'token_axes' (the "
+            f"fpar.ops.{api}: moe must be a dict with keys among 'top_k', 'axis', 'token_axes', "
+            f"'capacity_factor' (the "
             f"keyword arguments of fpar.ops.moe; the tensor axis is the GPT's), got {moe!r}."
         )
     d = params["w_emb"].shape[1]
