@@ -344,23 +344,31 @@ def fmt_si(x: float) -> str:
     raise AssertionError
 
 
-class Bar:
-    """The progress bar (rank 0): ``tqdm.auto``, so it shows in a terminal, a notebook and a log file.
+def interactive() -> bool:
+    """Whether a progress bar can redraw in place: a terminal on both streams, or a notebook."""
+    if "ipykernel" in sys.modules:  # Jupyter: tqdm.auto draws a widget, no carriage returns
+        return True
+    return all(getattr(s, "isatty", lambda: False)() for s in (sys.stdout, sys.stderr))
 
-    Without tqdm installed (it comes with ``pip install fpar[examples]``) only the logged lines print.
+
+class Bar:
+    """The progress bar (rank 0): ``tqdm.auto`` in a terminal or a notebook; plain lines elsewhere.
+
+    Written to a file or a pipe (``> log``, ``| tee``, torchrun's per-rank logs) there is no bar:
+    a bar redraws with carriage returns, which fill a log. Only the logged lines (``write``, one
+    per logging interval) print there. Without tqdm installed (it comes with
+    ``pip install fpar[examples]``) only the logged lines print too.
     """
 
     def __init__(self, total: int, start: int, enabled: bool):
         self.enabled = enabled and rank() == 0
         self.bar = None
-        if self.enabled:
+        if self.enabled and interactive():
             try:
                 from tqdm.auto import tqdm
             except ImportError:
                 return
-            # In a log (no TTY) every refresh is a line: refresh rarely there.
-            every = 0.1 if sys.stderr.isatty() else 30.0
-            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, mininterval=every)
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, mininterval=0.1)
 
     def update(self, step: int, text: str) -> None:
         if self.bar is not None:
