@@ -39,9 +39,9 @@ Example:
 from __future__ import annotations
 
 import torch
-from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor, is_gradtrackingtensor
 
 from ._buffers import block
+from ._torch_api import get_unwrapped, is_functorch_wrapped_tensor, is_gradtrackingtensor
 
 __all__ = ["defer_reduction"]
 

@@ -20,12 +20,12 @@ import contextlib
 from typing import Any
 
 import torch
-from torch._C._functorch import is_functorch_wrapped_tensor
 
 from .._collectives import Frame, frames
 from .._mode import ShardMode, batched_levels
 from .._registry import internal as internal
 from .._spec import block_shape as block_shape
+from .._torch_api import is_functorch_wrapped_tensor
 from .._tree import describe, keystr, tree_flatten_with_path
 
 __all__ = [

@@ -28,8 +28,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._C._functorch import is_batchedtensor, maybe_current_level, maybe_get_level
 
+from .._torch_api import is_batchedtensor, maybe_current_level, maybe_get_level
 from .._tree import tree_flatten, tree_unflatten
 from ._internal import ShardMode, current_frame, enter_frame, internal, shard_mode_active
 

@@ -51,13 +51,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._C._functorch import is_functorch_wrapped_tensor
 
 import fpar
 from fpar import P
 
 from .. import _defer
 from .._buffers import pooled
+from .._torch_api import is_functorch_wrapped_tensor
 from .._tree import broadcast_prefix, keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 from . import _ops as ops
 from ._base import GradientTransformation, apply_updates

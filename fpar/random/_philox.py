@@ -20,7 +20,8 @@ import os
 import warnings
 
 import torch
-from torch._C._functorch import is_functorch_wrapped_tensor
+
+from .._torch_api import is_functorch_wrapped_tensor
 
 __all__ = [
     "MASK", "TAG_DRAW", "TAG_FOLD", "TAG_SPLIT", "block_words", "compiled_ok", "fused", "philox",
