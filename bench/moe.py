@@ -198,7 +198,7 @@ def worker(cfg: dict) -> dict:
         sync=dist.barrier,
     )
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)
-    return {"times": times, "stats": stats, "expected": expected, "peak_mib": peak}
+    return {"times": times, "stats": stats, "expected": expected, "peak_mib": peak, "grads": want}
 
 
 def in_process(args, cfg) -> list:
@@ -269,6 +269,11 @@ def main(argv=None) -> None:
         f"torch {torch.__version__}"
     )
     rows = [] if args.skip_in_process else in_process(args, cfg)
+    if not args.skip_gloo and args.devices == NPROCS:  # the same layout in-process, for bit equality
+        params, x, ct = make(cfg, t)
+        if args.skew:
+            params, x = skew_router(params, x)
+        inproc = objective(expert_layer(fpar.make_mesh((NPROCS,), ("expert",)), k), ct)(params, x)
 
     if not args.skip_gloo:
         res = fpar.launch(worker, NPROCS, cfg, timeout=600.0)
@@ -286,6 +291,13 @@ def main(argv=None) -> None:
                 f"          all_to_all {st['all_to_all']['bytes']:,} B (rows it routed: {r['expected']:,}; "
                 f"balanced formula {form['balanced']:,}), psum {st['psum']['bytes']:,} B (formula {form['psum']:,})"
             )
+        if args.devices == NPROCS:
+            paths, leaves, _ = optree.tree_flatten_with_path(inproc)
+            diff = {
+                "/".join(map(str, path)): float((a - b).abs().max())
+                for path, a, b in zip(paths, leaves, optree.tree_leaves(res[0]["grads"]))
+            }
+            print(f"  gradients vs the in-process mesh's (expert={NPROCS}), max |diff| per leaf: {diff}")
         r0 = res[0]
         med0 = {kk: statistics.median(v) * 1e3 for kk, v in r0["times"].items()}
         st0 = r0["stats"]["expert"]

@@ -67,6 +67,7 @@ from torch._subclasses.fake_tensor import is_fake
 import fpar
 from fpar import P
 from fpar._collectives import frames
+from fpar._registry import internal
 
 from . import _check as check
 
@@ -407,7 +408,83 @@ def _grouped_mm_fits(rows: Tensor, w_in: Tensor, w_out: Tensor) -> bool:
     return all(t.dtype == rows.dtype for t in (w_in, w_out))
 
 
-def _gmm_ffn(rows: Tensor, offs: Tensor, w_in: Tensor, w_out: Tensor) -> Tensor | None:
+def _top_is_vmap() -> bool:
+    stack = _functorch.get_interpreter_stack() or ()
+    return bool(stack) and stack[-1].key() == _functorch.TransformType.Vmap
+
+
+def _sorted_ffn(
+    rows: Tensor, key: Tensor, groups: int, w_in: Tensor, w_out: Tensor, strict: bool = False
+) -> Tensor | None:
+    """Row ``r`` through group ``key[r]``'s expert (``w_*[key[r]]``), zero where ``key[r] < 0``.
+
+    Fixed shapes: the rows are sorted by group, invalid ones last (outside every group, so never
+    computed), two grouped matmuls, and the inverse permutation.
+    """
+    last = torch.where(key < 0, groups, key)
+    order = torch.argsort(last, stable=True)
+    counts = torch.zeros(groups + 1, dtype=torch.long, device=rows.device).scatter_add(
+        0, last, torch.ones_like(last)
+    )
+    offs = counts[:groups].cumsum(0).to(torch.int32)
+    out = _gmm_ffn(rows.index_select(0, order), offs, w_in, w_out, strict)
+    if out is None:
+        return None
+    out = out.new_zeros(out.shape).index_copy(0, order, out)  # row r back at r
+    return torch.where((key >= 0).unsqueeze(1), out, 0.0)
+
+
+@internal
+class _DevicesFFN(torch.autograd.Function):
+    """``_sorted_ffn`` over the devices of one mesh level at once (the in-process mesh).
+
+    Under ``vmap`` torch has no batching rule for ``torch._grouped_mm`` and would loop over the
+    devices, each slice's backward a full-size copy.  This Function's vmap rule sees the level's
+    device dim: it folds the devices into the rows and the groups (device ``b``'s expert ``e`` is
+    group ``b E + e`` when the weights vary over the level; ``e`` when they are shared), so one
+    pair of grouped matmuls does every device's valid rows.  The rule runs plain ops, which
+    the outer levels (a grad transform, other mesh axes) see as usual; the Function's own forward
+    is never reached (it is applied only when the top transform is a vmap).
+    """
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def forward(rows, key, w_in, w_out):
+        return _sorted_ffn(rows, key, w_in.shape[0], w_in, w_out)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, ct):
+        raise NotImplementedError("fpar.ops.moe: _DevicesFFN is applied under vmap only")
+
+    @staticmethod
+    def vmap(info, in_dims, rows, key, w_in, w_out):
+        b = info.batch_size
+        rd, kd, wid, wod = in_dims
+
+        def batched(t, d):
+            return t.movedim(d, 0) if d is not None else t.expand(b, *t.shape)
+
+        rows, key = batched(rows, rd), batched(key, kd)
+        if wid is None and wod is None:
+            groups, wi, wo = w_in.shape[0], w_in, w_out
+            key_flat = key
+        else:
+            wi, wo = batched(w_in, wid), batched(w_out, wod)
+            e = wi.shape[1]
+            wi, wo = wi.flatten(0, 1), wo.flatten(0, 1)
+            groups = b * e
+            dev = torch.arange(b, device=key.device).unsqueeze(1) * e
+            key_flat = torch.where(key < 0, key, key + dev)
+        out = _sorted_ffn(rows.flatten(0, 1), key_flat.flatten(), groups, wi, wo, strict=True)
+        return out.view(rows.shape), 0
+
+
+def _gmm_ffn(rows: Tensor, offs: Tensor, w_in: Tensor, w_out: Tensor, strict: bool = False) -> Tensor | None:
     """Two ``torch._grouped_mm`` (rows ``offs[e-1]:offs[e]`` use expert ``e``), or None if it refuses.
 
     Under vmap (the in-process mesh) torch has no batching rule for it and loops over the
@@ -419,6 +496,8 @@ def _gmm_ffn(rows: Tensor, offs: Tensor, w_in: Tensor, w_out: Tensor) -> Tensor 
             h = F.gelu(torch._grouped_mm(rows, w_in.contiguous(), offs=offs))
             return torch._grouped_mm(h, w_out.contiguous(), offs=offs)
     except RuntimeError:  # an operand it cannot take (alignment, layout): the exact fallback
+        if strict:
+            raise
         return None
 
 
@@ -475,14 +554,14 @@ def _grouped_ffn(
     if _grouped_mm_fits(x, w_in, w_out):
         # Rows sorted by expert (invalid ones last, outside every group): torch._grouped_mm computes
         # only the rows inside the groups, so the cost is the valid rows', not the static bound's.
-        key = expert if valid is None else torch.where(valid, expert, e)
-        order = torch.argsort(key, stable=True)
-        offs = F.one_hot(key, e + 1)[:, :e].sum(0).cumsum(0).to(torch.int32)
-        rows = x.index_select(0, src.index_select(0, order))
-        out = _gmm_ffn(rows, offs, w_in, w_out)
+        key = expert if valid is None else torch.where(valid, expert, -1)
+        rows = x.index_select(0, src)
+        if _top_is_vmap():  # the mesh's level: one grouped matmul over every device's rows
+            out = _DevicesFFN.apply(rows, key, w_in, w_out)
+        else:
+            out = _sorted_ffn(rows, key, e, w_in, w_out)
         if out is not None:
-            out = out.new_zeros(out.shape).index_copy(0, order, out)  # row r back at r
-            return out if valid is None else torch.where(valid.unsqueeze(1), out, 0.0)
+            return out
     b = max(1, math.ceil(r / (_TILES_PER_EXPERT * e)))
     tiles = math.ceil(r / b) + e
     slots = tiles * b

@@ -259,12 +259,17 @@ def test_grouped_mm_path_equals_per_expert_matmuls(monkeypatch):
     """fp32 with 16-byte rows takes torch._grouped_mm where it exists: the same values and grads."""
     import fpar.ops._moe as moe_mod
 
-    params, x = make(64, 8, 12, 4, seed=2, skew=1.0, dtype=torch.float32)
+    params, x = make(64, 8, 16, 4, seed=2, skew=1.0, dtype=torch.float32)
     ct = randn(*x.shape, seed=7).float()
     mesh = fpar.make_mesh((2,), ("expert",))
+    three = fpar.make_mesh((2, 2, 2), ("data", "expert", "tensor"))
+    tokens = P(("data", "expert"))
     layers = {  # unsharded (exact shapes), in-process expert parallel (static slots under vmap)
         "unsharded": lambda p, x: ops.moe(p, x, top_k=2, capacity_factor=0.75),
         "in-process EP": layer(mesh, top_k=2, capacity_factor=0.75),
+        "data x expert x tensor": layer(
+            three, top_k=2, token_spec=tokens, token_axes=("data", "expert"), tensor_axis="tensor"
+        ),
     }
 
     def run(fn):
@@ -281,7 +286,14 @@ def test_grouped_mm_path_equals_per_expert_matmuls(monkeypatch):
         monkeypatch.undo()
     monkeypatch.setattr(moe_mod, "_GROUPED_MM", False)
     for name, fn in layers.items():
-        assert_tree_close(fast[name], run(fn), name)
+        torch.testing.assert_close(fast[name], run(fn), msg=lambda m, name=name: f"{name}: {m}")  # fp32 tolerances
+    p64, x64 = optree.tree_map(torch.Tensor.double, (params, x))
+    for cf, fn in ((0.75, layers["in-process EP"]), (None, layers["data x expert x tensor"])):
+        want = torch.func.grad_and_value(
+            lambda p, x: (reference(p, x, 2, cf)[0] * ct.double()).sum(), argnums=(0, 1)
+        )(p64, x64)
+        got = next(fast[k] for k, v in layers.items() if v is fn)
+        torch.testing.assert_close(optree.tree_map(torch.Tensor.double, got), want, rtol=1e-4, atol=1e-4)
 
 
 # Traffic -----------------------------------------------------------------------------------------------
