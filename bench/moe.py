@@ -9,29 +9,38 @@ float32, one forward + backward of ``<y, ct> + aux`` w.r.t. the parameters and t
   ``index_add_`` back), which does the whole mesh's work in one process;
 * **gloo**: the same layer on 2 gloo processes (``fpar.launch``, 1 thread each), ``T / 2`` tokens
   per process, against the plain torch MoE of ``T / 2`` tokens and all experts on each process:
-  the same per-device tokens, with no exchange;
-* **fpar, unsharded**: ``fpar.ops.moe`` with ``axis=None`` (tile-grouped compute, no exchange)
-  against the same plain torch MoE: the cost of fixed-shape grouping alone.
+  the same per-device tokens, with no exchange; and against ``fpar.ops.moe(axis=None)`` on the
+  same tokens (sorted + grouped, every expert local): what the exchange itself costs;
+* **fpar, unsharded**: ``fpar.ops.moe`` with ``axis=None`` against the same plain torch MoE.
 
 Both sides are warmed up and timed interleaved (the order alternates every repeat); medians and
 ratios are printed, never asserted.  Checked once first: fpar's values and gradients equal the
-plain torch MoE's.
+plain torch MoE's (in-process, and each gloo rank's gathered gradients against the torch MoE on
+all ``T`` tokens); the gloo gradients are also compared leaf by leaf with the in-process mesh's.
 
-Bytes per device per layer, fwd + bwd (``fpar.comm_stats()``, ring counting: ``(n-1)/n`` of an
-all_to_all's block leaves the device), against the static-slot formula of ``fpar/ops/_moe.py``
-with ``C = T_local * min(E/n, k)`` rows per (source -> destination) slot and ``s`` bytes/element::
+Bytes per device per layer, fwd + bwd (``fpar.comm_stats()``).  On the real mesh (exact counts,
+``fpar/ops/_moe.py``): the rows this rank sends to other ranks' experts (``out``) and the rows
+it returns to them (``in``), each crossing twice (forward, and the backward's transpose), plus
+the ``[n, E/n]`` int64 counts::
+
+    2 (out + in) D s + (n-1)/n E 8          balanced: 4 (n-1)/n T_local k D s + (n-1)/n E 8
+
+``routed_bytes`` counts ``out`` and ``in`` from the routing each rank sees and is printed beside
+the measured figure.  In-process (static slots, ``C = T_local * min(E/n, k)`` rows per source ->
+destination slot)::
 
     forward   2 (n-1) C D s  +  (n-1) C 8         payload dispatch + combine, int64 expert ids
     backward  2 (n-1) C D s                       the two payload transposes
     psum      [2, E] aux sums forward, the replicated router's [D, E] gradient backward:
               2 (n-1)/n * (2 E + D E) s
 
-and, for reference, what an exchange of exact counts would move when routing is balanced:
-``(n-1)/n * T_local k D s`` per payload all_to_all.
+``--skew`` routes every token to experts 0..k-1 (all on device 0): the worst case for memory
+and balance (``--tokens 8192 --skew``: dropless, peak RSS printed per rank).
 
 Run:
     python bench/moe.py                       # T=2048 D=256 H=512 E=8 k=2, n=2, 10 repeats
-    python bench/moe.py --tokens 4096 --experts 16 --top-k 4 --repeats 20
+    python bench/moe.py --experts 16 --top-k 1 --skip-in-process
+    python bench/moe.py --tokens 8192 --skew --skip-in-process --repeats 3
 """
 
 from __future__ import annotations
@@ -191,8 +200,10 @@ def worker(cfg: dict) -> dict:
     ep(p_local, x_local)
     stats = fpar.comm_stats()
     expected = routed_bytes(params, x_local, cfg, rank, n)
+    local = objective(lambda p, x: ops.moe(p, x, top_k=cfg["top_k"]), ct_local)  # sorted + grouped, no exchange
     times = time_pair(
-        {"fpar": lambda: ep(p_local, x_local), "torch": lambda: base(params, x_local)},
+        {"fpar": lambda: ep(p_local, x_local), "torch": lambda: base(params, x_local),
+         "grouped, no exchange": lambda: local(params, x_local)},
         cfg["repeats"],
         cfg["warmup"],
         sync=dist.barrier,
@@ -286,6 +297,10 @@ def main(argv=None) -> None:
                 f"  rank {rank}: fpar median {med['fpar']:.1f} ms (min {min(r['times']['fpar']) * 1e3:.1f}), "
                 f"torch {med['torch']:.1f} ms (min {min(r['times']['torch']) * 1e3:.1f}); ratio "
                 f"{med['fpar'] / med['torch']:.2f}x; peak RSS {r['peak_mib']:.0f} MiB"
+            )
+            print(
+                f"          vs the same grouped MoE on its tokens with every expert local (no exchange, "
+                f"{med['grouped, no exchange']:.1f} ms): {med['fpar'] / med['grouped, no exchange']:.2f}x"
             )
             print(
                 f"          all_to_all {st['all_to_all']['bytes']:,} B (rows it routed: {r['expected']:,}; "
