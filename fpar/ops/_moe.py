@@ -96,7 +96,6 @@ from torch._subclasses.fake_tensor import is_fake
 import fpar
 from fpar import P
 from fpar._collectives import frames
-from fpar._registry import internal
 
 from . import _check as check
 
@@ -463,8 +462,7 @@ def _sorted_ffn(
     return torch.where((key >= 0).unsqueeze(1), out, 0.0)
 
 
-@internal
-class _DevicesFFN(torch.autograd.Function):
+class _DevicesFFN(torch.autograd.Function):  # not fpar-internal: the mesh's implicit pvary sees its operands
     """``_sorted_ffn`` over the devices of one mesh level at once (the in-process mesh).
 
     Under ``vmap`` torch has no batching rule for ``torch._grouped_mm`` and would loop over the
