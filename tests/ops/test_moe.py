@@ -275,7 +275,12 @@ def test_grouped_mm_path_equals_per_expert_matmuls(monkeypatch):
     def run(fn):
         return torch.func.grad_and_value(lambda p, x: (fn(p, x)[0] * ct).sum(), argnums=(0, 1))(params, x)
 
-    fast = {}
+    def traffic(fn):
+        fpar.reset_comm_stats()
+        run(fn)
+        return {a: v for a, v in fpar.comm_stats().items() if a != "tensor"}  # tensor: rows vs padded tiles
+
+    fast, fast_traffic = {}, {}
     for name, fn in layers.items():
         calls = []
         if moe_mod._GROUPED_MM:
@@ -284,9 +289,12 @@ def test_grouped_mm_path_equals_per_expert_matmuls(monkeypatch):
         fast[name] = run(fn)
         assert len(calls) == (2 if moe_mod._GROUPED_MM else 0), name
         monkeypatch.undo()
+        fast_traffic[name] = traffic(fn)
     monkeypatch.setattr(moe_mod, "_GROUPED_MM", False)
     for name, fn in layers.items():
         torch.testing.assert_close(fast[name], run(fn), msg=lambda m, name=name: f"{name}: {m}")  # fp32 tolerances
+        # the same implicit pvaries (e.g. the experts' gradient sum over "data") on both paths
+        assert fast_traffic[name] == traffic(fn), name
     p64, x64 = optree.tree_map(torch.Tensor.double, (params, x))
     for cf, fn in ((0.75, layers["in-process EP"]), (None, layers["data x expert x tensor"])):
         want = torch.func.grad_and_value(
