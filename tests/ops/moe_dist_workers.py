@@ -97,3 +97,37 @@ def program(mesh, capacity_factor=None, all_to_one=False):
 def worker(capacity_factor=None, all_to_one=False):
     """Run ``program`` on the real mesh of all launched processes."""
     return program(fpar.make_mesh((-1,), ("expert",)), capacity_factor, all_to_one)
+
+
+def program_data_expert(mesh, capacity_factor=None):
+    """(y, aux, stats, grads of <y, ct> + aux) on data x expert, tokens over both, twice (traced, planned)."""
+    params, x, ct = inputs()
+    specs = ops.moe_specs("expert")
+    tokens = P(("data", "expert"))
+
+    def per_device(p, x):
+        return ops.moe(
+            p, x, top_k=TOP_K, axis="expert", token_axes=("data", "expert"),
+            capacity_factor=capacity_factor, return_stats=True,
+        )
+
+    layer = fpar.shard(per_device, mesh, (specs, tokens), (tokens, P(), P()))
+    p_local = fpar.device_put(params, mesh, specs)
+    x_local, ct_local = fpar.device_put((x, ct), mesh, tokens)
+    out = []
+    def split(p, x):
+        y, aux, stats = layer(p, x)
+        return (y, aux), stats
+
+    for _ in range(2):
+        (y, aux), vjp, stats = torch.func.vjp(split, p_local, x_local, has_aux=True)
+        grads = vjp((ct_local, torch.ones_like(aux)))
+        out.append((
+            fpar.gather(y, mesh, tokens), aux, stats,
+            (fpar.gather(grads[0], mesh, specs), fpar.gather(grads[1], mesh, tokens)),
+        ))
+    return out
+
+
+def worker_data_expert(capacity_factor=None):
+    return program_data_expert(fpar.make_mesh((2, 2), ("data", "expert")), capacity_factor)

@@ -438,6 +438,23 @@ def test_real_mesh_equals_in_process(cf, all_to_one):
         assert traffic["all_to_all"]["calls"] == 5  # counts; dispatch, combine and their transposes
 
 
+@pytest.mark.multiprocess
+def test_real_mesh_data_times_expert_with_capacity():
+    """4 gloo processes, tokens over data x expert, experts over expert: the capacity's global token
+    order (an all_gather over both axes), the stats, and exact-count exchanges inside each expert
+    group equal the in-process mesh and the per-token reference, traced and planned calls."""
+    cf = 0.5
+    results = fpar.launch(moe_dist_workers.worker_data_expert, 4, cf, timeout=180.0)
+    want = moe_dist_workers.program_data_expert(fpar.make_mesh((2, 2), ("data", "expert")), cf)
+    params, x, _ = moe_dist_workers.inputs()
+    y_ref, aux_ref, stats_ref = reference(params, x, moe_dist_workers.TOP_K, cf, stats=True)
+    assert_tree_close(want[0][:2], (y_ref, aux_ref))
+    assert torch.equal(want[0][2]["counts"], stats_ref["counts"]) and int(want[0][2]["dropped"]) > 0
+    for rank, got in enumerate(results):
+        for call in range(2):
+            assert_tree_close(got[call], want[0], what=f"rank {rank}, call {call}")
+
+
 # The example --------------------------------------------------------------------------------------------
 
 
