@@ -54,6 +54,7 @@ from . import checkpoint as checkpoint  # noqa: E402
 from . import ops as ops  # noqa: E402
 from . import optim as optim  # noqa: E402
 from . import pipeline as pipeline  # noqa: E402
+from . import plan as plan  # noqa: E402
 from . import random as random  # noqa: E402
 from . import testing as testing  # noqa: E402
 
@@ -99,6 +100,7 @@ __all__ = [
     "psum",
     "psum_scatter",
     "pipeline",
+    "plan",
     "pvary",
     "random",
     "reset_comm_stats",

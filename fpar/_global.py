@@ -146,7 +146,9 @@ def init(inits: Any, mesh: Mesh, specs: Any, *, seed: int = 0) -> Any:
     leaf_specs = _prefix("init", specs, inits)
     # A real mesh on NCCL: the blocks live on this rank's GPU (drawn on the CPU, the same
     # stream on every backend, then moved once).
-    device = _dist()._device([]) if mesh.backend == "dist" else torch.device("cpu")
+    device = torch.device("cpu")
+    if mesh.backend == "dist" and not mesh.abstract:
+        device = _dist()._device([])
     out = []
     for path, leaf, spec in zip(paths, leaves, leaf_specs):
         where = f"fpar.init: inits{keystr(path)}"
@@ -154,6 +156,9 @@ def init(inits: Any, mesh: Mesh, specs: Any, *, seed: int = 0) -> Any:
             raise TypeError(f"{where} is {leaf!r}; leaves must be fpar.normal/uniform/zeros/ones/full(...).")
         check_spec(spec, leaf.shape, mesh.shape, where=where)
         start, size = _block_region(leaf.shape, spec, mesh)
+        if mesh.abstract:  # a mesh on paper (fpar.plan): the block's shape, no values, no memory
+            out.append(torch.empty(size, dtype=leaf.dtype, device="meta"))
+            continue
         out.append(_fill(leaf, start, size, _stream_key(seed, keystr(path))).to(device))
     return tree_unflatten(treedef, out)
 

@@ -41,6 +41,7 @@ class Mesh:
         self.size: int = math.prod(self.axis_sizes)
         self.backend: str = backend
         self._dist = None  # the real-mesh state (process groups), set by fpar._dist
+        self.abstract = False  # a mesh on paper (fpar.plan.abstract_mesh): runs only under fpar.plan
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Mesh):
@@ -56,6 +57,8 @@ class Mesh:
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{n!r}: {s}" for n, s in self.shape.items())
+        if self.abstract:
+            return f"Mesh({{{axes}}}, abstract)"
         return f"Mesh({{{axes}}}, backend={self.backend!r})"
 
     def submesh(self, axis_names: Sequence[str]) -> Mesh:
@@ -78,6 +81,7 @@ class Mesh:
             )
         names = tuple(a for a in self.axis_names if a in names)  # keep mesh order
         sub = Mesh([self.shape[a] for a in names], names, backend=self.backend)
+        sub.abstract = self.abstract
         if self._dist is not None:
             sub._dist = self._dist.view(names)
         return sub

@@ -79,19 +79,25 @@ def bytes_sent(kind: str, n: int, block_bytes: int, pairs: int | None = None) ->
     raise ValueError(kind)
 
 
-def record(kind: str, axes: tuple[str, ...], n: int, block: torch.Tensor, pairs: int | None = None) -> None:
-    """Count one call of ``kind`` on a per-device block ``block``."""
-    _add(kind, axes, bytes_sent(kind, n, block.numel() * block.element_size(), pairs))
+def record(
+    kind: str, axes: tuple[str, ...], n: int, block: torch.Tensor, pairs: int | None = None, *, overlap: bool = False
+) -> None:
+    """Count one call of ``kind`` on a per-device block ``block``.
+
+    ``overlap``: issued asynchronously, to overlap with compute (gradient buckets, ZeRO's
+    prefetches and reduce-scatters); only ``fpar.plan``'s time model reads it.
+    """
+    _add(kind, axes, bytes_sent(kind, n, block.numel() * block.element_size(), pairs), overlap=overlap, n=n)
 
 
-def record_bytes(kind: str, axes: tuple[str, ...], n: int, nbytes: int) -> None:
+def record_bytes(kind: str, axes: tuple[str, ...], n: int, nbytes: int, *, overlap: bool = False) -> None:
     """Count one call of ``kind`` on a per-device block of ``nbytes`` bytes."""
-    _add(kind, axes, bytes_sent(kind, n, nbytes, None))
+    _add(kind, axes, bytes_sent(kind, n, nbytes, None), overlap=overlap, n=n)
 
 
 def record_p2p(axis: str, kind: str, t: torch.Tensor) -> None:
     """Count one point-to-point ``"send"`` or ``"recv"`` of ``t`` along ``axis`` (its full bytes)."""
-    _add(kind, (axis,), t.numel() * t.element_size())
+    _add(kind, (axis,), t.numel() * t.element_size(), n=2)
 
 
 _PAUSED = [0]  # > 0 inside ``uncounted()``
@@ -107,13 +113,19 @@ def uncounted() -> Iterator[None]:
         _PAUSED[0] -= 1
 
 
-def _add(kind: str, axes: tuple[str, ...], nbytes: int) -> None:
+# Called with every counted call: ``(kind, axes, bytes, n, overlap)`` (``fpar.plan`` times them).
+LISTENERS: list = []
+
+
+def _add(kind: str, axes: tuple[str, ...], nbytes: int, *, overlap: bool = False, n: int | None = None) -> None:
     if _PAUSED[0]:
         return
     with _LOCK:
         entry = _STATS[",".join(axes)][kind]
         entry["calls"] += 1
         entry["bytes"] += nbytes
+    for listen in LISTENERS:
+        listen(kind, tuple(axes), nbytes, n, overlap)
 
 
 def comm_stats() -> dict[str, dict[str, dict[str, int]]]:

@@ -25,8 +25,11 @@ from .groups import (
     attach,
     device_type,
     is_initialized,
+    on_paper,
     p2p,
     rank,
+    simulated,
+    simulation,
     world_size,
 )
 from .launch import LaunchError, init_distributed, launch
@@ -45,8 +48,11 @@ __all__ = [
     "init_distributed",
     "is_initialized",
     "launch",
+    "on_paper",
     "p2p",
     "rank",
+    "simulated",
+    "simulation",
     "to_dtensor",
     "world_size",
     "_Exchange",

@@ -32,7 +32,7 @@ from .._buffers import block, kept_or_new
 from .._compile import untraced
 from . import pending
 from .agree import _CHUNKS, agreed, failed_bit, failed_error, hash_values
-from .groups import _device
+from .groups import _device, simulated
 from .pending import Pending, defer
 
 __all__ = ["_Agreement", "_differences"]
@@ -85,7 +85,8 @@ class _Agreement:
 
     def __init__(self, owner, plan, *, lazy: bool = False):  # a shard.DistShard, its shard._Plan
         self.owner, self.plan = owner, plan
-        self.pending = bool(owner.axes) and owner.mesh.size > 1
+        # no check on a simulated mesh (fpar.plan): every rank there runs this very program
+        self.pending = bool(owner.axes) and owner.mesh.size > 1 and not simulated()
         self.lazy = lazy  # a planned call: a carried sum may be waited on at its first use
         self.bucket = None  # bucket 0 (buckets._State) when it may ride in the first message
         self.first: _First | None = None  # the first message while it waits for bucket 0

@@ -194,7 +194,7 @@ class _State:
             # verdict says so on every rank and ``_again`` sends it here, in launch order.
             self.work = _RIDING
             axes, mg = self.layout.bucket
-            stats.record_bytes("psum", axes, len(mg.members(axes)), self.layout.summed_bytes)
+            stats.record_bytes("psum", axes, len(mg.members(axes)), self.layout.summed_bytes, overlap=True)
             pending.hold(self._again)
             return
         if hold and pending.in_flight():
@@ -240,7 +240,7 @@ class _State:
                 wire = flat.float()
                 self.narrow = (flat, wire)
             axes, mg = self.layout.bucket
-            stats.record_bytes("psum", axes, len(mg.members(axes)), self.layout.summed_bytes)  # as issued
+            stats.record_bytes("psum", axes, len(mg.members(axes)), self.layout.summed_bytes, overlap=True)  # as issued
             self.work = dist.all_reduce(wire, group=mg.group(axes), async_op=True)
 
     # -- the wait: a hook on each tensor's waiting view, run once nothing else is ready -------

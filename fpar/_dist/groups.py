@@ -26,6 +26,36 @@ from . import pending
 Tensor = torch.Tensor
 
 
+# The simulated mesh ``fpar.plan`` runs on (``fpar/plan/_simulate.py``), or None: a fake process
+# group whose collectives send nothing, and meta tensors for what would be received.
+SIMULATION: list = [None]
+
+
+# fpar.plan's device-0 simulation, for a call on an abstract mesh outside ``estimate`` (set-up
+# code such as ``fpar.optim.zero_init``): a context factory, installed by ``fpar/plan/_paper.py``.
+ON_PAPER: list = [None]
+
+
+def on_paper(mesh):
+    """A context in which ``mesh``'s collectives can run: a simulation of device 0 for an abstract
+    mesh outside ``fpar.plan.estimate``, else nothing to do."""
+    import contextlib
+
+    if getattr(mesh, "abstract", False) and SIMULATION[0] is None and ON_PAPER[0] is not None:
+        return ON_PAPER[0]()
+    return contextlib.nullcontext()
+
+
+def simulation():
+    """The simulation of ``fpar.plan`` running now, or None."""
+    return SIMULATION[0]
+
+
+def simulated() -> bool:
+    """Whether this process is simulating one device of a mesh for ``fpar.plan`` (no real peers)."""
+    return SIMULATION[0] is not None
+
+
 def is_initialized() -> bool:
     """Whether a default process group is up."""
     return dist.is_available() and dist.is_initialized()
@@ -43,6 +73,8 @@ def rank() -> int:
 
 def device_type() -> str:
     """``"cuda"`` when the default group runs NCCL, else ``"cpu"``."""
+    if SIMULATION[0] is not None:  # fpar.plan: meta tensors, the CPU paths
+        return "cpu"
     return "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
 
 
@@ -275,6 +307,12 @@ def p2p(
         stats.record_p2p(axis, "send", t)
     for shape, dtype, _ in recvs:
         stats.record_p2p(axis, "recv", torch.empty(shape, dtype=dtype, device="meta"))
+    if SIMULATION[0] is not None:  # fpar.plan: nothing is sent; what arrives has its shape only
+        bufs = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype, _ in recvs]
+        if wait:
+            return bufs
+        # the sends' tensors stay alive until the step waits for them, as a real send's do
+        return [(_Done(), t.contiguous()) for t, _ in sends], [Incoming(_Done(), b) for b in bufs]
     if wait:
         ops, out = [], []
         for t, index in sends:
@@ -347,6 +385,13 @@ class _Batch:
             w.wait()
 
 
+class _Done:
+    """The handle of a simulated message (``fpar.plan``): already complete."""
+
+    def wait(self) -> None:
+        return None
+
+
 class Incoming:
     """A posted receive: ``wait()`` returns the tensor once it has arrived.
 
@@ -370,6 +415,8 @@ def attach(mesh) -> None:
 def _device(checked) -> torch.device:
     if checked:
         return checked[0][2].device
+    if SIMULATION[0] is not None:
+        return torch.device("meta")
     return (
         torch.device("cuda", torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")
     )

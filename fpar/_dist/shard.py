@@ -49,7 +49,7 @@ from .agree import digest
 from .agreement import _Agreement
 from .buckets import reduce_inputs
 from .exchange import _Exchange, _TakeFirst, summed
-from .groups import _device
+from .groups import _device, on_paper, simulated
 from .tracker import _Tracker
 
 __all__ = ["DistShard"]
@@ -105,6 +105,9 @@ class DistShard:
     def __call__(self, args: tuple) -> Any:
         # No torch.compile check here: the sharded function that calls this is
         # torch.compiler.disable'd (fpar/_compile.py), so Dynamo never traces a real-mesh call.
+        if self.mesh.abstract and not simulated():  # set-up code on a mesh on paper: device 0
+            with on_paper(self.mesh):
+                return self(args)
         leaves, treedef = tree_flatten(args)
         specs = self.spec_cache.get(treedef)
         if specs is None:
@@ -325,9 +328,11 @@ class DistShard:
     def _index(self, leaves) -> dict[str, Tensor]:
         """This rank's coordinate per axis, as 0-d int64 tensors on the arguments' device."""
         device = next((x.device for x in leaves if isinstance(x, Tensor)), None)
+        if device is not None and device.type == "meta":  # fpar.plan: the coordinate is known, keep its value
+            device = torch.device("cpu")
         if self.index is None or (device is not None and self.index[0] != device):
             dev = device if device is not None else _device([])
-            self.index = (dev, {a: torch.tensor(self.mg.coords[a], device=dev) for a in self.axes})
+            self.index = (dev, {a: torch.full((), self.mg.coords[a], dtype=torch.int64, device=dev) for a in self.axes})
         return self.index[1]
 
 

@@ -21,6 +21,8 @@ def block(x: Tensor, spec: PartitionSpec, mesh) -> Tensor:
             n *= mesh.shape[a]
         if n > 1:
             x = x.narrow(d, index * (x.shape[d] // n), x.shape[d] // n)
+    if mesh.abstract:  # a mesh on paper (fpar.plan): the block's shape and dtype only
+        return torch.empty(x.shape, dtype=x.dtype, device="meta")
     return x.clone()
 
 

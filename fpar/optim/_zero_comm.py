@@ -76,7 +76,9 @@ def _physical(t: Tensor) -> Tensor:
 
 def _storage_key(t: Tensor) -> int | None:
     try:
-        return t.untyped_storage().data_ptr()
+        st = t.untyped_storage()
+        # meta storages (fpar.plan's simulated devices) all have data pointer 0: tell them apart by their own
+        return st._cdata if t.device.type == "meta" else st.data_ptr()
     except (RuntimeError, NotImplementedError):  # no plain storage (a subclass, sparse, ...)
         return None
 
@@ -154,7 +156,7 @@ class Regather:
             return x
         # Counted as the all-gather it is on a real mesh (the forward's own gather is counted by
         # fpar.all_gather): (N-1) x one device's chunk.
-        _stats.record("all_gather", (self.axis,), self.n, x.param.block)
+        _stats.record("all_gather", (self.axis,), self.n, x.param.block, overlap=True)
         if self.groups is None:
             return x.kept
         pending = self._inflight.pop(x.index, None)
@@ -272,7 +274,7 @@ def gathered_grad(objective, layout: Any, chunks: Any, batch: Any, scale: Tensor
         else:
             parts = _in_group_order(list(g.chunk(n)), members, group)
             work = dist.reduce_scatter(out, parts, group=group, async_op=True)
-        _stats.record("psum_scatter", (axis,), n, g)
+        _stats.record("psum_scatter", (axis,), n, g, overlap=True)
         done[i] = _InFlight(work, out, g)  # g stays alive until the collective is done with it
         inflight.append(i)
 
@@ -282,7 +284,7 @@ def gathered_grad(objective, layout: Any, chunks: Any, batch: Any, scale: Tensor
         # each holds a gathered-size buffer of the backend's).
         full = pending.wait()
         pending = _Pending.start(params[i + 1], groups, axis) if i + 1 < len(params) else None
-        _stats.record("all_gather", (axis,), n, metas[i])
+        _stats.record("all_gather", (axis,), n, metas[i], overlap=True)
         # The leaf autograd accumulates into (AccumulateGrad runs as soon as the gradient is
         # complete; a node between it and its uses would run only at the end of the backward).
         leaf = full[: lf.numel].view(lf.block).detach().requires_grad_(True)
@@ -362,7 +364,7 @@ def scattered_grad(
             work = dist.reduce_scatter_single(out, full, group=group, async_op=True)
         else:
             work = dist.reduce_scatter(out, _in_group_order(list(full.chunk(n)), members, group), group=group, async_op=True)
-        _stats.record("psum_scatter", (axis,), n, full)
+        _stats.record("psum_scatter", (axis,), n, full, overlap=True)
         done[k] = _InFlight(work, out, full)
         inflight.append(k)
 

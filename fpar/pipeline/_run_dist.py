@@ -46,17 +46,28 @@ class DistDriver:
 
     def __init__(self, schedule: Schedule, mesh: Mesh, axis: str, fns: Fns):
         self.schedule, self.mesh, self.axis, self.fns = schedule, mesh, axis, fns
-        self.me = mesh._dist.coords[axis]
         self.others = tuple(a for a in mesh.axis_names if a != axis)
-        self.ticks = [[a for a in acts if a.stage == self.me] for acts in schedule.by_tick()]
+        self._stage(mesh._dist.coords[axis])
         self.header = _first_messages(schedule)
-        self.finals = _last_backwards(self.ticks)
         self.shapes: dict[int, tuple] = {}  # chunk -> (shape, dtype) of the activations it receives
         self.kept_rows: list = []  # the stacked gradient buffers of the last step, reused when free
         digest = hashlib.blake2b(repr(schedule.actions).encode(), digest_size=6).hexdigest()
         self.described = f"{schedule.name} (p={schedule.p}, m={schedule.m}, v={schedule.v}, actions #{digest})"
 
+    def _stage(self, me: int) -> None:
+        """Run as stage ``me``: its actions per tick."""
+        self.me = me
+        self.ticks = [[a for a in acts if a.stage == me] for acts in self.schedule.by_tick()]
+        self.finals = _last_backwards(self.ticks)
+
     def run(self, params: dict, xs: Tensor, targets: Any, key: Tensor | None = None) -> StepResult:
+        if self.mesh.abstract:  # a mesh on paper: the stage fpar.plan simulates (device 0's outside)
+            if not _dist.simulated():
+                with _dist.on_paper(self.mesh):
+                    return self.run(params, xs, targets, key)
+            if self.mesh._dist.coords[self.axis] != self.me:  # another stage's process: its own buffers
+                self._stage(self.mesh._dist.coords[self.axis])
+                self.shapes, self.kept_rows = {}, []
         sch = self.schedule
         stacked = params["stages"]
         self.device = _device_of(stacked)
@@ -73,12 +84,19 @@ class DistDriver:
         sending: list = []
         early: set = set()
         ahead = _dist.device_type() == "cpu"  # gloo: receives posted before the tick's compute
+        sim = _dist.simulation()  # fpar.plan simulating this device, or None
+        if sim is not None:
+            sim.pipeline(sch, self.axis)
         for actions in self.ticks:
             st.send_early = self._early_sender(actions, sending, early)
             posted = self._post_receives(actions, st) if ahead else set()
             for a in actions:
                 if a.kind in COMPUTE:
+                    if sim is not None:  # fpar.plan: the ops that follow are this action's
+                        sim.mark(a)
                     st.run(a, xs, targets)
+            if sim is not None:
+                sim.mark(None)
             sending += self._exchange(actions, st, _dist, early, posted)
             st.note_inbox()
         for work, _ in sending:
@@ -177,6 +195,7 @@ class DistDriver:
         """Post this tick's sends and receives (after shape headers, if any); return the sends."""
         p, v, me, layout = self.schedule.p, self.schedule.v, self.me, self.schedule.layout
         sends, recvs, heads_out, heads_in = [], [], [], []
+        sim = _dist.simulation()
         for a in sorted(actions, key=_wire_order):
             if a in early:
                 continue  # sent as soon as B computed it (``_early_sender``)
@@ -188,6 +207,8 @@ class DistDriver:
                     continue
                 if a.kind == "SEND_F" and a in self.header:
                     heads_out.append((_header(value), peer[0]))
+                    if sim is not None:  # fpar.plan: what the peer's simulation will receive
+                        sim.headers[peer] = (tuple(value.shape), value.dtype)
                 sends.append((value, peer[0]))
             elif a.kind in ("RECV_F", "RECV_B"):
                 peer = (prev_stage if a.kind == "RECV_F" else next_stage)(a.stage, a.chunk, p, v, layout)
@@ -201,7 +222,7 @@ class DistDriver:
                 self.mesh, self.axis, heads_out, [((_HEADER,), torch.int64, self._peer(a)) for a in heads_in]
             )
             for a, h in zip(heads_in, got):
-                self.shapes[a.chunk] = _unheader(h)
+                self.shapes[a.chunk] = _unheader(h) if sim is None else sim.header((me, a.chunk))
         bufs = [(*self._shape(a, st), self._peer(a)) for a in recvs]
         sending, receiving = _dist.p2p(self.mesh, self.axis, sends, bufs, wait=False)
         for a, incoming in zip(recvs, receiving):
@@ -229,8 +250,12 @@ class DistDriver:
         got = _dist.p2p(
             self.mesh, self.axis, [(mine, q) for q in peers], [((5,), torch.float64, q) for q in peers]
         )
-        rows = {q: r.tolist() for q, r in zip(peers, got)}  # one host sync per step, at the end
-        rows[self.me] = mine.tolist()
+        if _dist.simulated():  # fpar.plan: no peer's numbers arrive; every stage shows this one's
+            own = [0.0, *counts.tolist()]
+            rows = {q: own for q in range(p)}
+        else:
+            rows = {q: r.tolist() for q, r in zip(peers, got)}  # one host sync per step, at the end
+            rows[self.me] = mine.tolist()
         if st.loss_sum is not None:
             loss = st.loss_sum / sch.m
         else:  # sent as float64, which holds every lower precision exactly

@@ -86,8 +86,14 @@ def simulate(schedule: Schedule, *, f: float = 1.0, b: float = 1.0, w: float = 1
     return Timeline(schedule.name, makespan, busy, timeline(schedule).peak_stash)
 
 
-def replay(schedule: Schedule, cost: dict[str, float]) -> dict[Action, float]:
-    """Start time of each compute action, each stage in its order, as early as its inputs allow."""
+def replay(schedule: Schedule, cost) -> dict[Action, float]:
+    """Start time of each compute action, each stage in its order, as early as its inputs allow.
+
+    ``cost``: seconds per action kind (a dict), or per action (a callable, ``fpar.plan``'s
+    durations measured per stage).
+    """
+    if not callable(cost):
+        cost = (lambda table: lambda a: table[a.kind])(cost)
     p, v = schedule.p, schedule.v
     orders = [schedule.compute_order(s) for s in range(p)]
     end: dict[tuple, float] = {}
@@ -103,7 +109,7 @@ def replay(schedule: Schedule, cost: dict[str, float]) -> dict[Action, float]:
                 if any(n not in end for n in deps):
                     break
                 starts[a] = max([free[s]] + [end[n] for n in deps])
-                free[s] = starts[a] + cost[a.kind]
+                free[s] = starts[a] + cost(a)
                 end[(a.kind, s, a.microbatch, a.chunk)] = free[s]
                 if a.kind in ("B", "BW"):
                     end[("grad", s, a.microbatch, a.chunk)] = free[s]

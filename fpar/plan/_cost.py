@@ -1,0 +1,103 @@
+"""Time of a simulated step: ops from the hardware's peak, messages from α–β, overlap, bubble.
+
+* An op takes ``max(FLOPs / (peak(dtype) × efficiency), bytes / memory bandwidth)`` plus the
+  hardware's per-op overhead (a roofline; matmul-class ops reach ``matmul_efficiency`` of peak).
+* A message of ``S`` bytes sent per device (``fpar.comm_stats``' count, which already holds the
+  ring's ``(n-1)/n`` factors) over an axis group takes ``steps × α + S / β``: ``2(n-1)`` steps for
+  an all-reduce, ``n-1`` for all-gather, reduce-scatter and all-to-all, one for a
+  point-to-point send.  β and α are the node's links when every device of the group shares this
+  device's node (the mesh's last axes are inside a node), the network's otherwise.
+* Compute runs in order on one stream, messages on another: a blocking collective (fpar's
+  collectives in the forward and backward) makes compute wait for it; one issued to overlap
+  (gradient buckets, ZeRO's prefetches and reduce-scatters) runs beside the compute that follows
+  and is waited for at the end of the step, as fpar runs them.
+* A pipeline's stages: each compute action's time is the time of its ops and blocking messages;
+  the schedule replays with those times (``fpar.pipeline``'s dependency rules) and the idle
+  time inside the makespan is the bubble.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ._hardware import Hardware
+from ._record import Comm, Op
+
+__all__ = ["Timing", "op_seconds", "time_events"]
+
+_STEPS = {"psum": 2, "pmean": 2, "pmax": 2, "pmin": 2}
+_MATMUL = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.convolution", "aten._grouped_mm",
+           "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_efficient_attention",
+           "aten._scaled_dot_product_cudnn_attention", "aten._flash_attention_forward",
+           "aten._efficient_attention_forward", "aten._scaled_dot_product_flash_attention_backward",
+           "aten._scaled_dot_product_efficient_attention_backward", "aten.convolution_backward"}
+
+
+@dataclasses.dataclass
+class Timing:
+    """One device's step: total seconds and how they split."""
+
+    total: float = 0.0
+    compute: float = 0.0
+    comm: float = 0.0  # seconds the messages take (exposed or not)
+    by_mark: dict = dataclasses.field(default_factory=dict)  # pipeline action -> seconds
+    unmarked: float = 0.0  # seconds outside any pipeline action
+    flops: float = 0.0
+    flops_by_dtype: dict = dataclasses.field(default_factory=dict)
+
+
+def op_seconds(op: Op, hw: Hardware, share: float) -> float:
+    """Seconds of one op on ``hw``; ``share`` is the fraction of a core each device gets (CPU)."""
+    eff = hw.matmul_efficiency if op.name in _MATMUL else 1.0
+    compute = op.flops / (hw.peak(op.dtype) * eff * share) if op.flops else 0.0
+    memory = op.nbytes / (hw.memory_bandwidth * share) if op.nbytes else 0.0
+    return max(compute, memory) + hw.op_overhead / share
+
+
+def comm_seconds(c: Comm, hw: Hardware, inter: bool) -> float:
+    """Seconds of one message of ``c.nbytes`` bytes over a group of ``c.n`` devices."""
+    if c.kind == "recv":
+        return 0.0  # the peer's send carries it
+    if c.kind == "send":
+        steps = 1
+    else:
+        steps = _STEPS.get(c.kind, 1) * max(c.n - 1, 0)
+    alpha, beta = (hw.inter_latency, hw.inter_bandwidth) if inter else (hw.intra_latency, hw.intra_bandwidth)
+    return steps * alpha + c.nbytes / beta
+
+
+def time_events(events: list, hw: Hardware, inter_axes: dict[tuple, bool], share: float) -> Timing:
+    """Replay one device's ops and messages on a compute stream and a message stream."""
+    t = Timing()
+    now = free = 0.0  # compute stream's clock; when the message stream is next free
+    for e in events:
+        if isinstance(e, Op):
+            dt = op_seconds(e, hw, share)
+            t.compute += dt
+            t.flops += e.flops
+            if e.flops:
+                t.flops_by_dtype[e.dtype] = t.flops_by_dtype.get(e.dtype, 0.0) + e.flops
+            now += dt
+            _charge(t, e.mark, dt)
+            continue
+        dt = comm_seconds(e, hw, inter_axes.get(e.axes, False))
+        if dt == 0.0:
+            continue
+        t.comm += dt
+        start = max(now, free)
+        free = start + dt
+        if not e.overlap:
+            _charge(t, e.mark, free - now)
+            now = free
+    t.total = max(now, free)
+    if free > now:  # the overlapped messages still in flight when the compute ends
+        t.unmarked += free - now
+    return t
+
+
+def _charge(t: Timing, mark: Any, dt: float) -> None:
+    if mark is None:
+        t.unmarked += dt
+    else:
+        t.by_mark[mark] = t.by_mark.get(mark, 0.0) + dt

@@ -1,0 +1,429 @@
+"""``fpar.plan.estimate``: run the user's own step on a mesh on paper, one device per class."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import _stats
+from .._dist import groups
+from ..pipeline._timeline import replay
+from . import _cost
+from ._hardware import Hardware, hardware as _hardware
+from ._paper import Simulation, Upstream
+from ._record import CATEGORIES, Recorder
+
+__all__ = ["DeviceClass", "Estimate", "PlanError", "estimate"]
+
+Tensor = torch.Tensor
+
+# What the estimate cannot see, with the margin a user should keep for it.
+LIMITS = (
+    "allocator caching and fragmentation: PyTorch's caching allocator reserves more than is live "
+    "(typically 5-15% on a long run; set expandable_segments to keep it low)",
+    "NCCL's own buffers and the CUDA context: about 0.5-1.5 GB per GPU outside PyTorch's count",
+    "kernel-level effects: achieved matmul efficiency varies with shapes (one efficiency for all); "
+    "attention and fused kernels are costed by their FLOPs and bytes",
+    "network contention between jobs and non-ring collective algorithms (NCCL's trees, NVLS)",
+)
+
+
+class PlanError(ValueError):
+    """A step that cannot be planned (it reads values, or uses no abstract mesh)."""
+
+
+@dataclasses.dataclass
+class DeviceClass:
+    """Devices that hold the same shapes (e.g. one pipeline stage): one simulated for all.
+
+    Attributes:
+      coords: a mesh coordinate of one device of the class (axes not named are 0).
+      count: how many devices are in the class.
+      peak_bytes: the most bytes alive at once on such a device during the step.
+      breakdown: bytes at that peak by kind: ``params``, ``grads``, ``optimizer``,
+        ``activations``, ``comm_buffers``, ``other``.
+      comm: bytes sent per device per step, as ``fpar.comm_stats()``.
+      flops: FLOPs one such device runs per step (recomputation included).
+      step_time: predicted seconds of its step, with ``time_breakdown`` (``compute``,
+        ``exposed_comm``, ``bubble``).
+    """
+
+    coords: dict
+    count: int
+    peak_bytes: int
+    breakdown: dict
+    comm: dict
+    flops: float
+    step_time: float = 0.0
+    time_breakdown: dict = dataclasses.field(default_factory=dict)
+    unknown_ops: dict = dataclasses.field(default_factory=dict)
+    _timing: Any = None
+
+
+@dataclasses.dataclass
+class Estimate:
+    """What each device of a mesh on paper would hold and send, and how long its step would take.
+
+    Attributes:
+      peak_bytes: the largest per-device peak over the device classes.
+      devices: one ``DeviceClass`` per class of devices holding the same shapes.
+      comm: bytes per device per step in ``fpar.comm_stats()``'s structure, for the class that
+        sends the most (each class's own is ``devices[i].comm``).
+      step_time: predicted seconds per step (the slowest class), split in ``time_breakdown``
+        (``compute``, ``exposed_comm``, ``bubble``).
+      mfu: model FLOPs (as executed) per second over the devices' peak.
+      hardware: the ``Hardware`` used; ``mesh``: the mesh simulated.
+      assumptions: every assumption of the estimate, printed with it; ``limits``: what it cannot
+        see; ``not_costed``: ops it had no FLOP formula for (costed by their bytes).
+    """
+
+    mesh: Any
+    hardware: Hardware
+    devices: list
+    peak_bytes: int
+    comm: dict
+    step_time: float
+    time_breakdown: dict
+    mfu: float
+    assumptions: list
+    limits: tuple = LIMITS
+    not_costed: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        """Whether every device's peak fits the hardware's memory."""
+        return self.peak_bytes <= self.hardware.memory_bytes
+
+    def __str__(self) -> str:
+        return _table(self)
+
+    def plot(self, path: str) -> str:
+        """Draw memory per device class (stacked by kind) and the step's time split; save to ``path``."""
+        from ._report import plot
+
+        return plot(self, path)
+
+
+def estimate(fn: Callable, *args: Any, hardware: str | Hardware = "h100-sxm", **kwargs: Any) -> Estimate:
+    """Run ``fn(*args, **kwargs)`` on a mesh on paper; report each device's memory, traffic, time.
+
+    ``fn`` is the user's own step (the forward, the backward, the optimizer update), built on an
+    ``fpar.plan.abstract_mesh`` exactly as it is built on a real mesh, and called with what it is
+    called with there: each device's blocks, from ``fpar.device_put`` / ``fpar.init`` /
+    ``fpar.optim.zero_init`` on the abstract mesh (meta tensors: no memory), or real tensors
+    (turned into meta ones).  Each class of devices that hold the same shapes (every device, or
+    each pipeline stage) is simulated once: the step runs twice (the first call plans, as on a
+    real mesh; the second is measured) on a fake process group with that device's rank.
+
+    Args:
+      fn: the step.
+      *args, **kwargs: its arguments.
+      hardware: a preset name (``"h100-sxm"``, ``"a100-80g"``, ``"b200"``), ``"this"`` (measured
+        here), or a ``fpar.plan.Hardware``.
+
+    Returns:
+      An ``Estimate``; ``print(est)`` shows its table, assumptions and limits.
+
+    Raises:
+      ValueError: an unknown hardware, or a mesh larger than the hardware's nodes hold.
+      PlanError: the step reads a tensor's value (``.item()``, ``bool(t)``, printing): values do
+        not exist on paper; or it runs nothing on an abstract mesh.
+    """
+    if not callable(fn):
+        raise TypeError(f"fpar.plan.estimate: fn must be callable, got {fn!r}.")
+    hw = _hardware(hardware)
+    args, kwargs = _on_meta((args, kwargs))
+    known = _categories((args, kwargs))
+    shapes = _update_kinds((args, kwargs))
+    saved = _stats.comm_stats()
+    try:
+        return _estimate(fn, args, kwargs, hw, known, shapes)
+    finally:
+        _stats.reset_comm_stats()
+        _restore(saved)
+
+
+def _estimate(fn, args, kwargs, hw, known, shapes) -> Estimate:
+    first = _simulate(fn, args, kwargs, hw, known, shapes, {})
+    mesh, sim, cls0 = first
+    classes = [cls0]
+    if sim.pipeline_axes:
+        if len(sim.pipeline_axes) > 1:
+            raise PlanError(f"fpar.plan.estimate: pipelines over several axes {sorted(sim.pipeline_axes)}.")
+        axis = next(iter(sim.pipeline_axes))
+        p = mesh.shape[axis]
+        cls0.coords[axis] = 0
+        headers = dict(sim.headers)
+        todo = list(range(1, p))
+        classes = [cls0]
+        for _ in range(p + 1):  # stages whose upstream was not simulated yet go again
+            waiting = []
+            for s in todo:
+                try:
+                    _, got_sim, cls = _simulate(fn, args, kwargs, hw, known, shapes, {axis: s}, headers)
+                except Upstream:
+                    waiting.append(s)
+                    continue
+                headers.update(got_sim.headers)
+                classes.append(cls)
+            todo = waiting
+            if not todo:
+                break
+        if todo:
+            raise PlanError(f"fpar.plan.estimate: stages {todo} receive shapes no simulated stage sends.")
+        classes.sort(key=lambda c: c.coords[axis])
+        for c in classes:
+            c.count = mesh.size // p
+        _pipeline_times(classes, sim.schedules, axis)
+    else:
+        cls0.count = mesh.size
+    worst = max(classes, key=lambda c: c.step_time)
+    flops = sum(c.flops * c.count for c in classes)
+    dtype = _main_dtype(classes)
+    mfu = flops / (worst.step_time * hw.peak(dtype) * mesh.size) if worst.step_time > 0 else 0.0
+    busiest = max(classes, key=lambda c: _total_bytes(c.comm))
+    not_costed: dict = {}
+    for c in classes:
+        for k, v in c.unknown_ops.items():
+            not_costed[k] = not_costed.get(k, 0) + v
+    return Estimate(
+        mesh=mesh, hardware=hw, devices=classes, peak_bytes=max(c.peak_bytes for c in classes),
+        comm=busiest.comm, step_time=worst.step_time, time_breakdown=dict(worst.time_breakdown), mfu=mfu,
+        assumptions=_assumptions(hw, mesh, dtype), not_costed=not_costed,
+    )
+
+
+def _simulate(fn, args, kwargs, hw, known, shapes, coords, headers=None):
+    sim = Simulation(coords)
+    sim.hardware = hw
+    if headers:
+        sim.headers.update(headers)
+    rec = Recorder(known)
+    rec.update_kinds = shapes
+    sim.recorder = rec
+    with sim:
+        with rec:
+            out = _call(fn, args, kwargs)  # the first call of each signature plans it
+            del out
+            gc.collect()
+            rec.start()
+            _stats.reset_comm_stats()
+            out = _call(fn, args, kwargs)
+            del out
+            gc.collect()
+        comm = _stats.comm_stats()
+        mesh = sim.root
+        if mesh is None:
+            raise PlanError(
+                "fpar.plan.estimate: the step ran nothing on an abstract mesh (no fpar.shard, "
+                "pipeline or ZeRO call over one); build it over fpar.plan.abstract_mesh(...)."
+            )
+        inter = _inter_node(mesh, rec.events, sim.real[None], hw)
+    share = _core_share(hw, mesh)
+    timing = _cost.time_events(rec.events, hw, inter, share)
+    cls = DeviceClass(
+        coords={a: c for a, c in coords.items()}, count=0, peak_bytes=rec.peak, breakdown=rec.breakdown(),
+        comm=comm, flops=timing.flops, step_time=timing.total,
+        time_breakdown={"compute": timing.compute, "exposed_comm": timing.total - timing.compute, "bubble": 0.0},
+        unknown_ops=dict(rec.unknown_ops), _timing=timing,
+    )
+    return mesh, sim, cls
+
+
+def _call(fn, args, kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except Upstream:
+        raise
+    except (RuntimeError, NotImplementedError) as e:
+        text = str(e)
+        if "_local_scalar_dense" in text or "meta" in text and ("item" in text or "data" in text or "copy" in text):
+            raise PlanError(
+                "fpar.plan.estimate: the step reads a tensor's value (.item(), .tolist(), bool(t), "
+                "printing, or control flow on a tensor); a step on paper has shapes but no values, "
+                "so data-dependent control flow cannot be planned. Move the read out of the step "
+                f"(log the loss outside it), or make the branch depend on shapes. ({text.splitlines()[0]})"
+            ) from e
+        raise
+
+
+def _pipeline_times(classes: list, schedules: list, axis: str) -> None:
+    """Each stage's step: the schedule replayed with every action's simulated seconds."""
+    durations: dict = {}
+    for c in classes:
+        durations.update(c._timing.by_mark)
+    for schedule, sch_axis in schedules:
+        if sch_axis != axis:
+            continue
+        starts = replay(schedule, lambda a: durations.get(a, 0.0))
+        makespan = max((t + durations.get(a, 0.0) for a, t in starts.items()), default=0.0)
+        for c in classes:
+            t = c._timing
+            busy = sum(v for a, v in t.by_mark.items() if a.stage == c.coords[axis])
+            c.step_time = makespan + t.unmarked
+            c.time_breakdown = {
+                "compute": t.compute,
+                "exposed_comm": max(c.step_time - t.compute - (makespan - busy), 0.0),
+                "bubble": makespan - busy,
+            }
+
+
+def _inter_node(mesh, events, mg, hw: Hardware) -> dict[tuple, bool]:
+    """Per axes tuple: whether its group (this device's) spans nodes."""
+    out = {}
+    for e in events:
+        if hasattr(e, "axes") and e.axes not in out:
+            axes = tuple(a for a in e.axes if a in mesh.shape)
+            members = mg.members(axes) if axes else [mg.rank]
+            nodes = {r // hw.devices_per_node for r in members}
+            out[e.axes] = len(nodes) > 1
+    return out
+
+
+def _core_share(hw: Hardware, mesh) -> float:
+    """The fraction of a core each device (process) gets on CPU hardware; 1 elsewhere."""
+    if not hw.cores:
+        return 1.0
+    per_node = min(mesh.size, hw.devices_per_node)
+    return min(1.0, hw.cores / per_node)
+
+
+def _main_dtype(classes) -> torch.dtype:
+    """The dtype most of the step's FLOPs run in (MFU is against its peak)."""
+    counts: dict = {}
+    for c in classes:
+        for dtype, f in c._timing.flops_by_dtype.items():
+            counts[dtype] = counts.get(dtype, 0.0) + f * c.count
+    return max(counts, key=counts.get) if counts else torch.float32
+
+
+def _total_bytes(comm: dict) -> int:
+    return sum(v["bytes"] for kinds in comm.values() for v in kinds.values())
+
+
+def _assumptions(hw: Hardware, mesh, dtype) -> list[str]:
+    nodes = math.ceil(mesh.size / hw.devices_per_node)
+    lines = hw.describe()
+    lines += [
+        f"mesh {mesh}: row-major ranks, {min(mesh.size, hw.devices_per_node)} devices per node, "
+        f"{nodes} node(s); an axis group inside one node uses the node's links, else the network's",
+        "collectives are rings: all-reduce 2(n-1) steps, all-gather/reduce-scatter/all-to-all n-1; "
+        "time = steps x alpha + bytes / beta (bytes as fpar.comm_stats counts them)",
+        "compute and messages on two streams: blocking collectives wait, gradient buckets and "
+        "ZeRO's prefetch/reduce-scatter overlap the compute that follows",
+        "an op takes max(FLOPs / (peak x efficiency), bytes / memory bandwidth) + per-op overhead; "
+        "FLOPs as executed (recomputation included), from torch.utils.flop_counter",
+        f"MFU against {str(dtype).replace('torch.', '')} peak",
+        "memory: live tensor bytes over the measured (second) step, storages counted once; what "
+        "the step touched that existed before it (parameters, optimizer state, kept buffers) counts "
+        "for the whole step",
+    ]
+    return lines
+
+
+def _table(est: Estimate) -> str:
+    gib = 2**30
+    hw = est.hardware
+    lines = [
+        f"fpar.plan estimate: {est.mesh} on {hw.name} ({est.mesh.size} devices)",
+        "",
+        "memory per device (GiB)" + ("" if est.fits else f"  -- DOES NOT FIT in {hw.memory_bytes / gib:.1f} GiB"),
+        f"  {'class':<16}{'count':>7}{'peak':>9}" + "".join(f"{c[:11]:>12}" for c in CATEGORIES),
+    ]
+    for c in est.devices:
+        name = ",".join(f"{a}={v}" for a, v in c.coords.items()) or "every device"
+        lines.append(
+            f"  {name:<16}{c.count:>7}{c.peak_bytes / gib:>9.3f}"
+            + "".join(f"{c.breakdown.get(k, 0) / gib:>12.3f}" for k in CATEGORIES)
+        )
+    tb = est.time_breakdown
+    lines += [
+        "",
+        f"step time {_s(est.step_time)}: compute {_s(tb.get('compute', 0))}, exposed communication "
+        f"{_s(tb.get('exposed_comm', 0))}, bubble {_s(tb.get('bubble', 0))}; MFU {est.mfu:.1%}",
+        "",
+        "bytes sent per device per step (busiest class)",
+    ]
+    for axes, kinds in sorted(est.comm.items()):
+        for kind, v in sorted(kinds.items()):
+            lines.append(f"  {axes:<20}{kind:<22}{v['calls']:>6} calls {v['bytes'] / 2**20:>14.2f} MiB")
+    lines += ["", "assumptions:"] + [f"  {a}" for a in est.assumptions]
+    lines += ["", "not seen (keep a margin for them):"] + [f"  {x}" for x in est.limits]
+    if est.not_costed:
+        ops = ", ".join(f"{k} x{v}" for k, v in sorted(est.not_costed.items()))
+        lines.append(f"  ops with no FLOP formula, costed by their bytes only: {ops}")
+    return "\n".join(lines)
+
+
+def _s(t: float) -> str:
+    return f"{t * 1e3:.2f} ms" if t < 1 else f"{t:.3f} s"
+
+
+# -- arguments ------------------------------------------------------------------------------------
+
+
+def _on_meta(tree: Any) -> Any:
+    """Real tensors as meta tensors of the same shape, dtype and requires_grad (values unused)."""
+
+    def meta(t):
+        if isinstance(t, Tensor) and t.device.type != "meta":
+            m = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            return m.requires_grad_(t.requires_grad) if t.is_leaf or not t.requires_grad else m
+        return t
+
+    return _map(meta, tree)
+
+
+def _map(fn, tree):
+    if isinstance(tree, Tensor):
+        return fn(tree)
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*(_map(fn, x) for x in tree))
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_map(fn, x) for x in tree)
+    if isinstance(tree, dict):
+        return type(tree)((k, _map(fn, v)) for k, v in tree.items())
+    return tree
+
+
+def _walk(tree, inside_optim: bool = False):
+    """(tensor, is optimizer state) for every tensor of ``tree``."""
+    if isinstance(tree, Tensor):
+        yield tree, inside_optim
+        return
+    optim = inside_optim or type(tree).__module__.startswith("fpar.optim")
+    if isinstance(tree, (tuple, list)):
+        for x in tree:
+            yield from _walk(x, optim)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            yield from _walk(x, optim)
+
+
+def _categories(tree) -> dict[int, str]:
+    out = {}
+    for t, optim in _walk(tree):
+        kind = "optimizer" if optim else "params" if t.is_floating_point() else "other"
+        out[t.untyped_storage()._cdata] = kind
+    return out
+
+
+def _update_kinds(tree) -> dict[tuple, str]:
+    out = {}
+    for t, optim in _walk(tree):
+        if t.is_floating_point():
+            out.setdefault((tuple(t.shape), t.dtype), "optimizer" if optim else "params")
+    return out
+
+
+def _restore(saved: dict) -> None:
+    with _stats._LOCK:
+        _stats._STATS.clear()
+        for axes, kinds in saved.items():
+            for kind, v in kinds.items():
+                _stats._STATS[axes][kind].update(v)

@@ -1,0 +1,254 @@
+"""What one simulated device does in a step: live bytes over time, and every op and message.
+
+A ``TorchDispatchMode`` sees every op the step runs on this device (forward, the autograd
+engine's backward, the optimizer), on meta tensors.  Memory is the bytes of the storages alive
+at each moment: a storage counts from the op that makes it until Python and autograd let go of
+it (a weak reference's callback); one that existed before the step and that the step touches
+(parameters, optimizer state, buffers fpar keeps between calls) counts for the whole step.
+Views share their base's storage and count once.  Each op's FLOPs come from torch's own
+``flop_counter`` formulas; its bytes are what it reads and writes.  Messages arrive from
+``fpar.comm_stats``' listener with their bytes, axes and whether they overlap compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from .. import _stats
+
+__all__ = ["Comm", "Op", "Recorder"]
+
+Tensor = torch.Tensor
+CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers", "other")
+_VIEWS_FREE = {"aten.view", "aten._unsafe_view", "aten.alias", "aten.detach", "aten.t", "aten.expand",
+               "aten.permute", "aten.transpose", "aten.unsqueeze", "aten.squeeze", "aten.select",
+               "aten.slice", "aten.as_strided", "aten.split", "aten.split_with_sizes", "aten.unbind",
+               "aten.narrow", "aten.chunk", "aten.reshape", "aten.unflatten", "aten.flatten",
+               "aten.lift_fresh", "aten._reshape_alias", "aten.view_as", "aten.diagonal", "aten.movedim",
+               "aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty",
+               "aten.new_empty_strided", "aten.zeros_like", "aten.zeros", "aten.new_zeros",
+               "aten.set_", "aten._to_copy", "aten.copy_", "aten.clone", "aten.contiguous"}
+# the last few move bytes but are costed as memory traffic below, not skipped
+_MOVES = {"aten._to_copy", "aten.copy_", "aten.clone", "aten.contiguous", "aten.zeros_like",
+          "aten.zeros", "aten.new_zeros"}
+
+
+@dataclasses.dataclass
+class Op:
+    """One op on the device: its FLOPs, the bytes it moves, its dtype, and the step's phase."""
+
+    name: str
+    flops: float
+    nbytes: int
+    dtype: torch.dtype
+    phase: str  # "forward", "backward" or "update"
+    mark: Any = None  # the pipeline action it belongs to (pipelines only)
+
+
+@dataclasses.dataclass
+class Comm:
+    """One message: the collective, its axes, the bytes this device sends, the axis size."""
+
+    kind: str
+    axes: tuple[str, ...]
+    nbytes: int
+    n: int
+    overlap: bool  # issued asynchronously (gradient buckets, ZeRO's prefetch and reduce-scatter)
+    phase: str
+    mark: Any = None
+
+
+class Recorder(TorchDispatchMode):
+    """Live bytes per category over the step, and the timeline of ops and messages.
+
+    ``known``: the category of storages made before the step (the caller knows which arguments
+    are parameters and which optimizer state); others made before count as ``"other"``.
+    """
+
+    def __init__(self, known: dict[int, str]):
+        super().__init__()
+        self.known = known  # _cdata of a storage made before -> its category
+        self.live: dict[int, tuple[int, str]] = {}  # _cdata -> (bytes, category), made in the step
+        self.base: Counter = Counter()  # category -> bytes made before the step and touched by it
+        self.base_keys: set[int] = set()
+        self.base_info: dict[int, tuple] = {}  # key -> (bytes, category, weak reference)
+        self.dyn: Counter = Counter()
+        self.total = 0  # bytes of the storages made in the step and alive now
+        self.peak_dyn = 0
+        self.peak_dyn_by_cat: dict[str, int] = {}
+        # (shape, dtype) of parameters and optimizer state: what a tensor made by the update is
+        self.update_kinds: dict[tuple, str] = {}
+        self.events: list = []
+        self.mark: Any = None
+        self.backward_done = False
+        self.unknown_ops: Counter = Counter()  # ops with FLOPs we have no formula for
+        self._refs: dict[int, Any] = {}
+
+    # -- messages -------------------------------------------------------------------------------
+
+    def __enter__(self):
+        _stats.LISTENERS.append(self._comm)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _stats.LISTENERS.remove(self._comm)
+        return super().__exit__(*exc)
+
+    def _comm(self, kind: str, axes: tuple, nbytes: int, n: int | None, overlap: bool) -> None:
+        self.events.append(Comm(kind, axes, nbytes, n or 2, overlap, self._phase(), self.mark))
+
+    # -- ops ------------------------------------------------------------------------------------
+
+    def _phase(self) -> str:
+        if torch._C._current_graph_task_id() != -1:
+            self.backward_done = True
+            return "backward"
+        return "update" if self.backward_done else "forward"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ins = [t for t in _tensors((args, kwargs))]
+        for t in ins:
+            self._touch(t)
+        out = func(*args, **kwargs)
+        phase = self._phase()
+        name = str(func.overloadpacket)
+        outs = list(_tensors(out))
+        c10d = name.startswith("c10d.") or name.startswith("_c10d_functional.")
+        for t in outs:
+            self._made(t, "comm_buffers" if c10d else _CATEGORY[phase])
+        if c10d:
+            for t in ins:  # a buffer made to be sent (a gradient bucket, a gather's output)
+                self._retag(t, "comm_buffers")
+            return out
+        flops = 0.0
+        packet = func._overloadpacket
+        if packet in flop_registry:
+            try:
+                flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
+            except Exception:  # noqa: BLE001 - a formula that does not take this call's form
+                self.unknown_ops[name] += 1
+        nbytes = 0
+        if name not in _VIEWS_FREE or name in _MOVES:
+            nbytes = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
+            if name in ("aten.zeros_like", "aten.zeros", "aten.new_zeros"):
+                nbytes = sum(_nbytes(t) for t in outs)
+        if flops or nbytes:
+            dtype = next((t.dtype for t in ins if t.is_floating_point()), outs[0].dtype if outs else torch.float32)
+            self.events.append(Op(name, flops, nbytes, dtype, phase, self.mark))
+        return out
+
+    # -- storages -------------------------------------------------------------------------------
+
+    def _touch(self, t: Tensor) -> None:
+        st = _storage(t)
+        if st is None or st._cdata in self.live or st._cdata in self.base_keys:
+            return
+        # made before the step: alive for all of it (an argument, or a buffer kept between calls);
+        # if it dies during the step its bytes stay counted, but its address may be reused
+        key = st._cdata
+        self._base_add(key, st.nbytes(), self.known.get(key, "other"), st)
+
+    def _made(self, t: Tensor, category: str) -> None:
+        st = _storage(t)
+        if st is None or st._cdata in self.live or st._cdata in self.base_keys:
+            return
+        if category == "optimizer":  # made by the update: a new parameter, new state, or temporary
+            category = self.update_kinds.get((tuple(t.shape), t.dtype), "other")
+        self._add(st, category)
+
+    def _retag(self, t: Tensor, category: str) -> None:
+        st = _storage(t)
+        if st is None or st._cdata not in self.live:
+            return
+        nbytes, old = self.live[st._cdata]
+        self.dyn[old] -= nbytes
+        self.dyn[category] += nbytes
+        self.live[st._cdata] = (nbytes, category)
+
+    def _add(self, st, category: str) -> None:
+        key, nbytes = st._cdata, st.nbytes()
+        self.live[key] = (nbytes, category)
+        self.dyn[category] += nbytes
+        self.total += nbytes
+        self._refs[key] = weakref.ref(st, lambda _, key=key: self._free(key))
+        if self.total > self.peak_dyn:
+            self.peak_dyn = self.total
+            self.peak_dyn_by_cat = dict(self.dyn)
+
+    def _free(self, key: int) -> None:
+        got = self.live.pop(key, None)
+        self._refs.pop(key, None)
+        if got is not None:
+            nbytes, category = got
+            self.dyn[category] -= nbytes
+            self.total -= nbytes
+
+    def start(self) -> None:
+        """Measure from now on: what is alive now (kept between calls) is part of the floor."""
+        alive = {k: v for k, v in self.base_info.items() if k in self.base_keys}
+        self.base, self.base_keys, self.base_info = Counter(), set(), {}
+        for key, (nbytes, category, ref) in alive.items():
+            if ref() is not None:
+                self._base_add(key, nbytes, category, ref())
+        for key, (nbytes, category) in list(self.live.items()):
+            ref = self._refs.get(key)
+            if ref is not None and ref() is not None:
+                self._base_add(key, nbytes, category, ref())
+        self.live.clear()
+        self.dyn = Counter()
+        self.total = self.peak_dyn = 0
+        self.peak_dyn_by_cat = {}
+        self.events = []
+        self.backward_done = False
+
+    def _base_add(self, key: int, nbytes: int, category: str, st) -> None:
+        """A storage made before the measured step: counted for all of it while it lives."""
+        self.base_keys.add(key)
+        self.base[category] += nbytes
+        ref = weakref.ref(st, lambda _, key=key: self.base_keys.discard(key))
+        self._refs[key] = ref
+        self.base_info[key] = (nbytes, category, ref)
+
+    @property
+    def peak(self) -> int:
+        """Bytes at the step's peak: everything it touched that was made before, plus its own peak."""
+        return sum(self.base.values()) + self.peak_dyn
+
+    def breakdown(self) -> dict[str, int]:
+        """Bytes per category at the peak."""
+        return {c: self.base.get(c, 0) + self.peak_dyn_by_cat.get(c, 0) for c in CATEGORIES}
+
+
+_CATEGORY = {"forward": "activations", "backward": "grads", "update": "optimizer"}
+
+
+def _storage(t: Tensor):
+    if not isinstance(t, Tensor):
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
+        return None
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _tensors(tree: Any):
+    if isinstance(tree, Tensor):
+        yield tree
+    elif isinstance(tree, (tuple, list)):
+        for x in tree:
+            yield from _tensors(x)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            yield from _tensors(x)

@@ -1,0 +1,154 @@
+"""Training steps that run unchanged on an abstract mesh, in-process and on a real mesh.
+
+Each ``build(name, mesh)`` returns ``(step, args)``: the user's whole step (forward, backward,
+optimizer update) and the arguments it is called with on that mesh.  Module-level workers for
+``fpar.launch`` run a program on a real mesh and report what it sent and held in steady state.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+import fpar
+import fpar.ops as ops
+import fpar.optim as fo
+import fpar.pipeline as pp
+from fpar import P
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+D, H, B = 256, 1024, 16  # the MLP's width, hidden size, global batch
+
+# name -> (mesh shape, axis names)
+MESHES = {
+    "dp": ((2,), ("data",)),
+    "zero1": ((2,), ("data",)),
+    "zero2": ((2,), ("data",)),
+    "zero3": ((2,), ("data",)),
+    "tp": ((2, 2), ("data", "tensor")),
+    "sp": ((1, 2), ("data", "tensor")),
+    "pipeline": ((2, 1, 2), ("pipeline", "data", "tensor")),
+}
+
+
+def mesh_for(name: str, kind: str) -> fpar.Mesh:
+    """The program's mesh: ``kind`` is ``"abstract"``, ``"local"`` or ``"dist"``."""
+    shape, names = MESHES[name]
+    if kind == "abstract":
+        return fpar.plan.abstract_mesh(shape, names)
+    return fpar.make_mesh(shape, names, backend=kind)
+
+
+def _mlp_loss(params, batch):
+    x, y = batch
+    h = torch.relu(x @ params["w1"])
+    return ((h @ params["w2"] - y) ** 2).mean()
+
+
+def _tp_loss(params, batch):
+    x, y = batch
+    out = ops.mlp(params, x, axis="tensor")
+    return ((out - y) ** 2).mean()
+
+
+def build(name: str, mesh: fpar.Mesh):
+    """``(step, args)`` of program ``name`` on ``mesh``."""
+    g = torch.Generator().manual_seed(0)
+    if name in ("dp", "zero1", "zero2", "zero3"):
+        stage = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[name]
+        params = {"w1": torch.randn(D, H, generator=g) * 0.05, "w2": torch.randn(H, D, generator=g) * 0.05}
+        params = fpar.device_put(params, mesh, P())
+        layout = fo.zero_layout(params, mesh, stage=stage, data_axis="data")
+        opt = fo.adamw(1e-3)
+        params, state = fo.zero_init(opt, params, layout)
+        step = fo.zero_step(_mlp_loss, opt, layout)
+        batch = fpar.device_put((torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)), mesh, P("data"))
+        return step, (params, state, batch)
+    if name == "tp":
+        specs = ops.mlp_specs("tensor")
+        params = fpar.init(ops.init_mlp(D, H), mesh, specs, seed=0)
+        layout = fo.zero_layout(params, mesh, specs, stage=1, data_axis="data")
+        opt = fo.adamw(1e-3)
+        params, state = fo.zero_init(opt, params, layout)
+        step = fo.zero_step(_tp_loss, opt, layout)
+        batch = fpar.device_put((torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)), mesh, P("data"))
+        return step, (params, state, batch)
+    if name == "sp":
+        specs = ops.gpt_specs(2, "tensor")
+        params = fpar.init(ops.init_gpt(256, 64, 2, 32), mesh, specs, seed=0)
+
+        def loss(params, batch):
+            ids, targets = batch
+            tok = ops.gpt_loss(params, ids, targets, axis="tensor", n_heads=4, sequence_parallel=True)
+            return tok.mean()
+
+        layout = fo.zero_layout(params, mesh, specs, stage=0, data_axis="data")
+        opt = fo.adamw(1e-3)
+        params, state = fo.zero_init(opt, params, layout)
+        step = fo.zero_step(loss, opt, layout)
+        ids = torch.randint(0, 256, (8, 32), generator=g)
+        batch = fpar.device_put((ids, ids.roll(1, 1)), mesh, P("data"))
+        return step, (params, state, batch)
+    if name == "pipeline":
+        import train_gpt as G
+
+        args = types.SimpleNamespace(d_model=64, layers=4, seq=64, seed=0, heads=4)
+        m = 4
+        run = G.build_step(mesh, pp.one_f_one_b(2, m), 4, 2)
+        params = G.init_params(args, mesh, torch.float32)
+        opt = fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(1e-3))
+        layout = fo.zero_layout(params, mesh, G.SPECS, stage=0, data_axis="data")
+        params, state = fo.zero_init(opt, params, layout)
+        update = fo.zero_update(opt, layout)
+        ids = torch.randint(0, 256, (m, 8, 64), generator=g)
+        xs = fpar.device_put(ids, mesh, P(None, "data"))
+        ys = fpar.device_put(ids.roll(1, 2), mesh, P(None, "data"))
+        key = fpar.random.key(0)
+
+        def step(params, state, xs, ys, key):
+            res = run(params, xs, ys, key)
+            return update(res.grads, state, params), res.loss
+
+        return step, (params, state, xs, ys, key)
+    raise ValueError(name)
+
+
+def steady(step, args, *, repeats: int = 3) -> tuple[dict, list[int]]:
+    """Run ``step(*args)`` once to plan, then ``repeats`` times: the last call's traffic and each call's peak bytes."""
+    from fpar.plan._record import Recorder
+
+    rec = Recorder({})
+    peaks = []
+    with rec:
+        out = step(*args)
+        del out
+        gc.collect()
+        for _ in range(repeats):
+            rec.start()
+            fpar.reset_comm_stats()
+            out = step(*args)
+            del out
+            gc.collect()
+            peaks.append(rec.peak)
+    return fpar.comm_stats(), peaks
+
+
+def real_worker(name: str) -> dict:
+    """On a real mesh (``fpar.launch``): this rank's steady-state traffic, peak bytes and coordinates."""
+    mesh = mesh_for(name, "dist")
+    step, args = build(name, mesh)
+    comm, peaks = steady(step, args)
+    return {"comm": comm, "peaks": peaks, "coords": dict(mesh._dist.coords)}
+
+
+BY_SIZE = {2: ("dp", "zero1", "zero2", "zero3", "sp"), 4: ("tp", "pipeline")}
+
+
+def real_programs(size: int) -> dict:
+    """On a real mesh of ``size`` processes: every program of that size, one after the other."""
+    return {name: real_worker(name) for name in BY_SIZE[size]}
