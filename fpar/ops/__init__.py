@@ -15,8 +15,9 @@ axis with ``axis=``; parameters are plain tensor dicts, and ``*_specs`` / ``init
 * Colossal-AI multi-dimensional TP (``_summa.py``, ``_summa_3d.py``): 2D SUMMA ``summa_matmul``,
   ``linear_2d``, ``layer_norm_2d``, ``mlp_2d``; 2.5D ``linear_2p5d`` ...; 3D ``linear_3d`` ...; and
   ``specs_2d`` / ``specs_2p5d`` / ``specs_3d`` giving every operand's ``P``.
-* Mixture of experts (``_moe.py``): ``moe`` (dropless top-k, expert parallel over ``all_to_all``,
-  expert-TP), ``moe_block``, ``moe_specs``, ``init_moe``.
+* Mixture of experts (``_moe.py``): ``moe`` (top-k, dropless or with a capacity factor, expert
+  parallel over exact-count ``all_to_all`` on a real mesh, grouped matmuls, expert-TP),
+  ``moe_block``, ``moe_specs``, ``init_moe``.
 * Any ``nn.Module`` / Hugging Face model as it is (``_tensor_parallel.py``): ``tensor_parallel``
   (Megatron plan applied to the module's own forward) and its ``TensorParallelFn``.
 * Configuration (``_layout.py``): ``tensor_layout`` / ``TensorLayout`` map a Colossal-AI style
