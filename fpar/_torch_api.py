@@ -237,9 +237,12 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "multi-tensor kernels for the optimizers' updates (what torch.optim's foreach path runs)",
         probe=lambda: (torch._foreach_add, torch._foreach_mul_, torch._foreach_lerp_, torch._foreach_norm),
     ),
-    PrivateApi("torch.ops.aten._scaled_dot_product_flash_attention", ("plan/_models.py",),
-               "the planner's model on meta tensors: the flash kernel's memory (no s x s matrix), which "
-               "F.scaled_dot_product_attention does not pick on meta"),
+    PrivateApi(
+        "torch.ops.aten._scaled_dot_product_flash_attention",
+        ("plan/_models.py",),
+        "the planner's model on meta tensors calls the flash kernel directly, so the memory it records "
+        "keeps no s x s attention matrix",
+    ),
     # testing
     PrivateApi(
         "torch.testing._internal.distributed.fake_pg.FakeStore",
