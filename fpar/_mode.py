@@ -243,7 +243,9 @@ def _autocast(*tensors):
     Floating tensors other than float64 go to the autocast dtype of their device.
     """
     first = next((t for t in tensors if isinstance(t, Tensor)), None)
-    if first is None or not torch.is_autocast_enabled(first.device.type):
+    if first is None or first.device.type == "meta":  # meta (fpar.plan): autocast has no such device
+        return tensors
+    if not torch.is_autocast_enabled(first.device.type):
         return tensors
     dtype = torch.get_autocast_dtype(first.device.type)
     return tuple(

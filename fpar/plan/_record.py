@@ -90,6 +90,12 @@ class Recorder(TorchDispatchMode):
         self.backward_done = False
         self.unknown_ops: Counter = Counter()  # ops with FLOPs we have no formula for
         self._refs: dict[int, Any] = {}
+        # Meta kernels of elementwise ops run in Python (torch's prims: ~0.3 ms a call); a step
+        # repeats the same ops on the same shapes (layers, microbatches), so each op's output
+        # layout and FLOPs are computed once per signature of its inputs.
+        self._info: dict = {}
+        self._cache: dict = {}
+        self._single: dict = {}
 
     # -- messages -------------------------------------------------------------------------------
 
@@ -114,32 +120,43 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        ins = [t for t in _tensors((args, kwargs))]
+        ins = list(_tensors((args, kwargs)))
         for t in ins:
             self._touch(t)
-        out = func(*args, **kwargs)
+        info = self._info.get(func)
+        if info is None:
+            info = self._info[func] = _op_info(func)
+        name, c10d, cacheable, costed = info
+        key = _key(func, args, kwargs) if cacheable else None
+        hit = self._cache.get(key) if key is not None else None
+        if hit is not None:  # the same op on the same shapes: its outputs' shapes and FLOPs are known
+            metas, flops = hit
+            outs = [torch.empty_strided(sh, st, dtype=dt, device="meta") for sh, st, dt in metas]
+            out = outs[0] if self._single[key] else outs
+        else:
+            out = func(*args, **kwargs)
+            outs = list(_tensors(out))
+            flops = 0.0
+            if costed:
+                try:
+                    flops = float(flop_registry[func._overloadpacket](*args, **kwargs, out_val=out))
+                except Exception:  # noqa: BLE001 - a formula that does not take this call's form
+                    self.unknown_ops[name] += 1
+            if key is not None and outs and all(t.device.type == "meta" for t in outs) and _fresh(outs, ins):
+                self._cache[key] = ([(tuple(t.shape), tuple(t.stride()), t.dtype) for t in outs], flops)
+                self._single[key] = isinstance(out, Tensor)
         phase = self._phase()
-        name = str(func.overloadpacket)
-        outs = list(_tensors(out))
-        c10d = name.startswith("c10d.") or name.startswith("_c10d_functional.")
         for t in outs:
             self._made(t, "comm_buffers" if c10d else _CATEGORY[phase])
         if c10d:
             for t in ins:  # a buffer made to be sent (a gradient bucket, a gather's output)
                 self._retag(t, "comm_buffers")
             return out
-        flops = 0.0
-        packet = func._overloadpacket
-        if packet in flop_registry:
-            try:
-                flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
-            except Exception:  # noqa: BLE001 - a formula that does not take this call's form
-                self.unknown_ops[name] += 1
         nbytes = 0
         if name not in _VIEWS_FREE or name in _MOVES:
-            nbytes = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
-            if name in ("aten.zeros_like", "aten.zeros", "aten.new_zeros"):
-                nbytes = sum(_nbytes(t) for t in outs)
+            nbytes = sum(_nbytes(t) for t in outs)
+            if name not in ("aten.zeros_like", "aten.zeros", "aten.new_zeros"):
+                nbytes += sum(_nbytes(t) for t in ins)
         if flops or nbytes:
             dtype = next((t.dtype for t in ins if t.is_floating_point()), outs[0].dtype if outs else torch.float32)
             self.events.append(Op(name, flops, nbytes, dtype, phase, self.mark))
@@ -228,6 +245,59 @@ class Recorder(TorchDispatchMode):
 
 
 _CATEGORY = {"forward": "activations", "backward": "grads", "update": "optimizer"}
+
+
+def _op_info(func) -> tuple:
+    """(name, is a c10d op, its outputs may be cached by input signature, has a FLOP formula)."""
+    name = str(func.overloadpacket)
+    c10d = name.startswith("c10d.") or name.startswith("_c10d_functional.")
+    schema = func._schema
+    cacheable = not (
+        c10d
+        or schema.is_mutable
+        or func.is_view
+        or any(r.alias_info is not None for r in schema.returns)
+        or torch.Tag.nondeterministic_seeded in func.tags
+        or torch.Tag.data_dependent_output in func.tags
+        or name in ("aten._local_scalar_dense", "aten.item")
+    )
+    return name, c10d, cacheable, func._overloadpacket in flop_registry
+
+
+def _key(func, args, kwargs):
+    """A hashable signature of a call: tensors by layout, everything else by value; None if unhashable."""
+    try:
+        parts = [func]
+        for x in _flat((args, kwargs)):
+            if isinstance(x, Tensor):
+                parts.append((tuple(x.shape), tuple(x.stride()), x.dtype, x.device.type, x.storage_offset()))
+            else:
+                parts.append(x)
+        key = tuple(parts)
+        hash(key)
+        return key
+    except (TypeError, RuntimeError):
+        return None
+
+
+def _flat(tree):
+    if isinstance(tree, (tuple, list)):
+        yield type(tree)
+        for x in tree:
+            yield from _flat(x)
+        yield "/"
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            yield k
+            yield from _flat(v)
+    else:
+        yield tree
+
+
+def _fresh(outs, ins) -> bool:
+    """Whether every output has storage of its own (not one of the inputs')."""
+    mine = {t.untyped_storage()._cdata for t in ins if t.device.type == "meta"}
+    return all(t.untyped_storage()._cdata not in mine for t in outs)
 
 
 def _storage(t: Tensor):

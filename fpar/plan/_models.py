@@ -1,0 +1,336 @@
+"""Llama- and GPT-shaped training steps built from fpar's own pieces, for planning by size.
+
+``build_step(model, layout, mesh)`` returns the whole training step (forward, backward, AdamW)
+and its arguments on ``mesh``, in the layout ``layout`` names: Megatron tensor parallelism with
+sequence parallelism over ``"tensor"``, ZeRO over ``"data"``, a pipeline over ``"pipeline"``
+(fpar.pipeline's executor and schedules), per-layer activation recomputation
+(``fpar.optim.remat``).  Parameters and optimizer state are float32 (master weights); every
+layer casts its weights to the compute dtype (bfloat16) as it uses them, as autocast does.
+Attention is the flash kernel (causal; no ``s x s`` matrix kept), GQA by repeating key/value heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import fpar
+import fpar.ops as ops
+import fpar.optim as fo
+import fpar.pipeline as pp
+from fpar import P
+
+__all__ = ["MODELS", "Layout", "Model", "build_step"]
+
+PIPE, DATA, TENSOR = "pipeline", "data", "tensor"
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A decoder-only transformer's shape (Llama: RMSNorm, GQA, SwiGLU, rotary; untied head)."""
+
+    name: str
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_ffn: int
+    vocab: int
+    seq: int
+
+    @property
+    def n_params(self) -> int:
+        """Parameters: the blocks, the embedding and the head, the final norm."""
+        hd = self.d_model // self.n_heads
+        attn = self.d_model * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
+        block = attn + 3 * self.d_model * self.d_ffn + 2 * self.d_model
+        return self.n_layers * block + 2 * self.vocab * self.d_model + self.d_model
+
+
+MODELS = {
+    "llama-8b": Model("llama-8b", 4096, 32, 32, 8, 14336, 128256, 8192),
+    "llama-70b": Model("llama-70b", 8192, 80, 64, 8, 28672, 128256, 4096),
+    "llama-405b": Model("llama-405b", 16384, 126, 128, 8, 53248, 128256, 8192),
+    "tiny": Model("tiny", 64, 4, 4, 2, 128, 256, 32),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a step is laid out: axis sizes, ZeRO stage, microbatches, recomputation, schedule.
+
+    ``batch`` is the global batch in sequences; each step runs it as ``microbatches`` microbatches
+    of ``batch / (data x microbatches)`` sequences per device.
+    """
+
+    pipeline: int = 1
+    data: int = 1
+    tensor: int = 1
+    zero: int = 1
+    microbatches: int = 1
+    batch: int = 1
+    remat: bool = False
+    schedule: str = "1f1b"
+    sequence_parallel: bool = True
+
+    @property
+    def devices(self) -> int:
+        return self.pipeline * self.data * self.tensor
+
+    def describe(self) -> str:
+        return (
+            f"pipeline={self.pipeline} data={self.data} tensor={self.tensor} zero={self.zero} "
+            f"microbatches={self.microbatches} remat={self.remat}"
+            + (f" schedule={self.schedule}" if self.pipeline > 1 else "")
+        )
+
+    def mesh(self) -> fpar.Mesh:
+        """The abstract mesh of this layout (pipeline, data, tensor)."""
+        return fpar.plan.abstract_mesh((self.pipeline, self.data, self.tensor), (PIPE, DATA, TENSOR))
+
+
+def check_layout(model: Model, layout: Layout) -> None:
+    """Raise ``ValueError`` naming the dimension a layout does not divide, before any work."""
+    t, p, d = layout.tensor, layout.pipeline, layout.data
+    rules = [
+        ("n_heads", model.n_heads, t, "tensor"),
+        ("n_kv_heads", model.n_kv_heads, t, "tensor"),
+        ("d_ffn", model.d_ffn, t, "tensor"),
+        ("vocab", model.vocab, t, "tensor"),
+        ("n_layers", model.n_layers, p, "pipeline"),
+        ("batch", layout.batch, d * layout.microbatches, "data x microbatches"),
+    ]
+    if layout.sequence_parallel:
+        rules.append(("seq", model.seq, t, "tensor (sequence parallel)"))
+    for name, size, n, axis in rules:
+        if size % n:
+            raise ValueError(
+                f"fpar.plan: layout {layout.describe()} does not divide {model.name}'s {name}={size} "
+                f"by {axis}={n}; choose a {axis} size that divides {size}."
+            )
+    if layout.zero not in (0, 1, 2, 3) or (p > 1 and layout.zero > 1):
+        raise ValueError(
+            f"fpar.plan: zero={layout.zero} with pipeline={p}; a pipelined step takes ZeRO 0 or 1 "
+            f"(stages 2 and 3 reduce inside fpar.optim.zero_step, which runs unpipelined steps)."
+        )
+
+
+def _block_specs() -> dict:
+    col, row = P(None, TENSOR), P(TENSOR, None)
+    return {"ln1": P(), "wq": col, "wk": col, "wv": col, "wo": row, "ln2": P(), "w1": col, "w3": col, "w2": row}
+
+
+def _block_inits(model: Model, lead: tuple) -> dict:
+    d, hd = model.d_model, model.d_model // model.n_heads
+    std, out_std = 0.02, 0.02 / math.sqrt(2 * model.n_layers)
+    return {
+        "ln1": fpar.ones((*lead, d)),
+        "wq": fpar.normal((*lead, d, model.n_heads * hd), std=std),
+        "wk": fpar.normal((*lead, d, model.n_kv_heads * hd), std=std),
+        "wv": fpar.normal((*lead, d, model.n_kv_heads * hd), std=std),
+        "wo": fpar.normal((*lead, model.n_heads * hd, d), std=out_std),
+        "ln2": fpar.ones((*lead, d)),
+        "w1": fpar.normal((*lead, d, model.d_ffn), std=std),
+        "w3": fpar.normal((*lead, d, model.d_ffn), std=std),
+        "w2": fpar.normal((*lead, model.d_ffn, d), std=out_std),
+    }
+
+
+def _rms_norm(x, w, eps: float = 1e-5):
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w.to(x.dtype)
+
+
+def _rotary(x, seq: int):
+    """Rotary position embedding on ``x[b, h, s, hd]`` (the frequencies are computed, not stored)."""
+    hd = x.shape[-1]
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
+    ang = torch.arange(seq, device=x.device, dtype=torch.float32)[:, None] * inv[None]
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).flatten(-2)
+
+
+def _attention(q, k, v):
+    """Causal attention ``[b, h, s, hd]``: the flash kernel (no ``s x s`` matrix is kept)."""
+    if q.device.type == "meta":
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _block(model: Model, layout: Layout, dtype):
+    t = layout.tensor
+    hq, hkv, hd = model.n_heads // t, model.n_kv_heads // t, model.d_model // model.n_heads
+    sp = layout.sequence_parallel and t > 1
+
+    def gathered(h):  # Megatron-SP: the whole sequence, once per region
+        return fpar.all_gather(h, TENSOR, axis=1, tiled=True) if sp else h
+
+    def out(y):  # row-parallel's sum: reduce-scatter the sequence (SP) or all-reduce
+        return fpar.psum_scatter(y, TENSOR, scatter_dimension=1, tiled=True) if sp else fpar.psum(y, TENSOR)
+
+    def block(w, x):
+        w = {k: v.to(dtype) for k, v in w.items()}
+        h = gathered(_rms_norm(x, w["ln1"]))
+        b, s = h.shape[0], h.shape[1]
+        q = (h @ w["wq"]).unflatten(-1, (hq, hd)).transpose(1, 2)
+        k = (h @ w["wk"]).unflatten(-1, (hkv, hd)).transpose(1, 2)
+        v = (h @ w["wv"]).unflatten(-1, (hkv, hd)).transpose(1, 2)
+        q, k = _rotary(q, s), _rotary(k, s)
+        k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+        o = _attention(q, k, v).transpose(1, 2).flatten(2)
+        x = x + out(o @ w["wo"])
+        h = gathered(_rms_norm(x, w["ln2"]))
+        return x + out((F.silu(h @ w["w1"]) * (h @ w["w3"])) @ w["w2"])
+
+    return fo.remat(block) if layout.remat else block
+
+
+def _parts(model: Model, layout: Layout, dtype):
+    """The per-device embedding, K blocks of a stage, and head + loss."""
+    sp = layout.sequence_parallel and layout.tensor > 1
+    block = _block(model, layout, dtype)
+
+    def embed(w, ids):
+        table = w["w_emb"].to(dtype)
+        if sp:
+            return ops.sp_vocab_embedding(ids, table, axis=TENSOR)
+        return ops.vocab_embedding(ids, table, axis=TENSOR)
+
+    def blocks(w, x):
+        k = next(iter(w.values())).shape[0]
+        for i in range(k):
+            x = block({n: v[i] for n, v in w.items()}, x)
+        return x
+
+    def head_loss(w, x, targets):
+        h = _rms_norm(x, w["ln_f"].to(dtype))
+        if sp:
+            h = fpar.all_gather(h, TENSOR, axis=1, tiled=True)
+        logits = ops.column_linear(h, w["w_head"].to(dtype), axis=TENSOR)
+        return fpar.pmean(ops.vocab_cross_entropy(logits, targets, axis=TENSOR).mean(), DATA)
+
+    return embed, blocks, head_loss
+
+
+def build_step(model: Model, layout: Layout, mesh: fpar.Mesh | None = None, *, dtype=torch.bfloat16):
+    """``(step, args)``: ``layout``'s whole training step of ``model`` on ``mesh`` (default: an abstract one)."""
+    check_layout(model, layout)
+    mesh = layout.mesh() if mesh is None else mesh
+    p, m = layout.pipeline, layout.microbatches
+    rows = layout.batch // (layout.data * m)  # sequences per microbatch per device
+    embed, blocks, head_loss = _parts(model, layout, dtype)
+    d = model.d_model
+    first_specs = {"w_emb": P(TENSOR, None)}
+    last_specs = {"ln_f": P(), "w_head": P(None, TENSOR)}
+    opt = fo.adamw(3e-4, b2=0.95, weight_decay=0.1)
+    ids = torch.empty(m, rows * layout.data, model.seq, dtype=torch.long, device="meta")
+    act = P(DATA, TENSOR) if layout.sequence_parallel and layout.tensor > 1 else P(DATA)
+    if p == 1:
+        specs = {"blocks": _stacked(_block_specs(), False), "first": first_specs, "last": last_specs}
+        inits = {
+            "blocks": _block_inits(model, (model.n_layers,)),
+            "first": {"w_emb": fpar.normal((model.vocab, d), std=0.02)},
+            "last": {"ln_f": fpar.ones((d,)), "w_head": fpar.normal((d, model.vocab), std=0.02)},
+        }
+        params = fpar.init(inits, mesh, specs)
+
+        def loss_fn(w, batch):
+            x_ids, y_ids = batch
+            x = blocks(w["blocks"], embed(w["first"], x_ids))
+            return _local_loss(w["last"], x, y_ids)
+
+        layout_z = fo.zero_layout(params, mesh, specs, stage=layout.zero, data_axis=DATA)
+        params, state = fo.zero_init(opt, params, layout_z)
+        zstep = fo.zero_step(loss_fn, opt, layout_z, batch_specs=P(DATA), n_micro=m)
+        batch = (ids.flatten(0, 1), ids.flatten(0, 1))
+        batch = fpar.device_put(batch, mesh, P(DATA))
+
+        def step(params, state, batch):
+            return zstep(params, state, batch)
+
+        return step, (params, state, batch)
+
+    k = model.n_layers // p
+    specs = {"stages": _stacked(_block_specs(), True), "first": first_specs, "last": last_specs}
+    inits = {
+        "stages": _block_inits(model, (p, k)),
+        "first": {"w_emb": fpar.normal((model.vocab, d), std=0.02)},
+        "last": {"ln_f": fpar.ones((d,)), "w_head": fpar.normal((d, model.vocab), std=0.02)},
+    }
+    params = fpar.init(inits, mesh, specs)
+    sub = mesh.submesh((DATA, TENSOR))
+    stage_k = fpar.shard(blocks, sub, (_stacked(_block_specs(), False), act), act)
+    first_k = fpar.shard(embed, sub, (first_specs, P(DATA)), act)
+    loss_k = fpar.shard(head_loss, sub, (last_specs, act, P(DATA)), P())
+    schedules = {"1f1b": pp.one_f_one_b, "gpipe": pp.gpipe, "zb": pp.zb_h1}
+    if layout.schedule not in schedules:
+        raise ValueError(f"fpar.plan: unknown schedule {layout.schedule!r}; choose one of {sorted(schedules)}.")
+    run = pp.pipeline(stage_k, schedules[layout.schedule](p, m), mesh, loss=loss_k, first=first_k, axis=PIPE)
+    zl = fo.zero_layout(params, mesh, specs, stage=0 if layout.zero == 0 else 2, data_axis=DATA)
+    params, state = fo.zero_init(opt, params, zl)
+    update = fo.zero_update(opt, zl)
+    chunk = _own_chunks(zl) if layout.zero else None
+    xs = fpar.device_put(ids, mesh, P(None, DATA))
+
+    def step(params, state, xs, ys):
+        res = run(params, xs, ys)
+        grads = res.grads if chunk is None else chunk(res.grads)
+        return update(grads, state, params), res.loss
+
+    return step, (params, state, xs, xs)
+
+
+def _local_loss(w, x, y):
+    """The head's loss without the data mean (``zero_step`` averages over the data axis itself)."""
+    dtype = x.dtype
+    h = _rms_norm(x, w["ln_f"].to(dtype))
+    if x.shape[1] != y.shape[1]:  # sequence parallel: the whole sequence for the head
+        h = fpar.all_gather(h, TENSOR, axis=1, tiled=True)
+    logits = ops.column_linear(h, w["w_head"].to(dtype), axis=TENSOR)
+    return ops.vocab_cross_entropy(logits, y, axis=TENSOR).mean()
+
+
+def _own_chunks(layout):
+    """ZeRO-1 after the pipeline's all-reduce: each device's chunk of the reduced gradient (no messages)."""
+    from ..optim._zero import _map, _own_chunk
+
+    pspecs = layout._tree([lf.spec for lf in layout.leaves])
+    return fpar.shard(lambda g: _map(_own_chunk, g, layout), layout.mesh, (pspecs,), layout.grad_specs)
+
+
+def _stacked(specs: dict, pipe: bool) -> dict:
+    lead = (PIPE, None) if pipe else (None,)
+    return {k: P(*lead, *s) for k, s in specs.items()}
+
+
+def layout_choices(model: Model, devices: int, **choices: Any) -> list[Layout]:
+    """Every layout of ``devices`` from the choices (lists per field) that divides the model."""
+    import itertools
+
+    fields = {f.name: [f.default] for f in dataclasses.fields(Layout)}
+    for name, values in choices.items():
+        if name not in fields:
+            raise ValueError(f"fpar.plan.search: unknown choice {name!r}; choose from {sorted(fields)}.")
+        fields[name] = list(values) if isinstance(values, (list, tuple, range)) else [values]
+    out = []
+    for combo in itertools.product(*fields.values()):
+        kw = dict(zip(fields, combo))
+        if "data" not in choices:
+            pt = kw["pipeline"] * kw["tensor"]
+            if devices % pt:
+                continue
+            kw["data"] = devices // pt
+        layout = Layout(**kw)
+        if layout.devices != devices:
+            continue
+        try:
+            check_layout(model, layout)
+        except ValueError:
+            continue
+        out.append(layout)
+    return out
