@@ -249,6 +249,19 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         ("plan/_paper.py",),
         "a fake process group, to build a real mesh's groups without processes",
     ),
+    # public names newer than pyproject's floor (torch 2.11 has them under their older names)
+    PrivateApi(
+        "torch.distributed.all_gather_single",
+        ("_dist/exchange.py", "optim/_zero_comm.py"),
+        "one-buffer all-gather; falls back to all_gather_into_tensor (same arguments) where missing",
+        optional=True,
+    ),
+    PrivateApi(
+        "torch.distributed.reduce_scatter_single",
+        ("_dist/exchange.py", "optim/_zero_comm.py"),
+        "one-buffer reduce-scatter; falls back to reduce_scatter_tensor (same arguments) where missing",
+        optional=True,
+    ),
     PrivateApi(
         "torch._grouped_mm",
         ("ops/_moe.py", "plan/_cost.py"),

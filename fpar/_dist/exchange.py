@@ -20,6 +20,10 @@ from .pending import Pending, Stand
 
 Tensor = torch.Tensor
 
+# The one-buffer forms; torch 2.11 has them only under their older names (same arguments).
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 
 def _in_group_order(blocks: list[Tensor], members: list[int], group) -> list[Tensor]:
     """Reorder per-member blocks into the group's rank order."""
@@ -69,7 +73,7 @@ def _run(kind: str, params: tuple, x: Tensor, nb: int, axes, mg: MeshGroups) -> 
         if tiled and nb + axis == 0 and _ordered(members, group):  # straight into the result
             x = x.contiguous()
             out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-            dist.all_gather_single(out, x, group=group)
+            all_gather_single(out, x, group=group)
             return out
         bufs = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(n)]
         dist.all_gather(bufs, x.contiguous(), group=group)
@@ -80,7 +84,7 @@ def _run(kind: str, params: tuple, x: Tensor, nb: int, axes, mg: MeshGroups) -> 
         if tiled and nb + dim == 0 and dist.get_backend(group) != "gloo" and _ordered(members, group):
             # One buffer, no per-chunk copies (gloo's reduce_scatter_single copies it all first).
             out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
-            dist.reduce_scatter_single(out, x.contiguous(), group=group)
+            reduce_scatter_single(out, x.contiguous(), group=group)
             return out
         chunks = [c.contiguous() for c in x.chunk(n, nb + dim)]
         out = torch.empty_like(chunks[0])

@@ -190,13 +190,15 @@ class _Pending:
     def start(cls, param: _Param, groups: Any, axis: str) -> _Pending:
         import torch.distributed as dist
 
+        from .._dist.exchange import all_gather_single
+
         group, members = groups.group((axis,)), groups.members((axis,))
         chunk = param.chunk
         n = len(members)
         ordered = [dist.get_group_rank(group, r) for r in members] == list(range(n))
         out = torch.empty(n * chunk.numel(), dtype=chunk.dtype, device=chunk.device)
         if ordered:
-            work = dist.all_gather_single(out, chunk, group=group, async_op=True)
+            work = all_gather_single(out, chunk, group=group, async_op=True)
             return cls(work, None, out)
         bufs = [torch.empty_like(chunk) for _ in range(n)]
         work = dist.all_gather(bufs, chunk, group=group, async_op=True)
@@ -241,7 +243,7 @@ def gathered_grad(objective, layout: Any, chunks: Any, batch: Any, scale: Tensor
     """
     import torch.distributed as dist
 
-    from .._dist.exchange import _in_group_order, _ordered
+    from .._dist.exchange import _in_group_order, _ordered, reduce_scatter_single
 
     axis, n = layout.data_axis, layout.n
     groups = layout.mesh._dist
@@ -270,7 +272,7 @@ def gathered_grad(objective, layout: Any, chunks: Any, batch: Any, scale: Tensor
         out = torch.empty_like(flat[i])
         groups.group((axis,))  # as every collective fpar issues: held messages go first (pending.py)
         if direct:
-            work = dist.reduce_scatter_single(out, g, group=group, async_op=True)
+            work = reduce_scatter_single(out, g, group=group, async_op=True)
         else:
             parts = _in_group_order(list(g.chunk(n)), members, group)
             work = dist.reduce_scatter(out, parts, group=group, async_op=True)
@@ -332,7 +334,7 @@ def scattered_grad(
     """
     import torch.distributed as dist
 
-    from .._dist.exchange import _in_group_order, _ordered
+    from .._dist.exchange import _in_group_order, _ordered, reduce_scatter_single
 
     axis, n = layout.data_axis, layout.n
     groups = layout.mesh._dist
@@ -361,7 +363,7 @@ def scattered_grad(
         out = full.new_empty(full.numel() // n)
         groups.group((axis,))  # as every collective fpar issues: held messages go first (pending.py)
         if direct:
-            work = dist.reduce_scatter_single(out, full, group=group, async_op=True)
+            work = reduce_scatter_single(out, full, group=group, async_op=True)
         else:
             work = dist.reduce_scatter(out, _in_group_order(list(full.chunk(n)), members, group), group=group, async_op=True)
         _stats.record("psum_scatter", (axis,), n, full, overlap=True)
