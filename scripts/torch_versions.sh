@@ -22,9 +22,6 @@ tests/test_testing_kit.py tests/test_docs.py::test_page_runs \
 tests/test_compile.py::test_every_form_in_process_equals_the_unsharded_gradient \
 tests/test_compile.py::test_in_process_collectives_under_compile_and_grad"
 read -r -a TESTS <<< "${TORCH_TIER_TESTS:-$DEFAULT_TESTS}"
-# Warnings are errors in the suite; these come from inside torch on versions other than CI's
-# (2.14's forward-mode AD loads decompositions through the deprecated torch.jit.script).
-WARN=(-W "ignore:\`torch.jit.script\` is deprecated:FutureWarning")
 
 status=0
 for v in "${VERSIONS[@]}"; do
@@ -40,7 +37,7 @@ for v in "${VERSIONS[@]}"; do
   ready=$(date +%s)
   echo "== torch $v ($("$env/bin/python" -c 'import torch; print(torch.__version__)')): environment ready in $((ready - start)) s"
   if ! PYTHONPATH="$PWD" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} CI=true \
-      "$env/bin/python" -m pytest -q -p no:cacheprovider "${WARN[@]}" "${TESTS[@]}"; then
+      "$env/bin/python" -m pytest -q -p no:cacheprovider "${TESTS[@]}"; then
     status=1
   fi
   echo "== torch $v: tests took $(( $(date +%s) - ready )) s"
