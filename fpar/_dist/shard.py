@@ -128,6 +128,7 @@ class DistShard:
         return self._run(plan, leaves, treedef, specs, traced=not plan.fast)
 
     def _first(self, args, leaves, treedef, specs, key) -> Any:
+        PLANNED[0] += 1
         paths, _, _ = tree_flatten_with_path(args)
         sig = []
         for i, (path, leaf, spec) in enumerate(zip(paths, leaves, specs)):
@@ -337,6 +338,7 @@ class DistShard:
 
 
 _TOKEN = torch.zeros(())  # any non-None token: marks the frame as a running shard call
+PLANNED = [0]  # signatures planned so far in this process (fpar.plan: was a call a steady one?)
 _UNSEEN = object()
 
 

@@ -15,6 +15,28 @@ from ._estimate import PlanError as PlanError
 from ._estimate import estimate as estimate
 from ._hardware import PRESETS as PRESETS
 from ._hardware import Hardware as Hardware
+from ._models import MODELS as MODELS
+from ._models import Layout as Layout
+from ._models import Model as Model
+from ._models import model_step as model_step
 from ._paper import abstract_mesh as abstract_mesh
+from ._search import Result as Result
+from ._search import ranking as ranking
+from ._search import search as search
 
-__all__ = ["PRESETS", "DeviceClass", "Estimate", "Hardware", "PlanError", "abstract_mesh", "estimate"]
+__all__ = [
+    "MODELS",
+    "PRESETS",
+    "DeviceClass",
+    "Estimate",
+    "Hardware",
+    "Layout",
+    "Model",
+    "PlanError",
+    "Result",
+    "abstract_mesh",
+    "estimate",
+    "model_step",
+    "ranking",
+    "search",
+]

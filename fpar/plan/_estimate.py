@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .. import _stats
-from .._dist import groups
+from .._dist import shard as _dist_shard
 from ..pipeline._timeline import replay
 from . import _cost
 from ._hardware import Hardware, hardware as _hardware
@@ -51,6 +51,8 @@ class DeviceClass:
       flops: FLOPs one such device runs per step (recomputation included).
       step_time: predicted seconds of its step, with ``time_breakdown`` (``compute``,
         ``exposed_comm``, ``bubble``).
+      state_bytes: bytes of the step's arguments each such device holds, by kind: ``params``
+        (floating tensors outside optimizer state), ``optimizer`` (fpar.optim states), ``other``.
     """
 
     coords: dict
@@ -62,6 +64,7 @@ class DeviceClass:
     step_time: float = 0.0
     time_breakdown: dict = dataclasses.field(default_factory=dict)
     unknown_ops: dict = dataclasses.field(default_factory=dict)
+    state_bytes: dict = dataclasses.field(default_factory=dict)
     _timing: Any = None
 
 
@@ -149,8 +152,7 @@ def estimate(fn: Callable, *args: Any, hardware: str | Hardware = "h100-sxm", **
 
 
 def _estimate(fn, args, kwargs, hw, known, shapes) -> Estimate:
-    first = _simulate(fn, args, kwargs, hw, known, shapes, {})
-    mesh, sim, cls0 = first
+    mesh, sim, cls0 = _simulate(fn, args, kwargs, hw, known, shapes, {}, first=True)
     classes = [cls0]
     if sim.pipeline_axes:
         if len(sim.pipeline_axes) > 1:
@@ -198,7 +200,7 @@ def _estimate(fn, args, kwargs, hw, known, shapes) -> Estimate:
     )
 
 
-def _simulate(fn, args, kwargs, hw, known, shapes, coords, headers=None):
+def _simulate(fn, args, kwargs, hw, known, shapes, coords, headers=None, *, first=False):
     sim = Simulation(coords)
     sim.hardware = hw
     if headers:
@@ -208,14 +210,18 @@ def _simulate(fn, args, kwargs, hw, known, shapes, coords, headers=None):
     sim.recorder = rec
     with sim:
         with rec:
-            out = _call(fn, args, kwargs)  # the first call of each signature plans it
-            del out
-            gc.collect()
-            rec.start()
-            _stats.reset_comm_stats()
-            out = _call(fn, args, kwargs)
-            del out
-            gc.collect()
+            # The first call of a signature plans it (a traced call); the step is measured once
+            # every call in it is planned: the second run, or the first if it planned nothing
+            # (a pipeline stage whose functions an earlier stage's simulation planned).
+            for run in range(2):
+                planned = _dist_shard.PLANNED[0]
+                rec.start()
+                _stats.reset_comm_stats()
+                out = _call(fn, args, kwargs)
+                del out
+                gc.collect()
+                if run == 0 and _dist_shard.PLANNED[0] == planned and not first:
+                    break
         comm = _stats.comm_stats()
         mesh = sim.root
         if mesh is None:
@@ -230,7 +236,7 @@ def _simulate(fn, args, kwargs, hw, known, shapes, coords, headers=None):
         coords={a: c for a, c in coords.items()}, count=0, peak_bytes=rec.peak, breakdown=rec.breakdown(),
         comm=comm, flops=timing.flops, step_time=timing.total,
         time_breakdown={"compute": timing.compute, "exposed_comm": timing.total - timing.compute, "bubble": 0.0},
-        unknown_ops=dict(rec.unknown_ops), _timing=timing,
+        unknown_ops=dict(rec.unknown_ops), state_bytes=_state_bytes((args, kwargs), known), _timing=timing,
     )
     return mesh, sim, cls
 
@@ -327,12 +333,12 @@ def _assumptions(hw: Hardware, mesh, dtype) -> list[str]:
 
 
 def _table(est: Estimate) -> str:
-    gib = 2**30
     hw = est.hardware
+    gib, unit = next((u, n) for u, n in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")) if est.peak_bytes >= u or n == "KiB")
     lines = [
         f"fpar.plan estimate: {est.mesh} on {hw.name} ({est.mesh.size} devices)",
         "",
-        "memory per device (GiB)" + ("" if est.fits else f"  -- DOES NOT FIT in {hw.memory_bytes / gib:.1f} GiB"),
+        f"memory per device ({unit})" + ("" if est.fits else f"  -- DOES NOT FIT in {hw.memory_bytes / 2**30:.1f} GiB"),
         f"  {'class':<16}{'count':>7}{'peak':>9}" + "".join(f"{c[:11]:>12}" for c in CATEGORIES),
     ]
     for c in est.devices:
@@ -410,6 +416,18 @@ def _categories(tree) -> dict[int, str]:
     for t, optim in _walk(tree):
         kind = "optimizer" if optim else "params" if t.is_floating_point() else "other"
         out[t.untyped_storage()._cdata] = kind
+    return out
+
+
+def _state_bytes(tree, known: dict[int, str]) -> dict[str, int]:
+    """Bytes of the arguments' storages (each counted once) by kind."""
+    out = {"params": 0, "optimizer": 0, "other": 0}
+    seen = set()
+    for t, _ in _walk(tree):
+        st = t.untyped_storage()
+        if st._cdata not in seen:
+            seen.add(st._cdata)
+            out[known.get(st._cdata, "other")] += st.nbytes()
     return out
 
 

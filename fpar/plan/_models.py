@@ -24,7 +24,7 @@ import fpar.optim as fo
 import fpar.pipeline as pp
 from fpar import P
 
-__all__ = ["MODELS", "Layout", "Model", "build_step"]
+__all__ = ["MODELS", "Layout", "Model", "model_step"]
 
 PIPE, DATA, TENSOR = "pipeline", "data", "tensor"
 
@@ -145,12 +145,19 @@ def _rms_norm(x, w, eps: float = 1e-5):
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w.to(x.dtype)
 
 
+_ROTARY: dict = {}  # (seq, head dim, dtype, device) -> (cos, sin): computed once, as models keep them
+
+
 def _rotary(x, seq: int):
-    """Rotary position embedding on ``x[b, h, s, hd]`` (the frequencies are computed, not stored)."""
+    """Rotary position embedding on ``x[b, h, s, hd]``."""
     hd = x.shape[-1]
-    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
-    ang = torch.arange(seq, device=x.device, dtype=torch.float32)[:, None] * inv[None]
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    key = (seq, hd, x.dtype, str(x.device))
+    if key not in _ROTARY:
+        with torch.no_grad():
+            inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
+            ang = torch.arange(seq, device=x.device, dtype=torch.float32)[:, None] * inv[None]
+            _ROTARY[key] = (ang.cos().to(x.dtype), ang.sin().to(x.dtype))
+    cos, sin = _ROTARY[key]
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).flatten(-2)
 
@@ -202,9 +209,11 @@ def _parts(model: Model, layout: Layout, dtype):
         return ops.vocab_embedding(ids, table, axis=TENSOR)
 
     def blocks(w, x):
-        k = next(iter(w.values())).shape[0]
-        for i in range(k):
-            x = block({n: v[i] for n, v in w.items()}, x)
+        # unbind once: one stacked gradient at the end of the backward, not a stage-sized zero
+        # gradient per layer (what indexing w[i] costs: select_backward per layer)
+        names = list(w)
+        for layer in zip(*(w[n].unbind(0) for n in names)):
+            x = block(dict(zip(names, layer)), x)
         return x
 
     def head_loss(w, x, targets):
@@ -217,8 +226,20 @@ def _parts(model: Model, layout: Layout, dtype):
     return embed, blocks, head_loss
 
 
-def build_step(model: Model, layout: Layout, mesh: fpar.Mesh | None = None, *, dtype=torch.bfloat16):
-    """``(step, args)``: ``layout``'s whole training step of ``model`` on ``mesh`` (default: an abstract one)."""
+def model_step(model: Model | str, layout: Layout, mesh: fpar.Mesh | None = None, *, dtype=torch.bfloat16):
+    """``(step, args)``: ``layout``'s whole training step of ``model`` on ``mesh`` (default: an abstract one).
+
+    ``model``: a ``fpar.plan.Model`` or a name of ``fpar.plan.MODELS`` (``"llama-8b"``,
+    ``"llama-70b"``, ``"llama-405b"``, ``"tiny"``).
+
+    Raises:
+      ValueError: an unknown model name, or a layout that does not divide the model (the message
+        names the dimension and the axis).
+    """
+    if isinstance(model, str):
+        if model not in MODELS:
+            raise ValueError(f"fpar.plan: unknown model {model!r}; choose one of {sorted(MODELS)} or pass a fpar.plan.Model.")
+        model = MODELS[model]
     check_layout(model, layout)
     mesh = layout.mesh() if mesh is None else mesh
     p, m = layout.pipeline, layout.microbatches
@@ -228,7 +249,10 @@ def build_step(model: Model, layout: Layout, mesh: fpar.Mesh | None = None, *, d
     first_specs = {"w_emb": P(TENSOR, None)}
     last_specs = {"ln_f": P(), "w_head": P(None, TENSOR)}
     opt = fo.adamw(3e-4, b2=0.95, weight_decay=0.1)
-    ids = torch.empty(m, rows * layout.data, model.seq, dtype=torch.long, device="meta")
+    if mesh.abstract:
+        ids = torch.empty(m, rows * layout.data, model.seq, dtype=torch.long, device="meta")
+    else:  # a real or in-process mesh: a batch of token ids to run it for real
+        ids = torch.randint(0, model.vocab, (m, rows * layout.data, model.seq), generator=torch.Generator().manual_seed(0))
     act = P(DATA, TENSOR) if layout.sequence_parallel and layout.tensor > 1 else P(DATA)
     if p == 1:
         specs = {"blocks": _stacked(_block_specs(), False), "first": first_specs, "last": last_specs}
@@ -308,7 +332,7 @@ def _stacked(specs: dict, pipe: bool) -> dict:
     return {k: P(*lead, *s) for k, s in specs.items()}
 
 
-def layout_choices(model: Model, devices: int, **choices: Any) -> list[Layout]:
+def layout_choices(model: Model | None, devices: int, **choices: Any) -> list[Layout]:
     """Every layout of ``devices`` from the choices (lists per field) that divides the model."""
     import itertools
 
@@ -328,9 +352,10 @@ def layout_choices(model: Model, devices: int, **choices: Any) -> list[Layout]:
         layout = Layout(**kw)
         if layout.devices != devices:
             continue
-        try:
-            check_layout(model, layout)
-        except ValueError:
-            continue
+        if model is not None:
+            try:
+                check_layout(model, layout)
+            except ValueError:
+                continue
         out.append(layout)
     return out

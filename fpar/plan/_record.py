@@ -120,7 +120,9 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        ins = list(_tensors((args, kwargs)))
+        ins = _tensors(args)
+        if kwargs:
+            ins += _tensors(kwargs)
         for t in ins:
             self._touch(t)
         info = self._info.get(func)
@@ -135,7 +137,7 @@ class Recorder(TorchDispatchMode):
             out = outs[0] if self._single[key] else outs
         else:
             out = func(*args, **kwargs)
-            outs = list(_tensors(out))
+            outs = _tensors(out) if isinstance(out, (Tensor, list, tuple)) else []
             flops = 0.0
             if costed:
                 try:
@@ -266,11 +268,20 @@ def _op_info(func) -> tuple:
 
 def _key(func, args, kwargs):
     """A hashable signature of a call: tensors by layout, everything else by value; None if unhashable."""
+    parts = [func]
     try:
-        parts = [func]
-        for x in _flat((args, kwargs)):
+        for x in (*args, *kwargs.items()):
             if isinstance(x, Tensor):
-                parts.append((tuple(x.shape), tuple(x.stride()), x.dtype, x.device.type, x.storage_offset()))
+                parts.append((x.shape, x.stride(), x.dtype, x.device.type, x.storage_offset()))
+            elif isinstance(x, (list, tuple)):
+                parts.append(len(x))
+                for y in x:
+                    if isinstance(y, Tensor):
+                        parts.append((y.shape, y.stride(), y.dtype, y.device.type, y.storage_offset()))
+                    elif isinstance(y, (list, tuple)):
+                        parts.append(tuple(y))
+                    else:
+                        parts.append(y)
             else:
                 parts.append(x)
         key = tuple(parts)
@@ -278,20 +289,6 @@ def _key(func, args, kwargs):
         return key
     except (TypeError, RuntimeError):
         return None
-
-
-def _flat(tree):
-    if isinstance(tree, (tuple, list)):
-        yield type(tree)
-        for x in tree:
-            yield from _flat(x)
-        yield "/"
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            yield k
-            yield from _flat(v)
-    else:
-        yield tree
 
 
 def _fresh(outs, ins) -> bool:
@@ -313,12 +310,20 @@ def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _tensors(tree: Any):
+def _tensors(tree: Any) -> list:
+    """The tensors of an op's arguments or outputs (aten ops nest them two levels deep at most)."""
     if isinstance(tree, Tensor):
-        yield tree
-    elif isinstance(tree, (tuple, list)):
-        for x in tree:
-            yield from _tensors(x)
-    elif isinstance(tree, dict):
-        for x in tree.values():
-            yield from _tensors(x)
+        return [tree]
+    out = []
+    for x in tree.values() if isinstance(tree, dict) else tree:
+        if isinstance(x, Tensor):
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                if isinstance(y, Tensor):
+                    out.append(y)
+                elif isinstance(y, (list, tuple)):
+                    out.extend(z for z in y if isinstance(z, Tensor))
+        elif isinstance(x, dict):
+            out.extend(_tensors(x))
+    return out

@@ -1,0 +1,145 @@
+"""fpar.plan against what it predicts: step time here, Llama-70B on paper, and a search's cost.
+
+    python bench/plan.py time     # hardware="this": predicted vs measured step time, 2 and 4 gloo processes
+    python bench/plan.py llama    # Llama-70B-shaped on 1024 "h100-sxm": layouts, seconds per estimate
+    python bench/plan.py search   # fpar.plan.search over >= 20 Llama-70B layouts: total seconds
+    python bench/plan.py memory   # model states and activations against the published formulas
+
+``time`` runs the same step (fpar.plan.model_step: a small Llama, TP+SP, ZeRO, pipeline; float32)
+on a real mesh of gloo processes and on an abstract mesh under ``estimate(hardware="this")``
+(this machine's matmul FLOP/s, copy bandwidth, per-op overhead and gloo's alpha/beta, measured
+first), and prints predicted / measured medians.  Run it on an idle machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import fpar
+import fpar.plan as plan
+
+SMALL = plan.Model("small", 256, 4, 8, 4, 768, 4096, 128)
+TIME_CASES = [  # (name, layout) on 2 and 4 processes
+    ("dp", plan.Layout(data=2, zero=0, microbatches=1, batch=8)),
+    ("tp", plan.Layout(data=1, tensor=2, zero=0, microbatches=1, batch=8)),
+    ("zero1 dp x tp", plan.Layout(data=2, tensor=2, zero=1, microbatches=1, batch=8)),
+    ("pipeline", plan.Layout(pipeline=2, data=1, zero=0, microbatches=4, batch=8)),
+    ("pipeline x tp", plan.Layout(pipeline=2, tensor=2, zero=0, microbatches=4, batch=8)),
+]
+
+
+def _real_step_seconds(layout_fields: dict, repeats: int) -> float:
+    layout = plan.Layout(**layout_fields)
+    mesh = fpar.make_mesh((layout.pipeline, layout.data, layout.tensor), ("pipeline", "data", "tensor"))
+    step, args = plan.model_step(SMALL, layout, mesh, dtype=torch.float32)
+    for _ in range(2):
+        out = step(*args)
+        del out
+    times = []
+    for _ in range(repeats):
+        torch.distributed.barrier()
+        t = time.perf_counter()
+        out = step(*args)
+        loss = out[-1] if isinstance(out, tuple) else None
+        if isinstance(loss, torch.Tensor):
+            float(loss)  # the step is done when its loss is
+        times.append(time.perf_counter() - t)
+        del out
+    return statistics.median(times)
+
+
+def bench_time(repeats: int = 7) -> None:
+    hw = fpar.plan._hardware.hardware("this")
+    print("hardware 'this':", *hw.describe(), sep="\n  ")
+    print(f"\n{'case':<16}{'devices':>8}{'predicted ms':>14}{'measured ms':>13}{'ratio':>8}")
+    for name, layout in TIME_CASES:
+        step, args = plan.model_step(SMALL, layout, dtype=torch.float32)
+        est = plan.estimate(step, *args, hardware=hw)
+        fields = dataclasses.asdict(layout)
+        measured = statistics.median(fpar.launch(_real_step_seconds, layout.devices, fields, repeats, timeout=600.0))
+        print(f"{name:<16}{layout.devices:>8}{est.step_time * 1e3:>14.1f}{measured * 1e3:>13.1f}{est.step_time / measured:>8.2f}")
+
+
+LLAMA_LAYOUTS = [
+    plan.Layout(pipeline=4, data=32, tensor=8, zero=1, microbatches=8, batch=256, remat=True),
+    plan.Layout(pipeline=8, data=16, tensor=8, zero=1, microbatches=8, batch=256, remat=False),
+    plan.Layout(pipeline=2, data=64, tensor=8, zero=1, microbatches=4, batch=256, remat=True),
+    plan.Layout(pipeline=4, data=64, tensor=4, zero=0, microbatches=4, batch=256, remat=True),
+]
+
+
+def bench_llama() -> None:
+    model = plan.MODELS["llama-70b"]
+    print(f"{model.name}: {model.n_params / 1e9:.2f}B parameters, seq {model.seq}, on 1024 x h100-sxm")
+    results = []
+    for layout in LLAMA_LAYOUTS:
+        t = time.perf_counter()
+        step, args = plan.model_step(model, layout)
+        est = plan.estimate(step, *args)
+        r = plan.Result(layout, est, time.perf_counter() - t)
+        results.append(r)
+        print(f"  {layout.describe()}: estimated in {r.seconds:.1f} s", flush=True)
+    results.sort(key=lambda r: r.estimate.step_time)
+    print()
+    print(plan.ranking(results, tokens_per_step=256 * model.seq))
+    print(f"\nseconds per estimate: {', '.join(f'{r.seconds:.1f}' for r in results)}")
+    print(f"\n{results[0].estimate}")
+    path = os.environ.get("PLAN_PNG")
+    if path:
+        results[0].estimate.plot(path)
+        print(f"picture: {path}")
+
+
+def bench_search() -> None:
+    model = plan.MODELS["llama-70b"]
+    t = time.perf_counter()
+    results = plan.search(
+        lambda layout: plan.model_step(model, layout), 1024, "h100-sxm", model=model, keep_dropped=True,
+        pipeline=[2, 4, 8], tensor=[4, 8], zero=[0, 1], microbatches=[8], remat=[False, True], batch=[256],
+    )
+    seconds = time.perf_counter() - t
+    print(plan.ranking(results, tokens_per_step=256 * model.seq))
+    print(f"\n{len(results)} layouts in {seconds:.0f} s ({seconds / max(len(results), 1):.1f} s each)")
+
+
+def bench_memory() -> None:
+    """Model states against ZeRO's formulas; one layer's activations against Korthikanti et al.'s."""
+    base = plan.MODELS["llama-70b"]
+    for zero in (0, 1):
+        model = dataclasses.replace(base, n_layers=4)
+        layout = plan.Layout(pipeline=2, data=32, tensor=8, zero=zero, microbatches=2, batch=64)
+        step, args = plan.model_step(model, layout)
+        est = plan.estimate(step, *args)
+        c = est.devices[0]
+        psi = c.state_bytes["params"] / 4
+        want = 12 * psi if zero == 0 else 4 * psi + 8 * psi / layout.data
+        got = c.state_bytes["params"] + c.state_bytes["optimizer"]
+        print(f"zero={zero}: params+AdamW {got / 2**30:.3f} GiB, formula {want / 2**30:.3f} GiB ({got / want - 1:+.2%})")
+    # activations of one layer: the difference between 4 and 2 layers per stage, one microbatch in flight
+    s, b = base.seq, 1
+    for t in (8,):
+        peaks = []
+        for layers in (2, 4):
+            model = dataclasses.replace(base, n_layers=layers)
+            layout = plan.Layout(pipeline=1, data=1, tensor=t, zero=0, microbatches=1, batch=b)
+            step, args = plan.model_step(model, layout)
+            peaks.append(plan.estimate(step, *args).peak_bytes)
+        per_layer = (peaks[1] - peaks[0]) / 2
+        h, a = base.d_model, base.n_heads
+        # Korthikanti et al. 2022 (TP + SP, 16-bit): s b h (34 + 5 a s / h) / t, written for GPT-3's block
+        gpt = s * b * h * (34 + 5 * a * s / h) / t
+        print(f"tensor={t}: one Llama-70B layer's peak growth {per_layer / 2**20:.1f} MiB; Korthikanti's GPT-3 "
+              f"formula {gpt / 2**20:.1f} MiB ({per_layer / gpt - 1:+.1%}); not the same block: see bench/README")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    what = sys.argv[1] if len(sys.argv) > 1 else "time"
+    {"time": bench_time, "llama": bench_llama, "search": bench_search, "memory": bench_memory}[what]()

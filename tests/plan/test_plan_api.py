@@ -1,0 +1,196 @@
+"""fpar.plan without processes: bad input, the in-process mesh's traffic, model states, search, CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import plan_programs as PP
+import pytest
+import torch
+
+import fpar
+import fpar.plan as plan
+from fpar import P
+
+# -- bad input: a clear error before any work --------------------------------------------------------
+
+
+def _calls():
+    calls = []
+
+    def step(*args):
+        calls.append(args)
+        return args
+
+    return step, calls
+
+
+def test_unknown_hardware_is_refused_before_the_step_runs():
+    step, calls = _calls()
+    with pytest.raises(ValueError, match=r"unknown hardware 'h200x'; choose one of \['a100-80g', 'b200', 'h100-sxm', 'this'\]"):
+        plan.estimate(step, torch.zeros(2), hardware="h200x")
+    assert calls == []
+
+
+def test_a_mesh_larger_than_the_hardware_is_refused_before_any_op():
+    small = dataclasses.replace(plan.PRESETS["h100-sxm"], nodes=1)
+    mesh = plan.abstract_mesh((16,), ("data",))
+    f = fpar.shard(lambda x: fpar.psum(x.sum(), "data"), mesh, P("data"), P())
+    x = fpar.device_put(torch.empty(32, device="meta"), mesh, P("data"))
+    with pytest.raises(ValueError, match=r"has 16 devices, but hardware 'h100-sxm' has 1 node\(s\) of 8 devices"):
+        plan.estimate(f, x, hardware=small)
+
+
+def test_a_step_that_reads_a_value_names_the_read():
+    mesh = plan.abstract_mesh((2,), ("data",))
+    f = fpar.shard(lambda x: fpar.psum(x.sum(), "data"), mesh, P("data"), P())
+
+    def step(x):
+        loss = f(x)
+        if loss.item() > 0:  # data-dependent control flow
+            return loss
+        return -loss
+
+    with pytest.raises(plan.PlanError, match=r"reads a tensor's value \(\.item\(\), \.tolist\(\), bool\(t\)"):
+        plan.estimate(step, fpar.device_put(torch.zeros(4), mesh, P("data")))
+
+
+def test_a_step_on_no_abstract_mesh_is_refused():
+    with pytest.raises(plan.PlanError, match="ran nothing on an abstract mesh"):
+        plan.estimate(lambda x: x * 2, torch.zeros(3))
+
+
+def test_a_layout_that_does_not_divide_names_the_dimension_and_axis():
+    with pytest.raises(ValueError, match=r"does not divide tiny's n_kv_heads=2 by tensor=4"):
+        plan.model_step("tiny", plan.Layout(tensor=4, batch=4))
+    with pytest.raises(ValueError, match=r"unknown model 'llama-7'"):
+        plan.model_step("llama-7", plan.Layout())
+    mesh = plan.abstract_mesh((4,), ("data",))
+    with pytest.raises(fpar.SpecError):  # a user's own layout: fpar's spec check, before any work
+        fpar.device_put(torch.empty(6, device="meta"), mesh, P("data"))
+
+
+@pytest.mark.parametrize("shape", [(0, 2), (2, -1), (2.0,)])
+def test_abstract_mesh_sizes_must_be_positive_integers(shape):
+    names = ("a", "b")[: len(shape)]
+    with pytest.raises(ValueError, match="must be positive"):
+        plan.abstract_mesh(shape, names)
+
+
+def test_an_abstract_mesh_has_no_processes_but_set_up_code_runs_as_device_0():
+    mesh = plan.abstract_mesh((4, 256), ("pipeline", "data"))
+    assert mesh.size == 1024 and mesh.abstract and "abstract" in repr(mesh)
+    params = fpar.init({"w": fpar.normal((1024, 64))}, mesh, {"w": P("data")})
+    assert params["w"].shape == (4, 64) and params["w"].device.type == "meta"
+    opt = fpar.optim.adamw(1e-3)
+    layout = fpar.optim.zero_layout(params, mesh, {"w": P()}, stage=1, data_axis="data")
+    _, state = fpar.optim.zero_init(opt, params, layout)  # a sharded call outside estimate: device 0
+    assert all(t.device.type == "meta" for t in torch.utils._pytree.tree_leaves(state) if isinstance(t, torch.Tensor))
+    assert not torch.distributed.is_initialized()
+
+
+# -- traffic: the in-process mesh counts the bytes the estimate predicts -------------------------------
+
+
+def _bytes(comm: dict, mesh_shape: dict) -> dict:
+    """Bytes per (axes without size-1 ones, collective): the same group however it is named."""
+    out: dict = {}
+    for axes, kinds in comm.items():
+        key_axes = ",".join(a for a in axes.split(",") if mesh_shape.get(a, 2) > 1)
+        for kind, v in kinds.items():
+            if v["bytes"]:
+                out[(key_axes, kind)] = out.get((key_axes, kind), 0) + v["bytes"]
+    return out
+
+
+@pytest.mark.parametrize("name", ["dp", "zero1", "zero2", "zero3", "tp", "sp"])
+def test_estimated_bytes_equal_the_in_process_mesh(name):
+    step, args = _built(name, "abstract")
+    est = plan.estimate(step, *args)
+    step, args = _built(name, "local")
+    comm, _ = PP.steady(step, args, repeats=1)
+    shape = dict(PP.mesh_for(name, "local").shape)
+    assert [_bytes(c.comm, shape) for c in est.devices] == [_bytes(comm, shape)]
+
+
+def _built(name, kind):
+    mesh = PP.mesh_for(name, kind)
+    return PP.build(name, mesh)
+
+
+# -- model states: exactly the sharded parameter count, and ZeRO's formulas ---------------------------
+
+
+def _sharded_params(model: plan.Model, layout: plan.Layout) -> int:
+    """Parameters one device of a (pipeline, data, tensor) layout holds (every stage holds the embedding
+    and the head: they are replicated over the pipeline axis)."""
+    t, p = layout.tensor, layout.pipeline
+    hd = model.d_model // model.n_heads
+    split = model.d_model * hd * (2 * model.n_heads + 2 * model.n_kv_heads) + 3 * model.d_model * model.d_ffn
+    per_layer = split // t + 2 * model.d_model
+    return model.n_layers // p * per_layer + 2 * model.vocab * model.d_model // t + model.d_model
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_llama_70b_state_bytes_equal_the_sharded_parameter_count(zero):
+    # Llama-70B's dimensions with 4 layers (2 per stage), so the test stays quick; the layer count only scales
+    model = dataclasses.replace(plan.MODELS["llama-70b"], n_layers=4, seq=256)
+    layout = plan.Layout(pipeline=2, data=4, tensor=8, zero=zero, microbatches=2, batch=8)
+    step, args = plan.model_step(model, layout)
+    est = plan.estimate(step, *args)
+    psi = _sharded_params(model, layout)
+    n = layout.data
+    for c in est.devices:
+        assert c.state_bytes["params"] == 4 * psi  # float32 master weights, exactly
+        adam = c.state_bytes["optimizer"]
+        # AdamW's m and v in float32: 8 psi, or 8 psi / N under ZeRO-1 (chunks padded to N; a step count)
+        want = 8 * psi if zero == 0 else 8 * psi / n
+        assert abs(adam - want) <= 0.001 * want, (adam, want)
+    assert sum(c.count for c in est.devices) == 64
+
+
+# -- search and the command line ------------------------------------------------------------------------
+
+
+def test_search_ranks_the_layouts_that_fit_by_step_time():
+    model = plan.MODELS["tiny"]
+    results = plan.search(
+        lambda layout: plan.model_step(model, layout), 4, "h100-sxm", model=model,
+        pipeline=[1, 2], tensor=[1, 2], zero=[0, 1], batch=[8], microbatches=[2],
+    )
+    times = [est.step_time for _, est in results]
+    assert len(results) >= 6 and times == sorted(times)
+    assert {(lay.pipeline, lay.tensor) for lay, _ in results} == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    table = plan.ranking(results)
+    assert table.count("\n") == len(results)
+    tiny_memory = dataclasses.replace(plan.PRESETS["h100-sxm"], memory_bytes=1)
+    dropped = plan.search(
+        lambda layout: plan.model_step(model, layout), 4, tiny_memory, model=model, keep_dropped=True,
+        pipeline=[1], tensor=[2], batch=[8], microbatches=[2],
+    )
+    assert [r.dropped.startswith("does not fit") for r in dropped] == [True] * len(dropped)
+    assert plan.search(lambda layout: plan.model_step(model, layout), 4, tiny_memory, model=model,
+                       pipeline=[1], tensor=[2], batch=[8], microbatches=[2]) == []
+
+
+def test_command_line_prints_the_ranking(capsys):
+    from fpar.plan.__main__ import main
+
+    code = main(["--model", "tiny", "--devices", "4", "--batch", "8", "--pipeline", "1,2", "--tensor", "2",
+                 "--zero", "1", "--microbatches", "2", "--remat", "no"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "2 layouts estimated" in out and "pipeline=2 data=1 tensor=2 zero=1" in out
+    assert "the fastest layout in full" in out and "bytes sent per device per step" in out
+
+
+def test_plot_draws_a_picture(tmp_path):
+    pytest.importorskip("matplotlib")
+    model = plan.MODELS["tiny"]
+    step, args = plan.model_step(model, plan.Layout(pipeline=2, data=1, tensor=2, microbatches=2, batch=4, zero=0))
+    est = plan.estimate(step, *args)
+    path = est.plot(str(tmp_path / "plan.png"))
+    assert (tmp_path / "plan.png").stat().st_size > 10_000 and path.endswith("plan.png")
+    text = str(est)
+    assert "pipeline=0" in text and "pipeline=1" in text and "assumptions:" in text and "not seen" in text
