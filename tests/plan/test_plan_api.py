@@ -194,3 +194,16 @@ def test_plot_draws_a_picture(tmp_path):
     assert (tmp_path / "plan.png").stat().st_size > 10_000 and path.endswith("plan.png")
     text = str(est)
     assert "pipeline=0" in text and "pipeline=1" in text and "assumptions:" in text and "not seen" in text
+
+
+def test_the_planning_example_runs(tmp_path, capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import plan_llama
+
+    results = plan_llama.main(["--model", "tiny", "--devices", "8", "--plot", str(tmp_path / "p.png")])
+    out = capsys.readouterr().out
+    assert len(results) == 4 and (tmp_path / "p.png").exists()
+    assert "ranking" not in out and "pipeline=2 data=2 tensor=2 zero=1" in out and "assumptions:" in out
