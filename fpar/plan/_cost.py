@@ -49,9 +49,11 @@ class Timing:
 
 def op_seconds(op: Op, hw: Hardware, share: float) -> float:
     """Seconds of one op on ``hw``; ``share`` is the fraction of a core each device gets (CPU)."""
-    eff = hw.matmul_efficiency if op.name in _MATMUL else 1.0
-    compute = op.flops / (hw.peak(op.dtype) * eff * share) if op.flops else 0.0
+    rate = hw.matmul_rate(op.flops, op.dtype) if op.name in _MATMUL else hw.peak(op.dtype)
+    compute = op.flops / (rate * share) if op.flops else 0.0
     memory = op.nbytes / (hw.memory_bandwidth * share) if op.nbytes else 0.0
+    if not (op.flops or op.nbytes) and not hw.cores:
+        return 0.0  # a view on an accelerator: no kernel (its CPU dispatch overlaps the device's work)
     return max(compute, memory) + hw.op_overhead / share
 
 
@@ -64,7 +66,10 @@ def comm_seconds(c: Comm, hw: Hardware, inter: bool) -> float:
     else:
         steps = _STEPS.get(c.kind, 1) * max(c.n - 1, 0)
     alpha, beta = (hw.inter_latency, hw.inter_bandwidth) if inter else (hw.intra_latency, hw.intra_bandwidth)
-    return steps * alpha + c.nbytes / beta
+    nbytes = c.nbytes
+    if c.kind == "psum_scatter" and hw.reduce_scatter_all_reduces:
+        steps, nbytes = 2 * max(c.n - 1, 0), 2 * nbytes
+    return steps * alpha + nbytes / beta
 
 
 def time_events(events: list, hw: Hardware, inter_axes: dict[tuple, bool], share: float) -> Timing:

@@ -8,10 +8,12 @@ Presets are vendor datasheet figures (dense, no sparsity) for SXM parts in 8-GPU
 | ``"h100-sxm"`` | 989 T | 67 T | 80 GB | 3.35 T | 450 GB/s | 50 GB/s (400 Gb/s NDR) |
 | ``"b200"`` | 2250 T | 80 T | 180 GB | 8 T | 900 GB/s | 50 GB/s (400 Gb/s) |
 
-``"this"`` is measured on the machine that runs the estimate: float32/float64 matmul FLOP/s
-with the threads torch uses, memory bandwidth from a large copy, the per-op overhead of eager
-torch, and gloo's all-reduce latency and bandwidth between two local processes (α and β fit
-from two message sizes), so that a prediction can be checked here against a real run.
+``"this"`` is measured on the machine that runs the estimate: float32 matmul FLOP/s by size
+(32 to 1024: small matmuls reach less of the peak) and float64/bfloat16 at 512, with the
+threads torch uses; memory bandwidth from a large copy; the per-op overhead of an eager
+training step (tiny ops recorded by autograd, and their backward); gloo's all-reduce latency and
+bandwidth between two local processes (α and β fit from two message sizes); so that a
+prediction can be checked here against a real run.
 """
 
 from __future__ import annotations
@@ -60,11 +62,22 @@ class Hardware:
     op_overhead: float = 4e-6
     nodes: int | None = None
     cores: int | None = None
+    matmul_curve: tuple = ()  # measured: ((FLOPs of one matmul, achieved FLOP/s), ...) by size, float32
+    reduce_scatter_all_reduces: bool = False  # the backend runs a reduce-scatter as an all-reduce (gloo)
 
     def peak(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s for ``dtype``."""
         name = str(dtype).replace("torch.", "")
         return float(self.flops.get(name, self.flops["float32"]))
+
+    def matmul_rate(self, flops: float, dtype: torch.dtype) -> float:
+        """FLOP/s a matmul of ``flops`` reaches: the measured curve where there is one, else peak x efficiency."""
+        if self.matmul_curve and dtype == torch.float32:
+            for f, rate in self.matmul_curve:
+                if flops <= f:
+                    return rate
+            return self.matmul_curve[-1][1]
+        return self.peak(dtype) * self.matmul_efficiency
 
     def describe(self) -> list[str]:
         """The assumptions this hardware makes, one line each."""
@@ -79,6 +92,8 @@ class Hardware:
         ]
         if self.cores:
             lines.append(f"  {self.cores} CPU cores shared by the devices (processes) of the node")
+        if self.reduce_scatter_all_reduces:
+            lines.append("  reduce-scatter runs as an all-reduce (gloo): twice the bytes, 2(n-1) steps")
         return lines
 
 
@@ -125,17 +140,15 @@ def hardware(spec: str | Hardware) -> Hardware:
 
 def measure_this(*, comm: bool = True) -> Hardware:
     """Measure this machine: matmul FLOP/s, memory bandwidth, per-op overhead, gloo α and β."""
-    flops = {
-        "float32": _matmul_flops(torch.float32),
-        "float64": _matmul_flops(torch.float64),
-    }
+    curve = tuple((2.0 * n**3, _matmul_flops(torch.float32, n)) for n in (32, 64, 128, 256, 512, 1024))
+    flops = {"float32": curve[-1][1], "float64": _matmul_flops(torch.float64)}
     flops["bfloat16"] = flops["float16"] = _matmul_flops(torch.bfloat16)
     alpha, beta = _gloo_alpha_beta() if comm else (50e-6, 1e9)
     return Hardware(
         "this", flops, memory_bytes=_memory_bytes(), memory_bandwidth=_copy_bandwidth(),
         devices_per_node=1024, intra_bandwidth=beta, intra_latency=alpha, inter_bandwidth=beta,
         inter_latency=alpha, matmul_efficiency=1.0, op_overhead=_op_overhead(), nodes=1,
-        cores=os.cpu_count() or 1,
+        cores=os.cpu_count() or 1, matmul_curve=curve, reduce_scatter_all_reduces=True,
     )
 
 
@@ -152,7 +165,7 @@ def _median_time(fn, repeats: int = 7) -> float:
 def _matmul_flops(dtype: torch.dtype, n: int = 512) -> float:
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
-    return 2 * n**3 / _median_time(lambda: a @ b)
+    return 2 * n**3 / _median_time(lambda: a @ b, repeats=7 if n >= 256 else 31)
 
 
 def _copy_bandwidth(n: int = 1 << 24) -> float:
@@ -162,13 +175,26 @@ def _copy_bandwidth(n: int = 1 << 24) -> float:
 
 
 def _op_overhead() -> float:
-    a = torch.ones(8)
+    """Seconds per op of a training step's eager overhead: tiny ops, recorded by autograd, and their backward."""
+    w = torch.ones(8, requires_grad=True)
+    counted = []
 
-    def ops():
-        for _ in range(200):
-            a.add(1.0)
+    def step():
+        x = w
+        for _ in range(100):
+            x = (x * 1.01).tanh()
+        x.sum().backward()
 
-    return _median_time(ops) / 200
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counted.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+    return _median_time(step) / len(counted)
 
 
 def _memory_bytes() -> int:

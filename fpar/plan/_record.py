@@ -159,9 +159,9 @@ class Recorder(TorchDispatchMode):
             nbytes = sum(_nbytes(t) for t in outs)
             if name not in ("aten.zeros_like", "aten.zeros", "aten.new_zeros"):
                 nbytes += sum(_nbytes(t) for t in ins)
-        if flops or nbytes:
-            dtype = next((t.dtype for t in ins if t.is_floating_point()), outs[0].dtype if outs else torch.float32)
-            self.events.append(Op(name, flops, nbytes, dtype, phase, self.mark))
+        dtype = next((t.dtype for t in ins if t.is_floating_point()), outs[0].dtype if outs else torch.float32)
+        # every op: a view or an empty tensor moves nothing, but costs its dispatch on a CPU
+        self.events.append(Op(name, flops, nbytes, dtype, phase, self.mark))
         return out
 
     # -- storages -------------------------------------------------------------------------------
