@@ -25,6 +25,7 @@ Example:
   >>> params, state, metrics = step(params, state, batch)
 """
 
+from ._accumulate import accumulate as accumulate
 from ._base import EmptyState as EmptyState
 from ._base import GradientTransformation as GradientTransformation
 from ._base import apply_updates as apply_updates
@@ -54,14 +55,13 @@ from ._transforms import scale_by_schedule as scale_by_schedule
 from ._transforms import sgd as sgd
 from ._transforms import trace as trace
 from ._zero import ZeroLayout as ZeroLayout
-from ._zero import accumulate as accumulate
 from ._zero import bytes_per_device as bytes_per_device
-from ._zero import zero_grads as zero_grads
 from ._zero import zero_init as zero_init
 from ._zero import zero_layout as zero_layout
 from ._zero import zero_params as zero_params
-from ._zero import zero_step as zero_step
-from ._zero import zero_update as zero_update
+from ._zero_grads import zero_grads as zero_grads
+from ._zero_update import zero_step as zero_step
+from ._zero_update import zero_update as zero_update
 
 __all__ = [
     "EmptyState",

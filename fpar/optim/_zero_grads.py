@@ -1,0 +1,220 @@
+"""ZeRO's gradients: each device's chunk of the reduced gradient, as its stage computes it.
+
+The stages, their traffic and memory are described in ``_zero.py``; the real mesh's
+stage-3 schedule in ``_zero_comm.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._collectives import pmean
+from .._shard import shard
+from .._spec import P
+from .._tree import tree_flatten, tree_map, tree_unflatten
+from ._accumulate import accumulate
+from ._precision import cast_floating
+from ._remat import remat
+from ._zero import BUCKET_BYTES, ZeroLayout, _buckets, _gather, _Leaf, _map, _reduce_scatter_all
+from ._zero_comm import Regather, gathered_grad, regather_supported, scattered_grad
+
+__all__ = ["zero_grads"]
+
+# Gradients -------------------------------------------------------------------------------------
+
+
+def zero_grads(
+    loss_fn: Callable,
+    layout: ZeroLayout,
+    *,
+    batch_specs: Any = None,
+    n_micro: int = 1,
+    compute_dtype: torch.dtype | None = None,
+    regather: bool = True,
+    bucket_bytes: int = BUCKET_BYTES,
+) -> Callable:
+    """Build ``grads(params, batch, loss_scale=None) -> (grads, loss)`` for ``layout``'s stage.
+
+    ``loss_fn(params, batch)`` is per-device code (it runs inside ``fpar.shard``; it may use
+    collectives over the non-data axes) returning this device's mean loss over its part of the
+    batch; the global loss is the mean over data ranks (and microbatches).  The gradients come
+    laid out by ``layout.grad_specs``: stage 0 the global gradient (all-reduced), stage 1 each
+    data rank's own gradient (unreduced), stages 2 and 3 each rank's chunk of the reduced one.
+
+    Args:
+      loss_fn: ``(params, batch) -> scalar`` per device.
+      layout: from ``zero_layout``.
+      batch_specs: a pytree prefix of the batch of ``fpar.P`` (default ``P(data_axis)``).
+      n_micro: split each device's batch into this many microbatches along the dim split over
+        the data axis and average their gradients (``accumulate``).
+      compute_dtype: run ``loss_fn`` in this dtype (floating params and batch leaves are cast).
+      regather: stage 3 only: keep no gathered parameter from the forward to the backward
+        (FSDP2's ``reshard_after_forward``): every parameter view autograd saves is replaced by
+        a token and all-gathered again when the backward needs it, the next one prefetched
+        asynchronously on a real mesh (``fpar.optim._zero_comm``).  The forward runs once;
+        traffic per step is 2 (N-1)/N Psi + (N-1)/N x (bytes of the saved parameters), at most
+        3 (N-1)/N Psi.  This differentiates with ``torch.autograd`` (saved-tensor hooks); called
+        under a ``torch.func`` transform it falls back to ``remat`` of the gathered forward
+        (the forward recomputed in the backward, 3 (N-1)/N Psi).  ``False`` keeps the gathered
+        parameters: 2 (N-1)/N Psi, Psi more memory.
+      bucket_bytes: stage 2: reduce-scatter the gradients in buckets of up to this many bytes
+        per device (leaves of one dtype and layout, in order), one collective per bucket.  On a
+        real mesh (not under a ``torch.func`` transform) each bucket's reduce-scatter starts,
+        asynchronously, as soon as autograd has its gradients, overlapping the rest of the
+        backward (``fpar.optim._zero_comm.scattered_grad``).
+    """
+    mesh, data, n = layout.mesh, layout.data_axis, layout.n
+    batch_specs = P(data) if batch_specs is None else batch_specs
+    pspecs = layout._tree([lf.spec for lf in layout.leaves])
+    tracking: dict[str, Regather | None] = {"regather": None}  # the running stage-3 forward's
+    gathered_outside = False  # stage 3 on a real mesh: FSDP's schedule (``gathered_grad``)
+    scatter_early = False  # stage 2 on a real mesh: buckets reduce-scattered in the backward
+
+    def local_loss(params, batch):
+        if compute_dtype is not None:
+            params, batch = cast_floating(params, compute_dtype), cast_floating(batch, compute_dtype)
+        loss = loss_fn(params, batch)
+        return loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss
+
+    if layout.stage == 0:
+
+        def per_device(params, batch, scale):
+            loss = pmean(local_loss(params, batch), data)
+            return loss * scale, loss.detach()
+
+        sharded = shard(per_device, mesh, (pspecs, batch_specs, P()), (P(), P()))
+        objective = sharded
+        wrt = lambda params: params  # noqa: E731
+    else:
+        if layout.stage == 3:
+
+            def gathered_loss(chunks, batch):
+                if compute_dtype is not None:  # gather (and reduce-scatter) in the compute dtype
+                    chunks = cast_floating(chunks, compute_dtype)
+                params = _map(lambda c, lf, lo: _gather(c, lf, lo, invariant=False), chunks, layout)
+                if tracking["regather"] is not None:
+                    for c, full in zip(tree_flatten(chunks)[0], tree_flatten(params)[0]):
+                        tracking["regather"].track(c, full)
+                return local_loss(params, batch)
+
+            body = gathered_loss
+            in_p = layout.chunk_specs
+        else:
+
+            def body(stacked, batch):
+                return local_loss(tree_map(lambda t: t.squeeze(0), stacked), batch)
+
+            in_p = layout._tree([P(data, *lf.spec) for lf in layout.leaves])
+
+        def objective_of(body, in_p=in_p):
+            def per_device(params, batch, scale):
+                loss = body(params, batch)
+                return (loss * scale).reshape(1), pmean(loss.detach(), data)
+
+            sharded = shard(per_device, mesh, (in_p, batch_specs, P()), (P(data), P()))
+
+            def objective(params, batch, scale):
+                scaled, loss = sharded(params, batch, scale)
+                return scaled.sum() / n, loss  # the mean over data ranks (a rank's own term on a real mesh)
+
+            return objective
+
+        objective = objective_of(body)
+        if layout.stage == 3 and regather:
+            hooked = objective
+            objective = objective_of(remat(body))  # under torch.func, which refuses saved-tensor hooks
+            if mesh.backend == "dist" and all(lf.block for lf in layout.leaves):
+                # Gathered outside (``gathered_grad``): each rank's gathered block enters as its
+                # own copy, varying over the data axis (its gradient is reduce-scattered there).
+                hooked = objective_of(
+                    local_loss, layout._tree([_own_copy_spec(lf, data) for lf in layout.leaves])
+                )
+                gathered_outside = True
+
+        if layout.stage == 2 and mesh.backend == "dist" and all(lf.block for lf in layout.leaves):
+            # Each rank's parameters as its own copy, differentiated by torch.autograd so every
+            # bucket is reduce-scattered as soon as its gradients exist (``scattered_grad``).
+            hooked = objective_of(
+                local_loss, layout._tree([_own_copy_spec(lf, data) for lf in layout.leaves])
+            )
+            scatter_early = True
+
+        wrt = (lambda params: params) if layout.stage == 3 else (lambda params: _per_rank(params, layout))
+    grad = torch.func.grad(objective, has_aux=True)
+    reduce = _reducer(layout, bucket_bytes) if layout.stage == 2 else None
+
+    def one(params, batch, scale):
+        if layout.stage == 3 and regather and regather_supported():
+            if gathered_outside:
+                return gathered_grad(hooked, layout, params, batch, scale, compute_dtype)
+            return _regathered_grad(hooked, tracking, layout, params, batch, scale)
+        if scatter_early and regather_supported():
+            leaves = tree_flatten(params)[0]
+            groups = _buckets(leaves, layout, bucket_bytes)
+            return scattered_grad(hooked, layout, params, batch, scale, groups)
+        g, loss = grad(wrt(params), batch, scale)
+        return (reduce(g) if reduce is not None else g), loss
+
+    acc = accumulate(one, n_micro, mesh, batch_specs)
+
+    def grads(params, batch, loss_scale=None):
+        if loss_scale is None:
+            leaves = tree_flatten(params)[0]
+            scale = torch.ones((), dtype=torch.float32, device=leaves[0].device if leaves else None)
+        else:
+            scale = loss_scale
+        return acc(params, batch, scale)
+
+    return grads
+
+
+def _regathered_grad(objective, tracking, layout, params, batch, scale):
+    """Stage 3's gradient with the backward re-gather of ``_zero_comm`` (``torch.autograd``)."""
+    leaves, treedef = tree_flatten(params)
+    inputs = [t.detach().requires_grad_(True) for t in leaves]
+    rg = Regather(layout.mesh, layout.data_axis)
+    tracking["regather"] = rg
+    try:
+        with torch.enable_grad(), rg.hooks():
+            scaled, loss = objective(tree_unflatten(treedef, inputs), batch, scale)
+    finally:
+        tracking["regather"] = None
+    try:
+        g = torch.autograd.grad(scaled, inputs, allow_unused=True, materialize_grads=True)
+    finally:
+        rg.close()
+    return tree_unflatten(treedef, list(g)), loss.detach()
+
+
+def _own_copy_spec(lf: _Leaf, data: str) -> P:
+    """The spec of a rank's whole (gathered) block as its own copy: ``lf.spec`` + data on dim 0.
+
+    On a real mesh a spec only says what the local block varies over; naming the data axis
+    makes each rank's copy a value of its own, so its gradient comes back unreduced.
+    """
+    entries = [tuple(e) for e in lf.spec.normalized()]
+    entries += [()] * (len(lf.block) - len(entries))
+    entries[0] = (*entries[0], data)
+    return P(*[e if e else None for e in entries])
+
+
+def _per_rank(params: Any, layout: ZeroLayout) -> Any:
+    """One copy of each parameter per data rank, ``P(data, *spec)``, without copying."""
+    if layout.mesh.backend == "dist":
+        return tree_map(lambda t: t.unsqueeze(0), params)
+    return tree_map(lambda t: t.expand(layout.n, *t.shape), params)
+
+
+def _reducer(layout: ZeroLayout, bucket_bytes: int) -> Callable:
+    in_g = layout._tree([P(layout.data_axis, *lf.spec) for lf in layout.leaves])
+
+    def reduce(stacked):
+        leaves, treedef = tree_flatten(stacked)
+        return tree_unflatten(
+            treedef, _reduce_scatter_all([g.squeeze(0) for g in leaves], layout, bucket_bytes)
+        )
+
+    return shard(reduce, layout.mesh, (in_g,), layout.chunk_specs)
