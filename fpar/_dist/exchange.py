@@ -147,7 +147,7 @@ def _all_to_all_v(x: Tensor, nb: int, send: tuple, recv: tuple, members, me_rank
         )
     me = members.index(me_rank)
     row = math.prod(x.shape[1:]) * x.element_size()
-    stats._add("all_to_all", axes, sum(c for j, c in enumerate(send) if j != me) * row)
+    stats._add("all_to_all", axes, sum(c for j, c in enumerate(send) if j != me) * row, n=len(members))
     x = x.contiguous()
     if len(members) == 1:
         return x.clone()
