@@ -40,7 +40,7 @@ import fpar
 from fpar import P
 from fpar.testing import TrainingProgram, assert_programs_on_real_mesh, assert_same_on_real_mesh
 from fpar.testing import strategies as fst
-from fpar.testing._random_mesh import _compare
+from fpar.testing._real_mesh import _compare
 
 EXPLORE_SEED = os.environ.get("FPAR_RANDOM_MESH_SEED")  # None in CI: the derandomized pool
 PER_LAUNCH = int(os.environ.get("FPAR_RANDOM_MESH_PROGRAMS", "10"))  # programs per device count

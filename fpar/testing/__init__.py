@@ -16,10 +16,10 @@
 from ._distributed import distributed as distributed
 from ._equivalent import assert_equivalent as assert_equivalent
 from ._equivalent import default_tolerance as default_tolerance
-from ._random_mesh import RealMeshMismatch as RealMeshMismatch
-from ._random_mesh import TrainingProgram as TrainingProgram
+from ._program import TrainingProgram as TrainingProgram
 from ._random_mesh import assert_programs_on_real_mesh as assert_programs_on_real_mesh
-from ._random_mesh import assert_same_on_real_mesh as assert_same_on_real_mesh
+from ._real_mesh import RealMeshMismatch as RealMeshMismatch
+from ._real_mesh import assert_same_on_real_mesh as assert_same_on_real_mesh
 
 __all__ = [
     "RealMeshMismatch",

@@ -32,7 +32,7 @@ except ImportError as e:  # pragma: no cover - exercised by a subprocess test
 
 from .._mesh import Mesh, make_mesh
 from .._spec import PartitionSpec
-from ._random_mesh import DRIVERS, MODELS, TrainingProgram
+from ._program import DRIVERS, MODELS, TrainingProgram
 
 __all__ = ["arrays", "meshes", "specs", "training_programs"]
 
