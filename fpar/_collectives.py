@@ -23,7 +23,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch._C._functorch import maybe_current_level
+from torch._C._functorch import (
+    _unwrap_for_grad,
+    get_unwrapped,
+    is_batchedtensor,
+    maybe_current_level,
+    maybe_get_level,
+)
 
 from . import _stats as stats
 from ._compile import opaque, untraced
@@ -288,6 +294,24 @@ def _apply(api: str, x: Any, axis_name: AxisName, kind: str, params: tuple = (),
     return one(x) if isinstance(x, Tensor) else tree_map(one, x)
 
 
+def batched_levels(t: Tensor, ours: dict[int, str]) -> set[int]:
+    """The mesh levels (keys of ``ours``) at which ``t`` is batched, i.e. the axes it varies over."""
+    out: set[int] = set()
+    if not ours:  # a mesh with no axes: nothing varies
+        return out
+    lowest = min(ours)
+    while True:
+        level = maybe_get_level(t)
+        if level < lowest:  # -1 for a plain tensor; below: an outer transform's wrapper
+            return out
+        if is_batchedtensor(t):
+            if level in ours:
+                out.add(level)
+            t = get_unwrapped(t)
+        else:  # a user's grad transform inside the sharded function
+            t = _unwrap_for_grad(t, level)
+
+
 def _count_implicit_pvary(frame: Frame, leaf: Tensor, axes: tuple[str, ...]) -> None:
     """Count the gradient all-reduce of a collective's input replicated over some of its axes.
 
@@ -296,8 +320,6 @@ def _count_implicit_pvary(frame: Frame, leaf: Tensor, axes: tuple[str, ...]) -> 
     """
     if not frame.levels or not (leaf.is_floating_point() or leaf.is_complex()):
         return
-    from ._mode import batched_levels
-
     varying = {frame.levels[lv] for lv in batched_levels(leaf, frame.levels)}
     inv = tuple(a for a in axes if a not in varying)
     if inv:

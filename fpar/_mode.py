@@ -41,12 +41,12 @@ from torch._C._functorch import (
 from torch._functorch.autograd_function import custom_function_call
 from torch.overrides import TorchFunctionMode
 
-from ._collectives import Frame, implicit_pvary
+from ._collectives import Frame, batched_levels, implicit_pvary
 from ._registry import INTERNAL, internal
 from ._tree import tree_flatten, tree_unflatten
 from .random._guard import RANDOM_OPS, check_random_op
 
-__all__ = ["ShardMode", "batched_levels", "storage_of"]
+__all__ = ["ShardMode", "storage_of"]
 
 Tensor = torch.Tensor
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm}
@@ -281,21 +281,3 @@ def _count_tensors(values) -> int:
         elif isinstance(v, (list, tuple)):
             n += sum(isinstance(u, Tensor) for u in v)
     return n
-
-
-def batched_levels(t: Tensor, ours: dict[int, str]) -> set[int]:
-    """The mesh levels (keys of ``ours``) at which ``t`` is batched, i.e. the axes it varies over."""
-    out: set[int] = set()
-    if not ours:  # a mesh with no axes: nothing varies
-        return out
-    lowest = min(ours)
-    while True:
-        level = maybe_get_level(t)
-        if level < lowest:  # -1 for a plain tensor; below: an outer transform's wrapper
-            return out
-        if is_batchedtensor(t):
-            if level in ours:
-                out.add(level)
-            t = get_unwrapped(t)
-        else:  # a user's grad transform inside the sharded function
-            t = _unwrap_for_grad(t, level)

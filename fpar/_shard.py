@@ -21,11 +21,11 @@ import torch
 from torch._C._functorch import maybe_current_level
 
 from . import _stats as stats
-from ._collectives import Frame, frames
+from ._collectives import Frame, batched_levels, frames
 from ._compile import eager, opaque
 from ._errors import ReplicationError, SpecError, replication_message
 from ._mesh import Mesh
-from ._mode import batched_levels, storage_of
+from ._mode import storage_of
 from ._spec import PartitionSpec, check_spec
 from ._tree import broadcast_prefix, describe, keystr, tree_flatten_with_path, tree_map, tree_unflatten
 

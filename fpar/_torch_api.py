@@ -77,13 +77,21 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     ),
     PrivateApi(
         f"{_FT}.maybe_get_level",
-        ("_mode.py", "_stats.py", "optim/_remat.py", "_dist/buckets.py", "_dist/exchange.py"),
+        (
+            "_mode.py",
+            "_collectives.py",
+            "_stats.py",
+            "optim/_remat.py",
+            "_dist/buckets.py",
+            "_dist/exchange.py",
+        ),
         "the functorch level a tensor is wrapped at",
     ),
     PrivateApi(
         f"{_FT}.get_unwrapped",
         (
             "_mode.py",
+            "_collectives.py",
             "_stats.py",
             "_defer.py",
             "optim/_zero_comm.py",
@@ -94,7 +102,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     ),
     PrivateApi(
         f"{_FT}.is_batchedtensor",
-        ("_mode.py", "optim/_remat.py", "optim/_zero_comm.py"),
+        ("_mode.py", "_collectives.py", "optim/_remat.py", "optim/_zero_comm.py"),
         "whether a tensor is batched by vmap (the in-process mesh's levels)",
     ),
     PrivateApi(
@@ -107,7 +115,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         (
             "_defer.py",
             "optim/_internal.py",
-            "optim/_zero.py",
+            "optim/_accumulate.py",
             "random/_philox.py",
             "_dist/shard.py",
             "_dist/buckets.py",
@@ -117,7 +125,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     ),
     PrivateApi(
         f"{_FT}._unwrap_for_grad",
-        ("_mode.py", "_dist/buckets.py", "_dist/exchange.py"),
+        ("_mode.py", "_collectives.py", "_dist/buckets.py", "_dist/exchange.py"),
         "hand a cotangent's plain tensor to a gradient bucket without a custom Function (~0.4 ms each)",
     ),
     PrivateApi(
@@ -127,12 +135,12 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     ),
     PrivateApi(
         f"{_FT}.get_interpreter_stack",
-        ("_dist/agreement.py", "_dist/buckets.py", "_dist/exchange.py", "ops/_moe.py"),
+        ("_dist/agreement.py", "_dist/buckets.py", "_dist/exchange.py", "ops/_moe_dispatch.py"),
         "which transforms are active (grad only, or a vmap on top)",
     ),
     PrivateApi(
         f"{_FT}.TransformType",
-        ("_dist/agreement.py", "_dist/buckets.py", "_dist/exchange.py", "ops/_moe.py"),
+        ("_dist/agreement.py", "_dist/buckets.py", "_dist/exchange.py", "ops/_moe_dispatch.py"),
         "the kind of each active transform",
     ),
     PrivateApi(
@@ -155,7 +163,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     ),
     PrivateApi(
         "torch.autograd.forward_ad._current_level",
-        ("_dist/agreement.py", "_dist/exchange.py", "ops/_moe.py"),
+        ("_dist/agreement.py", "_dist/exchange.py", "ops/_moe_dispatch.py"),
         "whether forward-mode AD (jvp) is active: its tangents take another path than grad's cotangents",
     ),
     # torch-function and dispatch machinery
@@ -193,7 +201,9 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "record the aten ops of a model for the planner's cost model",
     ),
     PrivateApi(
-        "torch._subclasses.fake_tensor.is_fake", ("ops/_moe.py",), "skip value checks on fake tensors"
+        "torch._subclasses.fake_tensor.is_fake",
+        ("ops/_moe_dispatch.py",),
+        "skip value checks on fake tensors",
     ),
     # tensors, storages and autograd nodes
     PrivateApi(
@@ -264,7 +274,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     ),
     PrivateApi(
         "torch._grouped_mm",
-        ("ops/_moe.py", "plan/_cost.py"),
+        ("ops/_moe_dispatch.py", "plan/_cost.py"),
         "one grouped matmul for all experts where the build has it",
         optional=True,
     ),

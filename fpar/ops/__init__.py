@@ -17,7 +17,7 @@ axis with ``axis=``; parameters are plain tensor dicts, and ``*_specs`` / ``init
   ``specs_2d`` / ``specs_2p5d`` / ``specs_3d`` giving every operand's ``P``.
 * Mixture of experts (``_moe.py``): ``moe`` (top-k, dropless or with a capacity factor, expert
   parallel over exact-count ``all_to_all`` on a real mesh, grouped matmuls, expert-TP),
-  ``moe_block``, ``moe_specs``, ``init_moe``.
+  ``moe_specs``, ``init_moe``; the transformer block with a MoE MLP, ``moe_block``, is in ``_gpt.py``.
 * Any ``nn.Module`` / Hugging Face model as it is (``_tensor_parallel.py``): ``tensor_parallel``
   (Megatron plan applied to the module's own forward) and its ``TensorParallelFn``.
 * Configuration (``_layout.py``): ``tensor_layout`` / ``TensorLayout`` map a Colossal-AI style
@@ -47,6 +47,7 @@ from ._gpt import init_mlp as init_mlp
 from ._gpt import layer_norm as layer_norm
 from ._gpt import layer_norm_specs as layer_norm_specs
 from ._gpt import mlp_specs as mlp_specs
+from ._gpt import moe_block as moe_block
 from ._gpt import sp_gpt_block as sp_gpt_block
 from ._layout import TensorLayout as TensorLayout
 from ._layout import tensor_layout as tensor_layout
@@ -58,7 +59,6 @@ from ._megatron import vocab_cross_entropy as vocab_cross_entropy
 from ._megatron import vocab_embedding as vocab_embedding
 from ._moe import init_moe as init_moe
 from ._moe import moe as moe
-from ._moe import moe_block as moe_block
 from ._moe import moe_specs as moe_specs
 from ._sequence import ring_attention as ring_attention
 from ._sequence import ring_self_attention as ring_self_attention

@@ -13,9 +13,8 @@ import numbers
 import torch
 
 from .. import random as _random
-from .._collectives import frames
+from .._collectives import batched_levels, frames
 from .._errors import SpecError
-from .._mode import batched_levels
 from .._spec import PartitionSpec, check_spec, global_shape
 
 __all__ = ["dropout"]

@@ -34,7 +34,8 @@ from fpar import P
 from . import _check as check
 from ._dropout import check_dropout, site_dropout
 from ._megatron import attention, column_linear, mlp, vocab_cross_entropy, vocab_embedding
-from ._moe import check_moe_args, init_moe, moe_block, moe_specs
+from ._moe import check_moe_args, init_moe, moe_specs
+from ._moe import moe as _moe_layer  # moe_block's keyword ``moe`` shadows the function
 from ._sequence import sp_attention, sp_column_linear, sp_mlp, sp_vocab_embedding
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "layer_norm",
     "layer_norm_specs",
     "mlp_specs",
+    "moe_block",
     "sp_gpt_block",
 ]
 
@@ -124,6 +126,50 @@ def sp_gpt_block(
     return gpt_block(
         params, x, axis=axis, n_heads=n_heads, sequence_parallel=True, dropout=dropout, key=key, batch_axes=batch_axes
     )
+
+
+def moe_block(
+    params: dict,
+    x: Tensor,
+    *,
+    axis,
+    n_heads: int,
+    moe: dict,
+    dropout: float = 0.0,
+    key: Tensor | None = None,
+    batch_axes=None,
+) -> tuple[Tensor, Tensor]:
+    """A pre-LayerNorm transformer block with a MoE MLP: ``x + attn(ln1(x))``, then ``x + moe(ln2(x))``.
+
+    Attention is Megatron 1D over ``axis`` (as in ``fpar.ops.gpt_block``); the experts are split
+    over ``axis`` too on their hidden dim (expert-TP) and over ``moe["axis"]`` by expert.
+
+    Args:
+      params: ``{"ln1", "attn", "ln2", "moe"}`` (see ``fpar.ops.gpt_specs(..., moe=True)``).
+      x: the residual stream ``[B, T, D]``, replicated over ``axis``.
+      axis: the tensor-parallel mesh axis.
+      n_heads: total heads.
+      moe: keyword arguments of ``fpar.ops.moe`` (``top_k``, ``axis``, ``token_axes``).
+      dropout, key, batch_axes: as for ``fpar.ops.gpt_block`` (attention probabilities and the
+        two residual branches; the router and the experts see no dropout).
+
+    Returns:
+      ``(x, aux_loss)``.
+    """
+    check.params("moe_block", params, ("ln1", "attn", "ln2", "moe"), (), "gpt", leaves=False)
+    check_dropout("moe_block", dropout, key)
+    if not dropout:
+        x = x + attention(params["attn"], layer_norm(params["ln1"], x), axis=axis, n_heads=n_heads, causal=True)
+        y, aux = _moe_layer(params["moe"], layer_norm(params["ln2"], x), tensor_axis=axis, **moe)
+        return x + y, aux
+    k_attn, k_res1, k_res2 = (fpar.random.fold_in(key, i) for i in range(3))
+    a = attention(
+        params["attn"], layer_norm(params["ln1"], x), axis=axis, n_heads=n_heads, causal=True,
+        dropout=dropout, key=k_attn, batch_axes=batch_axes,
+    )
+    x = x + site_dropout(k_res1, a, dropout, axis=axis, batch_axes=batch_axes)
+    y, aux = _moe_layer(params["moe"], layer_norm(params["ln2"], x), tensor_axis=axis, **moe)
+    return x + site_dropout(k_res2, y, dropout, axis=axis, batch_axes=batch_axes), aux
 
 
 def gpt(

@@ -257,7 +257,7 @@ def test_skewed_router_dropless_at_scale():
 
 def test_grouped_mm_path_equals_per_expert_matmuls(monkeypatch):
     """fp32 with 16-byte rows takes torch._grouped_mm where it exists: the same values and grads."""
-    import fpar.ops._moe as moe_mod
+    import fpar.ops._moe_dispatch as moe_mod
 
     params, x = make(64, 8, 16, 4, seed=2, skew=1.0, dtype=torch.float32)
     ct = randn(*x.shape, seed=7).float()

@@ -1,0 +1,145 @@
+"""The house: fpar's modules import each other without circles, and the core never imports the facade.
+
+The graph is read from the source (``ast``), every ``import`` and ``from ... import`` of an fpar
+module, at the top of a module or inside a function (a deferred import is still a dependency;
+it only hides a circle from the interpreter). An edge to a package is an edge to its
+``__init__``; a module does not depend on its parent package by being inside it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FPAR = ROOT / "fpar"
+FACADE = "fpar"
+
+# Subpackage modules that still call the public API through the facade (``import fpar``,
+# ``from fpar import P``) instead of the core modules. Nothing may join this list; a module that
+# stops importing the facade leaves it. (fpar.plan, being written, is not held to it yet.)
+FACADE_IMPORTERS = {
+    "fpar.ops._check",
+    "fpar.ops._gpt",
+    "fpar.ops._layout",
+    "fpar.ops._megatron",
+    "fpar.ops._moe",
+    "fpar.ops._sequence",
+    "fpar.ops._summa",
+    "fpar.ops._summa_3d",
+    "fpar.ops._tensor_parallel",
+    "fpar.optim._precision",
+    "fpar.optim._transforms",
+    "fpar.optim._zero",
+    "fpar.pipeline._scan",
+    "fpar.testing._program",
+}
+MAX_LINES = 650  # "no file over ~600 lines"
+
+
+def _name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_name(p): p for p in sorted(FPAR.rglob("*.py"))}
+
+
+def _imports(name: str) -> set[str]:
+    """The fpar modules ``name`` imports (a ``from pkg import sub`` of a submodule names the submodule)."""
+    path = MODULES[name]
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] == FACADE)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != FACADE:
+                continue
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                out.add(sub if sub in MODULES else target)
+    return {m for m in out if m in MODULES and m != name}
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _core(name: str) -> bool:
+    """fpar's own top-level modules and the backends (``fpar._x``, ``fpar._dist.*``), not the facade."""
+    return name != FACADE and name.split(".")[1].startswith("_")
+
+
+def test_the_graph_is_read():
+    assert "fpar._collectives" in GRAPH["fpar._shard"]
+    assert "fpar.ops._check" in GRAPH["fpar.ops._gpt"]  # `from . import _check as check`
+    assert "fpar._dist" in GRAPH[FACADE]
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_circles():
+    # The facade imports everything, so edges into it are the next test's business.
+    graph = {m: deps - {FACADE} for m, deps in GRAPH.items()}
+    assert _circles(graph) == [], "import circles among fpar's modules"
+
+
+def test_the_core_never_imports_the_facade():
+    bad = sorted(m for m, deps in GRAPH.items() if _core(m) and FACADE in deps)
+    assert bad == [], f"core modules importing `fpar` (import the core module instead): {bad}"
+
+
+def test_no_new_subpackage_imports_the_facade():
+    importers = {m for m, deps in GRAPH.items() if FACADE in deps and not _core(m) and m != FACADE}
+    new = sorted(m for m in importers - FACADE_IMPORTERS if not m.startswith("fpar.plan"))
+    assert new == [], f"import the core modules (fpar._shard, fpar._collectives, ...), not `fpar`: {new}"
+    gone = sorted(m for m in FACADE_IMPORTERS - importers if m in MODULES)
+    assert gone == [], f"no longer import the facade; drop them from FACADE_IMPORTERS: {gone}"
+
+
+def test_no_module_over_the_line_limit():
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in MODULES.values()
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+    }
+    assert long == {}, f"split by responsibility (at most ~600 lines a module): {long}"
