@@ -25,6 +25,8 @@ reproduced on torch 2.13 with gloo).  So fpar never lets Dynamo trace its own ma
 
 from __future__ import annotations
 
+import functools
+import sys
 import types
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -50,8 +52,27 @@ REASON = (
 
 
 def opaque(fn: Callable) -> Callable:
-    """``fn`` as an eager call Dynamo never traces (a graph break; an error under ``fullgraph``)."""
-    return torch.compiler.disable(fn, reason=REASON)
+    """``fn`` as an eager call Dynamo never traces (a graph break; an error under ``fullgraph``).
+
+    ``torch.compiler.disable`` imports Dynamo (about 2 s a process); a program that never compiles
+    never imports it.  So the wrapper carries Dynamo's markers (``_torchdynamo_disable``: Dynamo
+    never inlines it, and names :data:`REASON` under ``fullgraph``) and disables Dynamo for what
+    it calls only once Dynamo is loaded: before that, nothing can be compiling.
+    """
+    disabled: list = []
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn, reason=REASON))
+        return disabled[0](*args, **kwargs)
+
+    call._torchdynamo_disable = True
+    call._torchdynamo_disable_msg = REASON
+    call._torchdynamo_disable_recursive = True
+    return untraced(call)  # its own frame, run at a graph break, is not compiled either
 
 
 def eager():
