@@ -124,18 +124,28 @@ def bench_memory() -> None:
     # activations of one layer: the difference between 4 and 2 layers per stage, one microbatch in flight
     s, b = base.seq, 1
     for t in (8,):
-        peaks = []
+        peaks, states, weights, saved = [], [], [], []
         for layers in (2, 4):
             model = dataclasses.replace(base, n_layers=layers)
             layout = plan.Layout(pipeline=1, data=1, tensor=t, zero=0, microbatches=1, batch=b)
             step, args = plan.model_step(model, layout)
-            peaks.append(plan.estimate(step, *args).peak_bytes)
+            c = plan.estimate(step, *args).devices[0]
+            peaks.append(c.peak_bytes)
+            saved.append(c.saved_activations)
+            # model states: float32 weights, their float32 gradients, AdamW's m and v
+            states.append(2 * c.state_bytes["params"] + c.state_bytes["optimizer"])
+            weights.append(c.state_bytes["params"] / 2)  # the bfloat16 copies each layer's matmuls keep
         per_layer = (peaks[1] - peaks[0]) / 2
+        act = (saved[1] - saved[0]) / 2  # what the forward keeps for the backward, per layer
         h, a = base.d_model, base.n_heads
         # Korthikanti et al. 2022 (TP + SP, 16-bit): s b h (34 + 5 a s / h) / t, written for GPT-3's block
         gpt = s * b * h * (34 + 5 * a * s / h) / t
-        print(f"tensor={t}: one Llama-70B layer's peak growth {per_layer / 2**20:.1f} MiB; Korthikanti's GPT-3 "
-              f"formula {gpt / 2**20:.1f} MiB ({per_layer / gpt - 1:+.1%}); not the same block: see bench/README")
+        flash = s * b * h * 34 / t  # the same with the attention scores not kept (flash attention)
+        print(f"tensor={t}: one Llama-70B layer adds {per_layer / 2**20:.1f} MiB at the peak: model states "
+              f"{(states[1] - states[0]) / 2 / 2**20:.1f}; the forward keeps {act / 2**20:.1f} MiB for the backward "
+              f"(of which bf16 weight copies {(weights[1] - weights[0]) / 2 / 2**20:.1f})")
+        print(f"  Korthikanti's GPT-3 block: {gpt / 2**20:.1f} MiB with the s x s scores, {flash / 2**20:.1f} MiB "
+              f"without (flash); activations / that = {act / flash:.2f} (a Llama block is not GPT-3's: see bench/README)")
 
 
 if __name__ == "__main__":

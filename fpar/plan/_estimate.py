@@ -53,6 +53,8 @@ class DeviceClass:
         ``exposed_comm``, ``bubble``).
       state_bytes: bytes of the step's arguments each such device holds, by kind: ``params``
         (floating tensors outside optimizer state), ``optimizer`` (fpar.optim states), ``other``.
+      saved_activations: bytes the forward left alive for the backward, when the backward began
+        (what activation-memory formulas count; for a pipeline, at the first backward).
     """
 
     coords: dict
@@ -65,6 +67,7 @@ class DeviceClass:
     time_breakdown: dict = dataclasses.field(default_factory=dict)
     unknown_ops: dict = dataclasses.field(default_factory=dict)
     state_bytes: dict = dataclasses.field(default_factory=dict)
+    saved_activations: int = 0
     _timing: Any = None
 
 
@@ -236,7 +239,8 @@ def _simulate(fn, args, kwargs, hw, known, shapes, coords, headers=None, *, firs
         coords={a: c for a, c in coords.items()}, count=0, peak_bytes=rec.peak, breakdown=rec.breakdown(),
         comm=comm, flops=timing.flops, step_time=timing.total,
         time_breakdown={"compute": timing.compute, "exposed_comm": timing.total - timing.compute, "bubble": 0.0},
-        unknown_ops=dict(rec.unknown_ops), state_bytes=_state_bytes((args, kwargs), known), _timing=timing,
+        unknown_ops=dict(rec.unknown_ops), state_bytes=_state_bytes((args, kwargs), known),
+        saved_activations=rec.at_backward.get("activations", 0), _timing=timing,
     )
     return mesh, sim, cls
 

@@ -88,6 +88,7 @@ class Recorder(TorchDispatchMode):
         self.events: list = []
         self.mark: Any = None
         self.backward_done = False
+        self.at_backward: dict = {}  # bytes per category alive at the first backward op (made in the step)
         self.unknown_ops: Counter = Counter()  # ops with FLOPs we have no formula for
         self._refs: dict[int, Any] = {}
         # Meta kernels of elementwise ops run in Python (torch's prims: ~0.3 ms a call); a step
@@ -114,6 +115,8 @@ class Recorder(TorchDispatchMode):
 
     def _phase(self) -> str:
         if torch._C._current_graph_task_id() != -1:
+            if not self.backward_done:  # the first backward op: what the forward left for it
+                self.at_backward = dict(self.dyn)
             self.backward_done = True
             return "backward"
         return "update" if self.backward_done else "forward"
@@ -227,6 +230,7 @@ class Recorder(TorchDispatchMode):
         self.peak_dyn_by_cat = {}
         self.events = []
         self.backward_done = False
+        self.at_backward: dict = {}
 
     def _base_add(self, key: int, nbytes: int, category: str, st) -> None:
         """A storage made before the measured step: counted for all of it while it lives."""
