@@ -26,7 +26,7 @@ except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import fpar
 from fpar import P
-from fpar._mode import ShardMode
+from fpar._local.mode import ShardMode
 
 B, D, H = 16, 64, 256
 

@@ -8,7 +8,7 @@ How it works.  ``fpar.shard`` runs the per-device function under one ``torch.fun
 mesh axis, so a value is batched at an axis's level exactly when it varies over that axis (JAX's
 "varying manual axes", tracked by vmap for free).  A collective is an ``autograd.Function`` whose
 ``vmap`` rule, level by level, turns the levels of the axes it names into explicit leading dims
-and then performs the exchange on the stacked blocks (``_local.py`` in-process).  Its
+and then performs the exchange on the stacked blocks (``_local/exchange.py`` in-process).  Its
 ``backward``/``jvp`` (used only when the user differentiates *inside* the sharded function) are
 the transposes of DESIGN §3: psum <-> broadcast, all_gather <-> psum_scatter, ppermute(perm) <->
 ppermute(inverse), all_to_all(s, c) <-> all_to_all(c, s).

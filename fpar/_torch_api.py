@@ -63,9 +63,9 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi(
         f"{_FT}.maybe_current_level",
         (
-            "_shard.py",
+            "_local/shard.py",
             "_collectives.py",
-            "_mode.py",
+            "_local/mode.py",
             "_dist/shard.py",
             "_dist/tracker.py",
             "optim/_remat.py",
@@ -78,7 +78,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi(
         f"{_FT}.maybe_get_level",
         (
-            "_mode.py",
+            "_local/mode.py",
             "_collectives.py",
             "_stats.py",
             "optim/_remat.py",
@@ -90,7 +90,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi(
         f"{_FT}.get_unwrapped",
         (
-            "_mode.py",
+            "_local/mode.py",
             "_collectives.py",
             "_stats.py",
             "_defer.py",
@@ -102,7 +102,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     ),
     PrivateApi(
         f"{_FT}.is_batchedtensor",
-        ("_mode.py", "_collectives.py", "optim/_remat.py", "optim/_zero_comm.py"),
+        ("_local/mode.py", "_collectives.py", "optim/_remat.py", "optim/_zero_comm.py"),
         "whether a tensor is batched by vmap (the in-process mesh's levels)",
     ),
     PrivateApi(
@@ -125,7 +125,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     ),
     PrivateApi(
         f"{_FT}._unwrap_for_grad",
-        ("_mode.py", "_collectives.py", "_dist/buckets.py", "_dist/exchange.py"),
+        ("_local/mode.py", "_collectives.py", "_dist/buckets.py", "_dist/exchange.py"),
         "hand a cotangent's plain tensor to a gradient bucket without a custom Function (~0.4 ms each)",
     ),
     PrivateApi(
@@ -158,7 +158,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     ),
     PrivateApi(
         "torch._functorch.autograd_function.custom_function_call",
-        ("_mode.py",),
+        ("_local/mode.py",),
         "recognise fpar's own autograd.Functions when torch.func dispatches them through the mode",
     ),
     PrivateApi(

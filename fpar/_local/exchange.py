@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ._spec import PartitionSpec, check_spec, global_shape
+from .._spec import PartitionSpec, check_spec, global_shape
 
 __all__ = ["EXCHANGES", "LocalBackend"]
 

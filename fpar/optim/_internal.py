@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .._collectives import Frame, batched_levels, frames
-from .._mode import ShardMode
+from .._local.mode import ShardMode
 from .._registry import internal as internal
 from .._spec import block_shape as block_shape
 from .._torch_api import is_functorch_wrapped_tensor
