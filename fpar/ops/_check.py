@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-import fpar
+from .._collectives import axis_size as _axis_size
 
 Tensor = torch.Tensor
 
@@ -25,7 +25,7 @@ def axis_size(api: str, axis) -> int:
             f"fpar.ops.{api}: axis must be a mesh axis name (or a tuple of names), got {axis!r}; "
             f"e.g. {api}(..., axis='tensor')."
         )
-    return fpar.axis_size(axis)  # UnboundAxisError outside fpar.shard / for an unknown axis
+    return _axis_size(axis)  # UnboundAxisError outside fpar.shard / for an unknown axis
 
 
 def tensor(api: str, name: str, x, *, ndim: int | None = None, min_ndim: int | None = None) -> Tensor:

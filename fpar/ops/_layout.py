@@ -23,8 +23,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-import fpar
 from fpar._config import TENSOR_AXES, parse_parallel
+
+from .._mesh import Mesh
+from .._mesh import make_mesh as _make_mesh
 
 __all__ = ["TensorLayout", "tensor_layout"]
 
@@ -82,9 +84,9 @@ class TensorLayout:
 
     def make_mesh(
         self, *, data: int | None = None, devices: int | None = None, backend: str | None = None
-    ) -> fpar.Mesh:
+    ) -> Mesh:
         """Build the mesh ``fpar.make_mesh(*self.mesh_axes(data), devices=devices, backend=backend)``."""
-        return fpar.make_mesh(*self.mesh_axes(data), devices=devices, backend=backend)
+        return _make_mesh(*self.mesh_axes(data), devices=devices, backend=backend)
 
 
 def tensor_layout(

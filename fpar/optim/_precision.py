@@ -25,8 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-import fpar
-
+from .._collectives import psum
 from .._tree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 from . import _ops as ops
 from ._base import GradientTransformation
@@ -135,7 +134,7 @@ def all_finite(tree: Any) -> Tensor:
         bad = bad + (~torch.isfinite(x)).any().to(torch.int32)
     axes = mesh_axes()
     if axes:
-        bad = fpar.psum(bad, axes)
+        bad = psum(bad, axes)
     return bad == 0
 
 

@@ -12,8 +12,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-import fpar
-
+from .._collectives import psum
+from .._spec import P
 from .._tree import tree_flatten, tree_leaves, tree_unflatten
 from . import _ops as ops
 from ._base import EmptyState, GradientTransformation, chain
@@ -263,7 +263,7 @@ def global_norm(tree: Any, specs: Any = None) -> Tensor:
     else:
         from .._tree import broadcast_prefix
 
-        leaf_specs = broadcast_prefix(specs, tree, is_leaf=lambda s: s is None or isinstance(s, fpar.P))
+        leaf_specs = broadcast_prefix(specs, tree, is_leaf=lambda s: s is None or isinstance(s, P))
         axes = [tuple(s.axes()) if s is not None else () for s in leaf_specs]
     groups: dict[tuple[str, ...], list[Tensor]] = {}
     for x, a in zip(leaves, axes):
@@ -271,7 +271,7 @@ def global_norm(tree: Any, specs: Any = None) -> Tensor:
     total = None
     for a, xs in groups.items():
         s = sum(ops.sum_squares(xs))
-        s = fpar.psum(s, a) if a else s
+        s = psum(s, a) if a else s
         total = s if total is None else total + s
     return torch.sqrt(total) if total is not None else torch.zeros(())
 

@@ -52,9 +52,10 @@ from typing import Any
 
 import torch
 
-import fpar
-from fpar import P
-
+from .._collectives import all_gather, all_gather_invariant, axis_index, psum_scatter
+from .._mesh import Mesh
+from .._shard import shard
+from .._spec import P
 from .._tree import broadcast_prefix, tree_flatten, tree_unflatten
 from ._base import GradientTransformation
 from ._internal import block_shape
@@ -92,7 +93,7 @@ class ZeroLayout:
     checkpoints and ``bytes_per_device`` need.
     """
 
-    mesh: fpar.Mesh
+    mesh: Mesh
     stage: int
     data_axis: str
     treedef: Any
@@ -151,7 +152,7 @@ class ZeroLayout:
 
 
 def zero_layout(
-    params: Any, mesh: fpar.Mesh, param_specs: Any = _REPLICATED, *, stage: int, data_axis: str = "data"
+    params: Any, mesh: Mesh, param_specs: Any = _REPLICATED, *, stage: int, data_axis: str = "data"
 ):
     """Plan how ZeRO ``stage`` (0 = plain data parallel, DDP) stores ``params`` on ``mesh``.
 
@@ -205,18 +206,18 @@ def _padded(x: Tensor, lf: _Leaf, n: int) -> Tensor:
 
 def _own_chunk(x: Tensor, lf: _Leaf, layout: ZeroLayout) -> Tensor:
     """This device's chunk of a block replicated over the data axis (a slice: no communication)."""
-    i = fpar.axis_index(layout.data_axis).reshape(1)
+    i = axis_index(layout.data_axis).reshape(1)
     return _padded(x, lf, layout.n).reshape(layout.n, lf.chunk).index_select(0, i).squeeze(0)
 
 
 def _reduce_scatter(g: Tensor, lf: _Leaf, layout: ZeroLayout) -> Tensor:
     """Sum per-device gradients over the data axis, keeping this device's chunk: (N-1)/N of the block."""
-    return fpar.psum_scatter(_padded(g, lf, layout.n), layout.data_axis, tiled=True)
+    return psum_scatter(_padded(g, lf, layout.n), layout.data_axis, tiled=True)
 
 
 def _gather(chunk: Tensor, lf: _Leaf, layout: ZeroLayout, *, invariant: bool) -> Tensor:
     """The whole block from every device's chunk: (N-1)/N of the block per device."""
-    gather = fpar.all_gather_invariant if invariant else fpar.all_gather
+    gather = all_gather_invariant if invariant else all_gather
     return gather(chunk, layout.data_axis, tiled=True)[: lf.numel].reshape(lf.block)
 
 
@@ -254,7 +255,7 @@ def _reduce_scatter_all(grads: list[Tensor], layout: ZeroLayout, cap: int) -> li
             continue
         # Device k's chunk of every leaf, side by side: row k of an (N, sum of chunks) matrix.
         rows = [_padded(grads[i], leaves[i], n).reshape(n, leaves[i].chunk) for i in group]
-        mine = fpar.psum_scatter(torch.cat(rows, dim=1).reshape(-1), layout.data_axis, tiled=True)
+        mine = psum_scatter(torch.cat(rows, dim=1).reshape(-1), layout.data_axis, tiled=True)
         for i, piece in zip(group, mine.split([leaves[i].chunk for i in group])):
             out[i] = piece
     return out
@@ -269,7 +270,7 @@ def _gather_all(chunks: list[Tensor], layout: ZeroLayout, cap: int) -> list[Tens
             out[group[0]] = _gather(chunks[group[0]], leaves[group[0]], layout, invariant=True)
             continue
         sizes = [leaves[i].chunk for i in group]
-        full = fpar.all_gather_invariant(torch.cat([chunks[i] for i in group]), layout.data_axis, tiled=True)
+        full = all_gather_invariant(torch.cat([chunks[i] for i in group]), layout.data_axis, tiled=True)
         for i, block in zip(group, full.reshape(n, sum(sizes)).split(sizes, dim=1)):
             lf = leaves[i]
             out[i] = block.reshape(-1)[: lf.numel].reshape(lf.block)
@@ -294,13 +295,13 @@ def zero_init(optimizer: GradientTransformation, params: Any, layout: ZeroLayout
     pspecs = layout._tree([lf.spec for lf in layout.leaves])
     sspecs = layout.state_specs(optimizer)
     if layout.stage == 0:
-        return params, fpar.shard(optimizer.init, layout.mesh, (pspecs,), sspecs)(params)
+        return params, shard(optimizer.init, layout.mesh, (pspecs,), sspecs)(params)
 
     def init(params):
         chunks = _map(_own_chunk, params, layout)
         return chunks, optimizer.init(chunks)
 
-    chunks, state = fpar.shard(init, layout.mesh, (pspecs,), (layout.chunk_specs, sspecs))(params)
+    chunks, state = shard(init, layout.mesh, (pspecs,), (layout.chunk_specs, sspecs))(params)
     return (chunks if layout.stage == 3 else params), state
 
 
@@ -309,7 +310,7 @@ def zero_params(params: Any, layout: ZeroLayout) -> Any:
     if layout.stage != 3:
         return params
     pspecs = layout._tree([lf.spec for lf in layout.leaves])
-    gather = fpar.shard(
+    gather = shard(
         lambda chunks: _map(lambda c, lf, lo: _gather(c, lf, lo, invariant=True), chunks, layout),
         layout.mesh,
         (layout.chunk_specs,),
@@ -318,7 +319,7 @@ def zero_params(params: Any, layout: ZeroLayout) -> Any:
     return gather(params)
 
 
-def bytes_per_device(tree: Any, mesh: fpar.Mesh, specs: Any = _REPLICATED) -> int:
+def bytes_per_device(tree: Any, mesh: Mesh, specs: Any = _REPLICATED) -> int:
     """Bytes one device holds of ``tree``, laid out by ``specs`` (measured from the blocks).
 
     In-process the tree holds global tensors and a device's block is its spec's share of each;

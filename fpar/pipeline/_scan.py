@@ -25,8 +25,7 @@ from typing import Any
 
 import torch
 
-import fpar
-
+from .._collectives import axis_index, axis_size, ppermute, psum
 from .._registry import bound_once
 from .._tree import tree_leaves, tree_map
 
@@ -67,7 +66,7 @@ def gpipe_scan(stage_fn: Callable, stage_params: Any, xs: Tensor, *, axis: str =
       ...     return (ys ** 2).mean()
       >>> fpar.shard(loss, mesh, (P("pipe"), P()), P())(w_LDD, x_MBD)
     """
-    p = fpar.axis_size(axis)
+    p = axis_size(axis)
     v = _num_chunks(stage_params)
     m = int(xs.shape[0])
     if v > 1 and m < p:
@@ -76,7 +75,7 @@ def gpipe_scan(stage_fn: Callable, stage_params: Any, xs: Tensor, *, axis: str =
             f"the looped schedule needs m >= p, since microbatch j re-enters stage 0 m ticks after "
             f"it left and must have passed all p stages by then. Use at least {p} microbatches."
         )
-    stage = fpar.axis_index(axis)
+    stage = axis_index(axis)
     perm = [(i, i + 1) for i in range(p - 1)] + ([(p - 1, 0)] if v > 1 else [])
     zero = torch.zeros_like(xs[0])
     state, outs, circ = zero, [zero] * m, [zero] * m
@@ -91,10 +90,10 @@ def gpipe_scan(stage_fn: Callable, stage_params: Any, xs: Tensor, *, axis: str =
         j_last, c_last = _last_stage_slot(t, p, m, v)
         if c_last == v - 1:
             outs[j_last] = torch.where(stage == p - 1, y, zero)
-        state = fpar.ppermute(y, axis, perm) if p > 1 else y
+        state = ppermute(y, axis, perm) if p > 1 else y
         if c_last is not None and c_last < v - 1:
             circ[j_last] = state  # on stage 0: the last stage's output, for its next chunk
-    return fpar.psum(torch.stack(outs), axis)
+    return psum(torch.stack(outs), axis)
 
 
 def _num_chunks(stage_params: Any) -> int:
