@@ -45,8 +45,9 @@ class Hardware:
       intra_bandwidth, intra_latency: one direction's bytes/s and the per-step latency α inside a node.
       inter_bandwidth, inter_latency: the same across nodes (per device).
       nodes: how many nodes exist (``None``: as many as asked for).
-      cores: CPU hardware only: cores shared by the devices of a node (each device a process);
-        devices beyond the cores share them.
+      cores: CPU hardware only: the cores' worth of compute the devices of a node share (each
+        device a process; measured: the cores times what a process reaches while another
+        computes too, over what it reaches alone); devices beyond them share them.
     """
 
     name: str
@@ -61,7 +62,7 @@ class Hardware:
     matmul_efficiency: float = 0.7
     op_overhead: float = 4e-6
     nodes: int | None = None
-    cores: int | None = None
+    cores: float | None = None
     matmul_curve: tuple = ()  # measured: ((FLOPs of one matmul, achieved FLOP/s), ...) by size, float32
     reduce_scatter_all_reduces: bool = False  # the backend runs a reduce-scatter as an all-reduce (gloo)
 
@@ -91,7 +92,7 @@ class Hardware:
             f"alpha {self.inter_latency * 1e6:.3g} us across nodes",
         ]
         if self.cores:
-            lines.append(f"  {self.cores} CPU cores shared by the devices (processes) of the node")
+            lines.append(f"  {self.cores:.2f} CPU cores' worth of compute shared by the devices (processes) of the node")
         if self.reduce_scatter_all_reduces:
             lines.append("  reduce-scatter runs as an all-reduce (gloo): twice the bytes, 2(n-1) steps")
         return lines
@@ -143,12 +144,15 @@ def measure_this(*, comm: bool = True) -> Hardware:
     curve = tuple((2.0 * n**3, _matmul_flops(torch.float32, n)) for n in (32, 64, 128, 256, 512, 1024))
     flops = {"float32": curve[-1][1], "float64": _matmul_flops(torch.float64)}
     flops["bfloat16"] = flops["float16"] = _matmul_flops(torch.bfloat16)
-    alpha, beta = _gloo_alpha_beta() if comm else (50e-6, 1e9)
+    alpha, beta, busy = _gloo_alpha_beta() if comm else (50e-6, 1e9, None)
+    cores = float(os.cpu_count() or 1)
+    if busy:  # two processes computing at once each reach less than one alone (shared cores, caches)
+        cores *= min(1.0, busy / curve[-2][1])
     return Hardware(
         "this", flops, memory_bytes=_memory_bytes(), memory_bandwidth=_copy_bandwidth(),
         devices_per_node=1024, intra_bandwidth=beta, intra_latency=alpha, inter_bandwidth=beta,
         inter_latency=alpha, matmul_efficiency=1.0, op_overhead=_op_overhead(), nodes=1,
-        cores=os.cpu_count() or 1, matmul_curve=curve, reduce_scatter_all_reduces=True,
+        cores=cores, matmul_curve=curve, reduce_scatter_all_reduces=True,
     )
 
 
@@ -208,10 +212,10 @@ def _gloo_alpha_beta() -> tuple[float, float]:
     """Fit gloo's all-reduce time ``2α + S/β`` (two local processes) from two message sizes."""
     from .._dist import launch
 
-    small, big, size = launch(_gloo_times, 2, timeout=120.0)[0]
+    small, big, size, busy = launch(_gloo_times, 2, timeout=120.0)[0]
     alpha = max(small / 2, 1e-7)
     beta = size / max(big - 2 * alpha, 1e-9)
-    return alpha, beta
+    return alpha, beta, busy
 
 
 def _gloo_times() -> tuple[float, float, int]:
@@ -231,4 +235,7 @@ def _gloo_times() -> tuple[float, float, int]:
 
     numel = 1 << 20
     # one device sends 2 (n-1)/n S = S bytes of an n=2 all-reduce: time = 2 alpha + S / beta
-    return timed(2), timed(numel), 4 * numel
+    small, big = timed(2), timed(numel)
+    dist.barrier()
+    busy = _matmul_flops(torch.float32, 512)  # while the other process multiplies too
+    return small, big, 4 * numel, busy
