@@ -40,24 +40,27 @@ except ImportError:  # a torch without Dynamo: nothing ever compiles a frame
 
 T = TypeVar("T")
 
-__all__ = ["REASON", "eager", "opaque", "untraced"]
+__all__ = ["REASON", "TRACED", "eager", "graph_break", "opaque", "untraced"]
 
 REASON = (
-    "fpar.shard: a sharded function and fpar's collectives are graph breaks under torch.compile "
-    "(they run eagerly, with their custom backward: Dynamo can drop an autograd.Function's backward, "
-    "pytorch#193279), so fullgraph=True cannot cover them. Compile the per-device code instead: "
-    "fpar.shard(torch.compile(f), ...) (split at each collective), or torch.compile(g, fullgraph=True) "
-    "on a part of f without collectives; or drop fullgraph=True (see docs/compile.md)."
+    "fpar: this call cannot be traced by torch.compile, so fullgraph=True cannot cover it. On the "
+    "in-process mesh a sharded function is a graph break (fpar's in-process machinery, vmap levels "
+    "with custom rules, is not traceable); a collective in a per-device function compiled on its "
+    "own (fpar.shard(torch.compile(f), ...)) breaks f's graph there. On a real mesh, compile the "
+    "whole step instead: torch.compile(step, fullgraph=True), step calling the sharded loss, then "
+    "loss.backward() or torch.autograd.grad, then the update (torch.func.grad cannot be compiled: "
+    "pytorch#193279). Or drop fullgraph=True: the call runs eagerly (see docs/compile.md)."
 )
 
 
-def opaque(fn: Callable) -> Callable:
-    """``fn`` as an eager call Dynamo never traces (a graph break; an error under ``fullgraph``).
+def graph_break(fn: Callable, reason: str = REASON) -> Callable:
+    """``fn`` as an eager call Dynamo never traces (a graph break; under ``fullgraph``, an error
+    carrying ``reason``).
 
     ``torch.compiler.disable`` imports Dynamo (about 2 s a process); a program that never compiles
     never imports it.  So the wrapper carries Dynamo's markers (``_torchdynamo_disable``: Dynamo
-    never inlines it, and names :data:`REASON` under ``fullgraph``) and disables Dynamo for what
-    it calls only once Dynamo is loaded: before that, nothing can be compiling.
+    never inlines it, and names ``reason`` under ``fullgraph``) and disables Dynamo for what it
+    calls only once Dynamo is loaded: before that, nothing can be compiling.
     """
     disabled: list = []
 
@@ -66,13 +69,33 @@ def opaque(fn: Callable) -> Callable:
         if "torch._dynamo" not in sys.modules:
             return fn(*args, **kwargs)
         if not disabled:
-            disabled.append(torch.compiler.disable(fn, reason=REASON))
+            disabled.append(torch.compiler.disable(fn, reason=reason))
         return disabled[0](*args, **kwargs)
 
     call._torchdynamo_disable = True
-    call._torchdynamo_disable_msg = REASON
+    call._torchdynamo_disable_msg = reason
     call._torchdynamo_disable_recursive = True
     return untraced(call)  # its own frame, run at a graph break, is not compiled either
+
+
+def opaque(fn: Callable) -> Callable:
+    """A collective's entry: traced into the graph inside a real-mesh call Dynamo traces whole
+    (``_dist/compiled.py``, while :data:`TRACED` is set), a :func:`graph_break` anywhere else."""
+    call = graph_break(fn)
+
+    @functools.wraps(fn)
+    def entry(*args, **kwargs):
+        # Dynamo inlines this (it is not disabled); in eager mode TRACED is 0: one list lookup
+        if TRACED[0] and torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        return call(*args, **kwargs)
+
+    return untraced(entry)
+
+
+# How many real-mesh sharded calls Dynamo is tracing whole right now (``_dist/compiled.py``): in
+# them, fpar's collectives are traced into the graph instead of breaking it.
+TRACED = [0]
 
 
 def eager():

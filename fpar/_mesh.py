@@ -89,7 +89,7 @@ class Mesh:
     def axis_size(self, axis_name: str | tuple[str, ...]) -> int:
         """Size of one axis, or the product of the sizes of a tuple of axes."""
         names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-        return math.prod(self.shape[a] for a in names)
+        return math.prod([self.shape[a] for a in names])  # a list: Dynamo traces it (compiled steps)
 
 
 def make_mesh(

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ._collectives import frames
-from ._compile import opaque
+from ._compile import graph_break, opaque, untraced
 from ._errors import SpecError
 from ._local.shard import LocalCall
 from ._mesh import Mesh
@@ -114,7 +114,33 @@ def shard(
         call = LocalCall(f, fname, mesh, in_specs, out_specs, bool(check_rep), _prefix)
         return call.run(args)
 
-    return opaque(sharded)  # under torch.compile: an eager graph break (see _compile.py)
+    eager_call = opaque(sharded)  # under torch.compile: an eager graph break (see _compile.py)
+    if real is None:
+        return eager_call
+    from ._dist.compiled import NOT_FAST, UNPLANNED, compiled_call, signature_key
+
+    unplanned = graph_break(sharded, UNPLANNED.format(fname=fname))
+    not_fast = graph_break(sharded, NOT_FAST.format(fname=fname))
+
+    @functools.wraps(f)
+    def sharded_real(*args: Any, **kwargs: Any) -> Any:
+        # Dynamo inlines this: under torch.compile a real-mesh call whose signature an eager call
+        # planned is traced whole (``_dist/compiled.py``); otherwise the eager call, a graph break.
+        if not torch.compiler.is_compiling():
+            return eager_call(*args, **kwargs)
+        shard_, call_args = real, args
+        if kwargs:
+            g, specs = _with_kwargs(f, fname, in_specs, args, kwargs)
+            call_args = (*args, kwargs)
+            shard_ = kw_real.get((len(call_args), repr(specs[-1])))
+        plan = None if shard_ is None else shard_.compiled_plans.get(signature_key(call_args))
+        if plan is None:  # the eager call plans it; Dynamo recompiles at the next call (guards)
+            return unplanned(*args, **kwargs)
+        if not plan.fast:
+            return not_fast(*args, **kwargs)
+        return compiled_call(shard_, plan, call_args)
+
+    return untraced(sharded_real)
 
 
 def _with_kwargs(f, fname, in_specs, args: tuple, kwargs: dict) -> tuple[Callable, tuple]:

@@ -48,6 +48,7 @@ from .._tree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from .agree import digest
 from .agreement import _Agreement
 from .buckets import reduce_inputs
+from .compiled import groups_of, signature_key
 from .exchange import _Exchange, _TakeFirst, summed
 from .groups import _device, on_paper, simulated
 from .tracker import _Tracker
@@ -60,7 +61,7 @@ class _Plan:
 
     __slots__ = (
         "digest", "sig", "fast", "in_reduce", "in_order", "coll", "out_broken", "out_specs", "out_treedef",
-        "varying", "flats", "layouts", "heads", "lone", "read_inside",
+        "varying", "flats", "layouts", "heads", "lone", "read_inside", "groups",
     )
 
     def __init__(self, digest: int):
@@ -82,6 +83,7 @@ class _Plan:
         # (nothing to gain from a Pending, and Dynamo traces none: a compiled f goes on compiled)
         self.read_inside = False
         self.varying: dict = {}  # (shape, dtype) -> axes a queried value varies over (None: ambiguous)
+        self.groups = None  # compiled.groups_of: the process groups a compiled call uses
 
 
 class DistShard:
@@ -96,6 +98,7 @@ class DistShard:
         self.wire_key = frozenset(self.axes)  # its first messages' wire (MeshGroups.wires)
         self.mg = mesh._dist
         self.plans: dict[Any, _Plan] = {}
+        self.compiled_plans: dict[tuple, _Plan] = {}  # compiled.signature_key -> plan (eager calls')
         self.spec_cache: dict[Any, list] = {}
         self.static_text = repr((in_specs, out_specs, check_rep))
         self.index = None
@@ -148,6 +151,10 @@ class DistShard:
         plan.sig = sig
         out = self._run(plan, leaves, treedef, specs, traced=True, first=True)
         self.plans[key] = plan
+        if maybe_current_level() is None and not any(isinstance(x, Tensor) and _wrapped(x) for x in leaves):
+            if plan.fast:
+                plan.groups = groups_of(plan, self.mg)
+            self.compiled_plans[signature_key(args)] = plan  # for torch.compile (compiled.py)
         return out
 
     def _run(self, plan: _Plan, leaves, treedef, specs, *, traced: bool, first: bool = False):

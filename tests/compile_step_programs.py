@@ -1,0 +1,147 @@
+"""Programs for ``test_compile_step.py``: a whole training step under ``torch.compile(fullgraph=True)``.
+
+Spawned processes import their function by module name, so what ``fpar.launch`` runs lives here.
+Each program trains a small GPT (``fpar.ops.gpt_loss``, data x tensor) for a few steps twice from
+the same parameters: eagerly, and with the step compiled whole (the sharded loss, its backward
+and an ``fpar.optim`` AdamW update in one graph), after one eager step that plans the sharded
+call's signature.  It returns the largest differences of the losses and parameters (float64).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import fpar
+import fpar.ops as ops
+import fpar.optim as fo
+from fpar import P
+
+F64 = torch.float64
+V, D, L, T, B, HEADS, STEPS = 32, 16, 2, 8, 4, 4, 3
+
+
+def _setup(shape):
+    mesh = fpar.make_mesh(shape, ("data", "tensor"))
+    specs = ops.gpt_specs(L, "tensor")
+    params = fpar.init(ops.init_gpt(V, D, L, T, dtype=F64), mesh, specs, seed=0)
+
+    def per_device(params, ids, targets):
+        loss = ops.gpt_loss(params, ids, targets, axis="tensor", n_heads=HEADS).mean()
+        return fpar.pmean(loss, "data")
+
+    loss_fn = fpar.shard(per_device, mesh, (specs, P("data"), P("data")), P())
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    if dist.is_initialized():  # this process's rows of the batch
+        data = mesh._dist.coords["data"]
+        ids, targets = ids.chunk(shape[0])[data], targets.chunk(shape[0])[data]
+    return params, loss_fn, ids, targets
+
+
+def _make_step(loss_fn, opt, form: str):
+    def step(params, state, ids, targets):
+        leaves, treedef = torch.utils._pytree.tree_flatten(params)
+        loss = loss_fn(params, ids, targets)
+        if form == "backward":
+            loss.backward()
+            grads = [p.grad for p in leaves]
+        else:
+            grads = list(torch.autograd.grad(loss, leaves))
+        grads = torch.utils._pytree.tree_unflatten(grads, treedef)
+        updates, state = opt.update(grads, state, params)
+        new = fo.apply_updates(params, updates)
+        with torch.no_grad():
+            for p, q in zip(leaves, torch.utils._pytree.tree_leaves(new)):
+                p.copy_(q)
+                p.grad = None
+        return loss.detach(), state
+
+    return step
+
+
+def _train(params, loss_fn, ids, targets, form: str, compiled: bool, backend: str):
+    params = torch.utils._pytree.tree_map(lambda t: t.detach().clone().requires_grad_(), params)
+    opt = fo.adamw(1e-2)
+    state = opt.init(params)
+    step = _make_step(loss_fn, opt, form)
+    losses = []
+    for i in range(STEPS):
+        if compiled and i > 0:  # step 0 eager: it plans the sharded call's signature
+            if i == 1:
+                step = torch.compile(step, backend=backend, fullgraph=True)
+        loss, state = step(params, state, ids, targets)
+        losses.append(loss)
+    return params, losses
+
+
+def _diff(a, b) -> float:
+    la, lb = torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)
+    return max(float((x.detach() - y.detach()).abs().max()) for x, y in zip(la, lb))
+
+
+def run_gpt_steps(shapes=((2, 1), (1, 2)), forms=("backward", "autograd_grad"), backend: str = "aot_eager") -> dict:
+    """Per (shape, form): the largest |eager - compiled| of the losses and of the parameters."""
+    import torch._dynamo
+
+    torch._dynamo.config.trace_autograd_ops = True  # loss.backward() inside the compiled step
+    out = {}
+    for shape in shapes:
+        params, loss_fn, ids, targets = _setup(shape)
+        for form in forms:
+            torch._dynamo.reset()
+            pe, le = _train(params, loss_fn, ids, targets, form, False, backend)
+            pc, lc = _train(params, loss_fn, ids, targets, form, True, backend)
+            moved = _diff(pe, params)  # the steps did change the parameters
+            out[(shape, form)] = (_diff(le, lc), _diff(pe, pc), moved)
+    return out
+
+
+def run_refusals(backend: str = "aot_eager") -> dict:
+    """What a compiled step does where it cannot be one graph: the error, or the right answer."""
+    import torch._dynamo
+
+    torch._dynamo.config.trace_autograd_ops = True
+    out = {}
+    n = dist.get_world_size() if dist.is_initialized() else 2
+    mesh = fpar.make_mesh((n,), ("data",))
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(D, D, dtype=F64, generator=g)
+    x = torch.randn(B * n, D, dtype=F64, generator=g)
+    if dist.is_initialized():
+        x = x.chunk(n)[dist.get_rank()]
+
+    def per_device(w, x):
+        return fpar.pmean(torch.tanh(x @ w).pow(2).mean(), "data")
+
+    loss = fpar.shard(per_device, mesh, (P(), P("data")), P())
+
+    def grad_step(w, x):
+        return torch.autograd.grad(loss(w, x), [w])[0]
+
+    def attempt(name, fn):
+        try:
+            out[name] = ("ok", fn())
+        except Exception as e:  # noqa: BLE001 - the test names the form that raised
+            out[name] = ("error", type(e).__name__, str(e))
+
+    wr = w.clone().requires_grad_()
+    # 1. fullgraph before any eager call: refused, saying to run one step eagerly first
+    torch._dynamo.reset()
+    attempt("unplanned", lambda: torch.compile(grad_step, backend=backend, fullgraph=True)(wr, x))
+    want = grad_step(wr, x)  # the eager call (it plans the signature)
+    # 2. without fullgraph the unplanned call is a graph break that runs eagerly, then recompiles
+    torch._dynamo.reset()
+    loss2 = fpar.shard(per_device, mesh, (P(), P("data")), P())
+    stepped = torch.compile(lambda w, x: torch.autograd.grad(loss2(w, x), [w])[0], backend=backend)
+    attempt("graph_break_then_whole", lambda: max(float((stepped(wr, x) - want).abs().max()) for _ in range(3)))
+    # 3. torch.func.grad under compile: fullgraph is refused; without it, the right gradient (eager)
+    torch._dynamo.reset()
+    attempt("func_grad_fullgraph", lambda: torch.compile(torch.func.grad(loss), backend=backend, fullgraph=True)(w, x))
+    torch._dynamo.reset()
+    attempt(
+        "func_grad",
+        lambda: max(float((torch.compile(torch.func.grad(loss), backend=backend)(w, x) - want).abs().max()) for _ in range(2)),
+    )
+    return out
