@@ -48,7 +48,8 @@ from ._spec import PartitionSpec as PartitionSpec
 from ._stats import comm_stats as comm_stats
 from ._stats import reset_comm_stats as reset_comm_stats
 
-# Subpackages last: they are built from the names above (``from fpar import P``).
+# Subpackages last. They import the core modules above directly, never this facade
+# (tests/test_tree.py).
 # isort: off
 from . import checkpoint as checkpoint  # noqa: E402
 from . import ops as ops  # noqa: E402

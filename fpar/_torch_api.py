@@ -64,7 +64,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         f"{_FT}.maybe_current_level",
         (
             "_local/shard.py",
-            "_collectives.py",
+            "_local/collective.py",
             "_local/mode.py",
             "_dist/shard.py",
             "_dist/tracker.py",
@@ -79,7 +79,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         f"{_FT}.maybe_get_level",
         (
             "_local/mode.py",
-            "_collectives.py",
+            "_local/collective.py",
             "_stats.py",
             "optim/_remat.py",
             "_dist/buckets.py",
@@ -91,7 +91,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         f"{_FT}.get_unwrapped",
         (
             "_local/mode.py",
-            "_collectives.py",
+            "_local/collective.py",
             "_stats.py",
             "_defer.py",
             "optim/_zero_comm.py",
@@ -102,7 +102,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     ),
     PrivateApi(
         f"{_FT}.is_batchedtensor",
-        ("_local/mode.py", "_collectives.py", "optim/_remat.py", "optim/_zero_comm.py"),
+        ("_local/mode.py", "_local/collective.py", "optim/_remat.py", "optim/_zero_comm.py"),
         "whether a tensor is batched by vmap (the in-process mesh's levels)",
     ),
     PrivateApi(
@@ -125,7 +125,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     ),
     PrivateApi(
         f"{_FT}._unwrap_for_grad",
-        ("_local/mode.py", "_collectives.py", "_dist/buckets.py", "_dist/exchange.py"),
+        ("_local/mode.py", "_local/collective.py", "_dist/buckets.py", "_dist/exchange.py"),
         "hand a cotangent's plain tensor to a gradient bucket without a custom Function (~0.4 ms each)",
     ),
     PrivateApi(

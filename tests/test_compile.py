@@ -68,7 +68,7 @@ def test_fullgraph_refusal_names_the_form_and_the_fix():
     assert "fpar.shard(torch.compile(f), ...)" in REASON
 
 
-# The in-process mesh's own Functions (fpar/_collectives.py) under compile + grad -------------
+# The in-process mesh's own Functions (fpar/_local/collective.py) under compile + grad --------
 
 MESH = fpar.make_mesh((2,), ("i",))
 

@@ -1,4 +1,4 @@
-"""The house: fpar's modules import each other without circles, and the core never imports the facade.
+"""The house: fpar's modules import each other without circles, and none imports the facade.
 
 The graph is read from the source (``ast``), every ``import`` and ``from ... import`` of an fpar
 module, at the top of a module or inside a function (a deferred import is still a dependency;
@@ -15,19 +15,6 @@ ROOT = Path(__file__).resolve().parent.parent
 FPAR = ROOT / "fpar"
 FACADE = "fpar"
 
-# Subpackage modules that still call the public API through the facade (``import fpar``,
-# ``from fpar import P``) instead of the core modules. Nothing may join this list; a module that
-# stops importing the facade leaves it. (fpar.plan, being written, is not held to it yet.)
-FACADE_IMPORTERS = {
-    "fpar.ops._gpt",
-    "fpar.ops._megatron",
-    "fpar.ops._moe",
-    "fpar.ops._sequence",
-    "fpar.ops._summa",
-    "fpar.ops._summa_3d",
-    "fpar.ops._tensor_parallel",
-    "fpar.testing._program",
-}
 MAX_LINES = 650  # "no file over ~600 lines"
 
 
@@ -99,11 +86,6 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def _core(name: str) -> bool:
-    """fpar's own top-level modules and the backends (``fpar._x``, ``fpar._dist.*``), not the facade."""
-    return name != FACADE and name.split(".")[1].startswith("_")
-
-
 def test_the_graph_is_read():
     assert "fpar._collectives" in GRAPH["fpar._shard"]
     assert "fpar.ops._check" in GRAPH["fpar.ops._gpt"]  # `from . import _check as check`
@@ -112,22 +94,16 @@ def test_the_graph_is_read():
 
 
 def test_no_import_circles():
-    # The facade imports everything, so edges into it are the next test's business.
+    # The facade imports everything, so edges into it are test_nothing_imports_the_facade's business.
     graph = {m: deps - {FACADE} for m, deps in GRAPH.items()}
     assert _circles(graph) == [], "import circles among fpar's modules"
 
 
-def test_the_core_never_imports_the_facade():
-    bad = sorted(m for m, deps in GRAPH.items() if _core(m) and FACADE in deps)
-    assert bad == [], f"core modules importing `fpar` (import the core module instead): {bad}"
-
-
-def test_no_new_subpackage_imports_the_facade():
-    importers = {m for m, deps in GRAPH.items() if FACADE in deps and not _core(m) and m != FACADE}
-    new = sorted(m for m in importers - FACADE_IMPORTERS if not m.startswith("fpar.plan"))
-    assert new == [], f"import the core modules (fpar._shard, fpar._collectives, ...), not `fpar`: {new}"
-    gone = sorted(m for m in FACADE_IMPORTERS - importers if m in MODULES)
-    assert gone == [], f"no longer import the facade; drop them from FACADE_IMPORTERS: {gone}"
+def test_nothing_imports_the_facade():
+    # Neither the core (``fpar._x``, the backends) nor a subpackage (``fpar.ops``, ``fpar.plan``,
+    # ...) calls the public API through ``fpar``: each imports the module that defines the name.
+    bad = sorted(m for m, deps in GRAPH.items() if m != FACADE and FACADE in deps)
+    assert bad == [], f"import the core modules (fpar._shard, fpar._collectives, ...), not `fpar`: {bad}"
 
 
 def test_no_module_over_the_line_limit():

@@ -196,7 +196,7 @@ class DistShard:
                 y = _grad_sum(y, reduce, mg)
             return y
 
-        frame.direct = direct
+        frame.collective = frame.direct = direct
         frame.varying = lambda x: self._varying(plan, tracker, done[0], x)
         local = list(leaves)
         if tracker is not None:

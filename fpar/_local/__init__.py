@@ -4,13 +4,16 @@ The twin of ``_dist/`` (the real mesh), one purpose per file:
 
 * ``shard.py``: ``fpar.shard`` in-process: split the inputs, run the vmap nest, assemble the
   outputs, the replication check;
+* ``collective.py``: the collectives' ``autograd.Function``, whose vmap rule turns the levels of
+  the axes a collective names into explicit dims (``Frame.collective`` in-process); which mesh
+  axes a value varies over; the implicit pvary of replicated operands;
 * ``exchange.py``: what each collective does to the stacked blocks of every device (plain
   differentiable torch ops, so gradients are exact by construction);
 * ``mode.py``: the torch-function mode inside the nest: implicit pvary of replicated operands,
   matmuls folded across mesh levels, the random-op guard.
 
-The collectives' API, their ``autograd.Function`` and its vmap rule are shared by both meshes
-and live in ``_collectives.py``.
+The collectives' public API is shared by both meshes and lives in ``_collectives.py``; it
+dispatches each call to the running frame's backend (here, ``collective.py``).
 """
 
 from .exchange import LocalBackend

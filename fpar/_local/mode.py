@@ -41,10 +41,11 @@ from torch._C._functorch import (
 from torch._functorch.autograd_function import custom_function_call
 from torch.overrides import TorchFunctionMode
 
-from .._collectives import Frame, batched_levels, implicit_pvary
+from .._collectives import Frame
 from .._registry import INTERNAL, internal
 from .._tree import tree_flatten, tree_unflatten
 from ..random._guard import RANDOM_OPS, check_random_op
+from .collective import batched_levels, implicit_pvary
 
 __all__ = ["ShardMode", "storage_of"]
 

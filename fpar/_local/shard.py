@@ -7,6 +7,7 @@ vmap level per mesh axis: see ``_shard.py``'s docstring and docs/design/in-proce
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -14,11 +15,12 @@ import torch
 from torch._C._functorch import maybe_current_level
 
 from .. import _stats as stats
-from .._collectives import Frame, batched_levels, frames
+from .._collectives import Frame, frames
 from .._compile import eager
 from .._errors import ReplicationError, replication_message
 from .._spec import check_spec
 from .._tree import keystr, tree_flatten_with_path, tree_unflatten
+from .collective import batched_levels, collective
 from .exchange import LocalBackend
 from .mode import storage_of
 
@@ -92,6 +94,7 @@ class LocalCall:
             backend=backend.name,
             inputs=self.inputs,
         )
+        frame.collective = functools.partial(collective, frame)
         fn = self._innermost(frame, len(views))
         for i in reversed(range(len(self.axes))):
             fn = self._level(fn, frame, i, level_dims[i])

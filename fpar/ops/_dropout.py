@@ -13,8 +13,9 @@ import numbers
 import torch
 
 from .. import random as _random
-from .._collectives import batched_levels, frames
+from .._collectives import frames
 from .._errors import SpecError
+from .._local.collective import batched_levels
 from .._spec import PartitionSpec, check_spec, global_shape
 
 __all__ = ["dropout"]

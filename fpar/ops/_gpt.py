@@ -28,9 +28,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-import fpar
-from fpar import P
-
+from .._collectives import axis_index
+from .._global import normal, ones, zeros
+from .._spec import P
+from ..random import fold_in
 from . import _check as check
 from ._dropout import check_dropout, site_dropout
 from ._megatron import attention, column_linear, mlp, vocab_cross_entropy, vocab_embedding
@@ -108,7 +109,7 @@ def gpt_block(
     if not dropout:
         x = x + attn_fn(params["attn"], layer_norm(params["ln1"], x), axis=axis, n_heads=n_heads, causal=True)
         return x + mlp_fn(params["mlp"], layer_norm(params["ln2"], x), axis=axis)
-    k_attn, k_res1, k_res2 = (fpar.random.fold_in(key, i) for i in range(3))
+    k_attn, k_res1, k_res2 = (fold_in(key, i) for i in range(3))
     seq = 1 if sequence_parallel else None
     drop = dict(axis=axis, split_dim=seq, batch_axes=batch_axes)
     a = attn_fn(
@@ -162,7 +163,7 @@ def moe_block(
         x = x + attention(params["attn"], layer_norm(params["ln1"], x), axis=axis, n_heads=n_heads, causal=True)
         y, aux = _moe_layer(params["moe"], layer_norm(params["ln2"], x), tensor_axis=axis, **moe)
         return x + y, aux
-    k_attn, k_res1, k_res2 = (fpar.random.fold_in(key, i) for i in range(3))
+    k_attn, k_res1, k_res2 = (fold_in(key, i) for i in range(3))
     a = attention(
         params["attn"], layer_norm(params["ln1"], x), axis=axis, n_heads=n_heads, causal=True,
         dropout=dropout, key=k_attn, batch_axes=batch_axes,
@@ -228,17 +229,17 @@ def gpt(
         check.divisible(api, "the sequence length", t, n, "Sequence parallelism splits it over the axis.")
         x = sp_vocab_embedding(ids, params["w_emb"], axis=axis)
         # This device's positions; the gradient of the shared table is summed over the axis.
-        x = x + w_pos[:t].unflatten(0, (n, t // n))[fpar.axis_index(axis)]
+        x = x + w_pos[:t].unflatten(0, (n, t // n))[axis_index(axis)]
     else:
         x = vocab_embedding(ids, params["w_emb"], axis=axis) + w_pos[:t]
     if dropout:
         x = site_dropout(
-            fpar.random.fold_in(key, 0), x, dropout, axis=axis, split_dim=1 if sequence_parallel else None,
+            fold_in(key, 0), x, dropout, axis=axis, split_dim=1 if sequence_parallel else None,
             batch_axes=batch_axes,
         )
     aux = 0.0
     for i, block in enumerate(params["blocks"]):
-        extra = dict(dropout=dropout, key=fpar.random.fold_in(key, i + 1), batch_axes=batch_axes) if dropout else {}
+        extra = dict(dropout=dropout, key=fold_in(key, i + 1), batch_axes=batch_axes) if dropout else {}
         if "moe" in block:
             x, block_aux = moe_block(block, x, axis=axis, n_heads=n_heads, moe=moe, **extra)
             aux = aux + block_aux
@@ -364,11 +365,11 @@ def init_mlp(
     """Return ``fpar.init`` leaves for an ``mlp``: normal weights (``out_std`` for ``w_out``), zero biases."""
     d_hidden = 4 * d_model if d_hidden is None else d_hidden
     p = {
-        "w_in": fpar.normal((d_model, d_hidden), std=std, dtype=dtype),
-        "w_out": fpar.normal((d_hidden, d_model), std=std if out_std is None else out_std, dtype=dtype),
+        "w_in": normal((d_model, d_hidden), std=std, dtype=dtype),
+        "w_out": normal((d_hidden, d_model), std=std if out_std is None else out_std, dtype=dtype),
     }
     if bias:
-        p.update(b_in=fpar.zeros((d_hidden,), dtype=dtype), b_out=fpar.zeros((d_model,), dtype=dtype))
+        p.update(b_in=zeros((d_hidden,), dtype=dtype), b_out=zeros((d_model,), dtype=dtype))
     return p
 
 
@@ -382,17 +383,17 @@ def init_attention(
 ) -> dict:
     """Return ``fpar.init`` leaves for ``attention``: ``w_qkv [D, 3, D]``, ``w_o [D, D]``, zero biases."""
     p = {
-        "w_qkv": fpar.normal((d_model, 3, d_model), std=std, dtype=dtype),
-        "w_o": fpar.normal((d_model, d_model), std=std if out_std is None else out_std, dtype=dtype),
+        "w_qkv": normal((d_model, 3, d_model), std=std, dtype=dtype),
+        "w_o": normal((d_model, d_model), std=std if out_std is None else out_std, dtype=dtype),
     }
     if bias:
-        p.update(b_qkv=fpar.zeros((3, d_model), dtype=dtype), b_o=fpar.zeros((d_model,), dtype=dtype))
+        p.update(b_qkv=zeros((3, d_model), dtype=dtype), b_o=zeros((d_model,), dtype=dtype))
     return p
 
 
 def init_layer_norm(d_model: int, *, dtype: torch.dtype = torch.float32) -> dict:
     """Return ``fpar.init`` leaves for ``layer_norm``: ones and zeros."""
-    return {"w": fpar.ones((d_model,), dtype=dtype), "b": fpar.zeros((d_model,), dtype=dtype)}
+    return {"w": ones((d_model,), dtype=dtype), "b": zeros((d_model,), dtype=dtype)}
 
 
 def init_gpt_block(
@@ -435,15 +436,15 @@ def init_gpt(
     _check_layers("init_gpt", n_layers)
     out_std = std / math.sqrt(2 * n_layers)
     p = {
-        "w_emb": fpar.normal((vocab_size, d_model), std=std, dtype=dtype),
-        "w_pos": fpar.normal((max_seq_len, d_model), std=std, dtype=dtype),
+        "w_emb": normal((vocab_size, d_model), std=std, dtype=dtype),
+        "w_pos": normal((max_seq_len, d_model), std=std, dtype=dtype),
         "blocks": [
             init_gpt_block(d_model, d_hidden, std=std, out_std=out_std, dtype=dtype) for _ in range(n_layers)
         ],
         "ln_f": init_layer_norm(d_model, dtype=dtype),
     }
     if not tied:
-        p["w_head"] = fpar.normal((d_model, vocab_size), std=std, dtype=dtype)
+        p["w_head"] = normal((d_model, vocab_size), std=std, dtype=dtype)
     for i in range(1, n_layers, 2) if n_experts is not None else ():
         block = p["blocks"][i]
         del block["mlp"]

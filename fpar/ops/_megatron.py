@@ -28,8 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-import fpar
-
+from .._collectives import axis_index, pmax, psum
 from . import _check as check
 from ._dropout import check_dropout, site_dropout
 
@@ -95,7 +94,7 @@ def row_linear(x: Tensor, w: Tensor, b: Tensor | None = None, *, axis) -> Tensor
     """
     check.axis_size("row_linear", axis)
     check_linear("row_linear", x, w, b, "P(axis, None)", "P()")
-    y = fpar.psum(x @ w, axis)
+    y = psum(x @ w, axis)
     return y if b is None else y + b
 
 
@@ -234,7 +233,7 @@ def vocab_embedding(ids: Tensor, w: Tensor, *, axis) -> Tensor:
       ``[..., D]``, replicated over ``axis``.
     """
     check.axis_size("vocab_embedding", axis)
-    return fpar.psum(embedding_partial("vocab_embedding", ids, w, axis), axis)
+    return psum(embedding_partial("vocab_embedding", ids, w, axis), axis)
 
 
 def embedding_partial(api: str, ids: Tensor, w_VD: Tensor, axis) -> Tensor:
@@ -278,20 +277,20 @@ def vocab_cross_entropy(logits_local: Tensor, targets: Tensor, *, axis) -> Tenso
     if dtype in (torch.float16, torch.bfloat16):  # fpar's rule: accumulate in float32
         logits_local = logits_local.float()
     # 1. The max over the whole vocabulary; detached: the loss does not depend on it.
-    max_ = fpar.pmax(logits_local.detach().amax(-1), axis)
+    max_ = pmax(logits_local.detach().amax(-1), axis)
     shifted = logits_local - max_.unsqueeze(-1)
     # 2. The target's logit: found on one device, zero on the others.
     local, outside = _local_ids(targets, logits_local.shape[-1], axis)
     picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-    target_logit = fpar.psum(picked, axis)
+    target_logit = psum(picked, axis)
     # 3. The softmax denominator.
-    sum_exp = fpar.psum(shifted.exp().sum(-1), axis)
+    sum_exp = psum(shifted.exp().sum(-1), axis)
     return (sum_exp.log() - target_logit).to(dtype)
 
 
 def _local_ids(ids: Tensor, v_local: int, axis) -> tuple[Tensor, Tensor]:
     """Ids relative to this device's vocab slice (0 where not owned) and the not-owned mask."""
-    local = ids - fpar.axis_index(axis) * v_local
+    local = ids - axis_index(axis) * v_local
     outside = (local < 0) | (local >= v_local)
     return local.masked_fill(outside, 0), outside
 

@@ -40,9 +40,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-import fpar
-from fpar import P
-
+from .._collectives import all_gather_invariant, axis_index, axis_size, psum
+from .._global import normal
+from .._spec import P
 from . import _check as check
 from ._moe_dispatch import (
     _axes,
@@ -146,7 +146,7 @@ def moe(
             y_TKD = _expert_parallel(x_TD, idx_TK, keep_TK, w_in, w_out, axis, n)
     y_TD = (w_TK.unsqueeze(-1) * y_TKD).sum(1)
     if tensor_axis is not None:
-        y_TD = fpar.psum(y_TD, tensor_axis)
+        y_TD = psum(y_TD, tensor_axis)
     if return_stats:
         return y_TD.reshape(shape), aux, stats
     return y_TD.reshape(shape), aux
@@ -248,8 +248,8 @@ def _aux_loss(probs_TE: Tensor, idx_TK: Tensor, token_axes: tuple) -> Tensor:
     sums_2E = torch.stack([probs_TE.sum(0), counts_E.detach()])
     total = t
     if token_axes:
-        sums_2E = fpar.psum(sums_2E, token_axes)  # one all-reduce of 2E numbers
-        total = t * fpar.axis_size(token_axes)
+        sums_2E = psum(sums_2E, token_axes)  # one all-reduce of 2E numbers
+        total = t * axis_size(token_axes)
     p_E = sums_2E[0] / total
     f_E = sums_2E[1].detach() / (total * k)
     return e * (f_E * p_E).sum()
@@ -269,9 +269,9 @@ def _capacity(idx_TK: Tensor, e: int, capacity_factor, token_axes: tuple) -> tup
     counts_E = onehot.sum(0)
     t_all, prefix_E, total_E = t, None, counts_E
     if token_axes:
-        every_NE = fpar.all_gather_invariant(counts_E, token_axes)  # [devices along token_axes, E]
+        every_NE = all_gather_invariant(counts_E, token_axes)  # [devices along token_axes, E]
         m = every_NE.shape[0]
-        before_N = torch.arange(m, device=expert.device) < fpar.axis_index(token_axes)
+        before_N = torch.arange(m, device=expert.device) < axis_index(token_axes)
         prefix_E = (every_NE * before_N.unsqueeze(1)).sum(0)
         total_E, t_all = every_NE.sum(0), t * m
     keep, dropped = None, total_E.new_zeros(())
@@ -319,9 +319,9 @@ def init_moe(
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise TypeError(f"fpar.ops.init_moe: {name} must be a positive int, got {v!r}.")
     return {
-        "router": fpar.normal((d_model, n_experts), std=std, dtype=dtype),
-        "w_in": fpar.normal((n_experts, d_model, d_hidden), std=std, dtype=dtype),
-        "w_out": fpar.normal(
+        "router": normal((d_model, n_experts), std=std, dtype=dtype),
+        "w_in": normal((n_experts, d_model, d_hidden), std=std, dtype=dtype),
+        "w_out": normal(
             (n_experts, d_hidden, d_model), std=std if out_std is None else out_std, dtype=dtype
         ),
     }

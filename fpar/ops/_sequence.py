@@ -30,8 +30,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-import fpar
-
+from .._collectives import all_gather, all_to_all, axis_index, axis_size, ppermute, psum_scatter
 from . import _check as check
 from ._dropout import batch_axes_of, block_keep, check_dropout, site_dropout
 from ._megatron import (
@@ -80,7 +79,7 @@ def sp_column_linear(x: Tensor, w: Tensor, b: Tensor | None = None, *, axis, seq
     check.axis_size("sp_column_linear", axis)
     _check_seq("sp_column_linear", x, seq_dim)
     check_linear("sp_column_linear", x, w, b, "P(None, axis)", "P(axis)")  # before any communication
-    return column_linear(fpar.all_gather(x, axis, axis=seq_dim, tiled=True), w, b, axis=axis)
+    return column_linear(all_gather(x, axis, axis=seq_dim, tiled=True), w, b, axis=axis)
 
 
 def sp_row_linear(x: Tensor, w: Tensor, b: Tensor | None = None, *, axis, seq_dim: int = 1) -> Tensor:
@@ -103,7 +102,7 @@ def sp_row_linear(x: Tensor, w: Tensor, b: Tensor | None = None, *, axis, seq_di
     _check_seq("sp_row_linear", x, seq_dim)
     check.divisible("sp_row_linear", "the sequence length", x.shape[seq_dim], n, "Pad the sequence.")
     check_linear("sp_row_linear", x, w, b, "P(axis, None)", "P()")
-    y = fpar.psum_scatter(x @ w, axis, scatter_dimension=seq_dim, tiled=True)
+    y = psum_scatter(x @ w, axis, scatter_dimension=seq_dim, tiled=True)
     return y if b is None else y + b
 
 
@@ -142,7 +141,7 @@ def sp_attention(
     """
     check_attention("sp_attention", params, x, axis=axis, n_heads=n_heads)  # before any communication
     check_dropout("sp_attention", dropout, key)
-    x_BTD = fpar.all_gather(x, axis, axis=1, tiled=True)
+    x_BTD = all_gather(x, axis, axis=1, tiled=True)
     o_BTE = heads_attention(
         params, x_BTD, axis=axis, n_heads=n_heads, causal=causal, api="sp_attention", dropout=dropout, key=key,
         batch_axes=batch_axes,
@@ -167,7 +166,7 @@ def sp_vocab_embedding(ids: Tensor, w: Tensor, *, axis, seq_dim: int = 1) -> Ten
     _check_seq("sp_vocab_embedding", ids, seq_dim)
     check.divisible("sp_vocab_embedding", "the sequence length", ids.shape[seq_dim], n, "Pad the sequence.")
     x = embedding_partial("sp_vocab_embedding", ids, w, axis)
-    return fpar.psum_scatter(x, axis, scatter_dimension=seq_dim, tiled=True)
+    return psum_scatter(x, axis, scatter_dimension=seq_dim, tiled=True)
 
 
 # DeepSpeed-Ulysses ------------------------------------------------------------------------------
@@ -214,13 +213,13 @@ def ulysses_attention(
     _, k = attention_heads(api, x.shape[-1], n_heads, n)  # each device gets n_heads/n whole heads
     qkv_BT3HK = _qkv(p, x).unflatten(-1, (3, n_heads, k))
     # seq -> heads: split the heads dim, concatenate the sequence blocks in device order.
-    qkv_BT3HK = fpar.all_to_all(qkv_BT3HK, axis, split_axis=3, concat_axis=1, tiled=True)
+    qkv_BT3HK = all_to_all(qkv_BT3HK, axis, split_axis=3, concat_axis=1, tiled=True)
     drop = None
     if dropout:
         drop = lambda p_BHTS: site_dropout(key, p_BHTS, dropout, axis=axis, split_dim=1, batch_axes=batch_axes)  # noqa: E731
     o_BTHK = attend(*qkv_BT3HK.unbind(2), causal=causal, drop=drop)
     # heads -> seq: split the sequence, concatenate the heads in device order.
-    o_BTHK = fpar.all_to_all(o_BTHK, axis, split_axis=1, concat_axis=2, tiled=True)
+    o_BTHK = all_to_all(o_BTHK, axis, split_axis=1, concat_axis=2, tiled=True)
     return _out_proj(p, o_BTHK.flatten(2))
 
 
@@ -282,7 +281,7 @@ def ring_attention(
     ring = [(i, (i + 1) % n) for i in range(n)]
     q_BHTK = q.transpose(1, 2) * q.shape[-1] ** -0.5
     k_BHSK, v_BHSK = k.transpose(1, 2), v.transpose(1, 2)
-    me = fpar.axis_index(axis)
+    me = axis_index(axis)
     q_pos_T = me * t + torch.arange(t, device=q.device)
     # fp16/bf16: the softmax statistics and the output accumulate in float32 (fpar's rule);
     # the blocks travel in the input dtype.
@@ -307,7 +306,7 @@ def ring_attention(
         acc_BHTK = acc_BHTK * scale_BHT.unsqueeze(-1) + p_BHTS @ v_BHSK.to(acc)
         m_BHT = m_new
         if step < n - 1:
-            k_BHSK, v_BHSK = fpar.ppermute((k_BHSK, v_BHSK), axis, ring)
+            k_BHSK, v_BHSK = ppermute((k_BHSK, v_BHSK), axis, ring)
     return (acc_BHTK / l_BHT.unsqueeze(-1)).transpose(1, 2).to(q.dtype)
 
 
@@ -319,9 +318,9 @@ def _ring_dropout(q_BHTK: Tensor, rate: float, key: Tensor, axis, n: int, batch_
     """
     b, h, t, _ = q_BHTK.shape
     batch = batch_axes_of(q_BHTK, axis, batch_axes)
-    n_batch = math.prod(fpar.axis_size(a) for a in batch)
-    b0 = fpar.axis_index(batch) * b if batch else 0
-    me = fpar.axis_index(axis)
+    n_batch = math.prod(axis_size(a) for a in batch)
+    b0 = axis_index(batch) * b if batch else 0
+    me = axis_index(axis)
     shape, local = [b * n_batch, h, n * t, n * t], [b, h, t, t]
     scale = 1.0 / (1.0 - float(rate))
     dtype = torch.float32 if q_BHTK.dtype in (torch.float16, torch.bfloat16) else q_BHTK.dtype

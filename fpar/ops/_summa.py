@@ -33,10 +33,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-import fpar
-from fpar import P
-from fpar.random import fold_in
-
+from .._collectives import all_gather, axis_size, psum, pvary
+from .._spec import P
+from ..random import fold_in
 from ._dropout import check_dropout
 from ._dropout import dropout as _dropout
 
@@ -219,8 +218,8 @@ def summa_matmul(x: Tensor, w: Tensor, *, row_axis: AxisName, col_axis: AxisName
     api = "summa_matmul"
     _check_axes(api, row_axis=row_axis, col_axis=col_axis)
     _check_linear_2d(api, x, w, None, row_axis, col_axis)
-    x_BD = fpar.all_gather(x, col_axis, axis=-1, tiled=True)  # [B/pr, D]: all of row i
-    w_DF = fpar.all_gather(w, row_axis, axis=0, tiled=True)  # [D, F/pc]: all of column j
+    x_BD = all_gather(x, col_axis, axis=-1, tiled=True)  # [B/pr, D]: all of row i
+    w_DF = all_gather(w, row_axis, axis=0, tiled=True)  # [D, F/pc]: all of column j
     return x_BD @ w_DF
 
 
@@ -254,7 +253,7 @@ def linear_2d(
     y_BF = summa_matmul(x, w, row_axis=row_axis, col_axis=col_axis)
     if b is None:
         return y_BF
-    return y_BF + fpar.all_gather(b, row_axis, axis=0, tiled=True)  # [F/pc]: bias of column j
+    return y_BF + all_gather(b, row_axis, axis=0, tiled=True)  # [F/pc]: bias of column j
 
 
 def layer_norm_2d(
@@ -281,14 +280,14 @@ def layer_norm_2d(
     _check_axes(api, row_axis=row_axis, col_axis=col_axis)
     check_params(api, params, ("w", "b"), ())
     _check_tensor(api, "x", x, min_dim=1)
-    pr = fpar.axis_size(row_axis)
+    pr = axis_size(row_axis)
     for name in ("w", "b"):
         _check_param_block(api, f"params[{name!r}]", params[name], x.shape[-1], pr, "x's last dim", row_axis)
-    d_total = x.shape[-1] * fpar.axis_size(col_axis)
-    mean_B1 = fpar.psum(x.sum(-1, keepdim=True), col_axis) / d_total
+    d_total = x.shape[-1] * axis_size(col_axis)
+    mean_B1 = psum(x.sum(-1, keepdim=True), col_axis) / d_total
     xc_BD = x - mean_B1
-    var_B1 = fpar.psum((xc_BD * xc_BD).sum(-1, keepdim=True), col_axis) / d_total
-    w_D, b_D = (fpar.all_gather(params[k], row_axis, axis=0, tiled=True) for k in ("w", "b"))
+    var_B1 = psum((xc_BD * xc_BD).sum(-1, keepdim=True), col_axis) / d_total
+    w_D, b_D = (all_gather(params[k], row_axis, axis=0, tiled=True) for k in ("w", "b"))
     return xc_BD * torch.rsqrt(var_B1 + eps) * w_D + b_D
 
 
@@ -449,7 +448,7 @@ def mlp_2p5d(
 
 
 def _vary_over_depth(*params: Tensor | None, dep_axis: AxisName) -> tuple[Tensor | None, ...]:
-    return tuple(None if p is None else fpar.pvary(p, dep_axis) for p in params)
+    return tuple(None if p is None else pvary(p, dep_axis) for p in params)
 
 
 # Error checking and messages ---------------------------------------------------------------
@@ -488,7 +487,7 @@ def _check_linear_2d(api: str, x: Any, w: Any, b: Any, row_axis: AxisName, col_a
     _check_tensor(api, "w", w, min_dim=2)
     if w.dim() != 2:
         raise ValueError(f"fpar.ops.{api}: w must be a matrix [D, F] (x @ w), got shape {tuple(w.shape)}.")
-    pr, pc = fpar.axis_size(row_axis), fpar.axis_size(col_axis)
+    pr, pc = axis_size(row_axis), axis_size(col_axis)
     if x.shape[-1] * pc != w.shape[0] * pr:
         raise ValueError(
             f"fpar.ops.{api}: x's block {tuple(x.shape)} and w's block {tuple(w.shape)} are not blocks "

@@ -32,13 +32,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-import fpar
-from fpar import P
-from fpar.random import fold_in
-
+from .._collectives import all_gather, axis_size, psum, psum_scatter, pvary
+from .._spec import P
+from ..random import fold_in
 from ._dropout import check_dropout
 from ._dropout import dropout as _dropout
-
 from ._summa import (
     AxisName,
     TensorParallelSpecs,
@@ -152,12 +150,12 @@ def linear_3d(
     api = "linear_3d"
     _check_axes(api, input_axis=input_axis, weight_axis=weight_axis, output_axis=output_axis)
     _check_linear_3d(api, x, w, b, input_axis, weight_axis, output_axis)
-    x_BD = fpar.all_gather(x, input_axis, axis=0, tiled=True)  # [B/qw, D/qo]
-    w_DF = fpar.all_gather(w, weight_axis, axis=0, tiled=True)  # [D/qo, F/qi]
-    y_BF = fpar.psum_scatter(x_BD @ w_DF, output_axis, scatter_dimension=0, tiled=True)
+    x_BD = all_gather(x, input_axis, axis=0, tiled=True)  # [B/qw, D/qo]
+    w_DF = all_gather(w, weight_axis, axis=0, tiled=True)  # [D/qo, F/qi]
+    y_BF = psum_scatter(x_BD @ w_DF, output_axis, scatter_dimension=0, tiled=True)
     if b is None:
         return y_BF
-    return y_BF + fpar.pvary(b, _flat(weight_axis) + _flat(output_axis))
+    return y_BF + pvary(b, _flat(weight_axis) + _flat(output_axis))
 
 
 def layer_norm_3d(
@@ -199,10 +197,10 @@ def layer_norm_3d(
                 f"{x.shape[-1]} features: split a [D] vector by P(output_axis), the .layer_norm specs of "
                 f"fpar.ops.specs_3d."
             )
-    d_total = x.shape[-1] * fpar.axis_size(output_axis)
-    mean_B1 = fpar.psum(x.sum(-1, keepdim=True), output_axis) / d_total
+    d_total = x.shape[-1] * axis_size(output_axis)
+    mean_B1 = psum(x.sum(-1, keepdim=True), output_axis) / d_total
     xc_BD = x - mean_B1
-    var_B1 = fpar.psum((xc_BD * xc_BD).sum(-1, keepdim=True), output_axis) / d_total
+    var_B1 = psum((xc_BD * xc_BD).sum(-1, keepdim=True), output_axis) / d_total
     return xc_BD * torch.rsqrt(var_B1 + eps) * params["w"] + params["b"]
 
 
@@ -259,7 +257,7 @@ def _check_linear_3d(api: str, x: Any, w: Any, b: Any, input_axis, weight_axis, 
     _check_tensor(api, "w", w, min_dim=2)
     if w.dim() != 2:
         raise ValueError(f"fpar.ops.{api}: w must be a matrix [D, F] (x @ w), got shape {tuple(w.shape)}.")
-    qi, qw, qo = (fpar.axis_size(a) for a in (input_axis, weight_axis, output_axis))
+    qi, qw, qo = (axis_size(a) for a in (input_axis, weight_axis, output_axis))
     names = f"input_axis={input_axis!r}, weight_axis={weight_axis!r}, output_axis={output_axis!r}"
     if x.shape[-1] != w.shape[0] * qw:
         raise ValueError(

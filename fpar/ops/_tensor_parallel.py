@@ -41,11 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import fpar
-from fpar._functional import _stateless
-from fpar._mesh import Mesh
-from fpar._spec import PartitionSpec as P
-
+from .._collectives import psum
+from .._functional import _stateless
+from .._mesh import Mesh
+from .._spec import PartitionSpec as P
 from ._megatron import _local_ids, vocab_cross_entropy
 
 __all__ = ["TensorParallelFn", "tensor_parallel"]
@@ -516,13 +515,13 @@ def _local_copy(model, modules, layers, n: int, axis: str) -> nn.Module:
 
 def _row_linear(module: nn.Linear, axis: str, x: Tensor) -> Tensor:
     """A row-parallel ``nn.Linear``: all-reduce the partial product, then add the bias once."""
-    y = fpar.psum(F.linear(x, module.weight), axis)
+    y = psum(F.linear(x, module.weight), axis)
     return y if module.bias is None else y + module.bias
 
 
 def _row_conv1d(module: nn.Module, axis: str, x: Tensor) -> Tensor:
     """A row-parallel HF ``Conv1D`` (``[in/n, out]`` block): psum, then the bias."""
-    y = fpar.psum(x @ module.weight, axis)
+    y = psum(x @ module.weight, axis)
     return y if module.bias is None else y + module.bias
 
 
@@ -534,7 +533,7 @@ def _vocab_embedding(module: nn.Embedding, axis: str, ids: Tensor) -> Tensor:
     if module.padding_idx is not None:  # like padding_idx: that row gets no gradient
         pad = ids == module.padding_idx  # global (the copy's attributes keep global sizes)
         x = torch.where(pad.unsqueeze(-1), F.embedding(local, w.detach()), x)
-    return fpar.psum(x.masked_fill(outside.unsqueeze(-1), 0.0), axis)
+    return psum(x.masked_fill(outside.unsqueeze(-1), 0.0), axis)
 
 
 def _vocab_loss(axis: str, loss_type, logits: Tensor, labels: Tensor, vocab_size: int, **kwargs) -> Tensor:

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from .._collectives import Frame, batched_levels, frames
+from .._collectives import Frame, frames
+from .._local.collective import batched_levels
 from .._local.mode import ShardMode
 from .._registry import internal as internal
 from .._spec import block_shape as block_shape

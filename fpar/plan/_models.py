@@ -18,11 +18,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-import fpar
-import fpar.ops as ops
-import fpar.optim as fo
-import fpar.pipeline as pp
-from fpar import P
+from .. import ops
+from .. import optim as fo
+from .. import pipeline as pp
+from .._collectives import all_gather, pmean, psum, psum_scatter
+from .._global import device_put, init, normal, ones
+from .._mesh import Mesh
+from .._shard import shard
+from .._spec import P
+from ._paper import abstract_mesh
 
 __all__ = ["MODELS", "Layout", "Model", "model_step"]
 
@@ -88,9 +92,9 @@ class Layout:
             + (f" schedule={self.schedule}" if self.pipeline > 1 else "")
         )
 
-    def mesh(self) -> fpar.Mesh:
+    def mesh(self) -> Mesh:
         """The abstract mesh of this layout (pipeline, data, tensor)."""
-        return fpar.plan.abstract_mesh((self.pipeline, self.data, self.tensor), (PIPE, DATA, TENSOR))
+        return abstract_mesh((self.pipeline, self.data, self.tensor), (PIPE, DATA, TENSOR))
 
 
 def check_layout(model: Model, layout: Layout) -> None:
@@ -128,15 +132,15 @@ def _block_inits(model: Model, lead: tuple) -> dict:
     d, hd = model.d_model, model.d_model // model.n_heads
     std, out_std = 0.02, 0.02 / math.sqrt(2 * model.n_layers)
     return {
-        "ln1": fpar.ones((*lead, d)),
-        "wq": fpar.normal((*lead, d, model.n_heads * hd), std=std),
-        "wk": fpar.normal((*lead, d, model.n_kv_heads * hd), std=std),
-        "wv": fpar.normal((*lead, d, model.n_kv_heads * hd), std=std),
-        "wo": fpar.normal((*lead, model.n_heads * hd, d), std=out_std),
-        "ln2": fpar.ones((*lead, d)),
-        "w1": fpar.normal((*lead, d, model.d_ffn), std=std),
-        "w3": fpar.normal((*lead, d, model.d_ffn), std=std),
-        "w2": fpar.normal((*lead, model.d_ffn, d), std=out_std),
+        "ln1": ones((*lead, d)),
+        "wq": normal((*lead, d, model.n_heads * hd), std=std),
+        "wk": normal((*lead, d, model.n_kv_heads * hd), std=std),
+        "wv": normal((*lead, d, model.n_kv_heads * hd), std=std),
+        "wo": normal((*lead, model.n_heads * hd, d), std=out_std),
+        "ln2": ones((*lead, d)),
+        "w1": normal((*lead, d, model.d_ffn), std=std),
+        "w3": normal((*lead, d, model.d_ffn), std=std),
+        "w2": normal((*lead, model.d_ffn, d), std=out_std),
     }
 
 
@@ -175,10 +179,10 @@ def _block(model: Model, layout: Layout, dtype):
     sp = layout.sequence_parallel and t > 1
 
     def gathered(h):  # Megatron-SP: the whole sequence, once per region
-        return fpar.all_gather(h, TENSOR, axis=1, tiled=True) if sp else h
+        return all_gather(h, TENSOR, axis=1, tiled=True) if sp else h
 
     def out(y):  # row-parallel's sum: reduce-scatter the sequence (SP) or all-reduce
-        return fpar.psum_scatter(y, TENSOR, scatter_dimension=1, tiled=True) if sp else fpar.psum(y, TENSOR)
+        return psum_scatter(y, TENSOR, scatter_dimension=1, tiled=True) if sp else psum(y, TENSOR)
 
     def block(w, x):
         w = {k: v.to(dtype) for k, v in w.items()}
@@ -219,14 +223,14 @@ def _parts(model: Model, layout: Layout, dtype):
     def head_loss(w, x, targets):
         h = _rms_norm(x, w["ln_f"].to(dtype))
         if sp:
-            h = fpar.all_gather(h, TENSOR, axis=1, tiled=True)
+            h = all_gather(h, TENSOR, axis=1, tiled=True)
         logits = ops.column_linear(h, w["w_head"].to(dtype), axis=TENSOR)
-        return fpar.pmean(ops.vocab_cross_entropy(logits, targets, axis=TENSOR).mean(), DATA)
+        return pmean(ops.vocab_cross_entropy(logits, targets, axis=TENSOR).mean(), DATA)
 
     return embed, blocks, head_loss
 
 
-def model_step(model: Model | str, layout: Layout, mesh: fpar.Mesh | None = None, *, dtype=torch.bfloat16):
+def model_step(model: Model | str, layout: Layout, mesh: Mesh | None = None, *, dtype=torch.bfloat16):
     """``(step, args)``: ``layout``'s whole training step of ``model`` on ``mesh`` (default: an abstract one).
 
     ``model``: a ``fpar.plan.Model`` or a name of ``fpar.plan.MODELS`` (``"llama-8b"``,
@@ -258,10 +262,10 @@ def model_step(model: Model | str, layout: Layout, mesh: fpar.Mesh | None = None
         specs = {"blocks": _stacked(_block_specs(), False), "first": first_specs, "last": last_specs}
         inits = {
             "blocks": _block_inits(model, (model.n_layers,)),
-            "first": {"w_emb": fpar.normal((model.vocab, d), std=0.02)},
-            "last": {"ln_f": fpar.ones((d,)), "w_head": fpar.normal((d, model.vocab), std=0.02)},
+            "first": {"w_emb": normal((model.vocab, d), std=0.02)},
+            "last": {"ln_f": ones((d,)), "w_head": normal((d, model.vocab), std=0.02)},
         }
-        params = fpar.init(inits, mesh, specs)
+        params = init(inits, mesh, specs)
 
         def loss_fn(w, batch):
             x_ids, y_ids = batch
@@ -272,7 +276,7 @@ def model_step(model: Model | str, layout: Layout, mesh: fpar.Mesh | None = None
         params, state = fo.zero_init(opt, params, layout_z)
         zstep = fo.zero_step(loss_fn, opt, layout_z, batch_specs=P(DATA), n_micro=m)
         batch = (ids.flatten(0, 1), ids.flatten(0, 1))
-        batch = fpar.device_put(batch, mesh, P(DATA))
+        batch = device_put(batch, mesh, P(DATA))
 
         def step(params, state, batch):
             return zstep(params, state, batch)
@@ -283,14 +287,14 @@ def model_step(model: Model | str, layout: Layout, mesh: fpar.Mesh | None = None
     specs = {"stages": _stacked(_block_specs(), True), "first": first_specs, "last": last_specs}
     inits = {
         "stages": _block_inits(model, (p, k)),
-        "first": {"w_emb": fpar.normal((model.vocab, d), std=0.02)},
-        "last": {"ln_f": fpar.ones((d,)), "w_head": fpar.normal((d, model.vocab), std=0.02)},
+        "first": {"w_emb": normal((model.vocab, d), std=0.02)},
+        "last": {"ln_f": ones((d,)), "w_head": normal((d, model.vocab), std=0.02)},
     }
-    params = fpar.init(inits, mesh, specs)
+    params = init(inits, mesh, specs)
     sub = mesh.submesh((DATA, TENSOR))
-    stage_k = fpar.shard(blocks, sub, (_stacked(_block_specs(), False), act), act)
-    first_k = fpar.shard(embed, sub, (first_specs, P(DATA)), act)
-    loss_k = fpar.shard(head_loss, sub, (last_specs, act, P(DATA)), P())
+    stage_k = shard(blocks, sub, (_stacked(_block_specs(), False), act), act)
+    first_k = shard(embed, sub, (first_specs, P(DATA)), act)
+    loss_k = shard(head_loss, sub, (last_specs, act, P(DATA)), P())
     schedules = {"1f1b": pp.one_f_one_b, "gpipe": pp.gpipe, "zb": pp.zb_h1}
     if layout.schedule not in schedules:
         raise ValueError(f"fpar.plan: unknown schedule {layout.schedule!r}; choose one of {sorted(schedules)}.")
@@ -299,7 +303,7 @@ def model_step(model: Model | str, layout: Layout, mesh: fpar.Mesh | None = None
     params, state = fo.zero_init(opt, params, zl)
     update = fo.zero_update(opt, zl)
     chunk = _own_chunks(zl) if layout.zero else None
-    xs = fpar.device_put(ids, mesh, P(None, DATA))
+    xs = device_put(ids, mesh, P(None, DATA))
 
     def step(params, state, xs, ys):
         res = run(params, xs, ys)
@@ -314,7 +318,7 @@ def _local_loss(w, x, y):
     dtype = x.dtype
     h = _rms_norm(x, w["ln_f"].to(dtype))
     if x.shape[1] != y.shape[1]:  # sequence parallel: the whole sequence for the head
-        h = fpar.all_gather(h, TENSOR, axis=1, tiled=True)
+        h = all_gather(h, TENSOR, axis=1, tiled=True)
     logits = ops.column_linear(h, w["w_head"].to(dtype), axis=TENSOR)
     return ops.vocab_cross_entropy(logits, y, axis=TENSOR).mean()
 
@@ -324,7 +328,7 @@ def _own_chunks(layout):
     from ..optim._zero import _map, _own_chunk
 
     pspecs = layout._tree([lf.spec for lf in layout.leaves])
-    return fpar.shard(lambda g: _map(_own_chunk, g, layout), layout.mesh, (pspecs,), layout.grad_specs)
+    return shard(lambda g: _map(_own_chunk, g, layout), layout.mesh, (pspecs,), layout.grad_specs)
 
 
 def _stacked(specs: dict, pipe: bool) -> dict:

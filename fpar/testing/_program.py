@@ -15,9 +15,19 @@ from typing import Any
 import optree
 import torch
 
+from .. import ops
+from .. import optim as fo
+from .. import pipeline as pp
+from .._collectives import pmean, psum
+from .._defer import defer_reduction
+from .._global import Init, device_put
+from .._global import gather as gather_global
 from .._mesh import Mesh
+from .._shard import shard
 from .._spec import PartitionSpec as P
 from .._tree import tree_flatten, tree_map
+from ..random import fold_in
+from ..random import key as random_key
 
 __all__ = ["TrainingProgram"]
 
@@ -212,15 +222,11 @@ class _Run:
     """One program on one mesh: the model's pieces, its data, and the training loop."""
 
     def __init__(self, program: TrainingProgram, mesh: Mesh):
-        import fpar
-        import fpar.ops as ops
-
-        self.fpar, self.ops = fpar, ops
         self.pr, self.mesh = program, mesh
         self.size = dict(mesh.shape)
         self.tp = "tensor" in self.size
         self.rate = program.dropout
-        self.base_key = fpar.random.key(program.seed)
+        self.base_key = random_key(program.seed)
         self.gen = torch.Generator().manual_seed(program.seed)
         t = "tensor" if self.tp else None
         if program.model == "mlp":
@@ -238,18 +244,17 @@ class _Run:
 
     def first(self, w: dict, x: Tensor, key: Tensor | None = None) -> Tensor:
         h = torch.tanh(x @ w["w"])
-        return self.ops.dropout(key, h, self.rate, spec=P("data")) if self.rate else h
+        return ops.dropout(key, h, self.rate, spec=P("data")) if self.rate else h
 
     def block(self, w: dict, h: Tensor, key: Tensor | None = None) -> Tensor:
-        fpar, ops = self.fpar, self.ops
         if self.pr.model == "gpt":
             drop = dict(dropout=self.rate, key=key) if self.rate else {}
             return ops.gpt_block(w, h, axis="tensor", n_heads=_HEADS, **drop)
         a = torch.tanh(h @ w["w_in"] + w["b_in"])
         if self.rate:
-            a = ops.dropout(fpar.random.fold_in(key, 7), a, self.rate, spec=self.hidden_spec)
+            a = ops.dropout(fold_in(key, 7), a, self.rate, spec=self.hidden_spec)
         out = a @ w["w_out"]
-        return h + (fpar.psum(out, "tensor") if self.tp else out) + w["b_out"]
+        return h + (psum(out, "tensor") if self.tp else out) + w["b_out"]
 
     def head_loss(self, w: dict, h: Tensor, y: Tensor) -> Tensor:
         """This device's mean squared error over its rows (not yet averaged over ``"data"``).
@@ -259,20 +264,19 @@ class _Run:
         """
         sq = ((h @ w["w"] + w["b"] - y) ** 2).sum()
         if self.tp:
-            sq = self.fpar.psum(sq, "tensor")
+            sq = psum(sq, "tensor")
         return sq / (y.numel() * (self.size["tensor"] if self.tp else 1))
 
     def local_loss(self, params: dict, x: Tensor, y: Tensor, *key: Tensor) -> Tensor:
         """The unpipelined model, per device: first, every block of the stack, the head."""
-        fold = self.fpar.random.fold_in
-        h = self.first(params["first"], x, *[fold(k, 0) for k in key])
+        h = self.first(params["first"], x, *[fold_in(k, 0) for k in key])
         for i in range(self.pr.layers):
             layer = tree_map(lambda t, i=i: t[i], params["stages"])
-            h = self.block(layer, h, *[fold(k, i + 1) for k in key])
+            h = self.block(layer, h, *[fold_in(k, i + 1) for k in key])
         return self.head_loss(params["last"], h, y)
 
     def loss(self, params: dict, x: Tensor, y: Tensor, *key: Tensor) -> Tensor:
-        return self.fpar.pmean(self.local_loss(params, x, y, *key), "data")
+        return pmean(self.local_loss(params, x, y, *key), "data")
 
     # Parameters and data (global tensors, drawn the same on every process) -----------------------
 
@@ -289,8 +293,8 @@ class _Run:
                 "b_out": self.randn(layers, _D, scale=0.2),
             }
         else:
-            shapes = self.ops.init_gpt_block(_D, dtype=F64)
-            leaves, treedef = optree.tree_flatten(shapes, is_leaf=lambda x: isinstance(x, self.fpar.Init))
+            shapes = ops.init_gpt_block(_D, dtype=F64)
+            leaves, treedef = optree.tree_flatten(shapes, is_leaf=lambda x: isinstance(x, Init))
             drawn = []
             for init in leaves:
                 shape = tuple(init.shape)
@@ -314,7 +318,7 @@ class _Run:
 
     def step_key(self, step: int, salt: int = 0) -> tuple[Tensor, ...]:
         """``()`` without dropout, else the step's key."""
-        return (self.fpar.random.fold_in(self.base_key, 1000 * salt + step),) if self.rate else ()
+        return (fold_in(self.base_key, 1000 * salt + step),) if self.rate else ()
 
     def specs(self, stacked_over: str | None) -> dict:
         """The parameters' specs: the blocks stacked on dim 0, split over ``stacked_over`` there."""
@@ -322,8 +326,6 @@ class _Run:
         return {"stages": stages, "first": self.first_specs, "last": self.last_specs}
 
     def optimizer(self):
-        import fpar.optim as fo
-
         opt = fo.sgd(0.1) if self.pr.optimizer == "sgd" else fo.adamw(0.02, weight_decay=0.01)
         return fo.chain(fo.clip_by_global_norm(self.pr.clip), opt) if self.pr.clip is not None else opt
 
@@ -335,8 +337,6 @@ class _Run:
         ]()
 
     def _optimizer_setup(self, params: dict, specs: dict, stage: int):
-        import fpar.optim as fo
-
         opt = self.optimizer()
         layout = fo.zero_layout(params, self.mesh, specs, stage=stage, data_axis="data")
         stored, state = fo.zero_init(opt, params, layout)
@@ -346,12 +346,10 @@ class _Run:
         self, trace, step, loss, params, specs, state, layout, opt, grads=None, gspecs=None, order=None
     ):
         """Step ``step``'s global values; ``order`` puts stacked stages back in model order."""
-        import fpar.optim as fo
-
         def gather(tree, specs):
             # copies: a replicated leaf may come back as the process's own tensor, which the next
             # step's donated (in-place) update overwrites
-            return tree_map(lambda t: t.detach().clone(), self.fpar.gather(tree, self.mesh, specs))
+            return tree_map(lambda t: t.detach().clone(), gather_global(tree, self.mesh, specs))
 
         order = order or (lambda tree: tree)
         rec = {"loss": loss.detach().clone()}
@@ -364,15 +362,13 @@ class _Run:
         trace[f"step {step}"] = rec
 
     def train_manual(self) -> dict:
-        import fpar.optim as fo
-
-        fpar, pr, mesh = self.fpar, self.pr, self.mesh
+        pr, mesh = self.pr, self.mesh
         specs = self.specs(None)
-        params = fpar.device_put(self.init_params(), mesh, specs)
+        params = device_put(self.init_params(), mesh, specs)
         opt, layout, params, state = self._optimizer_setup(params, specs, 0)
         update = fo.zero_update(opt, layout, donate=pr.donate)
         keyspec = (P(),) if self.rate else ()
-        loss_fn = fpar.shard(self.loss, mesh, (specs, P("data"), self.y_spec, *keyspec), P())
+        loss_fn = shard(self.loss, mesh, (specs, P("data"), self.y_spec, *keyspec), P())
         m = pr.n_micro
         bspecs = {"x": P("data"), "y": self.y_spec}
         if pr.accumulation == "accumulate":
@@ -382,17 +378,17 @@ class _Run:
             xs, ys = self.batch(m)
             key = self.step_key(t)
             if pr.accumulation == "accumulate":
-                batch = fpar.device_put({"x": xs.flatten(0, 1), "y": ys.flatten(0, 1)}, mesh, bspecs)
+                batch = device_put({"x": xs.flatten(0, 1), "y": ys.flatten(0, 1)}, mesh, bspecs)
                 grads, loss = acc(params, batch, *key)
             else:
-                xs, ys = fpar.device_put((xs, ys), mesh, (P(None, "data"), self.ys_spec))
+                xs, ys = device_put((xs, ys), mesh, (P(None, "data"), self.ys_spec))
                 grads, loss = self._loop(loss_fn, params, xs, ys, key)
             rec_grads = tree_map(lambda g: g.detach().clone(), grads)
             params, state = update(grads, state, params)
             self._record(trace, t, loss, params, specs, state, layout, opt, rec_grads, specs)
             if pr.evaluate:
                 ex, ey = self.batch(1)
-                ex, ey = fpar.device_put((ex[0], ey[0]), mesh, (P("data"), self.y_spec))
+                ex, ey = device_put((ex[0], ey[0]), mesh, (P("data"), self.y_spec))
                 with torch.no_grad():
                     trace[f"eval {t}"] = loss_fn(params, ex, ey, *self.step_key(t, salt=1)).clone()
         return trace
@@ -422,13 +418,13 @@ class _Run:
 
     def _loop(self, loss_fn, params, xs, ys, key) -> tuple[Any, Tensor]:
         """The microbatches in a Python loop (all but the last deferred, for ``"defer"``)."""
-        fpar, pr = self.fpar, self.pr
+        pr = self.pr
         m = pr.n_micro
-        scope = fpar.defer_reduction() if pr.accumulation == "defer" else None
+        scope = defer_reduction() if pr.accumulation == "defer" else None
         req = tree_map(lambda t: t.detach().requires_grad_(), params) if pr.grad_api == "backward" else None
         total, losses = None, []
         for i in range(m):
-            k = tuple(fpar.random.fold_in(kk, i) for kk in key)
+            k = tuple(fold_in(kk, i) for kk in key)
             ctx = scope if scope is not None and i < m - 1 else contextlib.nullcontext()
             with ctx:
                 if req is not None:
@@ -444,11 +440,9 @@ class _Run:
         return grads, sum(losses) / m
 
     def train_zero(self) -> dict:
-        import fpar.optim as fo
-
-        fpar, pr, mesh = self.fpar, self.pr, self.mesh
+        pr, mesh = self.pr, self.mesh
         specs = self.specs(None)
-        params = fpar.device_put(self.init_params(), mesh, specs)
+        params = device_put(self.init_params(), mesh, specs)
         opt, layout, params, state = self._optimizer_setup(params, specs, pr.zero_stage)
         rate = self.rate
 
@@ -464,12 +458,12 @@ class _Run:
             grads_fn = fo.zero_grads(loss_fn, layout, batch_specs=bspecs, n_micro=pr.n_micro)
             update = fo.zero_update(opt, layout, donate=pr.donate)
         keyspec = (P(),) if rate else ()
-        eval_fn = fpar.shard(self.loss, mesh, (specs, P("data"), self.y_spec, *keyspec), P())
+        eval_fn = shard(self.loss, mesh, (specs, P("data"), self.y_spec, *keyspec), P())
         trace: dict = {}
         for t in range(pr.steps):
             xs, ys = self.batch(pr.n_micro)
             batch = {"x": xs.flatten(0, 1), "y": ys.flatten(0, 1)}
-            batch = fpar.device_put(batch, mesh, {"x": P("data"), "y": self.y_spec})
+            batch = device_put(batch, mesh, {"x": P("data"), "y": self.y_spec})
             if rate:
                 batch["key"] = self.step_key(t)[0]
             if pr.fused:
@@ -482,27 +476,24 @@ class _Run:
                 self._record(trace, t, loss, params, specs, state, layout, opt, rec_grads, layout.grad_specs)
             if pr.evaluate:
                 ex, ey = self.batch(1)
-                ex, ey = fpar.device_put((ex[0], ey[0]), mesh, (P("data"), self.y_spec))
+                ex, ey = device_put((ex[0], ey[0]), mesh, (P("data"), self.y_spec))
                 with torch.no_grad():
                     full = fo.zero_params(params, layout)
                     trace[f"eval {t}"] = eval_fn(full, ex, ey, *self.step_key(t, salt=1)).clone()
         return trace
 
     def train_pipeline(self) -> dict:
-        import fpar.optim as fo
-        import fpar.pipeline as pp
-
-        fpar, pr, mesh = self.fpar, self.pr, self.mesh
+        pr, mesh = self.pr, self.mesh
         p, v, m = self.size["pipe"], pr.chunks, pr.n_micro
         sub = mesh.submesh(tuple(a for a in mesh.axis_names if a != "pipe"))
         rows, keyspec = P("data"), ((P(),) if self.rate else ())
-        stage = fpar.shard(self.block, sub, (self.block_specs, rows, *keyspec), rows)
-        first = fpar.shard(self.first, sub, (self.first_specs, rows, *keyspec), rows)
+        stage = shard(self.block, sub, (self.block_specs, rows, *keyspec), rows)
+        first = shard(self.first, sub, (self.first_specs, rows, *keyspec), rows)
 
         def head(w, h, y):
-            return fpar.pmean(self.head_loss(w, h, y), "data")
+            return pmean(self.head_loss(w, h, y), "data")
 
-        loss = fpar.shard(head, sub, (self.last_specs, rows, self.y_spec), P())
+        loss = shard(head, sub, (self.last_specs, rows, self.y_spec), P())
         schedule = pp.gpipe(p, m, v) if pr.schedule == "gpipe" else pp.one_f_one_b(p, m)
         run = pp.pipeline(stage, schedule, mesh, loss=loss, first=first, axis="pipe")
         specs = self.specs("pipe")
@@ -512,12 +503,12 @@ class _Run:
 
         params = self.init_params()
         params["stages"] = pp.stage_major(params["stages"], p, v)
-        params = fpar.device_put(params, mesh, specs)
+        params = device_put(params, mesh, specs)
         opt, layout, params, state = self._optimizer_setup(params, specs, 0)
         update = fo.zero_update(opt, layout, donate=pr.donate)
         trace: dict = {}
         for t in range(pr.steps):
-            xs, ys = fpar.device_put(self.batch(m), mesh, (P(None, "data"), self.ys_spec))
+            xs, ys = device_put(self.batch(m), mesh, (P(None, "data"), self.ys_spec))
             key = self.step_key(t)
             res = run(params, xs, ys, key=key[0] if key else None)
             grads = tree_map(lambda g: g.detach().clone(), res.grads)
@@ -526,7 +517,7 @@ class _Run:
                 trace, t, res.loss, params, specs, state, layout, opt, grads, specs, order=in_model_order
             )
             if pr.evaluate:
-                exs, eys = fpar.device_put(self.batch(m), mesh, (P(None, "data"), self.ys_spec))
+                exs, eys = device_put(self.batch(m), mesh, (P(None, "data"), self.ys_spec))
                 ekey = self.step_key(t, salt=1)
                 with torch.no_grad():
                     trace[f"eval {t}"] = run(params, exs, eys, key=ekey[0] if ekey else None).loss.clone()
