@@ -116,7 +116,7 @@ def compiled_call(shard, plan, args: tuple) -> Any:
             )
         return v
 
-    frame.direct = direct
+    frame.collective = frame.direct = direct
     frame.varying = varying
     stack = frames()
     stack.append(frame)
