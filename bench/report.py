@@ -21,6 +21,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -203,15 +204,29 @@ def run_job(job: Job, quick: bool, results: Path = RESULTS, timeout: float | Non
         path.unlink()  # a failed run must not leave the last run's record standing
     t0 = time.perf_counter()
     error = None
+    # its own session: on a timeout the whole group goes, the launched workers included
+    proc = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
+        out, err = proc.communicate(timeout=limit)
         if proc.returncode != 0:
-            error = f"exit {proc.returncode}: {_tail(proc.stderr or proc.stdout)}"
+            error = f"exit {proc.returncode}: {_tail(err or out)}"
         elif not path.exists():
-            error = f"wrote no record: {_tail(proc.stdout)}"
+            error = f"wrote no record: {_tail(out)}"
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
         error = f"timed out after {limit:.0f} s"
     elapsed = time.perf_counter() - t0
+    # what it printed, beside the record (not committed: bench/results/.gitignore)
+    path.with_suffix(".log").write_text(out + ("\n" + err if err else ""), encoding="utf-8")
     if error is not None:
         record = dict(base, command=shown, error=error, elapsed_s=round(elapsed, 1))
         record["load_after"] = list(os.getloadavg())
