@@ -6,6 +6,7 @@ Imported as ``_common`` (a script's own folder is first on ``sys.path``).
 from __future__ import annotations
 
 import gc
+import statistics
 import time
 from typing import Callable
 
@@ -80,3 +81,134 @@ def backward_step(f: Callable, params: dict, keys, *args, lr: float) -> Callable
 
     step.leaves = leaves  # for checks against the other sides
     return step
+
+
+# --- JSON records (``--json PATH``): what bench/report.py renders into the performance table ---
+
+
+def add_json_arg(parser) -> None:
+    """Add ``--json PATH``: also write the run's results as one JSON record (``Record``)."""
+    parser.add_argument(
+        "--json", metavar="PATH", default=None,
+        help="also write the results as a JSON record (bench/report.py renders these)",
+    )
+
+
+def machine() -> dict:
+    """Where a run was taken: platform, CPUs, Python, torch, fpar and the checkout's commit."""
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    import torch
+
+    fpar = sys.modules.get("fpar")
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
+        ).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "fpar": getattr(fpar, "__version__", None),
+        "commit": commit,
+    }
+
+
+def time_stats(times) -> dict:
+    """A side's figures in milliseconds: ``times`` is a list of seconds, or ``(median_s, min_s)``."""
+    if isinstance(times, tuple):
+        med, lo, n = times[0], times[1], None
+    else:
+        med, lo, n = statistics.median(times), min(times), len(times)
+    return {"median_ms": med * 1e3, "min_ms": lo * 1e3, "repeats": n}
+
+
+class Record:
+    """One benchmark run as a JSON record: what it ran, where, when, and its comparisons.
+
+    Made at the start of ``main`` (the load average before), filled with ``compare`` (times:
+    per side the median and min, and the ratio to its baseline) and ``memory`` (a memory figure
+    per side and its ratio), written by ``write`` (the load average after).  ``bench/report.py``
+    renders the records into the performance table; a script's printed output does not change.
+    """
+
+    def __init__(self, benchmark: str, config: dict, argv: list[str] | None = None):
+        import os
+        import sys
+
+        args = sys.argv[1:] if argv is None else list(argv)
+        self.data = {
+            "benchmark": benchmark,
+            "command": " ".join(["python", f"bench/{benchmark}.py", *args]),
+            "config": dict(config),
+            "date": None,
+            "machine": machine(),
+            "load_before": list(os.getloadavg()),
+            "load_after": None,
+            "comparisons": [],
+            "extra": {},
+        }
+
+    def compare(self, id: str, step: str, pairs: list[tuple[str, object, str, object]]) -> None:
+        """Time comparison ``id``: ``pairs`` of (side name, its times, baseline name, its times).
+
+        Times are lists of seconds, or ``(median_s, min_s)`` where a script keeps only those.
+        Each pair's ``ratio`` is median / baseline median, ``min_ratio`` min / baseline min.
+        """
+        out = []
+        for name, times, base_name, base_times in pairs:
+            side, base = time_stats(times), time_stats(base_times)
+            out.append({
+                "side": dict(name=name, **side),
+                "baseline": dict(name=base_name, **base),
+                "ratio": side["median_ms"] / base["median_ms"],
+                "min_ratio": side["min_ms"] / base["min_ms"],
+            })
+        self.data["comparisons"].append({"id": id, "step": step, "unit": "ms", "pairs": out})
+
+    def memory(self, id: str, step: str, pairs: list[tuple[str, float, str, float]]) -> None:
+        """Memory comparison ``id``: ``pairs`` of (side name, bytes, baseline name, bytes)."""
+        out = [
+            {
+                "side": {"name": name, "peak_mib": nbytes / 2**20},
+                "baseline": {"name": base_name, "peak_mib": base_bytes / 2**20},
+                "ratio": nbytes / base_bytes,
+            }
+            for name, nbytes, base_name, base_bytes in pairs
+        ]
+        self.data["comparisons"].append({"id": id, "step": step, "unit": "MiB", "pairs": out})
+
+    def write(self, path: str | None) -> None:
+        """Write the record to ``path`` (nothing when ``None``: ``--json`` not given)."""
+        import datetime
+        import json
+        import os
+
+        if path is None:
+            return
+        self.data["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        self.data["load_after"] = list(os.getloadavg())
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(_rounded(self.data), f, indent=1, default=str)
+            f.write("\n")
+
+
+def _rounded(x):
+    """``x`` with its floats kept to 6 significant digits (the records stay readable)."""
+    if isinstance(x, float):
+        return float(f"{x:.6g}")
+    if isinstance(x, dict):
+        return {str(k): _rounded(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_rounded(v) for v in x]
+    return x

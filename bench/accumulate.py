@@ -48,7 +48,7 @@ except ImportError:  # run from a checkout without installing: use the repo's fp
     import fpar
 from fpar import P
 
-from _common import interleaved
+from _common import Record, add_json_arg, interleaved
 
 _HERE = Path(__file__).resolve().parent
 
@@ -165,10 +165,12 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=256, help="global batch (split over 2, then 4 microbatches)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600.0)
+    add_json_arg(parser)
     args = parser.parse_args(argv)
     if args.batch % (NPROCS * N_MICRO):
         parser.error(f"--batch must be divisible by {NPROCS * N_MICRO}")
     cfg = {k: getattr(args, k) for k in ("repeats", "warmup", "hidden", "dim", "batch", "threads")}
+    record = Record("accumulate", dict(cfg, n_micro=N_MICRO), argv)
     res = fpar.launch(worker, NPROCS, cfg, timeout=args.timeout)
     r0 = res[0]
     med = {k: statistics.median(v) * 1e3 for k, v in r0["times"].items()}
@@ -214,6 +216,27 @@ def main(argv=None) -> None:
         f"{med['fpar']:.2f} / {med['fpar_bw']:.2f} | {med['ddp']:.2f} | {med['fpar'] / med['ddp']:.2f}x / "
         f"{med['fpar_bw'] / med['ddp']:.2f}x | {med['fpar_every']:.2f} | {c['psum']['calls']} / {d['calls']} |"
     )
+
+    t = r0["times"]
+    step = (
+        f"DP SGD step, {N_MICRO} microbatches, MLP B={args.batch} (global) D={args.dim} H={args.hidden} fp32, "
+        f"{NPROCS} gloo processes x {args.threads} thread"
+    )
+    record.compare(
+        "step",
+        f"{step}: `fpar.optim.accumulate` / `.backward()` under `fpar.defer_reduction()` vs DDP with `no_sync()`",
+        [("fpar accumulate", t["fpar"], "DDP no_sync", t["ddp"]), ("fpar .backward()", t["fpar_bw"], "DDP no_sync", t["ddp"])],
+    )
+    record.compare("every", f"{step}: fpar reducing every microbatch vs fpar's deferred sums", [
+        ("fpar, reduce every microbatch", t["fpar_every"], "fpar accumulate", t["fpar"]),
+    ])
+    record.data["extra"] = {
+        "cpu_ms": cpu,
+        "allreduces_per_step": {"fpar": c["psum"]["calls"], "fpar_bw": cb["psum"]["calls"],
+                                "fpar_every": ce["psum"]["calls"], "ddp": d["calls"]},
+        "max_rel_update_diff": max(r["worst"] for r in res),
+    }
+    record.write(args.json)
 
 
 if __name__ == "__main__":

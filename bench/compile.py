@@ -51,6 +51,8 @@ except ImportError:  # run from a checkout without installing: use the repo's fp
     import fpar
 from fpar import P
 
+from _common import Record, add_json_arg
+
 SPECS = (P(), P(), P(), P(), P("data"), P("data"))
 LR = 0.01
 
@@ -110,7 +112,7 @@ def _time(sides: dict, repeats: int, warmup: int, barrier) -> dict:
             t0 = time.perf_counter()
             sides[n]()
             times[n].append(time.perf_counter() - t0)
-    return {n: statistics.median(v) * 1e3 for n, v in times.items()}
+    return times
 
 
 def _profile(sides: dict) -> str:
@@ -162,7 +164,13 @@ def run(cfg: dict) -> dict:
         sides.update(plain)
     sides = {name: step for name, (step, _) in sides.items()}
     barrier = dist.barrier if real else (lambda: None)
-    result = {"rel": rel, "ms": _time(sides, cfg["repeats"], cfg["warmup"], barrier)}
+    times = _time(sides, cfg["repeats"], cfg["warmup"], barrier)
+    result = {
+        "rel": rel,
+        "ms": {n: statistics.median(v) * 1e3 for n, v in times.items()},
+        "min_ms": {n: min(v) * 1e3 for n, v in times.items()},
+        "n": cfg["repeats"],
+    }
     if cfg["profile"]:  # every rank steps (the collectives need both); rank 0's table is printed
         result["profile"] = _profile(sides)
     return result
@@ -178,10 +186,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, help="global batch (default 128; --tiny 16)")
     ap.add_argument("--dim", type=int, help="model dim (default 512; --tiny 64)")
     ap.add_argument("--hidden", type=int, help="hidden dim (default 2048; --tiny 256)")
+    add_json_arg(ap)
     a = ap.parse_args()
     dims = dict(batch=16, dim=64, hidden=256) if a.tiny else dict(batch=128, dim=512, hidden=2048)
     dims.update({k: getattr(a, k) for k in dims if getattr(a, k) is not None})
     cfg = dict(dims, repeats=a.repeats, warmup=a.warmup, profile=a.profile)
+    record = Record("compile", dict(cfg, mesh=a.mesh))
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
     label = f"MLP train step B={cfg['batch']} D={cfg['dim']} H={cfg['hidden']} fp32, SGD momentum"
@@ -208,6 +218,25 @@ def main() -> None:
     for where, _, res in rows:
         if "profile" in res:
             print(f"\n=== profile, {where}\n{res['profile']}")
+
+    def side(res, name):  # (median_s, min_s): what the record takes
+        return res["ms"][name] / 1e3, res["min_ms"][name] / 1e3
+
+    for where, _, res in rows:
+        mesh_id = "real" if where.startswith("real") else "local"
+        step = f"{label}, {where}, 1 thread a process"
+        record.compare(
+            mesh_id,
+            f"{step}: compiled step / eager step, each with `fpar.shard(torch.compile(f))`, vs the eager step with `fpar.shard(f)`",
+            [("compiled step", side(res, "compiled"), "eager step", side(res, "eager")),
+             ("compiled f only", side(res, "compiled f only"), "eager step", side(res, "eager"))],
+        )
+        if "torch compiled" in res["ms"]:
+            record.compare("torch", f"{label}: plain torch's own `torch.compile(step)` vs its eager step (no fpar)", [
+                ("torch compiled", side(res, "torch compiled"), "torch eager", side(res, "torch eager")),
+            ])
+        record.data["extra"][f"max_rel_param_diff_{mesh_id}"] = res["rel"]
+    record.write(a.json)
 
 
 if __name__ == "__main__":

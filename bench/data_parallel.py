@@ -77,7 +77,7 @@ except ImportError:  # run from a checkout without installing: use the repo's fp
     import fpar
 from fpar import P
 
-from _common import backward_step, interleaved
+from _common import Record, add_json_arg, backward_step, interleaved
 
 NPROCS = 2
 LR = 0.01
@@ -383,12 +383,14 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--timeout", type=float, default=600.0, help="process-group timeout (s)")
+    add_json_arg(parser)
     args = parser.parse_args(argv)
     if args.tiny:
         args.dim, args.hidden, args.batch = 64, 256, 16
     if args.batch % NPROCS:
         parser.error(f"--batch must be divisible by {NPROCS}")
     cfg = {k: getattr(args, k) for k in ("repeats", "warmup", "hidden", "dim", "batch", "threads")}
+    record = Record("data_parallel", cfg, argv)
 
     res = fpar.launch(worker, NPROCS, cfg, timeout=args.timeout)
     r0 = res[0]
@@ -489,6 +491,31 @@ def main(argv=None) -> None:
         f"| {fpar_total:,} / {ddp_total:,} / {formula:,} | {n}x{threads} |"
     )
     print(f"<!-- {platform.processor() or platform.machine()}, torch {torch.__version__} -->")
+
+    t = r0["times"]
+    step = f"DP SGD step, MLP B={B} (global) D={D} H={H} fp32, {n} gloo processes x {threads} thread"
+    record.compare("step", f"{step}: fpar `torch.func.grad` / `.backward()` vs DDP", [
+        ("fpar torch.func.grad", t["fpar"], "DDP", t["ddp"]),
+        ("fpar .backward()", t["fpar_bw"], "DDP", t["ddp"]),
+    ])
+    record.compare("floor", f"{step}: the floor (plain `torch.func.grad`, one flat all-reduce, no fpar) vs DDP", [
+        ("floor", t["floor"], "DDP", t["ddp"]),
+    ])
+    record.compare(
+        "hooks",
+        f"{step}: the floor's loss behind the least hooks an overlapped bucketed all-reduce needs (no fpar), "
+        "`torch.func.grad` / `.backward()` vs DDP",
+        [("hooks torch.func.grad", t["hooks"], "DDP", t["ddp"]), ("hooks .backward()", t["hooks_bw"], "DDP", t["ddp"])],
+    )
+    record.memory("memory", f"{step}: peak memory of a step beyond the parameters, rank 0, vs DDP", [
+        ("fpar", pk["fpar"], "DDP", pk["ddp"]),
+    ])
+    record.data["extra"] = {
+        "cpu_ms": cpu,
+        "allreduce_bytes": {"fpar": fpar_total, "ddp": ddp_total, "formula": formula},
+        "max_rel_update_diff": max(r["worst_rel"] for r in res),
+    }
+    record.write(args.json)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ except ImportError:  # run from a checkout without installing: use the repo's fp
     import fpar
 from fpar import P
 
-from _common import interleaved
+from _common import Record, add_json_arg, interleaved
 
 NPROCS = 2
 LR = 1e-3
@@ -203,8 +203,10 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--timeout", type=float, default=600.0)
+    add_json_arg(ap)
     args = ap.parse_args(argv)
-    cfg = {k.replace("-", "_"): v for k, v in vars(args).items()}
+    cfg = {k.replace("-", "_"): v for k, v in vars(args).items() if k != "json"}
+    record = Record("hf_tp", cfg, argv)
     res = fpar.launch(worker, NPROCS, cfg, timeout=args.timeout)
     r0 = res[0]
     print(
@@ -226,6 +228,23 @@ def main(argv=None) -> None:
         print(f"  {k:16s}  median {med[k]:8.2f} ms   min {min(t) * 1e3:8.2f}   max {max(t) * 1e3:8.2f}")
     print(f"  ratio fpar / DTensor = {med['fpar'] / med['dtensor']:.3f} (torch.func.grad), ", end="")
     print(f"{med['fpar .backward()'] / med['dtensor']:.3f} (.backward())  (target <= 1.0)")
+
+    t = r0["times"]
+    record.compare(
+        "step",
+        f"an unmodified HF GPT-2 train step, d={args.d_model} L={args.layers} V={args.vocab}, batch {args.batch} x "
+        f"{args.seq}, fp32, {NPROCS} gloo processes x {args.threads} thread: `fpar.ops.tensor_parallel`, "
+        "`torch.func.grad` / `.backward()`, vs DTensor `parallelize_module`",
+        [
+            ("fpar torch.func.grad", t["fpar"], "DTensor", t["dtensor"]),
+            ("fpar .backward()", t["fpar .backward()"], "DTensor", t["dtensor"]),
+        ],
+    )
+    record.data["extra"] = {
+        "allreduces": psum.get("calls", 0), "allreduce_bytes": psum.get("bytes", 0),
+        "loss_diff": max(r["loss_diff"] for r in res), "weight_diff": max(r["weight_diff"] for r in res),
+    }
+    record.write(args.json)
 
 
 if __name__ == "__main__":

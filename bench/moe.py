@@ -67,6 +67,8 @@ except ImportError:  # run from a checkout without installing: use the repo's fp
 import fpar.ops as ops
 from fpar import P
 
+from _common import Record, add_json_arg
+
 NPROCS = 2
 
 
@@ -246,6 +248,7 @@ def in_process(args, cfg) -> list:
         f"  bytes/device fwd+bwd: all_to_all {stats['all_to_all']['bytes']:,} B (static-slot formula "
         f"{form['static']:,}), psum {stats['psum']['bytes']:,} B (formula {form['psum']:,})"
     )
+    args.in_process_times = times  # for the JSON record (--json)
     return [
         (f"in-process expert={n}, T={t}", med["fpar EP"], med["torch"], stats["all_to_all"]["bytes"], form["static"]),
         ("unsharded (axis=None), same T", med["fpar unsharded"], med["torch"], None, None),
@@ -266,12 +269,15 @@ def main(argv=None) -> None:
     ap.add_argument("--skew", action="store_true", help="every token to experts 0..k-1 (all on device 0)")
     ap.add_argument("--skip-gloo", action="store_true", help="in-process only")
     ap.add_argument("--skip-in-process", action="store_true", help="gloo only")
+    add_json_arg(ap)
     args = ap.parse_args(argv)
     cfg = {
         "tokens": args.tokens, "dim": args.dim, "hidden": args.hidden, "experts": args.experts,
         "top_k": args.top_k, "repeats": args.repeats, "warmup": args.warmup, "threads": args.threads,
         "skew": args.skew,
     }
+    record = Record("moe", dict(cfg, devices=args.devices, skip_gloo=args.skip_gloo,
+                                skip_in_process=args.skip_in_process), argv)
     torch.set_num_threads(args.threads)
     t, k = args.tokens, args.top_k
     print(
@@ -328,6 +334,38 @@ def main(argv=None) -> None:
         byt = "–" if got is None else f"{got:,} ({want:,})"
         print(f"| {name} | {a:.1f} | {b:.1f} | {a / b:.2f}x | {byt} |")
     print(f"<!-- {platform.processor() or platform.machine()}, torch {torch.__version__} -->")
+
+    layer = (
+        f"MoE layer fwd+bwd, T={t} D={args.dim} H={args.hidden} E={args.experts} k={k} fp32"
+        f"{', every token to experts 0..k-1' if args.skew else ''}"
+    )
+    if not args.skip_in_process:
+        ti = args.in_process_times
+        record.compare(
+            "in_process", f"{layer}, in-process mesh expert={args.devices}, {args.threads} thread: "
+            "`fpar.ops.moe(axis=\"expert\")` vs the plain torch MoE on all T tokens",
+            [("fpar EP", ti["fpar EP"], "torch MoE", ti["torch"])],
+        )
+        record.compare("unsharded", f"{layer}, one process: `fpar.ops.moe(axis=None)` vs the plain torch MoE", [
+            ("fpar unsharded", ti["fpar unsharded"], "torch MoE", ti["torch"]),
+        ])
+    if not args.skip_gloo:
+        tg = res[0]["times"]
+        record.compare(
+            "gloo", f"{layer}, {NPROCS} gloo processes x {args.threads} thread, T/{NPROCS} tokens each (rank 0): "
+            "fpar's expert-parallel layer vs the plain torch MoE on the same tokens",
+            [("fpar EP", tg["fpar"], "torch MoE", tg["torch"])],
+        )
+        record.compare("exchange", f"{layer}, {NPROCS} gloo processes (rank 0): fpar's layer vs the same grouped "
+                       "layer with every expert local (no exchange): what the exchange costs", [
+            ("fpar EP", tg["fpar"], "grouped, no exchange", tg["grouped, no exchange"]),
+        ])
+        record.data["extra"] = {
+            "peak_rss_mib": [r["peak_mib"] for r in res],
+            "all_to_all_bytes": [r["stats"]["expert"]["all_to_all"]["bytes"] for r in res],
+            "routed_bytes": [r["expected"] for r in res],
+        }
+    record.write(args.json)
 
 
 if __name__ == "__main__":

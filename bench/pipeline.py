@@ -52,6 +52,8 @@ except ImportError:  # run from a checkout without installing: use the repo's fp
     import fpar
 import fpar.pipeline as pp
 
+from _common import Record, add_json_arg
+
 
 class Block(nn.Module):
     """A residual MLP block: h + W2 relu(W1 h)."""
@@ -259,8 +261,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--schedules", default=",".join(PAIRS), help="comma-separated, from: " + ", ".join(PAIRS))
+    add_json_arg(ap)
     cfg = ap.parse_args()
     cfg.schedules = [n.strip() for n in cfg.schedules.split(",")]
+    record = Record("pipeline", {k: v for k, v in vars(cfg).items() if k != "json"})
     p, m = cfg.stages, cfg.microbatches
     print(
         f"fpar {fpar.__version__}, torch {torch.__version__}, {platform.machine()}, "
@@ -304,6 +308,34 @@ def main() -> None:
     for name, st in r0["stats"].items():
         busy = [1 - c / st.wall_s for c in st.compute_s]
         print(f"  {name}: per stage {', '.join(f'{b:.3f}' for b in busy)}; ticks {st.bubble_fraction:.3f}")
+
+    step = (
+        f"{p} stages, m={m}, B={cfg.batch} D={cfg.dim} H={cfg.hidden}, {cfg.layers} residual MLP blocks a stage, "
+        f"{p} gloo processes x {cfg.threads} thread"
+    )
+    T, M = r0["times"], r0["min"]
+    vs_torch = [n for n in r0["check"] if ("torch", n) in T]
+    if vs_torch:
+        record.compare(
+            "schedules",
+            f"{step}: " + " / ".join(vs_torch) + " vs `torch.distributed.pipelining`'s schedule of the same name",
+            [(f"fpar {n}", (T[("fpar", n)], M[("fpar", n)]), f"torch {n}", (T[("torch", n)], M[("torch", n)]))
+             for n in vs_torch],
+        )
+    if ("fpar", "ZB-H1") in T and ("fpar", "1F1B") in T:
+        record.compare("zb_h1", f"{step}: fpar's ZB-H1 vs fpar's 1F1B", [
+            ("fpar ZB-H1", (T[("fpar", "ZB-H1")], M[("fpar", "ZB-H1")]),
+             "fpar 1F1B", (T[("fpar", "1F1B")], M[("fpar", "1F1B")])),
+        ])
+    record.data["extra"] = {
+        "saved_activation_mib": {
+            f"{side} {name} stage {r['rank']}": b / 2**20 for r in results for (side, name), b in r["memory"].items()
+        },
+        "peak_rss_mib": [r["rss_mb"] for r in results],
+        "bubble": {name: st.bubble_fraction for name, st in r0["stats"].items()},
+        "check": {name: list(v) for name, v in r0["check"].items()},
+    }
+    record.write(cfg.json)
 
 
 if __name__ == "__main__":

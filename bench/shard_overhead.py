@@ -40,6 +40,8 @@ except ImportError:  # run from a checkout without installing: use the repo's fp
     import fpar
 from fpar import P
 
+from _common import Record, add_json_arg
+
 B, D, H = 256, 1024, 4096
 MESH_SHAPE, MESH_AXES = (2, 4), ("data", "tensor")
 PARAM_SPECS = {"w1": P(None, "tensor"), "w2": P("tensor", None)}
@@ -94,9 +96,12 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=20, help="timed calls of each (median)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls of each first")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    add_json_arg(parser)
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    record = Record("shard_overhead", {"repeats": args.repeats, "warmup": args.warmup, "threads": torch.get_num_threads(),
+                                       "batch": B, "dim": D, "hidden": H}, argv)
 
     mesh = fpar.make_mesh(MESH_SHAPE, MESH_AXES)
     sharded = fpar.shard(loss_local, mesh, in_specs=(PARAM_SPECS, P("data"), P("data")), out_specs=P())
@@ -148,6 +153,15 @@ def main(argv=None) -> None:
         f"| {med['sharded']:.1f} | {med['unsharded']:.1f} | {ratio:.2f}x | {threads} |"
     )
     print(f"<!-- {platform.processor() or platform.machine()}, torch {torch.__version__} -->")
+
+    record.compare(
+        "step",
+        f"MLP fwd+bwd B={B} D={D} H={H} fp32, in-process mesh {mesh_str}, {threads} thread{'s' if threads > 1 else ''}: "
+        "`fpar.shard` vs the unsharded torch step (`torch.func.grad`)",
+        [("fpar", times["sharded"], "torch unsharded", times["unsharded"])],
+    )
+    record.data["extra"] = {"max_rel_grad_diff": rel}
+    record.write(args.json)
 
 
 if __name__ == "__main__":

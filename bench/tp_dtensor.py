@@ -46,7 +46,7 @@ except ImportError:  # run from a checkout without installing: use the repo's fp
     import fpar
 from fpar import P
 
-from _common import backward_step, interleaved, profile_table
+from _common import Record, add_json_arg, backward_step, interleaved, profile_table
 
 NPROCS = 2
 LR = 0.01
@@ -152,8 +152,10 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--profile", action="store_true", help="print torch.profiler tables of both")
     parser.add_argument("--timeout", type=float, default=600.0, help="process-group timeout (s)")
+    add_json_arg(parser)
     args = parser.parse_args(argv)
     cfg = {k: getattr(args, k) for k in ("repeats", "warmup", "hidden", "dim", "batch", "threads", "profile")}
+    record = Record("tp_dtensor", cfg, argv)
     res = fpar.launch(worker, NPROCS, cfg, timeout=args.timeout)
     r0 = res[0]
     for name, table in r0["profiles"].items():
@@ -187,6 +189,16 @@ def main(argv=None) -> None:
         f"{med['dtensor']:.1f} | {ratio:.2f}x / {med['fpar_bw'] / med['dtensor']:.2f}x | {NPROCS}x{r0['threads']} |"
     )
     print(f"<!-- {platform.processor() or platform.machine()}, torch {torch.__version__} -->")
+
+    t = r0["times"]
+    record.compare(
+        "step",
+        f"{desc} (`fpar.ops.mlp`), {NPROCS} gloo processes x {r0['threads']} thread: fpar `torch.func.grad` / "
+        "`.backward()` vs DTensor `parallelize_module` Colwise + Rowwise",
+        [("fpar torch.func.grad", t["fpar"], "DTensor", t["dtensor"]), ("fpar .backward()", t["fpar_bw"], "DTensor", t["dtensor"])],
+    )
+    record.data["extra"] = {"comm_stats": r0["stats"], "max_rel_grad_diff": max(r["worst_rel"] for r in res)}
+    record.write(args.json)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ except ImportError:  # run from a checkout without installing: use the repo's fp
 import fpar.optim as fo
 from fpar import P
 
-from _common import interleaved, profile_table
+from _common import Record, add_json_arg, interleaved, profile_table
 
 NPROCS = 2
 LR, WD = 1e-3, 0.01
@@ -255,11 +255,13 @@ def main(argv=None) -> None:
     parser.add_argument("--profile", action="store_true", help="print torch.profiler tables of both")
     parser.add_argument("--no-donate", dest="donate", action="store_false", help="functional update (old + new state)")
     parser.add_argument("--timeout", type=float, default=600.0, help="process-group timeout (s)")
+    add_json_arg(parser)
     args = parser.parse_args(argv)
     if args.batch % NPROCS:
         parser.error(f"--batch must be divisible by {NPROCS}")
     keys = ("repeats", "warmup", "layers", "hidden", "dim", "batch", "threads", "regather", "donate", "profile")
     cfg = {k: getattr(args, k) for k in keys}
+    record = Record("zero", cfg, argv)
     res = fpar.launch(worker, NPROCS, cfg, timeout=args.timeout)
     r0 = res[0]
     n = NPROCS
@@ -302,6 +304,16 @@ def main(argv=None) -> None:
         f"| {mem['fpar'] / 2**20:.1f} / {mem['fsdp'] / 2**20:.1f} ({mratio:.2f}x) | {n}x{r0['threads']} |"
     )
     print(f"<!-- {platform.processor() or platform.machine()}, torch {torch.__version__} -->")
+
+    step = f"{desc}, {n} gloo processes x {r0['threads']} thread"
+    record.compare("step", f"{step}: fpar ZeRO-3 vs FSDP2 `fully_shard`", [
+        ("fpar", r0["times"]["fpar"], "FSDP2", r0["times"]["fsdp"]),
+    ])
+    record.memory("memory", f"{step}: peak memory per process (the larger rank's) vs FSDP2", [
+        ("fpar", mem["fpar"], "FSDP2", mem["fsdp"]),
+    ])
+    record.data["extra"] = {"comm_stats": stats, "param_bytes": psi, "max_rel_update_diff": max(r["worst_rel"] for r in res)}
+    record.write(args.json)
 
 
 if __name__ == "__main__":

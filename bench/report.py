@@ -1,0 +1,426 @@
+"""The performance table: run the benchmarks that feed it, and render it from their JSON records.
+
+    python bench/report.py run [--quick] [--only NAME ...]   # write bench/results/NAME.json
+    python bench/report.py render [--check]                   # the table into docs/performance.md, README.md
+
+``run`` starts each job of ``JOBS`` below as its own subprocess (``python bench/SCRIPT.py ARGS
+--json bench/results/NAME.json``) with a time limit; a job that fails, times out or writes no
+record leaves a record saying so, and ``--quick`` runs each job with fewer repeats (the same
+shapes), or skips it and says why.  ``render`` reads ``bench/results/*.json`` and writes one
+Markdown table (benchmark, step, fpar, baseline, ratio, target) between the marker comments
+``<!-- perf-table:begin -->`` and ``<!-- perf-table:end -->`` of docs/performance.md and
+README.md, with a line naming the machine, date, torch version and load average of the runs.
+``render --check`` writes nothing and exits 1 when a page's table differs from the records
+(``tests/test_bench_report.py`` checks the same).  The targets are data, in ``JOBS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+PAGES = (ROOT / "docs" / "performance.md", ROOT / "README.md")
+BEGIN, END = "<!-- perf-table:begin -->", "<!-- perf-table:end -->"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A comparison's target: each pair's ratio (fpar / baseline, medians) ``op`` ``value``."""
+
+    op: str  # "<=" or "<"
+    value: float
+    note: str = ""  # what the target means, when a bare number does not say it
+
+    def met(self, ratio: float) -> bool:
+        return ratio <= self.value if self.op == "<=" else ratio < self.value
+
+    def text(self) -> str:
+        sym = {"<=": "≤", "<": "<"}[self.op]
+        value = f"{self.value:g}" if self.value != int(self.value) else f"{self.value:.1f}"
+        return f"{sym} {value}" + (f" ({self.note})" if self.note else "")
+
+
+REFERENCE = None  # a comparison shown for what it explains, with no target of its own
+
+
+@dataclass(frozen=True)
+class Job:
+    """One benchmark run of the table: ``python bench/SCRIPT.py ARGS --json bench/results/NAME.json``."""
+
+    name: str
+    script: str
+    args: tuple[str, ...]
+    quick: tuple[str, ...] | None  # the arguments under --quick; None: skipped under --quick
+    targets: dict[str, Target | None] = field(default_factory=dict)  # comparison id -> target
+    timeout: int = 900  # seconds, the full run
+    quick_timeout: int = 240  # seconds, under --quick
+    skip: str = ""  # why --quick skips it
+
+    @property
+    def title(self) -> str:
+        """The table's benchmark cell: the script and the arguments that pick the config."""
+        return " ".join([self.script, *_config_args(self.args)])
+
+
+def _config_args(args: tuple[str, ...]) -> list[str]:
+    """``args`` without the ones that only set how long a run is (repeats, warm-up)."""
+    out, skip_next = [], False
+    for a in args:
+        if skip_next:
+            skip_next = False
+        elif a in ("--repeats", "--warmup"):
+            skip_next = True
+        else:
+            out.append(a)
+    return out
+
+
+# Targets copied from docs/performance.md's target column (and a script's own printed target:
+# data_parallel.py's peak memory, <= 1.1).  Quick settings keep every shape and cut repeats.
+DP = {"step": Target("<=", 1.0), "floor": REFERENCE, "hooks": REFERENCE, "memory": Target("<=", 1.1)}
+PIPE = {"schedules": Target("<=", 1.0), "zb_h1": Target("<", 0.95)}
+COMPILE = {"real": Target("<", 1.0), "local": Target("<", 1.0), "torch": REFERENCE}
+JOBS: tuple[Job, ...] = (
+    Job("data_parallel", "data_parallel.py", ("--repeats", "20"), ("--repeats", "10"), DP),
+    Job(
+        "data_parallel_tiny",
+        "data_parallel.py",
+        ("--tiny", "--repeats", "200"),
+        ("--tiny", "--repeats", "60"),
+        dict(DP, step=Target("<=", 1.3)),
+    ),
+    Job(
+        "accumulate",
+        "accumulate.py",
+        ("--repeats", "20"),
+        ("--repeats", "8"),
+        {"step": Target("<=", 1.0), "every": REFERENCE},
+    ),
+    Job(
+        "zero",
+        "zero.py",
+        ("--repeats", "20"),
+        ("--repeats", "8"),
+        {"step": Target("<=", 1.0), "memory": Target("<=", 1.1)},
+    ),
+    Job("tp_dtensor", "tp_dtensor.py", ("--repeats", "30"), ("--repeats", "10"), {"step": Target("<=", 1.0)}),
+    Job("hf_tp", "hf_tp.py", ("--repeats", "15"), ("--repeats", "5"), {"step": Target("<=", 1.0)}),
+    Job("pipeline", "pipeline.py", ("--repeats", "10"), ("--repeats", "3", "--warmup", "1"), PIPE),
+    Job(
+        "pipeline_4",
+        "pipeline.py",
+        ("--stages", "4", "--repeats", "10"),
+        None,
+        PIPE,
+        skip="4 processes on 2 cores: over the quick run's time budget",
+    ),
+    Job(
+        "compile_elementwise",
+        "compile.py",
+        ("--batch", "2048", "--dim", "64", "--hidden", "256", "--repeats", "30"),
+        ("--batch", "2048", "--dim", "64", "--hidden", "256", "--repeats", "10"),
+        COMPILE,
+        quick_timeout=360,
+    ),
+    Job(
+        "compile",
+        "compile.py",
+        ("--repeats", "30"),
+        ("--repeats", "10"),
+        COMPILE,
+        quick_timeout=360,
+    ),
+    Job(
+        "moe",
+        "moe.py",
+        ("--repeats", "10"),
+        ("--repeats", "4"),
+        {
+            "in_process": Target("<=", 1.5),
+            "unsharded": REFERENCE,
+            "gloo": Target("<=", 1.1),
+            "exchange": REFERENCE,
+        },
+    ),
+    Job(
+        "moe_e16",
+        "moe.py",
+        ("--experts", "16", "--top-k", "1", "--skip-in-process", "--repeats", "10"),
+        ("--experts", "16", "--top-k", "1", "--skip-in-process", "--repeats", "4"),
+        {"gloo": Target("<=", 1.1), "exchange": REFERENCE},
+    ),
+    Job(
+        "shard_overhead",
+        "shard_overhead.py",
+        ("--threads", "2", "--repeats", "20"),
+        ("--threads", "2", "--repeats", "8"),
+        {"step": Target("<=", 1.3, "no regression: 1.1–1.3× when the issue was filed")},
+    ),
+)
+
+
+# --- run ---
+
+
+def _tail(text: str, lines: int = 3) -> str:
+    return " ".join(s.strip() for s in text.strip().splitlines()[-lines:])[-300:]
+
+
+def run_job(job: Job, quick: bool, results: Path = RESULTS, timeout: float | None = None) -> dict:
+    """Run ``job`` in a subprocess with a time limit; its record (or one saying how it failed), written."""
+    results.mkdir(parents=True, exist_ok=True)
+    path = results / f"{job.name}.json"
+    args = job.quick if quick else job.args
+    base = {
+        "job": job.name,
+        "benchmark": Path(job.script).stem,
+        "quick": quick,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "load_before": list(os.getloadavg()),
+    }
+    if args is None:
+        record = dict(base, command=" ".join(["python", f"bench/{job.script}", *job.args]), skipped=job.skip)
+        _write(path, record)
+        return record
+    command = [sys.executable, str(ROOT / "bench" / job.script), *args, "--json", str(path)]
+    shown = " ".join(["python", f"bench/{job.script}", *args])
+    limit = timeout or (job.quick_timeout if quick else job.timeout)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    )
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if path.exists():
+        path.unlink()  # a failed run must not leave the last run's record standing
+    t0 = time.perf_counter()
+    error = None
+    # its own session: on a timeout the whole group goes, the launched workers included
+    proc = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=limit)
+        if proc.returncode != 0:
+            error = f"exit {proc.returncode}: {_tail(err or out)}"
+        elif not path.exists():
+            error = f"wrote no record: {_tail(out)}"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        error = f"timed out after {limit:.0f} s"
+    elapsed = time.perf_counter() - t0
+    # what it printed, beside the record (not committed: bench/results/.gitignore)
+    path.with_suffix(".log").write_text(out + ("\n" + err if err else ""), encoding="utf-8")
+    if error is not None:
+        record = dict(base, command=shown, error=error, elapsed_s=round(elapsed, 1))
+        record["load_after"] = list(os.getloadavg())
+        record["machine"] = {"platform": platform.platform(), "cpu_count": os.cpu_count()}
+    else:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        record.update(job=job.name, quick=quick, command=shown, elapsed_s=round(elapsed, 1))
+    _write(path, record)
+    return record
+
+
+def _write(path: Path, record: dict) -> None:
+    path.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+
+
+# --- render ---
+
+
+def load_records(results: Path = RESULTS) -> list[dict]:
+    """Every record in ``results``, in ``JOBS``' order (records of no job last, by name)."""
+    order = {job.name: i for i, job in enumerate(JOBS)}
+    records = []
+    for path in sorted(results.glob("*.json")):
+        record = json.loads(path.read_text(encoding="utf-8"))
+        record.setdefault("job", path.stem)
+        records.append(record)
+    return sorted(records, key=lambda r: (order.get(r["job"], len(order)), r["job"]))
+
+
+def _num(x: float, unit: str) -> str:
+    if unit == "MiB":
+        return f"{x:.1f}"
+    return f"{x:.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.2f}"
+
+
+def _value(fig: dict) -> float:
+    return fig["median_ms"] if "median_ms" in fig else fig["peak_mib"]
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _job(name: str) -> Job | None:
+    return next((j for j in JOBS if j.name == name), None)
+
+
+def _title(record: dict) -> str:
+    job = _job(record["job"])
+    if job is not None:
+        return f"`{job.title}`"
+    return f"`{record.get('benchmark', record['job'])}.py`"
+
+
+def table_rows(record: dict) -> list[str]:
+    """The table's rows of one record: one per comparison, or one saying it failed or was skipped."""
+    title = _title(record)
+    if "skipped" in record:
+        return [
+            f"| {title} | `{_cell(record['command'])}` | – | – | – | skipped under `--quick`: {_cell(record['skipped'])} |"
+        ]
+    if "error" in record:
+        return [
+            f"| {title} | `{_cell(record['command'])}` | – | – | – | **failed**: {_cell(record['error'])} |"
+        ]
+    job = _job(record["job"])
+    rows, setup = [], None
+    for comp in record["comparisons"]:
+        # a step's text is "setup: what"; a row whose setup is the row above's says "the same"
+        head, sep, what = comp["step"].partition(": ")
+        step = f"the same: {what}" if sep and head == setup else comp["step"]
+        setup = head if sep else None
+        unit, pairs = comp["unit"], comp["pairs"]
+        sides = " / ".join(_num(_value(p["side"]), unit) for p in pairs)
+        bases = {}
+        for p in pairs:  # each baseline once, in order
+            bases.setdefault(p["baseline"]["name"], _value(p["baseline"]))
+        base = " / ".join(_num(v, unit) for v in bases.values())
+        ratio = " / ".join(f"{p['ratio']:.2f}" for p in pairs) + "×"
+        target = job.targets.get(comp["id"], REFERENCE) if job is not None else REFERENCE
+        if target is None:
+            verdict = "(a reference)"
+        else:
+            met = ["met" if target.met(p["ratio"]) else "not met" for p in pairs]
+            verdict = target.text() + ": " + (met[0] if len(set(met)) == 1 else " / ".join(met))
+        rows.append(
+            f"| {title} | {_cell(step)} | {sides} {unit} | {base} {unit} | {ratio} | {_cell(verdict)} |"
+        )
+    return rows
+
+
+def _span(values: list, fmt=str) -> str:
+    seen = list(dict.fromkeys(fmt(v) for v in values if v is not None))
+    return ", ".join(seen) if seen else "unknown"
+
+
+def machine_line(records: list[dict]) -> str:
+    """Where and when the records were taken: machine, date, torch, commit, load average."""
+    ran = [r for r in records if "skipped" not in r]
+    machines = [r.get("machine", {}) for r in ran]
+    loads = [r[k][0] for r in ran for k in ("load_before", "load_after") if r.get(k)]
+    dates = sorted(r["date"][:10] for r in ran if r.get("date"))
+    date = (
+        dates[0] if dates and dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}" if dates else "unknown"
+    )
+    quick = {bool(r.get("quick")) for r in records}
+    how = "`python bench/report.py run --quick`" if quick == {True} else "`python bench/report.py run`"
+    if quick == {True, False}:
+        how = "`python bench/report.py run` (some jobs `--quick`)"
+    load = f"{min(loads):.1f}–{max(loads):.1f}" if loads else "unknown"
+    return (
+        f"Generated by `python bench/report.py render` from `bench/results/*.json`, the records of {how} "
+        f"on {date} (UTC): {_span([m.get('platform') for m in machines])}, "
+        f"{_span([m.get('cpu_count') for m in machines])} CPUs, torch {_span([m.get('torch') for m in machines])}, "
+        f"fpar at commit {_span([m.get('commit') for m in machines])}; load average (1 min) {load} "
+        f"before and after the runs. fpar and baseline: medians over a run's repeats; ratio: fpar / "
+        f"baseline, medians. Do not edit the table: rerun the benchmarks, then `render`."
+    )
+
+
+def render_table(records: list[dict]) -> str:
+    """The block between the markers (markers excluded): the machine line and the table.
+
+    Blank lines around it keep the marker comments out of the paragraph and the table.
+    """
+    lines = [
+        "",
+        machine_line(records),
+        "",
+        "| benchmark | step / config | fpar | baseline | ratio | target |",
+        "|---|---|---|---|---|---|",
+    ]
+    for record in records:
+        lines.extend(table_rows(record))
+    return "\n".join(lines) + "\n\n"
+
+
+def between_markers(text: str) -> str | None:
+    """The text between the markers' lines (None: no markers)."""
+    if BEGIN not in text or END not in text:
+        return None
+    start = text.index(BEGIN) + len(BEGIN) + 1  # after the marker's line
+    return text[start : text.index(END)]
+
+
+def replace_between(text: str, block: str) -> str:
+    start = text.index(BEGIN) + len(BEGIN) + 1
+    return text[:start] + block + text[text.index(END) :]
+
+
+def render(check: bool = False, results: Path = RESULTS, pages=PAGES) -> list[Path]:
+    """Write the table into ``pages`` (``check``: only compare); the pages that differed."""
+    block = render_table(load_records(results))
+    stale = []
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        if between_markers(text) is None:
+            raise SystemExit(f"{page}: no {BEGIN} / {END} markers")
+        if between_markers(text) != block:
+            stale.append(page)
+            if not check:
+                page.write_text(replace_between(text, block), encoding="utf-8")
+    return stale
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run the benchmarks, writing bench/results/NAME.json")
+    r.add_argument("--quick", action="store_true", help="fewer repeats (same shapes); some jobs skipped")
+    r.add_argument(
+        "--only", nargs="+", metavar="NAME", help="these jobs only: " + ", ".join(j.name for j in JOBS)
+    )
+    r.add_argument("--timeout", type=float, help="seconds per job (default: each job's own)")
+    d = sub.add_parser("render", help="render bench/results/*.json into docs/performance.md and README.md")
+    d.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page's table is stale")
+    args = ap.parse_args(argv)
+    if args.cmd == "run":
+        jobs = [j for j in JOBS if not args.only or j.name in args.only]
+        unknown = set(args.only or ()) - {j.name for j in jobs}
+        if unknown:
+            ap.error(f"no such job: {', '.join(sorted(unknown))}")
+        t0 = time.perf_counter()
+        for job in jobs:
+            record = run_job(job, args.quick, timeout=args.timeout)
+            status = record.get("error") or ("skipped: " + record["skipped"] if "skipped" in record else "ok")
+            print(f"{job.name:22s} {record.get('elapsed_s', 0):7.1f} s  {status}", flush=True)
+        print(f"all: {time.perf_counter() - t0:.0f} s; now: python bench/report.py render")
+        return 0
+    stale = render(check=args.check)
+    for page in stale:
+        print(f"{page.relative_to(ROOT)}: {'stale' if args.check else 'table rewritten'}")
+    return 1 if args.check and stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

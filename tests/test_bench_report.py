@@ -1,0 +1,150 @@
+"""The performance table cannot be typed by hand: it is what ``bench/report.py render`` makes.
+
+docs/performance.md and README.md hold the table between ``<!-- perf-table:begin -->`` and
+``<!-- perf-table:end -->``; it must equal the rendering of the committed ``bench/results/*.json``
+(rerun the benchmarks with ``python bench/report.py run``, then ``python bench/report.py render``).
+No benchmark runs here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("bench_report", ROOT / "bench" / "report.py")
+report = importlib.util.module_from_spec(_spec)
+sys.modules["bench_report"] = report  # dataclasses look their module up
+_spec.loader.exec_module(report)
+
+
+def test_results_exist_and_every_job_has_a_record():
+    names = {p.stem for p in (ROOT / "bench" / "results").glob("*.json")}
+    missing = [job.name for job in report.JOBS if job.name not in names]
+    assert not missing, f"no record for {missing}: python bench/report.py run --only {' '.join(missing)}"
+
+
+@pytest.mark.parametrize("page", report.PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_page_table_is_the_rendered_one(page):
+    shown = report.between_markers(page.read_text(encoding="utf-8"))
+    assert shown is not None, f"{page} has no {report.BEGIN} / {report.END} markers"
+    assert shown == report.render_table(report.load_records()), (
+        f"{page.relative_to(ROOT)}'s performance table is not the one bench/results/*.json renders: "
+        "python bench/report.py render (never edit the table by hand)"
+    )
+
+
+def _pair(name, med, lo, base_name, base_med, base_lo):
+    return {
+        "side": {"name": name, "median_ms": med, "min_ms": lo, "repeats": 5},
+        "baseline": {"name": base_name, "median_ms": base_med, "min_ms": base_lo, "repeats": 5},
+        "ratio": med / base_med,
+        "min_ratio": lo / base_lo,
+    }
+
+
+def test_render_of_a_synthetic_record(tmp_path):
+    job = next(j for j in report.JOBS if j.name == "data_parallel")
+    fg, bw, ddp = 31.25, 27.5, 29.0
+    mem_f, mem_d = 40.0, 60.0
+    record = {
+        "benchmark": "data_parallel",
+        "command": "python bench/data_parallel.py --repeats 5",
+        "config": {"repeats": 5},
+        "date": "2030-01-02T03:04:05Z",
+        "machine": {"platform": "Plan9-x", "cpu_count": 7, "torch": "9.9.9", "commit": "abc1234"},
+        "load_before": [1.25, 0, 0],
+        "load_after": [3.5, 0, 0],
+        "comparisons": [
+            {
+                "id": "step",
+                "step": "a setup: a step | with a bar",
+                "unit": "ms",
+                "pairs": [
+                    _pair("f", fg, fg - 1, "DDP", ddp, ddp - 1),
+                    _pair("b", bw, bw - 1, "DDP", ddp, ddp - 1),
+                ],
+            },
+            {
+                "id": "floor",
+                "step": "a setup: the floor",
+                "unit": "ms",
+                "pairs": [_pair("floor", bw, bw, "DDP", ddp, ddp)],
+            },
+            {
+                "id": "memory",
+                "step": "memory",
+                "unit": "MiB",
+                "pairs": [
+                    {
+                        "side": {"name": "f", "peak_mib": mem_f},
+                        "baseline": {"name": "DDP", "peak_mib": mem_d},
+                        "ratio": mem_f / mem_d,
+                    }
+                ],
+            },
+        ],
+        "job": "data_parallel",
+        "quick": True,
+    }
+    failed = {
+        "job": "zero",
+        "command": "python bench/zero.py",
+        "error": "timed out after 9 s",
+        "quick": True,
+        "date": "2030-01-02T05:00:00Z",
+        "load_before": [0.5, 0, 0],
+        "load_after": [4.0, 0, 0],
+    }
+    skipped = {
+        "job": "pipeline_4",
+        "command": "python bench/pipeline.py --stages 4",
+        "skipped": "too slow",
+        "quick": True,
+        "date": "2030-01-02T05:00:00Z",
+        "load_before": [9.0, 0, 0],
+    }
+    for r in (record, failed, skipped):
+        (tmp_path / f"{r['job']}.json").write_text(json.dumps(r), encoding="utf-8")
+
+    records = report.load_records(tmp_path)
+    assert [r["job"] for r in records] == ["data_parallel", "zero", "pipeline_4"]  # JOBS' order
+    text = report.render_table(records)
+    assert text.startswith("\n") and text.endswith("|\n\n")  # blank lines around it
+    head, *lines = text.strip("\n").splitlines()
+    lines = lines[1:]  # after the blank line: the table
+    assert lines[0] == "| benchmark | step / config | fpar | baseline | ratio | target |"
+
+    step_target = job.targets["step"]
+    verdicts = ["met" if step_target.met(r) else "not met" for r in (fg / ddp, bw / ddp)]
+    want_step = (
+        f"| `{job.title}` | a setup: a step \\| with a bar | {fg:.1f} / {bw:.1f} ms | {ddp:.1f} ms | "
+        f"{fg / ddp:.2f} / {bw / ddp:.2f}× | ≤ {step_target.value:.1f}: {' / '.join(verdicts)} |"
+    )
+    assert lines[2] == want_step
+    assert (
+        lines[3]
+        == f"| `{job.title}` | the same: the floor | {bw:.1f} ms | {ddp:.1f} ms | {bw / ddp:.2f}× | (a reference) |"
+    )
+    mem_target = job.targets["memory"]
+    assert lines[4] == (
+        f"| `{job.title}` | memory | {mem_f:.1f} MiB | {mem_d:.1f} MiB | {mem_f / mem_d:.2f}× | "
+        f"≤ {mem_target.value:.1f}: {'met' if mem_target.met(mem_f / mem_d) else 'not met'} |"
+    )
+    assert "**failed**: timed out after 9 s" in lines[5] and lines[5].startswith("| `zero.py` |")
+    assert "skipped under `--quick`: too slow" in lines[6]
+    # the machine line: the ran records' machine, dates, the load average's range (not the skipped job's)
+    assert "Plan9-x" in head and "7 CPUs" in head and "torch 9.9.9" in head and "abc1234" in head
+    assert "2030-01-02" in head and "--quick" in head
+    assert f"{min(1.25, 0.5):.1f}–{max(3.5, 4.0):.1f}" in head and "9.0" not in head
+
+    # render writes between the markers of a page and leaves the rest alone; --check then passes
+    page = tmp_path / "page.md"
+    page.write_text(f"before\n{report.BEGIN}\nold table\n{report.END}\nafter\n", encoding="utf-8")
+    assert report.render(results=tmp_path, pages=[page]) == [page]
+    assert page.read_text(encoding="utf-8") == f"before\n{report.BEGIN}\n{text}{report.END}\nafter\n"
+    assert report.render(check=True, results=tmp_path, pages=[page]) == []
