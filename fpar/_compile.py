@@ -40,7 +40,7 @@ except ImportError:  # a torch without Dynamo: nothing ever compiles a frame
 
 T = TypeVar("T")
 
-__all__ = ["REASON", "TRACED", "eager", "graph_break", "opaque", "untraced"]
+__all__ = ["BACKWARD_TRACED", "REASON", "TRACED", "eager", "graph_break", "opaque", "refuse_traced_backward", "untraced"]
 
 REASON = (
     "fpar: this call cannot be traced by torch.compile, so fullgraph=True cannot cover it. On the "
@@ -68,6 +68,7 @@ def graph_break(fn: Callable, reason: str = REASON) -> Callable:
     def call(*args, **kwargs):
         if "torch._dynamo" not in sys.modules:
             return fn(*args, **kwargs)
+        refuse_traced_backward(getattr(fn, "__name__", "f"))
         if not disabled:
             disabled.append(torch.compiler.disable(fn, reason=reason))
         return disabled[0](*args, **kwargs)
@@ -91,6 +92,40 @@ def opaque(fn: Callable) -> Callable:
         return call(*args, **kwargs)
 
     return untraced(entry)
+
+
+BACKWARD_TRACED = (
+    "fpar ({name}) runs eagerly at a graph break of a compiled function while "
+    "torch._dynamo.config.trace_autograd_ops is True: Dynamo would trace the .backward() of this "
+    "eager call's result as a graph input with no history and silently make no gradients, so fpar "
+    "refuses. On a real "
+    "mesh, run the step once without torch.compile first: the compiled step then traces the "
+    "sharded call whole, backward included. Otherwise leave trace_autograd_ops off, so that "
+    "loss.backward() runs eagerly (see docs/compile.md)."
+)
+
+
+def refuse_traced_backward(name: str) -> None:
+    """Raise :data:`BACKWARD_TRACED` where a compiled frame runs an fpar call eagerly (at a graph
+    break) while ``torch._dynamo.config.trace_autograd_ops`` is on.
+
+    Dynamo then traces the ``.backward()`` of that eager call's result as a graph input with no
+    history, and the backward silently makes no gradients (torch 2.13, fpar or not: a
+    ``torch.compiler.disable``\ d function's output does the same).  A frame Dynamo compiled
+    shows up on the stack as a code object in Dynamo's map of transformed code.  Costs one
+    config read per eager call when Dynamo is loaded and the flag is off.
+    """
+    if "torch._dynamo" not in sys.modules or not torch._dynamo.config.trace_autograd_ops:
+        return
+    from torch._dynamo.utils import orig_code_map
+
+    frame = sys._getframe(1)
+    for _ in range(16):
+        if frame is None:
+            return
+        if frame.f_code in orig_code_map:
+            raise RuntimeError(BACKWARD_TRACED.format(name=name))
+        frame = frame.f_back
 
 
 # How many real-mesh sharded calls Dynamo is tracing whole right now (``_dist/compiled.py``): in

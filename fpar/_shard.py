@@ -116,6 +116,7 @@ def shard(
 
     eager_call = opaque(sharded)  # under torch.compile: an eager graph break (see _compile.py)
     if real is None:
+
         return eager_call
     from ._dist.compiled import NOT_FAST, UNPLANNED, compiled_call, signature_key
 
@@ -134,10 +135,9 @@ def shard(
             call_args = (*args, kwargs)
             shard_ = kw_real.get((len(call_args), repr(specs[-1])))
         plan = None if shard_ is None else shard_.compiled_plans.get(signature_key(call_args))
-        if plan is None:  # the eager call plans it; Dynamo recompiles at the next call (guards)
-            return unplanned(*args, **kwargs)
-        if not plan.fast:
-            return not_fast(*args, **kwargs)
+        if plan is None or not plan.fast:  # unplanned: the eager call plans it, and Dynamo
+            # recompiles at the next call (its guards on compiled_plans)
+            return (unplanned if plan is None else not_fast)(*args, **kwargs)
         return compiled_call(shard_, plan, call_args)
 
     return untraced(sharded_real)
