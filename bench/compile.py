@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch._inductor.config
 import torch.nn.functional as F
 
 try:
@@ -54,6 +55,7 @@ from fpar import P
 from _common import Record, add_json_arg
 
 SPECS = (P(), P(), P(), P(), P("data"), P("data"))
+PLAIN_INDUCTOR = [False]
 LR = 0.01
 
 
@@ -107,7 +109,10 @@ def _side(loss, params, x_BD, y_BD, compile_step):
             calls[0] += 1
             if calls[0] == 1:
                 return body()
-            with torch._dynamo.config.patch(trace_autograd_ops=True):  # loss.backward() in the graph
+            # loss.backward() in the graph; Inductor's all-reduce bucketing and compute/comm
+            # reordering (compile-time settings: they apply when the first compiled call compiles)
+            comm = {} if PLAIN_INDUCTOR[0] else dict(bucket_all_reduces_fx="all", reorder_for_compute_comm_overlap=True)
+            with torch._dynamo.config.patch(trace_autograd_ops=True), torch._inductor.config.patch(**comm):
                 return whole()
 
         return planned_then_whole, ps
@@ -194,11 +199,8 @@ def _data(cfg: dict):
 def run(cfg: dict) -> dict:
     """One mesh: on a launched worker the real mesh (rank's rows), else the in-process mesh."""
     torch.set_num_threads(cfg["threads"])
-    if cfg.get("inductor_comm"):  # Inductor's own bucketing and compute/comm reordering passes
-        import torch._inductor.config as ic
+    PLAIN_INDUCTOR[0] = cfg.get("plain_inductor", False)
 
-        ic.bucket_all_reduces_fx = "all"
-        ic.reorder_for_compute_comm_overlap = True
     real = dist.is_available() and dist.is_initialized()
     n = dist.get_world_size() if real else 2
     mesh = fpar.make_mesh((n,), ("data",))
@@ -245,8 +247,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="D=64 H=256 B=16")
     ap.add_argument("--profile", action="store_true", help="print the top ops of one step per side")
     ap.add_argument("--mesh", choices=("both", "real", "local"), default="both")
-    ap.add_argument("--inductor-comm", action="store_true",
-                    help="turn on Inductor's all-reduce bucketing and compute/comm reordering passes")
+    ap.add_argument("--plain-inductor", action="store_true",
+                    help="compile the whole step without Inductor's all-reduce bucketing and reordering passes")
     ap.add_argument("--batch", type=int, help="global batch (default 128; --tiny 16)")
     ap.add_argument("--dim", type=int, help="model dim (default 512; --tiny 64)")
     ap.add_argument("--hidden", type=int, help="hidden dim (default 2048; --tiny 256)")
@@ -254,7 +256,7 @@ def main() -> None:
     a = ap.parse_args()
     dims = dict(batch=16, dim=64, hidden=256) if a.tiny else dict(batch=128, dim=512, hidden=2048)
     dims.update({k: getattr(a, k) for k in dims if getattr(a, k) is not None})
-    cfg = dict(dims, repeats=a.repeats, warmup=a.warmup, profile=a.profile, inductor_comm=a.inductor_comm)
+    cfg = dict(dims, repeats=a.repeats, warmup=a.warmup, profile=a.profile, plain_inductor=a.plain_inductor)
     record = Record("compile", dict(cfg, mesh=a.mesh))
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")

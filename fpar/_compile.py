@@ -110,8 +110,8 @@ def refuse_traced_backward(name: str) -> None:
     break) while ``torch._dynamo.config.trace_autograd_ops`` is on.
 
     Dynamo then traces the ``.backward()`` of that eager call's result as a graph input with no
-    history, and the backward silently makes no gradients (torch 2.13, fpar or not: a
-    ``torch.compiler.disable``\ d function's output does the same).  A frame Dynamo compiled
+    history, and the backward silently makes no gradients (torch 2.13, fpar or not: the output
+    of any function under ``torch.compiler.disable`` does the same).  A frame Dynamo compiled
     shows up on the stack as a code object in Dynamo's map of transformed code.  Costs one
     config read per eager call when Dynamo is loaded and the flag is off.
     """

@@ -131,10 +131,21 @@ def run_refusals(backend: str = "aot_eager") -> dict:
     attempt("unplanned", lambda: torch.compile(grad_step, backend=backend, fullgraph=True)(wr, x))
     want = grad_step(wr, x)  # the eager call (it plans the signature)
     # 2. without fullgraph the unplanned call is a graph break that runs eagerly, then recompiles
+    # whole; with trace_autograd_ops on, torch would trace the backward of that eager call's result
+    # and make no gradient (silently), so fpar refuses it
     torch._dynamo.reset()
     loss2 = fpar.shard(per_device, mesh, (P(), P("data")), P())
     stepped = torch.compile(lambda w, x: torch.autograd.grad(loss2(w, x), [w])[0], backend=backend)
-    attempt("graph_break_then_whole", lambda: max(float((stepped(wr, x) - want).abs().max()) for _ in range(3)))
+    with torch._dynamo.config.patch(trace_autograd_ops=False):
+        attempt("graph_break_then_whole", lambda: max(float((stepped(wr, x) - want).abs().max()) for _ in range(3)))
+    torch._dynamo.reset()
+    loss3 = fpar.shard(per_device, mesh, (P(), P("data")), P())
+
+    def backward_step(w, x):
+        loss3(w, x).backward()
+        return w.grad
+
+    attempt("backward_traced", lambda: torch.compile(backward_step, backend=backend)(wr, x))
     # 3. planned: fullgraph compiles the whole step (the gradient all-reduce inside the graph)
     torch._dynamo.reset()
     whole = torch.compile(grad_step, backend=backend, fullgraph=True)
@@ -143,8 +154,9 @@ def run_refusals(backend: str = "aot_eager") -> dict:
     torch._dynamo.reset()
     attempt("func_grad_fullgraph", lambda: torch.compile(torch.func.grad(loss), backend=backend, fullgraph=True)(w, x))
     torch._dynamo.reset()
-    attempt(
-        "func_grad",
-        lambda: max(float((torch.compile(torch.func.grad(loss), backend=backend)(w, x) - want).abs().max()) for _ in range(2)),
-    )
+    with torch._dynamo.config.patch(trace_autograd_ops=False):  # on, it is refused (as in 2.)
+        attempt(
+            "func_grad",
+            lambda: max(float((torch.compile(torch.func.grad(loss), backend=backend)(w, x) - want).abs().max()) for _ in range(2)),
+        )
     return out
