@@ -43,6 +43,10 @@ class Mesh:
         self._dist = None  # the real-mesh state (process groups), set by fpar._dist
         self.abstract = False  # a mesh on paper (fpar.plan.abstract_mesh): runs only under fpar.plan
 
+    def __reduce__(self):
+        """Pickled as its shape, names, backend and abstractness (its process groups stay behind)."""
+        return (_rebuild, (self.axis_sizes, self.axis_names, self.backend, self.abstract))
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Mesh):
             return NotImplemented
@@ -90,6 +94,12 @@ class Mesh:
         """Size of one axis, or the product of the sizes of a tuple of axes."""
         names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
         return math.prod([self.shape[a] for a in names])  # a list: Dynamo traces it (compiled steps)
+
+
+def _rebuild(axis_sizes, axis_names, backend, abstract) -> Mesh:
+    mesh = Mesh(axis_sizes, axis_names, backend=backend)
+    mesh.abstract = abstract
+    return mesh
 
 
 def make_mesh(

@@ -86,3 +86,14 @@ def test_mesh_equality():
 def test_make_mesh_errors(shapes, names, kw, phrase):
     with pytest.raises(ValueError, match=phrase):
         fpar.make_mesh(shapes, names, **kw)
+
+
+def test_a_mesh_pickles_as_its_shape_names_and_backend():
+    import pickle
+
+    mesh = fpar.make_mesh((2, 4), ("data", "tensor"))
+    back = pickle.loads(pickle.dumps(mesh))
+    assert back == mesh and back.shape == mesh.shape and not back.abstract
+    paper = fpar.plan.abstract_mesh((64, 16), ("data", "tensor"))
+    back = pickle.loads(pickle.dumps(paper))
+    assert back.abstract and back.axis_sizes == (64, 16) and back._dist is None

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing as mp
+import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
+
+import torch
 
 from ._estimate import Estimate, estimate
 from ._hardware import Hardware, hardware as _hardware
@@ -35,6 +40,7 @@ def search(
     *,
     model=None,
     keep_dropped: bool = False,
+    workers: int | None = None,
     **choices: Any,
 ) -> list:
     """Estimate every layout of ``devices`` the choices allow; rank those that fit by step time.
@@ -44,7 +50,9 @@ def search(
     arguments; ``choices`` are lists of values per ``Layout`` field (``pipeline``, ``tensor``,
     ``zero``, ``microbatches``, ``remat``, ``schedule``, ``batch``, ...); ``data`` is what the
     devices leave.  With ``model`` (a ``fpar.plan.Model``), layouts that do not divide its
-    dimensions are skipped before any work.
+    dimensions are skipped before any work.  Layouts are estimated in ``workers`` forked
+    processes at once (default: one per CPU; ``workers=1``, or a platform without ``fork``,
+    estimates them one after another in this process).
 
     Returns:
       ``[(layout, estimate), ...]`` fastest first, for the layouts whose peak memory fits the
@@ -64,23 +72,49 @@ def search(
             + (f" divides {model.name}" if model is not None else "")
             + "; widen the choices (the product pipeline x tensor must divide the devices)."
         )
-    kept, dropped = [], []
-    for layout in layouts:
-        start = time.perf_counter()
+    if workers is None:
+        workers = os.cpu_count() or 1
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ValueError(f"fpar.plan.search: workers must be a positive integer, got {workers!r}.")
+    workers = min(workers, len(layouts))
+    if workers > 1 and "fork" in mp.get_all_start_methods():
+        _JOB[:] = [build, hw]  # what the forked workers inherit (build need not be picklable)
         try:
-            step, args = build(layout)
-            est = estimate(step, *args, hardware=hw)
-        except ValueError as e:
-            dropped.append(Result(layout, None, time.perf_counter() - start, str(e)))
-            continue
-        r = Result(layout, est, time.perf_counter() - start)
-        if est.fits:
-            kept.append(r)
-        else:
-            r.dropped = f"does not fit: {est.peak_bytes / 2**30:.1f} GiB > {hw.memory_bytes / 2**30:.1f} GiB"
-            dropped.append(r)
+            with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"), initializer=_worker_init) as pool:
+                results = list(pool.map(_try_in_worker, layouts))
+        finally:
+            _JOB.clear()
+    else:
+        results = [_try(build, hw, layout) for layout in layouts]
+    kept = [r for r in results if r.dropped is None]
+    dropped = [r for r in results if r.dropped is not None]
     kept.sort(key=lambda r: r.estimate.step_time)
     return kept + dropped if keep_dropped else kept
+
+
+def _try(build, hw: Hardware, layout: Layout) -> Result:
+    """Build and estimate one layout: its ``Result``, dropped where it fails or does not fit."""
+    start = time.perf_counter()
+    try:
+        step, args = build(layout)
+        est = estimate(step, *args, hardware=hw)
+    except ValueError as e:
+        return Result(layout, None, time.perf_counter() - start, str(e))
+    r = Result(layout, est, time.perf_counter() - start)
+    if not est.fits:
+        r.dropped = f"does not fit: {est.peak_bytes / 2**30:.1f} GiB > {hw.memory_bytes / 2**30:.1f} GiB"
+    return r
+
+
+_JOB: list = []  # (build, hardware) of the search running now, for its forked workers
+
+
+def _worker_init() -> None:
+    torch.set_num_threads(1)  # an estimate is Python on meta tensors: one thread per worker
+
+
+def _try_in_worker(layout: Layout) -> Result:
+    return _try(_JOB[0], _JOB[1], layout)  # its mesh pickles without the process-group proxy
 
 
 def ranking(results: list, *, tokens_per_step: int | None = None) -> str:

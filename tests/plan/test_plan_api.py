@@ -174,6 +174,20 @@ def test_search_ranks_the_layouts_that_fit_by_step_time():
                        pipeline=[1], tensor=[2], batch=[8], microbatches=[2]) == []
 
 
+def test_search_in_forked_workers_equals_the_search_in_this_process():
+    model = plan.MODELS["tiny"]
+    choices = dict(model=model, keep_dropped=True, pipeline=[1, 2], tensor=[1, 2], zero=[1], batch=[8], microbatches=[2])
+    serial = plan.search(lambda layout: plan.model_step(model, layout), 4, "h100-sxm", workers=1, **choices)
+    forked = plan.search(lambda layout: plan.model_step(model, layout), 4, "h100-sxm", workers=2, **choices)
+    assert [r.layout for r in forked] == [r.layout for r in serial] and len(serial) == 4
+    for a, b in zip(serial, forked):
+        assert (a.estimate.peak_bytes, a.estimate.step_time, a.estimate.comm) == (
+            b.estimate.peak_bytes, b.estimate.step_time, b.estimate.comm)
+    assert "pipeline=" in plan.ranking(forked) and forked[0].estimate.mesh.abstract
+    with pytest.raises(ValueError, match="workers must be a positive integer, got 0"):
+        plan.search(lambda layout: plan.model_step(model, layout), 4, workers=0, **choices)
+
+
 def test_command_line_prints_the_ranking(capsys):
     from fpar.plan.__main__ import main
 
