@@ -66,6 +66,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
             "_local/shard.py",
             "_local/collective.py",
             "_local/mode.py",
+            "_dist/compiled.py",
             "_dist/shard.py",
             "_dist/tracker.py",
             "optim/_remat.py",
@@ -240,6 +241,29 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     ),
     PrivateApi("torch._C._dynamo.eval_frame._FrameAction", ("_compile.py",), "the same", optional=True),
     PrivateApi("torch._C._dynamo.eval_frame._FrameExecStrategy", ("_compile.py",), "the same", optional=True),
+    PrivateApi(
+        "torch._dynamo.config.trace_autograd_ops",
+        ("_compile.py",),
+        "whether Dynamo traces .backward() (then an fpar call at a graph break is refused: torch makes no "
+        "gradient for a graph input's backward)",
+    ),
+    PrivateApi(
+        "torch._dynamo.utils.orig_code_map",
+        ("_compile.py",),
+        "whether a frame on the stack is code Dynamo compiled (an fpar call runs at its graph break)",
+    ),
+    PrivateApi(
+        "torch.distributed._functional_collectives.*",
+        ("_dist/compiled.py",),
+        "collectives Dynamo traces into a compiled graph (all_reduce, all_gather_tensor, "
+        "reduce_scatter_tensor, all_to_all_single), their _c10d_functional ops seen by Inductor's passes",
+        probe=lambda: (
+            torch.distributed._functional_collectives.all_reduce,
+            torch.distributed._functional_collectives.all_gather_tensor,
+            torch.distributed._functional_collectives.reduce_scatter_tensor,
+            torch.distributed._functional_collectives.all_to_all_single,
+        ),
+    ),
     # kernels
     PrivateApi(
         "torch._foreach_*",

@@ -170,7 +170,10 @@ def real_worker(name: str) -> dict:
     """On a real mesh (``fpar.launch``): this rank's steady-state traffic, peak bytes and coordinates."""
     mesh = mesh_for(name, "dist")
     step, args = build(name, mesh)
-    comm, peaks = steady(step, args)
+    # seven steady steps: a gloo message's buffer is now and then released a step late (one buffer
+    # more in that step's peak, measured on zero1 in about a third of the steps), so the median
+    # of three could land on it
+    comm, peaks = steady(step, args, repeats=7)
     return {"comm": comm, "peaks": peaks, "coords": dict(mesh._dist.coords)}
 
 

@@ -3,12 +3,11 @@
 The same step (forward, backward and optimizer update; ``plan_programs.build``) runs on an
 abstract mesh under ``fpar.plan.estimate`` and on a real mesh of gloo processes, where each
 rank measures its steady-state step: ``fpar.comm_stats()`` and the live tensor bytes at its peak
-(the median of three steps: a gloo message's buffer is sometimes released a step late).
+(the smallest of seven steady steps: a gloo message's buffer is sometimes released a step late).
 """
 
 from __future__ import annotations
 
-import statistics
 
 import pytest
 import torch
@@ -42,8 +41,10 @@ def test_traffic_exact_and_memory_within_5_percent_of_real_mesh(size):
             got = rank[name]
             cls = _class_of(est, got["coords"])
             assert cls.comm == got["comm"], (name, got["coords"])
-            # the median of three steady steps: an async message's buffer may outlive a step on a real mesh
-            peak = statistics.median(got["peaks"])
+            # the smallest of seven steady steps: on a real mesh a gloo message's buffer is now and
+            # then released a step late, one buffer more in the next step's peak (about a third of
+            # the steps of zero1; the estimate is the step's own peak)
+            peak = min(got["peaks"])
             assert abs(cls.peak_bytes - peak) <= 0.05 * peak, (name, got["coords"], cls.peak_bytes, got["peaks"])
         assert est.peak_bytes == max(c.peak_bytes for c in est.devices)
         assert est.comm in [c.comm for c in est.devices]
