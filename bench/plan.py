@@ -101,7 +101,7 @@ def bench_search() -> None:
     t = time.perf_counter()
     results = plan.search(
         lambda layout: plan.model_step(model, layout), 1024, "h100-sxm", model=model, keep_dropped=True,
-        pipeline=[2, 4, 8], tensor=[4, 8], zero=[0, 1], microbatches=[8], remat=[False, True], batch=[256],
+        pipeline=[2, 4, 8], tensor=[4, 8], zero=[0, 1], microbatches=[4, 8], remat=[False, True], batch=[256],
     )
     seconds = time.perf_counter() - t
     print(plan.ranking(results, tokens_per_step=256 * model.seq))

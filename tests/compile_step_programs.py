@@ -18,7 +18,7 @@ import fpar.optim as fo
 from fpar import P
 
 F64 = torch.float64
-V, D, L, T, B, HEADS, STEPS = 32, 16, 2, 8, 4, 4, 3
+V, D, L, T, B, HEADS, STEPS = 32, 16, 1, 8, 4, 4, 3
 
 
 def _setup(shape):

@@ -176,10 +176,10 @@ def test_search_ranks_the_layouts_that_fit_by_step_time():
 
 def test_search_in_forked_workers_equals_the_search_in_this_process():
     model = plan.MODELS["tiny"]
-    choices = dict(model=model, keep_dropped=True, pipeline=[1, 2], tensor=[1, 2], zero=[1], batch=[8], microbatches=[2])
+    choices = dict(model=model, keep_dropped=True, pipeline=[1, 2], tensor=[2], zero=[1], batch=[8], microbatches=[2])
     serial = plan.search(lambda layout: plan.model_step(model, layout), 4, "h100-sxm", workers=1, **choices)
     forked = plan.search(lambda layout: plan.model_step(model, layout), 4, "h100-sxm", workers=2, **choices)
-    assert [r.layout for r in forked] == [r.layout for r in serial] and len(serial) == 4
+    assert [r.layout for r in forked] == [r.layout for r in serial] and len(serial) == 2
     for a, b in zip(serial, forked):
         assert (a.estimate.peak_bytes, a.estimate.step_time, a.estimate.comm) == (
             b.estimate.peak_bytes, b.estimate.step_time, b.estimate.comm)
