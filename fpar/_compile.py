@@ -54,9 +54,9 @@ REASON = (
 
 
 def graph_break(fn: Callable, reason: str = REASON) -> Callable:
-    """``fn`` as an eager call Dynamo never traces (a graph break; under ``fullgraph``, an error
-    carrying ``reason``).
+    """``fn`` as an eager call Dynamo never traces: a graph break, or under ``fullgraph`` an error.
 
+    The error carries ``reason``.
     ``torch.compiler.disable`` imports Dynamo (about 2 s a process); a program that never compiles
     never imports it.  So the wrapper carries Dynamo's markers (``_torchdynamo_disable``: Dynamo
     never inlines it, and names ``reason`` under ``fullgraph``) and disables Dynamo for what it
@@ -80,8 +80,11 @@ def graph_break(fn: Callable, reason: str = REASON) -> Callable:
 
 
 def opaque(fn: Callable) -> Callable:
-    """A collective's entry: traced into the graph inside a real-mesh call Dynamo traces whole
-    (``_dist/compiled.py``, while :data:`TRACED` is set), a :func:`graph_break` anywhere else."""
+    """A collective's entry: traced inside a whole-traced real-mesh call, else a graph break.
+
+    Inside a real-mesh call Dynamo traces whole (``_dist/compiled.py``, while :data:`TRACED` is
+    set) ``fn`` goes into the graph; anywhere else it is a :func:`graph_break`.
+    """
     call = graph_break(fn)
 
     @functools.wraps(fn)
@@ -106,10 +109,9 @@ BACKWARD_TRACED = (
 
 
 def refuse_traced_backward(name: str) -> None:
-    """Raise :data:`BACKWARD_TRACED` where a compiled frame runs an fpar call eagerly (at a graph
-    break) while ``torch._dynamo.config.trace_autograd_ops`` is on.
+    """Raise :data:`BACKWARD_TRACED` where a compiled frame runs an fpar call eagerly.
 
-    Dynamo then traces the ``.backward()`` of that eager call's result as a graph input with no
+    That is, at a graph break while ``torch._dynamo.config.trace_autograd_ops`` is on: Dynamo then traces the ``.backward()`` of that eager call's result as a graph input with no
     history, and the backward silently makes no gradients (torch 2.13, fpar or not: the output
     of any function under ``torch.compiler.disable`` does the same).  A frame Dynamo compiled
     shows up on the stack as a code object in Dynamo's map of transformed code.  Costs one

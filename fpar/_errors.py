@@ -6,7 +6,7 @@ for an unbound axis, as in JAX) so that ordinary ``except`` clauses keep working
 
 from __future__ import annotations
 
-__all__ = ["ReplicationError", "SpecError", "UnboundAxisError", "replication_message"]
+__all__ = ["ReplicationError", "SpecError", "UnboundAxisError", "check_in_leaf", "check_out_leaf", "replication_message"]
 
 
 class SpecError(ValueError):
@@ -19,6 +19,38 @@ class ReplicationError(ValueError):
 
 class UnboundAxisError(NameError):
     """A collective names an axis that is not bound: outside ``fpar.shard`` or not in the mesh."""
+
+
+def check_in_leaf(where: str, leaf, spec) -> None:
+    """An argument with an in_spec (not ``None``) must be a tensor: both backends' first check."""
+    if not _is_tensor(leaf):
+        raise TypeError(
+            f"{where} is a {type(leaf).__name__}, not a tensor, but its in_spec is {spec}. "
+            f"Pass a tensor, or give it the in_spec None to pass it through untouched."
+        )
+
+
+def check_out_leaf(where: str, leaf, spec) -> bool:
+    """An output agrees with its out_spec's kind; returns whether it is a static (``None``-spec) one."""
+    if spec is None:
+        if _is_tensor(leaf):
+            raise TypeError(
+                f"{where} is a tensor but its out_spec is None; give it a fpar.P out_spec "
+                f"(None is for non-tensor outputs, which are returned as they are)."
+            )
+        return True
+    if not _is_tensor(leaf):
+        raise TypeError(
+            f"{where} is a {type(leaf).__name__}, not a tensor, but its out_spec is {spec}; "
+            f"return a tensor, or give it the out_spec None."
+        )
+    return False
+
+
+def _is_tensor(x) -> bool:
+    import torch  # the error vocabulary itself needs no torch at import
+
+    return isinstance(x, torch.Tensor)
 
 
 def replication_message(where: str, spec, broken: list[str]) -> str:

@@ -10,11 +10,25 @@ from __future__ import annotations
 
 import inspect
 
+import torch
+
 from ._compile import untraced
 
-__all__ = ["INTERNAL", "bound_once", "internal"]
+__all__ = ["INTERNAL", "NOT_OPS", "bound_once", "internal"]
 
 INTERNAL: set[type] = set()
+
+# torch functions whose tensor arguments both backends' interception (the in-process mode, the
+# real mesh's tracker) must pass through as they are: rewriting ``inputs`` of
+# ``torch.autograd.grad`` (which ``torch.func.grad`` calls) would ask for the gradient of a tensor
+# that is not in the graph.
+NOT_OPS = {
+    torch.autograd.grad,
+    torch.autograd.backward,
+    torch.Tensor.backward,
+    torch.Tensor.register_hook,
+    torch.Tensor.requires_grad_,
+}
 
 
 def internal(cls: type) -> type:

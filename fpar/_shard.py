@@ -90,7 +90,21 @@ def shard(
             raise ValueError(f"fpar.shard({fname}): bucket_mb must be a positive number of megabytes, got {bucket_mb!r}.")
         real = DistShard(f, fname, mesh, in_specs, out_specs, bool(check_rep), _prefix, float(bucket_mb))
 
-    kw_real: dict = {}  # real mesh, keyword calls: (number of args, keyword specs) -> plan
+    kw_real: dict = {}  # real mesh, keyword calls: (number of args, keyword specs) -> its DistShard
+
+    def real_call(args: tuple, kwargs: dict, *, make: bool):
+        """The real-mesh DistShard of a call and its positional arguments (keywords as one more).
+
+        With ``make=False`` the DistShard is None for a keyword signature never called eagerly.
+        """
+        if not kwargs:
+            return real, args
+        g, specs = _with_kwargs(f, fname, in_specs, args, kwargs)
+        args = (*args, kwargs)
+        key = (len(args), repr(specs[-1]))
+        if make and key not in kw_real:
+            kw_real[key] = DistShard(g, fname, mesh, specs, out_specs, bool(check_rep), _prefix, float(bucket_mb))
+        return kw_real.get(key), args
 
     @functools.wraps(f)
     def sharded(*args: Any, **kwargs: Any) -> Any:
@@ -100,23 +114,16 @@ def shard(
                 f"({frames()[-1].fname}); nested shard is not supported. Call the inner per-device "
                 f"function directly: it already runs per device."
             )
+        if real is not None:
+            dist_shard, args = real_call(args, kwargs, make=True)
+            return dist_shard(args)
         if kwargs:
             g, specs = _with_kwargs(f, fname, in_specs, args, kwargs)
-            args = (*args, kwargs)
-            if real is None:
-                return LocalCall(g, fname, mesh, specs, out_specs, bool(check_rep), _prefix).run(args)
-            key = (len(args), repr(specs[-1]))
-            if key not in kw_real:
-                kw_real[key] = DistShard(g, fname, mesh, specs, out_specs, bool(check_rep), _prefix, float(bucket_mb))
-            return kw_real[key](args)
-        if real is not None:
-            return real(args)
-        call = LocalCall(f, fname, mesh, in_specs, out_specs, bool(check_rep), _prefix)
-        return call.run(args)
+            return LocalCall(g, fname, mesh, specs, out_specs, bool(check_rep), _prefix).run((*args, kwargs))
+        return LocalCall(f, fname, mesh, in_specs, out_specs, bool(check_rep), _prefix).run(args)
 
     eager_call = opaque(sharded)  # under torch.compile: an eager graph break (see _compile.py)
     if real is None:
-
         return eager_call
     from ._dist.compiled import NOT_FAST, UNPLANNED, compiled_call, signature_key
 
@@ -129,11 +136,7 @@ def shard(
         # planned is traced whole (``_dist/compiled.py``); otherwise the eager call, a graph break.
         if not torch.compiler.is_compiling():
             return eager_call(*args, **kwargs)
-        shard_, call_args = real, args
-        if kwargs:
-            g, specs = _with_kwargs(f, fname, in_specs, args, kwargs)
-            call_args = (*args, kwargs)
-            shard_ = kw_real.get((len(call_args), repr(specs[-1])))
+        shard_, call_args = real_call(args, kwargs, make=False)
         plan = None if shard_ is None else shard_.compiled_plans.get(signature_key(call_args))
         if plan is None or not plan.fast:  # unplanned: the eager call plans it, and Dynamo
             # recompiles at the next call (its guards on compiled_plans)

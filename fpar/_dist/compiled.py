@@ -65,8 +65,10 @@ def signature_key(args: tuple) -> tuple:
 
 
 def compiled_call(shard, plan, args: tuple) -> Any:
-    """``shard(args)`` (a ``DistShard``) as code ``torch.compile`` traces into one graph, from the
-    fast ``plan`` an eager call with the same signature made."""
+    """``shard(args)`` (a ``DistShard``) as code ``torch.compile`` traces into one graph.
+
+    It runs the fast ``plan`` an eager call with the same signature made.
+    """
     fname = shard.fname
     if torch._C._functorch.maybe_current_level() is not None:  # under Dynamo: an error in a transform
         raise RuntimeError(_FUNC_TRANSFORM.format(fname=fname))
@@ -163,9 +165,11 @@ _FUNC_TRANSFORM = (
 
 
 def groups_of(plan, mg: MeshGroups) -> _Groups:
-    """The process group and member -> group-rank map of every set of axes ``plan`` communicates
-    over, forward and backward (computed eagerly, when the plan is made: a traced call only reads
-    them, since Dynamo allows no mutation of outside state inside an ``autograd.Function``)."""
+    """Every process group ``plan`` communicates over, forward and backward, with its rank maps.
+
+    Computed eagerly, when the plan is made: a traced call only reads them, since Dynamo allows no
+    mutation of outside state inside an ``autograd.Function``.
+    """
     out = {}
     for axes in {*plan.in_reduce.values(), *(c[1] for c in plan.coll), *(c[2] for c in plan.coll if c[2])}:
         if axes:

@@ -42,7 +42,7 @@ from torch._C._functorch import maybe_current_level
 
 from .._collectives import Frame, frames
 from .._compile import eager
-from .._errors import ReplicationError, replication_message
+from .._errors import ReplicationError, check_in_leaf, check_out_leaf, replication_message
 from .._spec import check_spec
 from .._tree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from .agree import digest
@@ -134,15 +134,11 @@ class DistShard:
         PLANNED[0] += 1
         paths, _, _ = tree_flatten_with_path(args)
         sig = []
-        for i, (path, leaf, spec) in enumerate(zip(paths, leaves, specs)):
+        for path, leaf, spec in zip(paths, leaves, specs):
             where = f"fpar.shard({self.fname}): args{keystr(path)}"
             if spec is None:
                 continue
-            if not isinstance(leaf, Tensor):
-                raise TypeError(
-                    f"{where} is a {type(leaf).__name__}, not a tensor, but its in_spec is {spec}. "
-                    f"Pass a tensor, or give it the in_spec None to pass it through untouched."
-                )
+            check_in_leaf(where, leaf, spec)
             check_spec(spec, tuple(leaf.shape), self.mesh.shape, where=where, blocks=True)
             # requires_grad: which inputs get gradients sets the gradient buckets' layout
             sig.append((f"args{keystr(path)}", str(spec), tuple(leaf.shape), str(leaf.dtype), leaf.requires_grad))
@@ -304,23 +300,13 @@ class DistShard:
             plan.out_treedef = treedef
             plan.out_specs = self._prefix(self.fname, "out_specs", self.out_specs, out, "the outputs")
         outs = []
-        for j, (path, leaf, spec) in enumerate(zip(paths, leaves, plan.out_specs)):
+        for path, leaf, spec in zip(paths, leaves, plan.out_specs):
             where = f"fpar.shard({self.fname}): out{keystr(path)}"
-            if spec is None:
-                if isinstance(leaf, Tensor):
-                    raise TypeError(
-                        f"{where} is a tensor but its out_spec is None; give it a fpar.P out_spec "
-                        f"(None is for non-tensor outputs, which are returned as they are)."
-                    )
+            if check_out_leaf(where, leaf, spec):
                 outs.append(leaf)
                 if first:
                     plan.out_broken.append(())
                 continue
-            if not isinstance(leaf, Tensor):
-                raise TypeError(
-                    f"{where} is a {type(leaf).__name__}, not a tensor, but its out_spec is {spec}; "
-                    f"return a tensor, or give it the out_spec None."
-                )
             if first:
                 check_spec(spec, tuple(leaf.shape), self.mesh.shape, where=where, blocks=True)
             varying, _ = tracker.info(leaf)

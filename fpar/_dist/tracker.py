@@ -17,7 +17,7 @@ from torch._C._functorch import maybe_current_level
 from torch.overrides import TorchFunctionMode
 
 from .. import _stats as stats
-from .._registry import bound_once
+from .._registry import NOT_OPS, bound_once
 from .._spec import PartitionSpec
 from .._tree import tree_flatten, tree_unflatten
 from ..random._guard import RANDOM_OPS, check_random_op
@@ -28,13 +28,6 @@ __all__ = ["_Planned", "_Tracker"]
 
 Tensor = torch.Tensor
 _REDUCING = {"psum", "pmean", "pmax", "pmin", "all_gather_invariant"}
-_NOT_OPS = {
-    torch.autograd.grad,
-    torch.autograd.backward,
-    torch.Tensor.backward,
-    torch.Tensor.register_hook,
-    torch.Tensor.requires_grad_,
-}
 
 
 # What reads a tensor's value without returning a tensor (as the ops that make a ``Pending`` wait)
@@ -169,7 +162,7 @@ class _Tracker(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in RANDOM_OPS:
             check_random_op(func, args, kwargs, self.owner.fname)  # layout-dependent draws: use fpar.random
-        if func in _NOT_OPS:
+        if func in NOT_OPS:
             self.inner = True
             return func(*args, **kwargs)
         if self.base != maybe_current_level():

@@ -42,7 +42,7 @@ from torch._functorch.autograd_function import custom_function_call
 from torch.overrides import TorchFunctionMode
 
 from .._collectives import Frame
-from .._registry import INTERNAL, internal
+from .._registry import INTERNAL, NOT_OPS, internal
 from .._tree import tree_flatten, tree_unflatten
 from ..random._guard import RANDOM_OPS, check_random_op
 from .collective import batched_levels, implicit_pvary
@@ -112,7 +112,7 @@ class ShardMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is custom_function_call and args and args[0] in INTERNAL:
             return func(*args, **kwargs)  # fpar's own Functions: the token is not an operand
-        if func in _NOT_OPS:
+        if func in NOT_OPS:
             return func(*args, **kwargs)  # their tensors are references (autograd inputs), not operands
         if func in RANDOM_OPS:
             check_random_op(func, args, kwargs, self.frame.fname)  # layout-dependent draws: use fpar.random
@@ -222,18 +222,6 @@ class ShardMode(TorchFunctionMode):
             and bool(self.frame.levels)
             and maybe_current_level() == max(self.frame.levels)  # no user transform above ours
         )
-
-
-_NOT_OPS = {
-    torch.autograd.grad,
-    torch.autograd.backward,
-    torch.Tensor.backward,
-    torch.Tensor.register_hook,
-    torch.Tensor.requires_grad_,
-}
-"""Functions whose tensor arguments must reach them as they are: rewriting ``inputs`` of
-``torch.autograd.grad`` (which ``torch.func.grad`` calls) would ask for the gradient of a
-tensor that is not in the graph."""
 
 
 def _autocast(*tensors):

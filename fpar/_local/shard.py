@@ -17,7 +17,7 @@ from torch._C._functorch import maybe_current_level
 from .. import _stats as stats
 from .._collectives import Frame, frames
 from .._compile import eager
-from .._errors import ReplicationError, replication_message
+from .._errors import ReplicationError, check_in_leaf, check_out_leaf, replication_message
 from .._spec import check_spec
 from .._tree import keystr, tree_flatten_with_path, tree_unflatten
 from .collective import batched_levels, collective
@@ -57,11 +57,7 @@ class LocalCall:
             if spec is None:
                 self.static[i] = leaf
                 continue
-            if not isinstance(leaf, Tensor):
-                raise TypeError(
-                    f"{where} is a {type(leaf).__name__}, not a tensor, but its in_spec is {spec}. "
-                    f"Pass a tensor, or give it the in_spec None to pass it through untouched."
-                )
+            check_in_leaf(where, leaf, spec)
             backend.check_input(spec, leaf, where)
             view, label = backend.split(leaf, spec)
             views.append(view)
@@ -161,19 +157,9 @@ class LocalCall:
         tensors = []
         for j, (path, leaf, spec) in enumerate(zip(paths, leaves, specs)):
             where = f"fpar.shard({self.fname}): out{keystr(path)}"
-            if spec is None:
-                if isinstance(leaf, Tensor):
-                    raise TypeError(
-                        f"{where} is a tensor but its out_spec is None; give it a fpar.P out_spec "
-                        f"(None is for non-tensor outputs, which are returned as they are)."
-                    )
+            if check_out_leaf(where, leaf, spec):
                 self.out_static[j] = leaf
                 continue
-            if not isinstance(leaf, Tensor):
-                raise TypeError(
-                    f"{where} is a {type(leaf).__name__}, not a tensor, but its out_spec is {spec}; "
-                    f"return a tensor, or give it the out_spec None."
-                )
             check_spec(spec, tuple(leaf.shape), self.mesh.shape, where=where, blocks=True)
             varying = batched_levels(leaf, frame.levels)
             named = set(spec.axes())

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from ._estimate import Estimate, estimate
-from ._hardware import Hardware, hardware as _hardware
+from ._hardware import Hardware
+from ._hardware import hardware as _hardware
 from ._models import Layout, layout_choices
 
 __all__ = ["Result", "ranking", "search"]
