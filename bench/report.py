@@ -92,6 +92,8 @@ DP = {"step": Target("<=", 1.0), "floor": REFERENCE, "hooks": REFERENCE, "memory
 PIPE = {"schedules": Target("<=", 1.0), "zb_h1": Target("<", 0.95)}
 COMPILE = {
     "whole": Target("<=", 0.9),
+    "local_whole": Target("<=", 0.9),
+    "tour": Target("<=", 0.9),
     "whole_ddp": Target("<=", 1.0),
     "ddp": REFERENCE,
     "real": Target("<", 1.0),

@@ -5,7 +5,10 @@ fpar's collectives, implicit pvaries and gradient all-reduces are custom ``autog
 trace the in-process machinery at all (functorch levels, custom vmap rules), and where it does
 trace a custom Function it can drop its backward: under ``torch.compile(torch.func.grad(f))`` a
 Function whose backward all-reduces then returns the *local* gradient, silently (pytorch#193279,
-reproduced on torch 2.13 with gloo).  So fpar never lets Dynamo trace its own machinery:
+reproduced on torch 2.13 with gloo).  So fpar never lets Dynamo trace its own eager machinery;
+what it traces is a separate, lean form of a sharded call whose signature an eager call has
+planned or checked (the whole step in one graph: ``_dist/compiled.py`` on a real mesh,
+``_local/compiled.py`` in-process, while :data:`TRACED` is set).  Everywhere else:
 
 * a sharded function and every collective are ``torch.compiler.disable``\\ d: under
   ``torch.compile`` they are graph breaks that run eagerly, exactly as without compile, with
@@ -33,6 +36,8 @@ from typing import TypeVar
 
 import torch
 
+from ._tree import tree_flatten_with_path
+
 try:  # torch's per-code-object frame strategy (what torch._dynamo.skip_code uses)
     from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 except ImportError:  # a torch without Dynamo: nothing ever compiles a frame
@@ -40,16 +45,15 @@ except ImportError:  # a torch without Dynamo: nothing ever compiles a frame
 
 T = TypeVar("T")
 
-__all__ = ["BACKWARD_TRACED", "REASON", "TRACED", "eager", "graph_break", "opaque", "refuse_traced_backward", "untraced"]
+__all__ = ["BACKWARD_TRACED", "REASON", "TRACED", "eager", "graph_break", "opaque", "refuse_traced_backward", "signature_key", "untraced"]
 
 REASON = (
-    "fpar: this call cannot be traced by torch.compile, so fullgraph=True cannot cover it. On the "
-    "in-process mesh a sharded function is a graph break (fpar's in-process machinery, vmap levels "
-    "with custom rules, is not traceable); a collective in a per-device function compiled on its "
-    "own (fpar.shard(torch.compile(f), ...)) breaks f's graph there. On a real mesh, compile the "
-    "whole step instead: torch.compile(step, fullgraph=True), step calling the sharded loss, then "
-    "loss.backward() or torch.autograd.grad, then the update (torch.func.grad cannot be compiled: "
-    "pytorch#193279). Or drop fullgraph=True: the call runs eagerly (see docs/compile.md)."
+    "fpar: this call cannot be traced by torch.compile, so fullgraph=True cannot cover it. A "
+    "collective in a per-device function compiled on its own (fpar.shard(torch.compile(f), ...)) "
+    "breaks f's graph there. Compile the whole step instead, on either mesh: "
+    "torch.compile(step, fullgraph=True), step calling the sharded loss, then loss.backward() or "
+    "torch.autograd.grad, then the update, after one eager step (torch.func.grad cannot be "
+    "compiled: pytorch#193279). Or drop fullgraph=True: the call runs eagerly (see docs/compile.md)."
 )
 
 
@@ -80,10 +84,10 @@ def graph_break(fn: Callable, reason: str = REASON) -> Callable:
 
 
 def opaque(fn: Callable) -> Callable:
-    """A collective's entry: traced inside a whole-traced real-mesh call, else a graph break.
+    """A collective's entry: traced inside a whole-traced sharded call, else a graph break.
 
-    Inside a real-mesh call Dynamo traces whole (``_dist/compiled.py``, while :data:`TRACED` is
-    set) ``fn`` goes into the graph; anywhere else it is a :func:`graph_break`.
+    Inside a sharded call Dynamo traces whole (``_dist/compiled.py``, ``_local/compiled.py``,
+    while :data:`TRACED` is set) ``fn`` goes into the graph; anywhere else it is a :func:`graph_break`.
     """
     call = graph_break(fn)
 
@@ -130,8 +134,28 @@ def refuse_traced_backward(name: str) -> None:
         frame = frame.f_back
 
 
-# How many real-mesh sharded calls Dynamo is tracing whole right now (``_dist/compiled.py``): in
-# them, fpar's collectives are traced into the graph instead of breaking it.
+def signature_key(args: tuple) -> tuple:
+    """The key of a call's signature that Dynamo can compute and hash (no ``PyTreeSpec`` in it).
+
+    The leaves' paths stand for the argument structure; with each tensor's shape, dtype and
+    ``requires_grad`` and each other leaf's value (or type) it names one eager plan.
+    """
+    paths, leaves, _ = tree_flatten_with_path(args)
+    sig = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            sig.append((tuple(leaf.shape), leaf.dtype, leaf.requires_grad))
+        else:
+            try:
+                hash(leaf)
+                sig.append((type(leaf), leaf))
+            except TypeError:
+                sig.append((type(leaf), id(leaf)))
+    return tuple(paths), tuple(sig)
+
+
+# How many sharded calls Dynamo is tracing whole right now (``_dist/compiled.py``,
+# ``_local/compiled.py``): in them, fpar's collectives are traced into the graph instead of breaking it.
 TRACED = [0]
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ._collectives import frames
-from ._compile import graph_break, opaque, untraced
+from ._compile import graph_break, opaque, signature_key, untraced
 from ._errors import SpecError
 from ._local.shard import LocalCall
 from ._mesh import Mesh
@@ -106,6 +106,15 @@ def shard(
             kw_real[key] = DistShard(g, fname, mesh, specs, out_specs, bool(check_rep), _prefix, float(bucket_mb))
         return kw_real.get(key), args
 
+    local_plans: dict = {}  # in-process: signature_key -> the LocalPlan its eager call checked
+
+    def local_call(args: tuple, kwargs: dict) -> tuple:
+        """In-process: the positional function, its in_specs and arguments (keywords as one more)."""
+        if not kwargs:
+            return f, in_specs, args
+        g, specs = _with_kwargs(f, fname, in_specs, args, kwargs)
+        return g, specs, (*args, kwargs)
+
     @functools.wraps(f)
     def sharded(*args: Any, **kwargs: Any) -> Any:
         if real is not None and frames() and frames()[-1].token is not None:
@@ -117,15 +126,32 @@ def shard(
         if real is not None:
             dist_shard, args = real_call(args, kwargs, make=True)
             return dist_shard(args)
-        if kwargs:
-            g, specs = _with_kwargs(f, fname, in_specs, args, kwargs)
-            return LocalCall(g, fname, mesh, specs, out_specs, bool(check_rep), _prefix).run((*args, kwargs))
-        return LocalCall(f, fname, mesh, in_specs, out_specs, bool(check_rep), _prefix).run(args)
+        g, specs, call_args = local_call(args, kwargs)
+        call = LocalCall(g, fname, mesh, specs, out_specs, bool(check_rep), _prefix)
+        out = call.run(call_args)
+        local_plans[signature_key(call_args)] = call.plan  # checked: a compiled step may trace it
+        return out
 
     eager_call = opaque(sharded)  # under torch.compile: an eager graph break (see _compile.py)
     if real is None:
-        return eager_call
-    from ._dist.compiled import NOT_FAST, UNPLANNED, compiled_call, signature_key
+        from ._local.compiled import UNCHECKED, compiled_call as compiled_local
+
+        unchecked = graph_break(sharded, UNCHECKED.format(fname=fname))
+
+        @functools.wraps(f)
+        def sharded_local(*args: Any, **kwargs: Any) -> Any:
+            # Dynamo inlines this: under torch.compile an in-process call whose signature an eager
+            # call checked is traced whole (``_local/compiled.py``); otherwise a graph break.
+            if not torch.compiler.is_compiling():
+                return eager_call(*args, **kwargs)
+            g, _, call_args = local_call(args, kwargs)
+            plan = local_plans.get(signature_key(call_args))
+            if plan is None:  # the eager call checks it; Dynamo recompiles at the next call
+                return unchecked(*args, **kwargs)
+            return compiled_local(g, fname, mesh, plan, call_args)
+
+        return untraced(sharded_local)
+    from ._dist.compiled import NOT_FAST, UNPLANNED, compiled_call
 
     unplanned = graph_break(sharded, UNPLANNED.format(fname=fname))
     not_fast = graph_break(sharded, NOT_FAST.format(fname=fname))

@@ -1,4 +1,4 @@
-"""The whole training step under ``torch.compile(fullgraph=True)`` on a real mesh (issue: JAX's
+"""The whole training step under ``torch.compile(fullgraph=True)`` on both meshes (issue: JAX's
 ``jit(shard_map)``): the sharded loss, its backward with every gradient all-reduce, and an
 ``fpar.optim`` update in one graph, giving the eager step's numbers.
 
@@ -16,33 +16,51 @@ import fpar
 
 TOL = 1e-12
 pytestmark = [
-    pytest.mark.multiprocess,
     # torch's own warnings while Dynamo traces `loss.backward()` (not fpar's)
     pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"),
     pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
 ]
 
 
+def _check_gpt(out: dict, cases: tuple) -> None:
+    for case in cases:
+        loss_diff, param_diff, moved = out[case]
+        assert moved > 1e-3, f"{case}: the steps did not change the parameters"
+        assert loss_diff < TOL and param_diff < TOL, f"{case}: compiled differs from eager by {loss_diff}, {param_diff}"
+
+
+def _check_refusals(out: dict) -> None:
+    kind, err, message = out["unplanned"]
+    assert (kind, err) == ("error", "Unsupported")
+    assert "no eager call with these argument shapes yet" in message and "Run the step once" in message
+    assert out["graph_break_then_whole"][0] == "ok" and out["graph_break_then_whole"][1] < TOL
+    kind, err, message = out["backward_traced"]
+    assert (kind, err) == ("error", "RuntimeError") and "trace_autograd_ops" in message and "no gradients" in message
+    assert out["planned_fullgraph"][0] == "ok" and out["planned_fullgraph"][1] < TOL
+    # torch.func.grad under compile: never a local gradient; refused under fullgraph ...
+    assert out["func_grad_fullgraph"][:2] == ("error", "Unsupported")
+    # ... and right (run eagerly) without it
+    assert out["func_grad"][0] == "ok" and out["func_grad"][1] < TOL
+
+
+def test_a_gpt_training_step_compiled_whole_equals_the_eager_step_in_process():
+    cases = (((2, 2), "backward"),)  # data=2 x tensor=2 (the real mesh's test has both forms)
+    _check_gpt(C.run_gpt_steps(cases), cases)
+
+
+def test_forms_that_cannot_be_one_graph_are_refused_or_run_eagerly_in_process():
+    _check_refusals(C.run_refusals())
+
+
+@pytest.mark.multiprocess
 def test_a_gpt_training_step_compiled_whole_equals_the_eager_step():
     # data=2 x tensor=1 with loss.backward(); data=1 x tensor=2 with torch.autograd.grad
     cases = (((2, 1), "backward"), ((1, 2), "autograd_grad"))
     for out in fpar.launch(C.run_gpt_steps, 2, cases, timeout=600):
-        for case in cases:
-            loss_diff, param_diff, moved = out[case]
-            assert moved > 1e-3, f"{case}: the steps did not change the parameters"
-            assert loss_diff < TOL and param_diff < TOL, f"{case}: compiled differs from eager by {loss_diff}, {param_diff}"
+        _check_gpt(out, cases)
 
 
+@pytest.mark.multiprocess
 def test_forms_that_cannot_be_one_graph_are_refused_or_run_eagerly():
     for out in fpar.launch(C.run_refusals, 2, timeout=300):
-        kind, err, message = out["unplanned"]
-        assert (kind, err) == ("error", "Unsupported")
-        assert "no eager call with these argument shapes yet" in message and "Run the step once" in message
-        assert out["graph_break_then_whole"][0] == "ok" and out["graph_break_then_whole"][1] < TOL
-        kind, err, message = out["backward_traced"]
-        assert (kind, err) == ("error", "RuntimeError") and "trace_autograd_ops" in message and "no gradients" in message
-        assert out["planned_fullgraph"][0] == "ok" and out["planned_fullgraph"][1] < TOL
-        # torch.func.grad under compile: never a local gradient; refused under fullgraph ...
-        assert out["func_grad_fullgraph"][:2] == ("error", "Unsupported")
-        # ... and right (run eagerly) without it
-        assert out["func_grad"][0] == "ok" and out["func_grad"][1] < TOL
+        _check_refusals(out)

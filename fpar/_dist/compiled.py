@@ -33,35 +33,15 @@ import torch.distributed._functional_collectives as fc
 from .._collectives import Frame, frames
 from .._compile import TRACED
 from .._registry import internal
-from .._tree import tree_flatten, tree_flatten_with_path, tree_unflatten
+from .._tree import tree_flatten, tree_unflatten
 from .groups import MeshGroups
 
-__all__ = ["NOT_FAST", "UNPLANNED", "compiled_call", "groups_of", "signature_key"]
+__all__ = ["NOT_FAST", "UNPLANNED", "compiled_call", "groups_of"]
 
 Tensor = torch.Tensor
 
 _REDUCE = {"psum": "sum", "pmean": "sum", "pmax": "max", "pmin": "min"}
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-def signature_key(args: tuple) -> tuple:
-    """The key of a call's signature that Dynamo can compute and hash (no ``PyTreeSpec`` in it).
-
-    The leaves' paths stand for the argument structure; with each tensor's shape, dtype and
-    ``requires_grad`` and each other leaf's value (or type) it names one eager plan.
-    """
-    paths, leaves, _ = tree_flatten_with_path(args)
-    sig = []
-    for leaf in leaves:
-        if isinstance(leaf, Tensor):
-            sig.append((tuple(leaf.shape), leaf.dtype, leaf.requires_grad))
-        else:
-            try:
-                hash(leaf)
-                sig.append((type(leaf), leaf))
-            except TypeError:
-                sig.append((type(leaf), id(leaf)))
-    return tuple(paths), tuple(sig)
 
 
 def compiled_call(shard, plan, args: tuple) -> Any:

@@ -48,7 +48,8 @@ from .._tree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from .agree import digest
 from .agreement import _Agreement
 from .buckets import reduce_inputs
-from .compiled import groups_of, signature_key
+from .._compile import signature_key
+from .compiled import groups_of
 from .exchange import _Exchange, _TakeFirst, summed
 from .groups import _device, on_paper, simulated
 from .tracker import _Tracker

@@ -21,6 +21,7 @@ from .._errors import ReplicationError, check_in_leaf, check_out_leaf, replicati
 from .._spec import check_spec
 from .._tree import keystr, tree_flatten_with_path, tree_unflatten
 from .collective import batched_levels, collective
+from .compiled import LocalPlan
 from .exchange import LocalBackend
 from .mode import storage_of
 
@@ -66,6 +67,7 @@ class LocalCall:
             if backend.name == "local" and storage_of(leaf):
                 self.inputs.setdefault(storage_of(leaf), f"args{keystr(path)}")
         self.tensor_slots = [i for i in range(len(leaves)) if i not in self.static]
+        self.leaf_specs = tuple(None if i in self.static else s for i, s in enumerate(specs))
         backend.before(self, checked)  # a real mesh agrees on shapes here, before any exchange
         return self._run(backend, views, labels)
 
@@ -113,6 +115,7 @@ class LocalCall:
             frame.release()
         if self.axes:
             outs = _merge(outs, [self.axes[0] in p for p in self.present])
+        self.plan = LocalPlan(self.leaf_specs, tuple(self.out_leaf_specs))  # checked: compilable
         return self._assemble(backend, outs)
 
     def _innermost(self, frame: Frame, nviews: int) -> Callable:
@@ -154,12 +157,15 @@ class LocalCall:
         specs = self._prefix(self.fname, "out_specs", self.out_specs, out, "the outputs")
         self.out_static, self.out_slots, self.out_specs_flat, self.present = {}, [], [], []
         self.replicated_named = []
+        self.out_leaf_specs = []  # for the plan of a compiled call (compiled.LocalPlan)
         tensors = []
         for j, (path, leaf, spec) in enumerate(zip(paths, leaves, specs)):
             where = f"fpar.shard({self.fname}): out{keystr(path)}"
             if check_out_leaf(where, leaf, spec):
                 self.out_static[j] = leaf
+                self.out_leaf_specs.append(None)
                 continue
+            self.out_leaf_specs.append(spec)
             check_spec(spec, tuple(leaf.shape), self.mesh.shape, where=where, blocks=True)
             varying = batched_levels(leaf, frame.levels)
             named = set(spec.axes())

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from .._compile import TRACED
 from .._torch_api import is_batchedtensor, maybe_current_level, maybe_get_level
 from .._tree import tree_flatten, tree_unflatten
 from ._internal import ShardMode, current_frame, enter_frame, internal, shard_mode_active
@@ -36,6 +37,12 @@ from ._internal import ShardMode, current_frame, enter_frame, internal, shard_mo
 __all__ = ["remat"]
 
 Tensor = torch.Tensor
+
+_COMPILED = (
+    "fpar.optim.remat({name}) inside a sharded call that torch.compile traces whole: not supported "
+    "(its recompute re-creates the mesh's vmap levels, which Dynamo cannot trace). Drop remat from "
+    "the compiled step, or drop fullgraph=True to run the sharded call eagerly (remat included)."
+)
 
 
 def remat(f: Callable) -> Callable:
@@ -54,6 +61,8 @@ def remat(f: Callable) -> Callable:
 
     @functools.wraps(f)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if TRACED[0] and torch.compiler.is_compiling():
+            raise NotImplementedError(_COMPILED.format(name=getattr(f, "__name__", "f")))
         leaves, treedef = tree_flatten((args, kwargs))
         slots = [i for i, v in enumerate(leaves) if isinstance(v, Tensor)]
         frame = current_frame()
