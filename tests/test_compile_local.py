@@ -157,3 +157,34 @@ def test_a_broken_replication_promise_is_caught_before_any_compiled_step():
         sharded(x, c)
     with pytest.raises(torch._dynamo.exc.Unsupported, match="no eager call with these argument shapes yet"):
         torch.compile(lambda x, c: sharded(x, c) * 2, backend="aot_eager", fullgraph=True)(x, c)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.5])
+def test_an_expert_parallel_moe_step_compiled_whole_equals_the_eager_step(capacity_factor):
+    mesh = fpar.make_mesh((2,), ("expert",))
+    w_router, w_in, w_out, x = _data((8, 4), (4, 8, 16), (4, 16, 8), (16, 8))
+    params = {"router": w_router, "w_in": w_in * 0.3, "w_out": w_out * 0.3}
+
+    def f(params, x):
+        y, aux = fpar.ops.moe(params, x, top_k=2, axis="expert", capacity_factor=capacity_factor)
+        return fpar.psum((y**2).sum(), "expert") + aux
+
+    sharded = fpar.shard(f, mesh, (fpar.ops.moe_specs("expert"), P("expert")), P())
+
+    def step(params, x):
+        loss = sharded(params, x)
+        loss.backward()
+        return loss.detach()
+
+    def run(fn):
+        ps = {k: v.clone().requires_grad_() for k, v in params.items()}
+        return fn(ps, x), {k: p.grad for k, p in ps.items()}
+
+    torch._dynamo.reset()
+    want, want_grads = run(step)
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        got, got_grads = run(torch.compile(step, backend="aot_eager", fullgraph=True))
+    assert float((got - want).abs()) < TOL
+    for k in params:
+        assert float(want_grads[k].abs().max()) > 0
+        assert float((got_grads[k] - want_grads[k]).abs().max()) < TOL
