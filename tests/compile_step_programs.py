@@ -160,3 +160,67 @@ def run_refusals(backend: str = "aot_eager") -> dict:
             lambda: max(float((torch.compile(torch.func.grad(loss), backend=backend)(w, x) - want).abs().max()) for _ in range(2)),
         )
     return out
+
+
+def run_zero_steps(stages=(0, 1, 2, 3)) -> dict:
+    """ZeRO ``zero_step`` trained eagerly and compiled whole (after one eager step), per stage.
+
+    On a real mesh (data=2 x tensor=1: this process's rows) or in-process (data=2 x tensor=2).
+    Per stage: the largest |eager - compiled| of the losses and of the whole parameters, how far
+    the steps moved the parameters, and the ``_c10d_functional`` ops of the compiled forward and
+    backward graphs (a real mesh: stage 3's gathers and reduce-scatters are in them).
+    """
+    import torch._dynamo
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch._dynamo.config.trace_autograd_ops = True
+    real = dist.is_initialized()
+    mesh = fpar.make_mesh((2, 1) if real else (2, 2), ("data", "tensor"))
+    specs = {"w1": P(None, "tensor"), "w2": P("tensor", None)}
+
+    def loss_fn(params, batch):
+        x, y = batch
+        out = fpar.psum(torch.relu(x @ params["w1"]) @ params["w2"], "tensor")
+        return ((out - y) ** 2).mean()
+
+    g = torch.Generator().manual_seed(0)
+    init = {"w1": torch.randn(16, 32, generator=g, dtype=F64) * 0.3, "w2": torch.randn(32, 16, generator=g, dtype=F64) * 0.3}
+    batch = (torch.randn(8, 16, generator=g, dtype=F64), torch.randn(8, 16, generator=g, dtype=F64))
+    if real:
+        batch = tuple(t.chunk(2)[dist.get_rank()] for t in batch)
+    opt = fo.adamw(1e-2)
+    out = {}
+    for stage in stages:
+        layout = fo.zero_layout(init, mesh, specs, stage=stage)
+        step = fo.zero_step(loss_fn, opt, layout, batch_specs=P("data"))
+        runs, ops = [], set()
+
+        def record(gm, _inputs):
+            ops.update(str(n.target) for n in gm.graph.nodes if "c10d_functional" in str(n.target))
+            return gm.forward
+
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            params, state = fo.zero_init(opt, init, layout)
+            fn, losses = step, []
+            for i in range(STEPS):
+                if compiled and i == 1:  # step 0 eager: it plans (checks) the sharded calls
+                    fn = torch.compile(step, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True)
+                params, state, metrics = fn(params, state, batch)
+                losses.append(metrics["loss"])
+            runs.append((losses, fo.zero_params(params, layout)))
+        (le, pe), (lc, pc) = runs
+        out[stage] = (_diff(le, lc), _diff(pe, pc), _diff(pe, fo.zero_params(fo.zero_init(opt, init, layout)[0], layout)), sorted(ops))
+    if real:  # the first eager step ran without trace_autograd_ops: its form planned nothing to trace
+        torch._dynamo.reset()
+        layout = fo.zero_layout(init, mesh, specs, stage=3)
+        step = fo.zero_step(loss_fn, opt, layout, batch_specs=P("data"))
+        params, state = fo.zero_init(opt, init, layout)
+        with torch._dynamo.config.patch(trace_autograd_ops=False):
+            params, state, _ = step(params, state, batch)
+        try:
+            torch.compile(step, backend="aot_eager", fullgraph=True)(params, state, batch)
+            out["unplanned"] = ("ok",)
+        except Exception as e:  # noqa: BLE001 - the test reads the error
+            out["unplanned"] = ("error", type(e).__name__, str(e))
+    return out

@@ -64,3 +64,25 @@ def test_a_gpt_training_step_compiled_whole_equals_the_eager_step():
 def test_forms_that_cannot_be_one_graph_are_refused_or_run_eagerly():
     for out in fpar.launch(C.run_refusals, 2, timeout=300):
         _check_refusals(out)
+
+
+def _check_zero(out: dict, real: bool) -> None:
+    if real:  # compiled after an eager step that could not plan for it: refused, saying why
+        kind, err, message = out.pop("unplanned")
+        assert (kind, err) == ("error", "Unsupported") and "trace_autograd_ops = True" in message
+    for stage, (loss_diff, param_diff, moved, ops) in out.items():
+        assert moved > 1e-3, f"stage {stage}: the steps did not change the parameters"
+        assert loss_diff < TOL and param_diff < TOL, f"stage {stage}: compiled differs from eager by {loss_diff}, {param_diff}"
+        if real and stage == 3:  # the parameters' all-gather and the gradients' reduce-scatter, in the graph
+            assert {"_c10d_functional.all_gather_into_tensor.default", "_c10d_functional.reduce_scatter_tensor.default"} <= set(ops)
+
+
+def test_zero_steps_compiled_whole_equal_the_eager_steps_in_process():
+    # stages 2 and 3 (reduce-scattered gradients, gathered parameters); the real mesh runs all four
+    _check_zero(C.run_zero_steps(stages=(2, 3)), real=False)
+
+
+@pytest.mark.multiprocess
+def test_zero_steps_of_every_stage_compiled_whole_equal_the_eager_steps():
+    for out in fpar.launch(C.run_zero_steps, 2, timeout=600):
+        _check_zero(out, real=True)

@@ -75,6 +75,9 @@ def varying_axes(t: Tensor) -> tuple[str, ...]:
 def is_plain(tensors: list[Any]) -> bool:
     """Whether every tensor is a plain one (no functorch wrapper, no autograd): foreach-safe."""
     if torch.compiler.is_compiling():  # Dynamo traces no functorch wrapper check; it tracks transforms itself
+        stack = frames()
+        if stack and stack[-1].backend == "local":  # an in-process call traced whole: vmap levels
+            return False
         return all(isinstance(t, Tensor) and not t.requires_grad for t in tensors)
     return all(
         isinstance(t, Tensor) and not is_functorch_wrapped_tensor(t) and not t.requires_grad for t in tensors

@@ -46,6 +46,7 @@ pvary / all-gather), stages 1 and 2 reduce-scatter fp32 gradients.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -104,12 +105,12 @@ class ZeroLayout:
         """The size of the data axis."""
         return self.mesh.shape[self.data_axis]
 
-    @property
+    @functools.cached_property  # cached: a compiled step reads it (Dynamo cannot unflatten a stored treedef)
     def param_specs(self) -> Any:
         """Specs of the parameters as the stage stores them (stage 3: chunks)."""
         return self._tree([self._stored(lf) for lf in self.leaves])
 
-    @property
+    @functools.cached_property  # cached: a compiled step reads it (Dynamo cannot unflatten a stored treedef)
     def grad_specs(self) -> Any:
         """Specs of the gradients a stage holds: stage 0 like the params, 1 one copy per data rank, 2/3 chunks."""
         if self.stage == 0:
@@ -118,7 +119,7 @@ class ZeroLayout:
             return self._tree([P(self.data_axis, *lf.spec) for lf in self.leaves])
         return self._tree([self._chunk_spec(lf) for lf in self.leaves])
 
-    @property
+    @functools.cached_property  # cached: a compiled step reads it (Dynamo cannot unflatten a stored treedef)
     def chunk_specs(self) -> Any:
         """Specs of chunk trees (per-device 1/N of each parameter block, flattened and padded)."""
         return self._tree([self._chunk_spec(lf) for lf in self.leaves])

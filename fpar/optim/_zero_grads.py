@@ -6,14 +6,17 @@ stage-3 schedule in ``_zero_comm.py``.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .._collectives import pmean
+from .._compile import signature_key
 from .._shard import shard
 from .._spec import P
+from .._torch_api import maybe_current_level
 from .._tree import tree_flatten, tree_map, tree_unflatten
 from ._accumulate import accumulate
 from ._precision import cast_floating
@@ -86,7 +89,7 @@ def zero_grads(
             return loss * scale, loss.detach()
 
         sharded = shard(per_device, mesh, (pspecs, batch_specs, P()), (P(), P()))
-        objective = sharded
+        objective = traced = sharded
         wrt = lambda params: params  # noqa: E731
     else:
         if layout.stage == 3:
@@ -123,6 +126,7 @@ def zero_grads(
             return objective
 
         objective = objective_of(body)
+        traced = objective  # under torch.compile: gathered in the forward, no hooks (see ``one``)
         if layout.stage == 3 and regather:
             hooked = objective
             objective = objective_of(remat(body))  # under torch.func, which refuses saved-tensor hooks
@@ -146,7 +150,20 @@ def zero_grads(
     grad = torch.func.grad(objective, has_aux=True)
     reduce = _reducer(layout, bucket_bytes) if layout.stage == 2 else None
 
+    planned: set = set()  # real mesh: signatures whose first eager call ran (so planned) ``traced``
+
     def one(params, batch, scale):
+        if torch.compiler.is_compiling():  # the whole step in one graph: torch.autograd, no hooks
+            if mesh.backend == "dist" and signature_key((params, batch, scale)) not in planned:
+                raise RuntimeError(_UNPLANNED)
+            g, loss = _autograd_grad(traced, wrt(params), batch, scale)
+            return (reduce(g) if reduce is not None else g), loss
+        if mesh.backend == "dist" and maybe_current_level() is None and _compiling_next():
+            key = signature_key((params, batch, scale))
+            if key not in planned:  # the first call of a signature: as a compiled step runs it, so
+                planned.add(key)  # that a compiled step finds its sharded calls planned
+                g, loss = _autograd_grad(traced, wrt(params), batch, scale)
+                return (reduce(g) if reduce is not None else g), loss
         if layout.stage == 3 and regather and regather_supported():
             if gathered_outside:
                 return gathered_grad(hooked, layout, params, batch, scale, compute_dtype)
@@ -186,6 +203,44 @@ def _regathered_grad(objective, tracking, layout, params, batch, scale):
         g = torch.autograd.grad(scaled, inputs, allow_unused=True, materialize_grads=True)
     finally:
         rg.close()
+    return tree_unflatten(treedef, list(g)), loss.detach()
+
+
+_UNPLANNED = (
+    "fpar.optim.zero_step on a real mesh under torch.compile: no eager step with these shapes ran "
+    "with torch._dynamo.config.trace_autograd_ops = True. A compiled ZeRO step runs the gradient "
+    "with torch.autograd inside the graph (which needs that flag), and on a real mesh its sharded "
+    "calls must be planned by an eager step of the same form: with the flag on, the first eager "
+    "step of each shape runs that form. Set the flag before the first step, run one step eagerly, "
+    "then the compiled step."
+)
+
+
+def _compiling_next() -> bool:
+    """Whether the user has turned on what a compiled ZeRO step needs (Dynamo's trace_autograd_ops).
+
+    Then the first eager call of a signature runs the compiled step's form, which plans its
+    sharded calls (it keeps stage 3's gathered parameters for that one step); otherwise every
+    eager call runs the eager schedule (overlap, regather).
+    """
+    dynamo = sys.modules.get("torch._dynamo")
+    return dynamo is not None and bool(dynamo.config.trace_autograd_ops)
+
+
+def _autograd_grad(objective, params, batch, scale):
+    """``torch.func.grad(objective, has_aux=True)`` as ``torch.autograd.grad``: what compiles whole.
+
+    Under ``torch.compile`` a sharded call inside a ``torch.func`` transform is refused
+    (pytorch#193279); a compiled step traces the sharded objective and its ``torch.autograd``
+    backward instead, every collective and its transpose (stage 3's all-gather and the
+    reduce-scatter of its gradient) in the graph.  Stage 3 gathers in the forward and keeps the
+    gathered parameters for the backward there (``regather`` is an eager schedule).
+    """
+    leaves, treedef = tree_flatten(params)
+    inputs = [t.detach().requires_grad_(True) for t in leaves]
+    with torch.enable_grad():
+        scaled, loss = objective(tree_unflatten(treedef, inputs), batch, scale)
+    g = torch.autograd.grad(scaled, inputs, allow_unused=True, materialize_grads=True)
     return tree_unflatten(treedef, list(g)), loss.detach()
 
 

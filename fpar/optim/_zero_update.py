@@ -109,7 +109,7 @@ def _global_shape(lf: _Leaf, mesh: Mesh) -> tuple[int, ...]:
     sizes = []
     for b, entry in zip(lf.block, entries):
         axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        sizes.append(b * math.prod(mesh.shape[a] for a in axes))
+        sizes.append(b * math.prod([mesh.shape[a] for a in axes]))
     return tuple(sizes)
 
 
@@ -120,7 +120,7 @@ def _expected_grad_shape(lf: _Leaf, layout: ZeroLayout) -> tuple[int, ...]:
         return lf.block if real else _global_shape(lf, layout.mesh)
     if layout.stage == 1:
         return (1, *lf.block) if real else (layout.n, *_global_shape(lf, layout.mesh))
-    split = math.prod(layout.mesh.shape[a] for a in lf.split)
+    split = math.prod([layout.mesh.shape[a] for a in lf.split])
     return (lf.chunk,) if real else (lf.chunk * layout.n * split,)
 
 

@@ -10,7 +10,9 @@ ops), and frees the graph; ``W`` computes the recorded weight gradients as their
 graph is differentiated twice (arXiv:2401.10241 §2: W is the weight-gradient matmuls).
 
 Parameters seen through ``fpar.shard``'s transforms (in-process ``vmap``, or a real mesh's
-replication all-reduce) are not captured: their gradients are computed, exactly, in ``B``.
+replication all-reduce) are not captured: their gradients are computed, exactly, in ``B``.  Nor
+are the matmuls of a compiled (``torch.compile``) stage function: its graph's backward computes the
+weight gradients in ``B`` too (a compiled graph cannot hand single matmuls to ``W``).
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class capture(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # a compiled stage function: its graph's backward does B and W
+            return func(*args, **kwargs)
         if func in _LINEAR or func in _MATMUL:
             deferred = self._defer(func, args, kwargs)
             if deferred is not None:

@@ -35,8 +35,14 @@ def _pipe_coord(mesh: fpar.Mesh) -> int | None:
     return mesh._dist.coords["pipe"] if mesh.backend == "dist" else None
 
 
-def exec_job(axes: tuple, name: str, p: int, m: int, v: int, device: str = "cpu", batch: int = 4) -> dict:
-    """One step of the executor: loss, gathered gradients, and the measured stats."""
+def exec_job(
+    axes: tuple, name: str, p: int, m: int, v: int, device: str = "cpu", batch: int = 4, compiled: bool = False
+) -> dict:
+    """One step of the executor: loss, gathered gradients, and the measured stats.
+
+    ``compiled``: the stage function is compiled (``torch.compile``, ``aot_eager``); three steps run
+    (the first eager inside, planning its sharded call) and the last one is returned.
+    """
     mesh = mesh_for(axes)
     prob = tree_map(lambda t: t.to(device), M.problem(p, m, v, batch=batch))
     fns = M.stage_fns(mesh)
@@ -48,7 +54,15 @@ def exec_job(axes: tuple, name: str, p: int, m: int, v: int, device: str = "cpu"
         "last": prob["last"],
     }
     xs, ts = fpar.device_put(prob["xs"], mesh, rows), fpar.device_put(prob["ts"], mesh, rows)
-    step = pp.pipeline(fns["stage"], M.schedule(name, p, m, v), mesh, loss=fns["loss"], first=fns["first"])
+    stage = fns["stage"]
+    if compiled:
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        stage = torch.compile(stage, backend="aot_eager")
+    step = pp.pipeline(stage, M.schedule(name, p, m, v), mesh, loss=fns["loss"], first=fns["first"])
+    for _ in range(2 if compiled else 0):
+        step(params, xs, ts)
     res = step(params, xs, ts)
     coord = _pipe_coord(mesh)
     owns_first, owns_last = coord in (None, 0), coord in (None, (p * v - 1) % p)

@@ -2,7 +2,7 @@
 
 The jobs (``dist_workers.py``) run the executor for every schedule with tensor and data
 parallelism inside the stages (pipe x data x tensor = 2 x 1 x 2 and 2 x 2 x 1; the V-shaped
-ZB-V and DualPipeV too), a pure
+ZB-V and DualPipeV too; a compiled stage function under ZB-H1), a pure
 4-stage pipeline, and ``gpipe_scan`` on pipe x tensor; each is also run in this process on the
 in-process mesh, and every rank's loss, gathered gradients and measured stats must equal those.
 """
@@ -34,6 +34,7 @@ JOBS = [
     ("exec_job", (PDT2, "dualpipe_v", 2, 4, 2)),
     ("exec_job", (PIPE4, "1f1b", 4, 4, 1)),
     ("exec_job", (PIPE4, "interleaved", 4, 4, 2)),
+    ("exec_job", (PDT, "zb_h1", 2, 3, 1, "cpu", 4, True)),  # a torch.compile'd stage function
     ("scan_job", (PT, 2, 3, 1)),
     ("scan_job", (PT, 2, 2, 2)),
 ]
@@ -53,7 +54,7 @@ def _ids():
 @pytest.mark.parametrize("index", range(len(JOBS)), ids=_ids())
 def test_real_mesh_equals_in_process(launched, index):
     kind, args = JOBS[index]
-    expected = getattr(W, kind)(*args)
+    expected = getattr(W, kind)(*args[:7])  # a compiled stage: against the eager in-process step
     for rank, results in enumerate(launched):
         status, got = results[index]
         assert status == "ok", f"rank {rank}:\n{got}"
@@ -73,6 +74,12 @@ def _compare(got, expected, where):
                 torch.testing.assert_close(g[k], e[k], msg=lambda msg, k=f"{key}.{k}": f"{where} {k}: {msg}")
         else:
             assert g == e, f"{where} {key}: {g} != {e}"
+
+
+def test_a_compiled_stage_function_in_process_equals_the_eager_one():
+    eager = W.exec_job(PDT, "zb_h1", 2, 3, 1)
+    compiled = W.exec_job(PDT, "zb_h1", 2, 3, 1, "cpu", 4, True)
+    _compare(compiled, eager, "compiled stage, in-process")
 
 
 def test_in_process_jobs_match_the_unpipelined_model():
