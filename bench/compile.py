@@ -118,10 +118,22 @@ def _side(loss, params, x_BD, y_BD, compile_step):
             # reordering (compile-time settings: they apply when the first compiled call compiles)
             comm = {} if PLAIN_INDUCTOR[0] else dict(bucket_all_reduces_fx="all", reorder_for_compute_comm_overlap=True)
             with torch._dynamo.config.patch(trace_autograd_ops=True), torch._inductor.config.patch(**comm):
-                return whole()
+                return _timed_first(whole, calls[0] == 2)
 
         return planned_then_whole, ps
     return (torch.compile(step) if compile_step else step), ps
+
+
+COMPILE_SECONDS: list = []  # the first compiled call of each whole-step side: compile + one step
+
+
+def _timed_first(whole, first: bool):
+    if not first:
+        return whole()
+    t0 = time.perf_counter()
+    out = whole()
+    COMPILE_SECONDS.append(time.perf_counter() - t0)
+    return out
 
 
 def _ddp_side(params, x_BD, y_BD, compiled: bool):
@@ -224,6 +236,7 @@ def run(cfg: dict) -> dict:
         sides["DDP"] = _ddp_side(params, x_BD, y_BD, False)
         sides["DDP compiled"] = _ddp_side(params, x_BD, y_BD, True)
     rel = _check(sides)
+    compile_s = COMPILE_SECONDS[-1]
     if not real:  # plain torch, no fpar: what inductor gains on this step at all
         plain = {
             "torch eager": _side(unsharded_loss, params, x_BD, y_BD, False),
@@ -239,6 +252,7 @@ def run(cfg: dict) -> dict:
         "ms": {n: statistics.median(v) * 1e3 for n, v in times.items()},
         "min_ms": {n: min(v) * 1e3 for n, v in times.items()},
         "n": cfg["repeats"],
+        "compile_s": compile_s,
     }
     if cfg["profile"]:  # every rank steps (the collectives need both); rank 0's table is printed
         result["profile"] = _profile(sides)
@@ -287,7 +301,7 @@ def run_tour(cfg: dict) -> dict:
             if calls[0] == 1:
                 return body()  # checks the sharded call's signature
             with torch._dynamo.config.patch(trace_autograd_ops=True):
-                return whole()
+                return _timed_first(whole, calls[0] == 2)
 
         return first_eager_then_whole, list(ps.values())
 
@@ -295,6 +309,7 @@ def run_tour(cfg: dict) -> dict:
     rel = _check(sides)
     times = _time({n: s for n, (s, _) in sides.items()}, cfg["repeats"] * 5, cfg["warmup"] * 2, lambda: None)
     return {
+        "compile_s": COMPILE_SECONDS[-1],
         "rel": rel,
         "ms": {n: statistics.median(v) * 1e3 for n, v in times.items()},
         "min_ms": {n: min(v) * 1e3 for n, v in times.items()},
@@ -347,7 +362,10 @@ def main() -> None:
             if c in ms and e in ms:
                 print(f"| compile | {label}, {where}: {what} | {ms[c]:.2f} | {ms[e]:.2f} | "
                       f"{ms[c] / ms[e]:.2f}x | {res['rel']:.1e} | {threads} |")
+    for where, _, res in rows:
+        print(f"compile time of the whole step, {where}: {res['compile_s']:.1f} s (its first compiled call)")
     if tour is not None:
+        print(f"compile time of the whole tour step: {tour['compile_s']:.1f} s (its first compiled call)")
         ms = tour["ms"]
         print(f"| compile | README tour step (in-process 2x4 mesh, w1 64x256, x 32x64, SGD): the whole step "
               f"compiled, fullgraph=True, vs the eager step | {ms['tour whole step']:.3f} | {ms['tour eager']:.3f} | "
@@ -384,6 +402,7 @@ def main() -> None:
                 ("torch compiled", side(res, "torch compiled"), "torch eager", side(res, "torch eager")),
             ])
         record.data["extra"][f"max_rel_param_diff_{mesh_id}"] = res["rel"]
+        record.data["extra"][f"whole_step_compile_s_{mesh_id}"] = res["compile_s"]
     if tour is not None:
         record.compare("tour", "README tour step, in-process data=2 x tensor=4 mesh (w1 64x256, x 32x64), fpar.optim SGD: "
                        "the whole step compiled (`torch.compile(step, fullgraph=True)`) vs the eager step", [
@@ -391,6 +410,7 @@ def main() -> None:
              "eager step", (tour["ms"]["tour eager"] / 1e3, tour["min_ms"]["tour eager"] / 1e3)),
         ])
         record.data["extra"]["max_rel_param_diff_tour"] = tour["rel"]
+        record.data["extra"]["whole_step_compile_s_tour"] = tour["compile_s"]
     record.write(a.json)
 
 
