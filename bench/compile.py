@@ -325,6 +325,7 @@ def main() -> None:
     ap.add_argument("--mesh", choices=("both", "real", "local"), default="both")
     ap.add_argument("--plain-inductor", action="store_true",
                     help="compile the whole step without Inductor's all-reduce bucketing and reordering passes")
+    ap.add_argument("--no-tour", action="store_true", help="skip the README tour step's sides")
     ap.add_argument("--batch", type=int, help="global batch (default 128; --tiny 16)")
     ap.add_argument("--dim", type=int, help="model dim (default 512; --tiny 64)")
     ap.add_argument("--hidden", type=int, help="hidden dim (default 2048; --tiny 256)")
@@ -344,7 +345,7 @@ def main() -> None:
     tour = None
     if a.mesh in ("both", "local"):
         rows.append(("in-process mesh data=2", "1", run(dict(cfg, threads=1))))
-        tour = run_tour(dict(cfg, threads=1))
+        tour = None if a.no_tour else run_tour(dict(cfg, threads=1))
     print(f"load average {os.getloadavg()[0]:.2f} at end")
     print("| benchmark | config | compiled (ms) | eager (ms) | ratio | max rel. param diff after 3 steps | threads |")
     print("|---|---|---|---|---|---|---|")

@@ -137,8 +137,8 @@ JOBS: tuple[Job, ...] = (
     Job(
         "compile_elementwise",
         "compile.py",
-        ("--batch", "2048", "--dim", "64", "--hidden", "256", "--repeats", "30"),
-        ("--batch", "2048", "--dim", "64", "--hidden", "256", "--repeats", "10"),
+        ("--batch", "2048", "--dim", "64", "--hidden", "256", "--no-tour", "--repeats", "30"),
+        ("--batch", "2048", "--dim", "64", "--hidden", "256", "--no-tour", "--repeats", "10"),
         COMPILE,
         quick_timeout=360,
     ),
