@@ -12,8 +12,12 @@ Presets are vendor datasheet figures (dense, no sparsity) for SXM parts in 8-GPU
 (32 to 1024: small matmuls reach less of the peak) and float64/bfloat16 at 512, with the
 threads torch uses; memory bandwidth from a large copy; the per-op overhead of an eager
 training step (tiny ops recorded by autograd, and their backward); gloo's all-reduce latency and
-bandwidth between two local processes (α and β fit from two message sizes); so that a
-prediction can be checked here against a real run.
+bandwidth between two local processes (α and β fit from two message sizes; α at least the
+latency of a small all-reduce issued right after each process's own compute, which waits out
+their skew, as a training step's blocking collectives do); and the matmul throughput of one
+process while another computes over the same window (the cores the devices share); so that a
+prediction can be checked here against a real run.  On a shared VM these figures move by
+about ±30 % from one measurement to the next (bench/README.md, plan.py).
 """
 
 from __future__ import annotations
@@ -208,17 +212,25 @@ def _memory_bytes() -> int:
         return 16 * 2**30
 
 
-def _gloo_alpha_beta() -> tuple[float, float]:
-    """Fit gloo's all-reduce time ``2α + S/β`` (two local processes) from two message sizes."""
+def _gloo_alpha_beta() -> tuple[float, float, float]:
+    """Fit gloo's all-reduce time ``2α + S/β`` (two local processes) from two message sizes.
+
+    α is the larger of the idle fit's and the loaded latency (``_loaded_all_reduce``); also returns
+    the float32 matmul FLOP/s of one process while both compute.
+    """
     from .._dist import launch
 
-    small, big, size, busy = launch(_gloo_times, 2, timeout=120.0)[0]
+    ranks = launch(_gloo_times, 2, timeout=120.0)
+    small, big, size, busy, _ = ranks[0]
     alpha = max(small / 2, 1e-7)
     beta = size / max(big - 2 * alpha, 1e-9)
-    return alpha, beta, busy
+    # Between computing processes a small all-reduce also waits out their skew (each arrives when
+    # its own compute ends): the alpha a training step's blocking collectives see.
+    loaded = statistics.fmean(r[4] for r in ranks) / 2
+    return max(alpha, loaded), beta, busy
 
 
-def _gloo_times() -> tuple[float, float, int]:
+def _gloo_times() -> tuple[float, float, int, float, float]:
     import torch.distributed as dist
 
     def timed(numel: int) -> float:
@@ -236,6 +248,38 @@ def _gloo_times() -> tuple[float, float, int]:
     numel = 1 << 20
     # one device sends 2 (n-1)/n S = S bytes of an n=2 all-reduce: time = 2 alpha + S / beta
     small, big = timed(2), timed(numel)
+    busy = statistics.median(_concurrent_matmul_flops(dist) for _ in range(3))  # the other process multiplies too
+    return small, big, 4 * numel, busy, _loaded_all_reduce(dist)
+
+
+def _loaded_all_reduce(dist, n: int = 512, rounds: int = 20) -> float:
+    """Mean seconds of a 2-element all-reduce issued right after two n x n matmuls (no barrier)."""
+    a, b, x = torch.randn(n, n), torch.randn(n, n), torch.ones(2)
     dist.barrier()
-    busy = _matmul_flops(torch.float32, 512)  # while the other process multiplies too
-    return small, big, 4 * numel, busy
+    times = []
+    for _ in range(rounds):
+        a @ b
+        a @ b
+        t = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - t)
+    dist.barrier()
+    return statistics.fmean(times[2:])
+
+
+def _concurrent_matmul_flops(dist, n: int = 512, window: float = 0.25) -> float:
+    """float32 matmul FLOP/s of this process while every other one multiplies for the same window.
+
+    Each process counts the matmuls it finishes in a fixed window after a barrier, so the windows
+    overlap whole (a fixed count of matmuls would let a process that starts late run alone).
+    """
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    dist.barrier()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < window:
+        a @ b
+        count += 1
+    elapsed = time.perf_counter() - start
+    dist.barrier()
+    return 2 * n**3 * count / elapsed
