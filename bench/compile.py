@@ -46,8 +46,8 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch._inductor.config
+import torch.distributed as dist
 import torch.nn.functional as F
 
 try:
@@ -55,9 +55,9 @@ try:
 except ImportError:  # run from a checkout without installing: use the repo's fpar/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import fpar
-from fpar import P
-
 from _common import Record, add_json_arg
+
+from fpar import P
 
 SPECS = (P(), P(), P(), P(), P("data"), P("data"))
 PLAIN_INDUCTOR = [False]

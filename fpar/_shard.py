@@ -134,7 +134,8 @@ def shard(
 
     eager_call = opaque(sharded)  # under torch.compile: an eager graph break (see _compile.py)
     if real is None:
-        from ._local.compiled import UNCHECKED, compiled_call as compiled_local
+        from ._local.compiled import UNCHECKED
+        from ._local.compiled import compiled_call as compiled_local
 
         unchecked = graph_break(sharded, UNCHECKED.format(fname=fname))
 

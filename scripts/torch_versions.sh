@@ -20,7 +20,7 @@ if [ "$#" -gt 0 ]; then VERSIONS=("$@"); else VERSIONS=(2.11.0 2.14.1); fi
 DEFAULT_TESTS="tests/test_torch_api.py tests/test_docs_testing.py tests/test_spec.py tests/test_shard_map.py \
 tests/test_testing_kit.py tests/test_docs.py::test_page_runs \
 tests/test_compile.py::test_every_form_in_process_equals_the_unsharded_gradient \
-tests/test_compile.py::test_in_process_collectives_under_compile_and_grad"
+tests/test_compile.py::test_in_process_collectives_under_compile_and_grad tests/test_compile_local.py"
 read -r -a TESTS <<< "${TORCH_TIER_TESTS:-$DEFAULT_TESTS}"
 
 status=0

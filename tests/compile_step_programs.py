@@ -195,7 +195,7 @@ def run_zero_steps(stages=(0, 1, 2, 3)) -> dict:
         step = fo.zero_step(loss_fn, opt, layout, batch_specs=P("data"))
         runs, ops = [], set()
 
-        def record(gm, _inputs):
+        def record(gm, _inputs, ops=ops):
             ops.update(str(n.target) for n in gm.graph.nodes if "c10d_functional" in str(n.target))
             return gm.forward
 

@@ -4,7 +4,7 @@ Every collective kind, over one axis and over a tuple of axes, with replicated, 
 keyword inputs, sharded and non-tensor outputs, ``check_rep=False``: a step (the sharded loss,
 ``.backward()``) compiled whole equals the eager step exactly in float64 — the loss and every
 gradient.  The eager in-process step is itself tested against the unsharded function elsewhere
-(test_jax_semantics, test_shard_map); here it is the reference the compiled one must reproduce.
+(test_collectives, test_shard_map, test_properties); here it is the reference the compiled one must reproduce.
 The GPT training step (with an ``fpar.optim`` update) and the refusals run in
 test_compile_step.py.  Tests use the ``aot_eager`` backend (Dynamo and AOTAutograd: where a
 wrong trace would show).

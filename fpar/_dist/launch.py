@@ -73,7 +73,6 @@ def launch(fn: Callable, nprocs: int, *args: Any, timeout: float = 60.0, backend
     Raises:
       LaunchError: a process raised or exited without a result.
     """
-    import multiprocessing as mp
     import queue as queue_mod
     import tempfile
     import time

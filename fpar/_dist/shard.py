@@ -41,14 +41,13 @@ import torch
 from torch._C._functorch import maybe_current_level
 
 from .._collectives import Frame, frames
-from .._compile import eager
+from .._compile import eager, signature_key
 from .._errors import ReplicationError, check_in_leaf, check_out_leaf, replication_message
 from .._spec import check_spec
 from .._tree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from .agree import digest
 from .agreement import _Agreement
 from .buckets import reduce_inputs
-from .._compile import signature_key
 from .compiled import groups_of
 from .exchange import _Exchange, _TakeFirst, summed
 from .groups import _device, on_paper, simulated

@@ -1,7 +1,7 @@
 """An in-process sharded call traced by ``torch.compile``: the whole step in one graph.
 
 Eagerly, the in-process mesh runs the per-device function under one ``torch.func.vmap`` level
-per mesh axis, with collectives and folded matmuls as ``autograd.Function``\\ s whose custom
+per mesh axis, with collectives and folded matmuls as ``autograd.Function`` objects whose custom
 ``vmap`` rules Dynamo cannot trace, inside a ``TorchFunctionMode`` (``mode.py``).  Under Dynamo,
 a call whose signature an eager call has already checked runs a lean form of the same program
 that Dynamo and AOTAutograd trace:
@@ -35,7 +35,7 @@ from .._collectives import Frame, frames
 from .._compile import TRACED
 from .._tree import tree_flatten, tree_unflatten
 from .collective import VARYING, Op
-from .exchange import LocalBackend, make_exchange
+from .exchange import LocalBackend, make_exchange, vmap_dims
 
 __all__ = ["LocalPlan", "UNCHECKED", "compiled_call"]
 
@@ -157,16 +157,9 @@ def compiled_call(f, fname: str, mesh, plan: LocalPlan, args: tuple) -> Any:
             continue
         view, label = backend.split(leaf, spec)
         views.append(view)
-        labels.append(list(label))
+        labels.append(label)
         slots.append(i)
-    level_dims = []
-    for i, a in enumerate(axes):
-        dims = []
-        for lab in labels:
-            dims.append(lab.index(a) if a in lab else None)
-            if a in lab:
-                lab.remove(a)
-        level_dims.append((*dims, 0, *[0 if j == i else None for j in range(len(axes))]))
+    level_dims = vmap_dims(axes, labels)
     device = views[0].device if views else None
     token, index = backend.token_and_index(device)
     frame = Frame(mesh=mesh, fname=fname, exchange=None, backend="local")

@@ -15,7 +15,7 @@ import torch
 
 from .._spec import PartitionSpec, check_spec, global_shape
 
-__all__ = ["EXCHANGES", "LocalBackend"]
+__all__ = ["EXCHANGES", "LocalBackend", "vmap_dims"]
 
 Tensor = torch.Tensor
 
@@ -210,3 +210,18 @@ class LocalBackend:
         if perm != list(range(len(perm))):
             t = t.permute(perm)
         return t.reshape(global_shape(spec, block, self.mesh.shape))
+
+
+def vmap_dims(axes: tuple, labels: list) -> list[tuple]:
+    """Each mesh level's vmap ``in_dims``: the views' split dims (``LocalBackend.split``'s labels),
+    then the token (batched at every level) and one coordinate per axis (batched at its own)."""
+    level_dims = []
+    labels = [list(lab) for lab in labels]
+    for i, a in enumerate(axes):
+        dims = []
+        for lab in labels:
+            dims.append(lab.index(a) if a in lab else None)
+            if a in lab:
+                lab.remove(a)
+        level_dims.append((*dims, 0, *[0 if j == i else None for j in range(len(axes))]))
+    return level_dims

@@ -22,7 +22,7 @@ from .._spec import check_spec
 from .._tree import keystr, tree_flatten_with_path, tree_unflatten
 from .collective import batched_levels, collective
 from .compiled import LocalPlan
-from .exchange import LocalBackend
+from .exchange import LocalBackend, vmap_dims
 from .mode import storage_of
 
 __all__ = ["LocalCall"]
@@ -76,15 +76,7 @@ class LocalCall:
 
         device = views[0].device if views else None
         token, index = backend.token_and_index(device)
-        level_dims = []
-        labels = [list(lab) for lab in labels]
-        for i, a in enumerate(self.axes):
-            dims = []
-            for lab in labels:
-                dims.append(lab.index(a) if a in lab else None)
-                if a in lab:
-                    lab.remove(a)
-            level_dims.append((*dims, 0, *[0 if j == i else None for j in range(len(self.axes))]))
+        level_dims = vmap_dims(self.axes, labels)
         frame = Frame(
             mesh=self.mesh,
             fname=self.fname,
