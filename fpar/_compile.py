@@ -45,7 +45,7 @@ except ImportError:  # a torch without Dynamo: nothing ever compiles a frame
 
 T = TypeVar("T")
 
-__all__ = ["BACKWARD_TRACED", "REASON", "TRACED", "eager", "graph_break", "opaque", "refuse_traced_backward", "signature_key", "untraced"]
+__all__ = ["BACKWARD_TRACED", "REASON", "TRACED", "eager", "graph_break", "opaque", "refuse_traced_backward", "signature_key", "untraced", "WHOLE_STEP", "TOO_OLD"]
 
 REASON = (
     "fpar: this call cannot be traced by torch.compile, so fullgraph=True cannot cover it. A "
@@ -145,6 +145,8 @@ def signature_key(args: tuple) -> tuple:
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             sig.append((tuple(leaf.shape), leaf.dtype, leaf.requires_grad))
+        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+            sig.append((type(leaf), leaf))  # hashable; and torch 2.11's Dynamo cannot trace hash(str)
         else:
             try:
                 hash(leaf)
@@ -153,6 +155,16 @@ def signature_key(args: tuple) -> tuple:
                 sig.append((type(leaf), id(leaf)))
     return tuple(paths), tuple(sig)
 
+
+# The whole step in one graph needs torch 2.13's Dynamo (checked on 2.13.0 and 2.14.1): 2.11's fails
+# to trace it (optree polyfills, Tensor.requires_grad_ in a graph), loudly.  Older torch gets a
+# graph break that says so, and its calls run eagerly.
+WHOLE_STEP = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+TOO_OLD = (
+    "fpar.shard({fname}) under torch.compile: tracing the whole step into one graph needs torch "
+    "2.13 or newer (this is torch " + torch.__version__ + "); here the sharded call runs eagerly, "
+    "as a graph break. Upgrade torch, or drop fullgraph=True."
+)
 
 # How many sharded calls Dynamo is tracing whole right now (``_dist/compiled.py``,
 # ``_local/compiled.py``): in them, fpar's collectives are traced into the graph instead of breaking it.

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ._collectives import frames
-from ._compile import graph_break, opaque, signature_key, untraced
+from ._compile import TOO_OLD, WHOLE_STEP, graph_break, opaque, signature_key, untraced
 from ._errors import SpecError
 from ._local.shard import LocalCall
 from ._mesh import Mesh
@@ -138,6 +138,7 @@ def shard(
         from ._local.compiled import compiled_call as compiled_local
 
         unchecked = graph_break(sharded, UNCHECKED.format(fname=fname))
+        too_old = graph_break(sharded, TOO_OLD.format(fname=fname))
 
         @functools.wraps(f)
         def sharded_local(*args: Any, **kwargs: Any) -> Any:
@@ -145,6 +146,8 @@ def shard(
             # call checked is traced whole (``_local/compiled.py``); otherwise a graph break.
             if not torch.compiler.is_compiling():
                 return eager_call(*args, **kwargs)
+            if not WHOLE_STEP:
+                return too_old(*args, **kwargs)
             g, _, call_args = local_call(args, kwargs)
             plan = local_plans.get(signature_key(call_args))
             if plan is None:  # the eager call checks it; Dynamo recompiles at the next call
@@ -156,6 +159,7 @@ def shard(
 
     unplanned = graph_break(sharded, UNPLANNED.format(fname=fname))
     not_fast = graph_break(sharded, NOT_FAST.format(fname=fname))
+    too_old = graph_break(sharded, TOO_OLD.format(fname=fname))
 
     @functools.wraps(f)
     def sharded_real(*args: Any, **kwargs: Any) -> Any:
@@ -163,6 +167,8 @@ def shard(
         # planned is traced whole (``_dist/compiled.py``); otherwise the eager call, a graph break.
         if not torch.compiler.is_compiling():
             return eager_call(*args, **kwargs)
+        if not WHOLE_STEP:
+            return too_old(*args, **kwargs)
         shard_, call_args = real_call(args, kwargs, make=False)
         plan = None if shard_ is None else shard_.compiled_plans.get(signature_key(call_args))
         if plan is None or not plan.fast:  # unplanned: the eager call plans it, and Dynamo

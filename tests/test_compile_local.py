@@ -18,11 +18,15 @@ import torch._dynamo
 
 import fpar
 from fpar import P
+from fpar._compile import WHOLE_STEP
 
 F64 = torch.float64
 TOL = 1e-12
 MESH = fpar.make_mesh((2, 2), ("a", "b"))
-pytestmark = pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"),
+    pytest.mark.skipif(not WHOLE_STEP, reason="the whole step in one graph needs torch 2.13 or newer"),
+]
 
 
 def _tp_dp(w1, w2, x):

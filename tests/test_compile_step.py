@@ -13,9 +13,11 @@ import compile_step_programs as C
 import pytest
 
 import fpar
+from fpar._compile import WHOLE_STEP
 
 TOL = 1e-12
 pytestmark = [
+    pytest.mark.skipif(not WHOLE_STEP, reason="the whole step in one graph needs torch 2.13 or newer"),
     # torch's own warnings while Dynamo traces `loss.backward()` (not fpar's)
     pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"),
     pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),

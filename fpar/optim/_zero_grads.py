@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .._collectives import pmean
-from .._compile import signature_key
+from .._compile import WHOLE_STEP, signature_key
 from .._shard import shard
 from .._spec import P
 from .._torch_api import maybe_current_level
@@ -153,7 +153,7 @@ def zero_grads(
     planned: set = set()  # real mesh: signatures whose first eager call ran (so planned) ``traced``
 
     def one(params, batch, scale):
-        if torch.compiler.is_compiling():  # the whole step in one graph: torch.autograd, no hooks
+        if torch.compiler.is_compiling() and WHOLE_STEP:  # the whole step in one graph: torch.autograd
             if mesh.backend == "dist" and signature_key((params, batch, scale)) not in planned:
                 raise RuntimeError(_UNPLANNED)
             g, loss = _autograd_grad(traced, wrt(params), batch, scale)
