@@ -801,6 +801,21 @@ def test_dead_rank_stops_the_launch():
     assert time.monotonic() - t0 < 30.0
 
 
+def test_launched_processes_see_the_callers_environment_path_and_directory(tmp_path, monkeypatch):
+    # The processes fork from a server that started with the session's first launch: what the
+    # caller changed since (sys.path, the environment, the directory) must still reach them.
+    (tmp_path / "late_module.py").write_text(
+        "import os\n\n\ndef where():\n    return os.environ.get('FPAR_LATE_VAR'), os.getcwd()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))  # a module the server's sys.path does not have
+    import late_module
+
+    fpar.launch(late_module.where, 2)  # the server is up (if it was not already)
+    monkeypatch.setenv("FPAR_LATE_VAR", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    assert fpar.launch(late_module.where, 2) == [("set after the server started", str(tmp_path))] * 2
+
+
 def test_launch_rejects_zero_processes():
     with pytest.raises(ValueError, match="at least 1"):
         fpar.launch(D.raise_on_rank, 0, 0)

@@ -81,8 +81,8 @@ def launch(fn: Callable, nprocs: int, *args: Any, timeout: float = 60.0, backend
         raise ValueError(f"fpar.launch: nprocs must be at least 1, got {nprocs}.")
     _check_launchable(fn)
     ctx, forked = _context(fn, backend)
-    if forked:  # the function and its arguments travel pickled, unpickled once sys.path is the caller's
-        target, head = _forked_worker, (pickle.dumps((fn, args)), list(sys.path), dict(os.environ), os.getcwd())
+    if forked:  # the function and its arguments travel pickled, unpickled once the environment is the caller's
+        target, head = _forked_worker, (pickle.dumps((fn, args)), dict(os.environ))
     else:
         target, head = _worker, (fn, args)
     results: dict[int, Any] = {}
@@ -168,15 +168,14 @@ def _context(fn: Callable, backend: str):
 _PRELOADED: list = []
 
 
-def _forked_worker(payload: bytes, path: list, env: dict, cwd: str, rank_: int, *rest) -> None:
-    """A forked process: the caller's sys.path, environment and directory, then ``_worker``.
+def _forked_worker(payload: bytes, env: dict, rank_: int, *rest) -> None:
+    """A forked process: the caller's environment, then ``_worker``.
 
-    The fork server's own were fixed when it started; the caller may have changed them since.
+    multiprocessing gives it the caller's ``sys.path`` and working directory, but the environment
+    is the fork server's, fixed when it started; the caller may have changed it since.
     """
-    sys.path[:] = path
     os.environ.clear()
     os.environ.update(env)
-    os.chdir(cwd)
     try:
         fn, args = pickle.loads(payload)
     except BaseException:
