@@ -133,42 +133,43 @@ def shard(
         return out
 
     eager_call = opaque(sharded)  # under torch.compile: an eager graph break (see _compile.py)
+    too_old = graph_break(sharded, TOO_OLD.format(fname=fname))
+
+    def entry(trace: Callable) -> Callable:
+        """The sharded function: eager outside ``torch.compile``; under it ``trace(args, kwargs)``."""
+
+        @functools.wraps(f)
+        def sharded_entry(*args: Any, **kwargs: Any) -> Any:
+            # Dynamo inlines this: a call whose signature an eager call planned (real mesh) or
+            # checked (in-process) is traced whole; otherwise a graph break that runs it eagerly
+            if not torch.compiler.is_compiling():
+                return eager_call(*args, **kwargs)
+            if not WHOLE_STEP:
+                return too_old(*args, **kwargs)
+            return trace(args, kwargs)
+
+        return untraced(sharded_entry)
+
     if real is None:
         from ._local.compiled import UNCHECKED
         from ._local.compiled import compiled_call as compiled_local
 
         unchecked = graph_break(sharded, UNCHECKED.format(fname=fname))
-        too_old = graph_break(sharded, TOO_OLD.format(fname=fname))
 
-        @functools.wraps(f)
-        def sharded_local(*args: Any, **kwargs: Any) -> Any:
-            # Dynamo inlines this: under torch.compile an in-process call whose signature an eager
-            # call checked is traced whole (``_local/compiled.py``); otherwise a graph break.
-            if not torch.compiler.is_compiling():
-                return eager_call(*args, **kwargs)
-            if not WHOLE_STEP:
-                return too_old(*args, **kwargs)
+        def trace_local(args: tuple, kwargs: dict) -> Any:  # ``_local/compiled.py``
             g, _, call_args = local_call(args, kwargs)
             plan = local_plans.get(signature_key(call_args))
             if plan is None:  # the eager call checks it; Dynamo recompiles at the next call
                 return unchecked(*args, **kwargs)
             return compiled_local(g, fname, mesh, plan, call_args)
 
-        return untraced(sharded_local)
+        return entry(trace_local)
     from ._dist.compiled import NOT_FAST, UNPLANNED, compiled_call
 
     unplanned = graph_break(sharded, UNPLANNED.format(fname=fname))
     not_fast = graph_break(sharded, NOT_FAST.format(fname=fname))
-    too_old = graph_break(sharded, TOO_OLD.format(fname=fname))
 
-    @functools.wraps(f)
-    def sharded_real(*args: Any, **kwargs: Any) -> Any:
-        # Dynamo inlines this: under torch.compile a real-mesh call whose signature an eager call
-        # planned is traced whole (``_dist/compiled.py``); otherwise the eager call, a graph break.
-        if not torch.compiler.is_compiling():
-            return eager_call(*args, **kwargs)
-        if not WHOLE_STEP:
-            return too_old(*args, **kwargs)
+    def trace_real(args: tuple, kwargs: dict) -> Any:  # ``_dist/compiled.py``
         shard_, call_args = real_call(args, kwargs, make=False)
         plan = None if shard_ is None else shard_.compiled_plans.get(signature_key(call_args))
         if plan is None or not plan.fast:  # unplanned: the eager call plans it, and Dynamo
@@ -176,7 +177,7 @@ def shard(
             return (unplanned if plan is None else not_fast)(*args, **kwargs)
         return compiled_call(shard_, plan, call_args)
 
-    return untraced(sharded_real)
+    return entry(trace_real)
 
 
 def _with_kwargs(f, fname, in_specs, args: tuple, kwargs: dict) -> tuple[Callable, tuple]:
