@@ -2,6 +2,8 @@
 
 * An op takes ``max(FLOPs / (peak(dtype) × efficiency), bytes / memory bandwidth)`` plus the
   hardware's per-op overhead (a roofline; matmul-class ops reach ``matmul_efficiency`` of peak).
+  On hardware measured here (``"this"``) an op's kernel is timed on this machine instead
+  (``Op.seconds``); the overhead is then fpar's measured cost per op of a real step.
 * A message of ``S`` bytes sent per device (``fpar.comm_stats``' count, which already holds the
   ring's ``(n-1)/n`` factors) over an axis group takes ``steps × α + S / β``: ``2(n-1)`` steps for
   an all-reduce, ``n-1`` for all-gather, reduce-scatter and all-to-all, one for a
@@ -10,7 +12,9 @@
 * Compute runs in order on one stream, messages on another: a blocking collective (fpar's
   collectives in the forward and backward) makes compute wait for it; one issued to overlap
   (gradient buckets, ZeRO's prefetches and reduce-scatters) runs beside the compute that follows
-  and is waited for at the end of the step, as fpar runs them.
+  and is waited for at the end of the step, as fpar runs them.  On CPU hardware (``cores``)
+  nothing overlaps: a message's copies, its sums and the TCP stack run on the cores the compute
+  needs, so every message's time adds to the step.
 * A pipeline's stages: each compute action's time is the time of its ops and blocking messages;
   the schedule replays with those times (``fpar.pipeline``'s dependency rules) and the idle
   time inside the makespan is the bubble.
@@ -44,11 +48,14 @@ class Timing:
     by_mark: dict = dataclasses.field(default_factory=dict)  # pipeline action -> seconds
     unmarked: float = 0.0  # seconds outside any pipeline action
     flops: float = 0.0
+    ops: int = 0
     flops_by_dtype: dict = dataclasses.field(default_factory=dict)
 
 
 def op_seconds(op: Op, hw: Hardware, share: float) -> float:
     """Seconds of one op on ``hw``; ``share`` is the fraction of a core each device gets (CPU)."""
+    if op.seconds is not None:  # its kernel timed on this machine
+        return (op.seconds + hw.op_overhead) / share
     rate = hw.matmul_rate(op.flops, op.dtype) if op.name in _MATMUL else hw.peak(op.dtype)
     compute = op.flops / (rate * share) if op.flops else 0.0
     memory = op.nbytes / (hw.memory_bandwidth * share) if op.nbytes else 0.0
@@ -57,8 +64,13 @@ def op_seconds(op: Op, hw: Hardware, share: float) -> float:
     return max(compute, memory) + hw.op_overhead / share
 
 
-def comm_seconds(c: Comm, hw: Hardware, inter: bool) -> float:
-    """Seconds of one message of ``c.nbytes`` bytes over a group of ``c.n`` devices."""
+def comm_seconds(c: Comm, hw: Hardware, inter: bool, link_share: float = 1.0) -> float:
+    """Seconds of one message of ``c.nbytes`` bytes over a group of ``c.n`` devices.
+
+    ``link_share`` (CPU, more devices per core than when β was measured): the bytes' copies, sums
+    and TCP stack are work for the shared cores, so ``S / β`` grows by its inverse; the latency
+    (waiting for the peers) does not.
+    """
     if c.kind == "recv":
         return 0.0  # the peer's send carries it
     if c.kind == "send":
@@ -69,16 +81,24 @@ def comm_seconds(c: Comm, hw: Hardware, inter: bool) -> float:
     nbytes = c.nbytes
     if c.kind == "psum_scatter" and hw.reduce_scatter_all_reduces:
         steps, nbytes = 2 * max(c.n - 1, 0), 2 * nbytes
-    return steps * alpha + nbytes / beta
+    for kind, latency in hw.kind_latency:  # measured hardware: this kind's own latency
+        if c.kind in (kind, kind + "_invariant"):
+            alpha = latency
+    return steps * alpha + nbytes / (beta * link_share)
 
 
-def time_events(events: list, hw: Hardware, inter_axes: dict[tuple, bool], share: float) -> Timing:
-    """Replay one device's ops and messages on a compute stream and a message stream."""
+def time_events(events: list, hw: Hardware, inter_axes: dict[tuple, bool], share: float, link_share: float = 1.0) -> Timing:
+    """Replay one device's ops and messages on a compute stream and a message stream.
+
+    ``share``: the fraction of a core each device gets (CPU); ``link_share``: the speed of messages
+    against the conditions α and β were measured in (CPU, more devices per core: below 1).
+    """
     t = Timing()
     now = free = 0.0  # compute stream's clock; when the message stream is next free
     for e in events:
         if isinstance(e, Op):
             dt = op_seconds(e, hw, share)
+            t.ops += 1
             t.compute += dt
             t.flops += e.flops
             if e.flops:
@@ -86,13 +106,13 @@ def time_events(events: list, hw: Hardware, inter_axes: dict[tuple, bool], share
             now += dt
             _charge(t, e.mark, dt)
             continue
-        dt = comm_seconds(e, hw, inter_axes.get(e.axes, False))
+        dt = comm_seconds(e, hw, inter_axes.get(e.axes, False), link_share)
         if dt == 0.0:
             continue
         t.comm += dt
         start = max(now, free)
         free = start + dt
-        if not e.overlap:
+        if not e.overlap or hw.cores:  # on a CPU the message's copies and sums use the same cores
             _charge(t, e.mark, free - now)
             now = free
     t.total = max(now, free)

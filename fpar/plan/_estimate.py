@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -69,6 +70,7 @@ class DeviceClass:
     state_bytes: dict = dataclasses.field(default_factory=dict)
     saved_activations: int = 0
     _timing: Any = None
+    _replay: Any = None  # CPU pipelines: (events, inter-node axes) to time again with a new core share
 
 
 @dataclasses.dataclass
@@ -155,6 +157,7 @@ def estimate(fn: Callable, *args: Any, hardware: str | Hardware = "h100-sxm", **
 
 
 def _estimate(fn, args, kwargs, hw, known, shapes) -> Estimate:
+    untimed = Counter(_timer().untimed) if hw.timed_ops else None
     mesh, sim, cls0 = _simulate(fn, args, kwargs, hw, known, shapes, {}, first=True)
     classes = [cls0]
     if sim.pipeline_axes:
@@ -185,6 +188,8 @@ def _estimate(fn, args, kwargs, hw, known, shapes) -> Estimate:
         for c in classes:
             c.count = mesh.size // p
         _pipeline_times(classes, sim.schedules, axis)
+        if hw.cores:
+            _share_idle_cores(classes, sim.schedules, axis, hw, mesh)
     else:
         cls0.count = mesh.size
     worst = max(classes, key=lambda c: c.step_time)
@@ -199,7 +204,8 @@ def _estimate(fn, args, kwargs, hw, known, shapes) -> Estimate:
     return Estimate(
         mesh=mesh, hardware=hw, devices=classes, peak_bytes=max(c.peak_bytes for c in classes),
         comm=busiest.comm, step_time=worst.step_time, time_breakdown=dict(worst.time_breakdown), mfu=mfu,
-        assumptions=_assumptions(hw, mesh, dtype), not_costed=not_costed,
+        assumptions=_assumptions(hw, mesh, dtype, _timer().untimed - untimed if untimed is not None else None),
+        not_costed=not_costed,
     )
 
 
@@ -208,7 +214,7 @@ def _simulate(fn, args, kwargs, hw, known, shapes, coords, headers=None, *, firs
     sim.hardware = hw
     if headers:
         sim.headers.update(headers)
-    rec = Recorder(known)
+    rec = Recorder(known, _timer() if hw.timed_ops else None)
     rec.update_kinds = shapes
     sim.recorder = rec
     with sim:
@@ -234,13 +240,14 @@ def _simulate(fn, args, kwargs, hw, known, shapes, coords, headers=None, *, firs
             )
         inter = _inter_node(mesh, rec.events, sim.real[None], hw)
     share = _core_share(hw, mesh)
-    timing = _cost.time_events(rec.events, hw, inter, share)
+    timing = _cost.time_events(rec.events, hw, inter, share, _link_share(hw, share))
     cls = DeviceClass(
         coords={a: c for a, c in coords.items()}, count=0, peak_bytes=rec.peak, breakdown=rec.breakdown(),
         comm=comm, flops=timing.flops, step_time=timing.total,
         time_breakdown={"compute": timing.compute, "exposed_comm": timing.total - timing.compute, "bubble": 0.0},
         unknown_ops=dict(rec.unknown_ops), state_bytes=_state_bytes((args, kwargs), known),
         saved_activations=rec.at_backward.get("activations", 0), _timing=timing,
+        _replay=(rec.events, inter) if hw.cores and sim.pipeline_axes else None,
     )
     return mesh, sim, cls
 
@@ -260,6 +267,18 @@ def _call(fn, args, kwargs):
                 f"(log the loss outside it), or make the branch depend on shapes. ({text.splitlines()[0]})"
             ) from e
         raise
+
+
+_TIMER: list = []
+
+
+def _timer():
+    """This process's table of ops timed here (kept across estimates: a search repeats the ops)."""
+    if not _TIMER:
+        from ._optime import OpTimer
+
+        _TIMER.append(OpTimer())
+    return _TIMER[0]
 
 
 def _pipeline_times(classes: list, schedules: list, axis: str) -> None:
@@ -283,6 +302,25 @@ def _pipeline_times(classes: list, schedules: list, axis: str) -> None:
             }
 
 
+def _share_idle_cores(classes: list, schedules: list, axis: str, hw: Hardware, mesh) -> None:
+    """CPU pipelines: a stage idle in the bubble leaves its cores to the busy ones.
+
+    The devices of a node share its cores (``Hardware.cores``) only while they compute, so each
+    device's share is the cores over the devices busy on average (a processor-sharing
+    approximation): time the stages again with that share until it settles.
+    """
+    per_node = min(mesh.size, hw.devices_per_node)
+    for _ in range(4):
+        busy = sum((1.0 - c.time_breakdown["bubble"] / c.step_time) if c.step_time else 1.0 for c in classes)
+        share = min(1.0, hw.cores / (per_node * busy / len(classes)))
+        for c in classes:
+            events, inter = c._replay
+            c._timing = _cost.time_events(events, hw, inter, share, _link_share(hw, share))
+        _pipeline_times(classes, schedules, axis)
+    for c in classes:
+        c._replay = None
+
+
 def _inter_node(mesh, events, mg, hw: Hardware) -> dict[tuple, bool]:
     """Per axes tuple: whether its group (this device's) spans nodes."""
     out = {}
@@ -303,6 +341,13 @@ def _core_share(hw: Hardware, mesh) -> float:
     return min(1.0, hw.cores / per_node)
 
 
+def _link_share(hw: Hardware, share: float) -> float:
+    """CPU: the speed of messages against when α and β were measured (devices per core then and now)."""
+    if not (hw.cores and hw.link_devices):
+        return 1.0
+    return min(1.0, share / min(1.0, hw.cores / hw.link_devices))
+
+
 def _main_dtype(classes) -> torch.dtype:
     """The dtype most of the step's FLOPs run in (MFU is against its peak)."""
     counts: dict = {}
@@ -316,9 +361,14 @@ def _total_bytes(comm: dict) -> int:
     return sum(v["bytes"] for kinds in comm.values() for v in kinds.values())
 
 
-def _assumptions(hw: Hardware, mesh, dtype) -> list[str]:
+def _assumptions(hw: Hardware, mesh, dtype, untimed: Counter | None = None) -> list[str]:
     nodes = math.ceil(mesh.size / hw.devices_per_node)
     lines = hw.describe()
+    if untimed:
+        lines.append(
+            "  op calls costed by the roofline, not timed here (too large for this machine, or failed on its "
+            "CPU): " + ", ".join(f"{k} x{v}" for k, v in untimed.most_common())
+        )
     lines += [
         f"mesh {mesh}: row-major ranks, {min(mesh.size, hw.devices_per_node)} devices per node, "
         f"{nodes} node(s); an axis group inside one node uses the node's links, else the network's",

@@ -8,16 +8,16 @@ Presets are vendor datasheet figures (dense, no sparsity) for SXM parts in 8-GPU
 | ``"h100-sxm"`` | 989 T | 67 T | 80 GB | 3.35 T | 450 GB/s | 50 GB/s (400 Gb/s NDR) |
 | ``"b200"`` | 2250 T | 80 T | 180 GB | 8 T | 900 GB/s | 50 GB/s (400 Gb/s) |
 
-``"this"`` is measured on the machine that runs the estimate: float32 matmul FLOP/s by size
-(32 to 1024: small matmuls reach less of the peak) and float64/bfloat16 at 512, with the
-threads torch uses; memory bandwidth from a large copy; the per-op overhead of an eager
-training step (tiny ops recorded by autograd, and their backward); gloo's all-reduce latency and
-bandwidth between two local processes (α and β fit from two message sizes; α at least the
-latency of a small all-reduce issued right after each process's own compute, which waits out
-their skew, as a training step's blocking collectives do); and the matmul throughput of one
-process while another computes over the same window (the cores the devices share); so that a
-prediction can be checked here against a real run.  On a shared VM these figures move by
-about ±30 % from one measurement to the next (bench/README.md, plan.py).
+``"this"`` is measured on the machine that runs the estimate (about 30 s, once per process):
+float32 matmul FLOP/s by size (32 to 1024) and float64/bfloat16 at 512 (the roofline of ops too
+large to time), memory bandwidth from a large copy; each op of a step is timed here once per
+signature (``fpar.plan._optime``), plus fpar's per-op overhead (a tiny model's real step less its
+timed kernels, over its ops); gloo's α and β fit to what an all-reduce adds to a loop of two
+processes that compute a small layer's work between messages, and the all-gather's,
+reduce-scatter's and send's own latencies measured the same way; and the speed one process keeps
+while the other computes (the cores the devices share).  So a prediction can be checked here
+against a real run.  On a shared VM these figures move by about ±30 % from one measurement to the
+next (bench/README.md, plan.py).
 """
 
 from __future__ import annotations
@@ -52,6 +52,13 @@ class Hardware:
       cores: CPU hardware only: the cores' worth of compute the devices of a node share (each
         device a process; measured: the cores times what a process reaches while another
         computes too, over what it reaches alone); devices beyond them share them.
+      link_devices: CPU hardware only: how many processes shared the cores when α and β were
+        measured.  A collective on a CPU is work for the cores too (copies, the reduction, the
+        TCP stack): where more devices share each core than then, a message's bytes take longer
+        in proportion (its latency, waiting for the peers, is as measured).
+      kind_latency: measured hardware only: ``(kind, α)`` pairs, a collective kind's own latency
+        per step, where it differs from the all-reduce's (gloo's all-gather and reduce-scatter
+        take more: their time is nearly the same at 64 KB as at 1 MB).
     """
 
     name: str
@@ -69,6 +76,9 @@ class Hardware:
     cores: float | None = None
     matmul_curve: tuple = ()  # measured: ((FLOPs of one matmul, achieved FLOP/s), ...) by size, float32
     reduce_scatter_all_reduces: bool = False  # the backend runs a reduce-scatter as an all-reduce (gloo)
+    timed_ops: bool = False  # this machine: each op's kernel is timed here (fpar.plan._optime)
+    link_devices: int | None = None  # CPU: the processes α and β were measured between (below)
+    kind_latency: tuple = ()  # measured: ((collective kind, its own α), ...); other kinds use α
 
     def peak(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s for ``dtype``."""
@@ -97,6 +107,15 @@ class Hardware:
         ]
         if self.cores:
             lines.append(f"  {self.cores:.2f} CPU cores' worth of compute shared by the devices (processes) of the node")
+        if self.cores and self.link_devices:
+            lines.append(
+                f"  alpha and beta measured between {self.link_devices} processes computing between messages; "
+                "more devices per core than then slow a message's bytes (not its latency) in proportion"
+            )
+        if self.kind_latency:
+            lines.append("  alpha per kind: " + ", ".join(f"{k} {a * 1e6:.3g} us" for k, a in self.kind_latency))
+        if self.timed_ops:
+            lines.append("  each op's kernel timed on this machine once per signature (median of 5), plus the per-op overhead")
         if self.reduce_scatter_all_reduces:
             lines.append("  reduce-scatter runs as an all-reduce (gloo): twice the bytes, 2(n-1) steps")
         return lines
@@ -143,21 +162,84 @@ def hardware(spec: str | Hardware) -> Hardware:
     )
 
 
-def measure_this(*, comm: bool = True) -> Hardware:
-    """Measure this machine: matmul FLOP/s, memory bandwidth, per-op overhead, gloo α and β."""
+def measure_this(*, comm: bool = True, repeats: int = 7) -> Hardware:
+    """Measure this machine: matmul FLOP/s, memory bandwidth, per-op overhead, gloo α and β, cores.
+
+    The ops of the estimates that follow are timed afresh (``fpar.plan._optime``): a measurement
+    starts a new table, so that a machine whose speed moves is timed at one time.
+    """
+    from ._estimate import _TIMER
+
+    _TIMER.clear()
     curve = tuple((2.0 * n**3, _matmul_flops(torch.float32, n)) for n in (32, 64, 128, 256, 512, 1024))
     flops = {"float32": curve[-1][1], "float64": _matmul_flops(torch.float64)}
     flops["bfloat16"] = flops["float16"] = _matmul_flops(torch.bfloat16)
-    alpha, beta, busy = _gloo_alpha_beta() if comm else (50e-6, 1e9, None)
-    cores = float(os.cpu_count() or 1)
-    if busy:  # two processes computing at once each reach less than one alone (shared cores, caches)
-        cores *= min(1.0, busy / curve[-2][1])
-    return Hardware(
+    alpha, beta, busy, latency = _gloo_alpha_beta(repeats) if comm else (50e-6, 1e9, 1.0, ())
+    cores = float(os.cpu_count() or 1) * busy
+    hw = Hardware(
         "this", flops, memory_bytes=_memory_bytes(), memory_bandwidth=_copy_bandwidth(),
         devices_per_node=1024, intra_bandwidth=beta, intra_latency=alpha, inter_bandwidth=beta,
         inter_latency=alpha, matmul_efficiency=1.0, op_overhead=_op_overhead(), nodes=1,
-        cores=cores, matmul_curve=curve, reduce_scatter_all_reduces=True,
+        cores=cores, matmul_curve=curve, reduce_scatter_all_reduces=True, timed_ops=True,
+        link_devices=2, kind_latency=latency,
     )
+    if comm:  # an fpar step's own cost per op, beyond its kernels (its Python, autograd, fpar's calls)
+        hw = dataclasses.replace(hw, op_overhead=_step_overhead(hw))
+    return hw
+
+
+def _send_recv(dist, block) -> None:
+    if dist.get_rank() == 0:
+        dist.isend(block, 1).wait()
+    else:
+        dist.irecv(torch.empty_like(block), 0).wait()
+
+
+_TINY = ("calibration", 64, 2, 4, 2, 128, 256, 32)  # fpar.plan.Model fields: kernels that cost little
+
+
+def _step_overhead(hw: Hardware) -> float:
+    """Seconds per op an fpar training step costs beyond its kernels, measured on a tiny model.
+
+    The step (fpar.plan.model_step: forward, backward, AdamW) runs on a one-process real mesh;
+    its median time, less its ops' kernels as timed here, over its number of ops.
+    """
+    measured, timing = _tiny(hw, _TINY_STEP, op_overhead=0.0)
+    return max((measured - timing.devices[0]._timing.compute) / max(timing.devices[0]._timing.ops, 1), hw.op_overhead / 4)
+
+
+_TINY_STEP = {"data": 1, "zero": 0, "microbatches": 1, "batch": 2}
+
+
+def _tiny(hw: Hardware, fields: dict, **changes):
+    """(median seconds of a tiny model's step on a real mesh here, its estimate on ``hw`` changed)."""
+    from .._dist import launch
+    from ._estimate import estimate
+    from ._models import Layout, Model, model_step
+
+    layout = Layout(**fields)
+    measured = statistics.median(launch(_tiny_step_seconds, layout.devices, fields, timeout=120.0))
+    step, args = model_step(Model(*_TINY), layout, dtype=torch.float32)
+    return measured, estimate(step, *args, hardware=dataclasses.replace(hw, **changes))
+
+
+def _tiny_step_seconds(fields: dict, repeats: int = 15) -> float:
+    from .._mesh import make_mesh
+    from ._models import Layout, Model, model_step
+
+    layout = Layout(**fields)
+    mesh = make_mesh((layout.pipeline, layout.data, layout.tensor), ("pipeline", "data", "tensor"))
+    step, args = model_step(Model(*_TINY), layout, mesh, dtype=torch.float32)
+
+    def run():
+        out = step(*args)
+        loss = out[-1] if isinstance(out, tuple) else None
+        if isinstance(loss, torch.Tensor):
+            float(loss)  # the step is done when its loss is
+
+    for _ in range(3):
+        run()
+    return _median_time(run, repeats)
 
 
 def _median_time(fn, repeats: int = 7) -> float:
@@ -202,7 +284,7 @@ def _op_overhead() -> float:
 
     with Count():
         step()
-    return _median_time(step) / len(counted)
+    return _median_time(step, repeats=31) / len(counted)
 
 
 def _memory_bytes() -> int:
@@ -212,74 +294,80 @@ def _memory_bytes() -> int:
         return 16 * 2**30
 
 
-def _gloo_alpha_beta() -> tuple[float, float, float]:
-    """Fit gloo's all-reduce time ``2α + S/β`` (two local processes) from two message sizes.
+def _gloo_alpha_beta(repeats: int = 7) -> tuple[float, float, float, tuple]:
+    """Fit gloo's all-reduce ``2α + S/β`` between two local processes, as a training step pays it.
 
-    α is the larger of the idle fit's and the loaded latency (``_loaded_all_reduce``); also returns
-    the float32 matmul FLOP/s of one process while both compute.
+    Each process computes a burst of one small layer's work (matmuls over 0.4 MB weights and a
+    1 MB activation, as a step's ops between two collectives), then communicates; α and β are fit
+    to what an all-reduce *adds* to such a loop (with it against without it, the medians of
+    alternating runs), at 8 bytes and 4 MB.  That is more than an idle ping-pong's time: it
+    holds the wait for the other process's skew, waking up, and the caches the exchange's copies
+    evicted.  An all-gather of 0.5 MB blocks, a reduce-scatter of 1 MB and a send of 0.5 MB
+    (a pipeline's) are measured the same way: their own latencies (what is left after their bytes at β) are returned with the
+    fraction of its lone speed a process keeps while the other computes the same bursts (the
+    cores two devices share).
     """
     from .._dist import launch
 
-    ranks = launch(_gloo_times, 2, timeout=120.0)
-    small, big, size, busy, _ = ranks[0]
-    alpha = max(small / 2, 1e-7)
-    beta = size / max(big - 2 * alpha, 1e-9)
-    # Between computing processes a small all-reduce also waits out their skew (each arrives when
-    # its own compute ends): the alpha a training step's blocking collectives see.
-    loaded = statistics.fmean(r[4] for r in ranks) / 2
-    return max(alpha, loaded), beta, busy
+    ranks = launch(_gloo_times, 2, 16, repeats, timeout=300.0)
+    m = {k: statistics.fmean(r[k] for r in ranks) for k in ("small", "big", "all_gather", "psum_scatter", "send")}
+    size = ranks[0]["size"]
+    alpha = max(m["small"] / 2, 1e-6)
+    beta = size / max(m["big"] - m["small"], size / 20e9)
+    # each kind's own latency per step: what is left of its time after its bytes at β (one
+    # device's bytes as fpar.comm_stats counts them, n = 2; gloo's reduce-scatter is an all-reduce)
+    steps_bytes = {"all_gather": (1, size / 8), "psum_scatter": (2, size / 4), "send": (1, size / 8)}
+    latency = tuple(
+        (k, max((m[k] - nbytes / beta) / steps, alpha)) for k, (steps, nbytes) in steps_bytes.items()
+    )
+    return alpha, beta, min(1.0, ranks[0]["busy"]), latency
 
 
-def _gloo_times() -> tuple[float, float, int, float, float]:
+def _gloo_times(rounds: int = 16, repeats: int = 7) -> dict:
     import torch.distributed as dist
 
-    def timed(numel: int) -> float:
-        x = torch.ones(numel)
-        for _ in range(3):
-            dist.all_reduce(x)
-        times = []
-        for _ in range(15):
-            dist.barrier()
-            t = time.perf_counter()
-            dist.all_reduce(x)
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(1024, 256, generator=g)
+    ws = [(torch.randn(256, 384, generator=g) * 0.05, torch.randn(384, 256, generator=g) * 0.05) for _ in range(3)]
 
-    numel = 1 << 20
-    # one device sends 2 (n-1)/n S = S bytes of an n=2 all-reduce: time = 2 alpha + S / beta
-    small, big = timed(2), timed(numel)
-    busy = statistics.median(_concurrent_matmul_flops(dist) for _ in range(3))  # the other process multiplies too
-    return small, big, 4 * numel, busy, _loaded_all_reduce(dist)
+    def burst():
+        h = x0
+        for w1, w2 in ws:
+            h = (h @ w1).tanh() @ w2
 
+    numel = 1 << 20  # 4 MB
+    small, big = torch.ones(2), torch.ones(numel)
+    block, full = torch.ones(numel // 8), torch.ones(numel // 4)  # 0.5 MB gathered; 1 MB scattered
+    exchanges = {
+        "small": lambda: dist.all_reduce(small),
+        "big": lambda: dist.all_reduce(big),
+        "all_gather": lambda: dist.all_gather([torch.empty_like(block) for _ in range(2)], block),
+        "psum_scatter": lambda: dist.reduce_scatter(torch.empty_like(block), list(full.chunk(2))),
+        "send": lambda: _send_recv(dist, block),  # a pipeline's hand-over: 0.5 MB one way
+    }
 
-def _loaded_all_reduce(dist, n: int = 512, rounds: int = 20) -> float:
-    """Mean seconds of a 2-element all-reduce issued right after two n x n matmuls (no barrier)."""
-    a, b, x = torch.randn(n, n), torch.randn(n, n), torch.ones(2)
-    dist.barrier()
-    times = []
-    for _ in range(rounds):
-        a @ b
-        a @ b
+    def loop(exchange=None, alone: bool = False) -> float:
+        dist.barrier()
         t = time.perf_counter()
-        dist.all_reduce(x)
-        times.append(time.perf_counter() - t)
-    dist.barrier()
-    return statistics.fmean(times[2:])
+        if not alone or dist.get_rank() == 0:
+            for _ in range(rounds):
+                burst()
+                if exchange is not None:
+                    exchange()
+        elapsed = time.perf_counter() - t
+        dist.barrier()
+        return elapsed / rounds
 
-
-def _concurrent_matmul_flops(dist, n: int = 512, window: float = 0.25) -> float:
-    """float32 matmul FLOP/s of this process while every other one multiplies for the same window.
-
-    Each process counts the matmuls it finishes in a fixed window after a barrier, so the windows
-    overlap whole (a fixed count of matmuls would let a process that starts late run alone).
-    """
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    dist.barrier()
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < window:
-        a @ b
-        count += 1
-    elapsed = time.perf_counter() - start
-    dist.barrier()
-    return 2 * n**3 * count / elapsed
+    for exchange in exchanges.values():
+        loop(exchange)
+    added: dict = {k: [] for k in exchanges}
+    share = []
+    for _ in range(repeats):
+        base = loop()
+        for k, exchange in exchanges.items():
+            added[k].append(loop(exchange) - base)
+        share.append(loop(alone=True) / base)  # rank 0's lone burst over both at once
+    out = {k: statistics.median(v) for k, v in added.items()}
+    # one device sends 2 (n-1)/n S = S bytes of an n=2 all-reduce: time = 2 alpha + S / beta
+    out.update(size=4 * numel, busy=statistics.median(share))  # rank 0's is the one that ran alone
+    return out

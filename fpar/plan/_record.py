@@ -50,6 +50,7 @@ class Op:
     dtype: torch.dtype
     phase: str  # "forward", "backward" or "update"
     mark: Any = None  # the pipeline action it belongs to (pipelines only)
+    seconds: float | None = None  # its kernel timed on this machine (hardware "this"), if it was
 
 
 @dataclasses.dataclass
@@ -72,8 +73,9 @@ class Recorder(TorchDispatchMode):
     are parameters and which optimizer state); others made before count as ``"other"``.
     """
 
-    def __init__(self, known: dict[int, str]):
+    def __init__(self, known: dict[int, str], timer: Any = None):
         super().__init__()
+        self.timer = timer  # an _optime.OpTimer: time each op's kernel here (hardware "this")
         self.known = known  # _cdata of a storage made before -> its category
         self.live: dict[int, tuple[int, str]] = {}  # _cdata -> (bytes, category), made in the step
         self.base: Counter = Counter()  # category -> bytes made before the step and touched by it
@@ -163,8 +165,12 @@ class Recorder(TorchDispatchMode):
             if name not in ("aten.zeros_like", "aten.zeros", "aten.new_zeros"):
                 nbytes += sum(_nbytes(t) for t in ins)
         dtype = next((t.dtype for t in ins if t.is_floating_point()), outs[0].dtype if outs else torch.float32)
+        seconds = None
+        if self.timer is not None and (name not in _VIEWS_FREE or name in _MOVES):
+            sig = key if key is not None or cacheable else _key(func, args, kwargs)
+            seconds = self.timer.seconds(func, args, kwargs, sig, sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs))
         # every op: a view or an empty tensor moves nothing, but costs its dispatch on a CPU
-        self.events.append(Op(name, flops, nbytes, dtype, phase, self.mark))
+        self.events.append(Op(name, flops, nbytes, dtype, phase, self.mark, seconds))
         return out
 
     # -- storages -------------------------------------------------------------------------------
