@@ -64,7 +64,7 @@ def bench_time(rounds: int = 3, repeats: int = 7) -> None:
 
     ratios: dict = {name: [] for name, _ in TIME_CASES}
     for r in range(rounds):
-        hw = measure_this()
+        hw = measure_this(estimate=plan.estimate)
         print(f"round {r + 1}: hardware 'this':", *hw.describe(), sep="\n  ")
         print(f"\n{'case':<16}{'devices':>8}{'predicted ms':>14}{'measured ms':>13}{'ratio':>8}   compute / exposed comm / bubble ms")
         for name, layout in TIME_CASES:

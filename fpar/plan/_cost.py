@@ -95,6 +95,7 @@ def time_events(events: list, hw: Hardware, inter_axes: dict[tuple, bool], share
     """
     t = Timing()
     now = free = 0.0  # compute stream's clock; when the message stream is next free
+    synced = 0.0  # the compute clock at the last blocking message (the peers' drift grows from it)
     for e in events:
         if isinstance(e, Op):
             dt = op_seconds(e, hw, share)
@@ -109,12 +110,15 @@ def time_events(events: list, hw: Hardware, inter_axes: dict[tuple, bool], share
         dt = comm_seconds(e, hw, inter_axes.get(e.axes, False), link_share)
         if dt == 0.0:
             continue
+        blocking = not e.overlap or hw.cores  # on a CPU the message's copies and sums use the same cores
+        if blocking and hw.skew:  # measured hardware: wait out the peers' drift since the last one
+            dt += hw.skew * max(now - synced, 0.0)
         t.comm += dt
         start = max(now, free)
         free = start + dt
-        if not e.overlap or hw.cores:  # on a CPU the message's copies and sums use the same cores
+        if blocking:
             _charge(t, e.mark, free - now)
-            now = free
+            now = synced = free
     t.total = max(now, free)
     if free > now:  # the overlapped messages still in flight when the compute ends
         t.unmarked += free - now

@@ -14,7 +14,7 @@ import torch
 from .. import _stats
 from .._dist import shard as _dist_shard
 from ..pipeline._timeline import replay
-from . import _cost
+from . import _cost, _optime
 from ._hardware import Hardware, hardware as _hardware
 from ._paper import Simulation, Upstream
 from ._record import CATEGORIES, Recorder
@@ -144,7 +144,7 @@ def estimate(fn: Callable, *args: Any, hardware: str | Hardware = "h100-sxm", **
     """
     if not callable(fn):
         raise TypeError(f"fpar.plan.estimate: fn must be callable, got {fn!r}.")
-    hw = _hardware(hardware)
+    hw = _hardware(hardware, estimate=estimate)
     args, kwargs = _on_meta((args, kwargs))
     known = _categories((args, kwargs))
     shapes = _update_kinds((args, kwargs))
@@ -157,7 +157,7 @@ def estimate(fn: Callable, *args: Any, hardware: str | Hardware = "h100-sxm", **
 
 
 def _estimate(fn, args, kwargs, hw, known, shapes) -> Estimate:
-    untimed = Counter(_timer().untimed) if hw.timed_ops else None
+    untimed = Counter(_optime.timer().untimed) if hw.timed_ops else None
     mesh, sim, cls0 = _simulate(fn, args, kwargs, hw, known, shapes, {}, first=True)
     classes = [cls0]
     if sim.pipeline_axes:
@@ -204,7 +204,7 @@ def _estimate(fn, args, kwargs, hw, known, shapes) -> Estimate:
     return Estimate(
         mesh=mesh, hardware=hw, devices=classes, peak_bytes=max(c.peak_bytes for c in classes),
         comm=busiest.comm, step_time=worst.step_time, time_breakdown=dict(worst.time_breakdown), mfu=mfu,
-        assumptions=_assumptions(hw, mesh, dtype, _timer().untimed - untimed if untimed is not None else None),
+        assumptions=_assumptions(hw, mesh, dtype, _optime.timer().untimed - untimed if untimed is not None else None),
         not_costed=not_costed,
     )
 
@@ -214,7 +214,7 @@ def _simulate(fn, args, kwargs, hw, known, shapes, coords, headers=None, *, firs
     sim.hardware = hw
     if headers:
         sim.headers.update(headers)
-    rec = Recorder(known, _timer() if hw.timed_ops else None)
+    rec = Recorder(known, _optime.timer() if hw.timed_ops else None)
     rec.update_kinds = shapes
     sim.recorder = rec
     with sim:
@@ -267,18 +267,6 @@ def _call(fn, args, kwargs):
                 f"(log the loss outside it), or make the branch depend on shapes. ({text.splitlines()[0]})"
             ) from e
         raise
-
-
-_TIMER: list = []
-
-
-def _timer():
-    """This process's table of ops timed here (kept across estimates: a search repeats the ops)."""
-    if not _TIMER:
-        from ._optime import OpTimer
-
-        _TIMER.append(OpTimer())
-    return _TIMER[0]
 
 
 def _pipeline_times(classes: list, schedules: list, axis: str) -> None:
@@ -375,7 +363,9 @@ def _assumptions(hw: Hardware, mesh, dtype, untimed: Counter | None = None) -> l
         "collectives are rings: all-reduce 2(n-1) steps, all-gather/reduce-scatter/all-to-all n-1; "
         "time = steps x alpha + bytes / beta (bytes as fpar.comm_stats counts them)",
         "compute and messages on two streams: blocking collectives wait, gradient buckets and "
-        "ZeRO's prefetch/reduce-scatter overlap the compute that follows",
+        "ZeRO's prefetch/reduce-scatter overlap the compute that follows"
+        if not hw.cores
+        else "on a CPU nothing overlaps: every message's copies, sums and TCP stack use the cores the compute needs",
         "an op takes max(FLOPs / (peak x efficiency), bytes / memory bandwidth) + per-op overhead; "
         "FLOPs as executed (recomputation included), from torch.utils.flop_counter",
         f"MFU against {str(dtype).replace('torch.', '')} peak",

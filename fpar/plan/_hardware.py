@@ -29,6 +29,8 @@ import time
 
 import torch
 
+from . import _optime
+
 __all__ = ["PRESETS", "Hardware", "hardware"]
 
 
@@ -56,6 +58,9 @@ class Hardware:
         measured.  A collective on a CPU is work for the cores too (copies, the reduction, the
         TCP stack): where more devices share each core than then, a message's bytes take longer
         in proportion (its latency, waiting for the peers, is as measured).
+      skew: measured hardware only: the seconds a blocking message waits for its peers per second
+        of compute since this device's last blocking message (processes that share noisy cores
+        drift apart while they compute; a message waits out the drift).
       kind_latency: measured hardware only: ``(kind, α)`` pairs, a collective kind's own latency
         per step, where it differs from the all-reduce's (gloo's all-gather and reduce-scatter
         take more: their time is nearly the same at 64 KB as at 1 MB).
@@ -79,6 +84,7 @@ class Hardware:
     timed_ops: bool = False  # this machine: each op's kernel is timed here (fpar.plan._optime)
     link_devices: int | None = None  # CPU: the processes α and β were measured between (below)
     kind_latency: tuple = ()  # measured: ((collective kind, its own α), ...); other kinds use α
+    skew: float = 0.0  # measured: seconds a blocking message waits per second computed since the last
 
     def peak(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s for ``dtype``."""
@@ -112,6 +118,8 @@ class Hardware:
                 f"  alpha and beta measured between {self.link_devices} processes computing between messages; "
                 "more devices per core than then slow a message's bytes (not its latency) in proportion"
             )
+        if self.skew:
+            lines.append(f"  a blocking message waits {self.skew:.3f} s per second computed since the last one (the peers' drift)")
         if self.kind_latency:
             lines.append("  alpha per kind: " + ", ".join(f"{k} {a * 1e6:.3g} us" for k, a in self.kind_latency))
         if self.timed_ops:
@@ -142,8 +150,10 @@ PRESETS: dict[str, Hardware] = {
 _THIS: list = [None]
 
 
-def hardware(spec: str | Hardware) -> Hardware:
+def hardware(spec: str | Hardware, *, estimate=None) -> Hardware:
     """A ``Hardware`` from a preset name, ``"this"`` (measured here, once per process), or as given.
+
+    ``estimate``: ``fpar.plan.estimate``, for ``"this"``'s per-op overhead (see ``measure_this``).
 
     Raises:
       ValueError: an unknown name (the message lists the presets).
@@ -152,7 +162,7 @@ def hardware(spec: str | Hardware) -> Hardware:
         return spec
     if spec == "this":
         if _THIS[0] is None:
-            _THIS[0] = measure_this()
+            _THIS[0] = measure_this(estimate=estimate)
         return _THIS[0]
     if isinstance(spec, str) and spec in PRESETS:
         return PRESETS[spec]
@@ -162,29 +172,29 @@ def hardware(spec: str | Hardware) -> Hardware:
     )
 
 
-def measure_this(*, comm: bool = True, repeats: int = 7) -> Hardware:
+def measure_this(*, comm: bool = True, repeats: int = 7, estimate=None) -> Hardware:
     """Measure this machine: matmul FLOP/s, memory bandwidth, per-op overhead, gloo α and β, cores.
 
     The ops of the estimates that follow are timed afresh (``fpar.plan._optime``): a measurement
-    starts a new table, so that a machine whose speed moves is timed at one time.
+    starts a new table, so that a machine whose speed moves is timed at one time.  Given
+    ``estimate`` (``fpar.plan.estimate``, passed in: the estimator is built on this module), the
+    per-op overhead is fpar's, from a tiny model's real step; else a bare autograd loop's.
     """
-    from ._estimate import _TIMER
-
-    _TIMER.clear()
+    _optime.reset()
     curve = tuple((2.0 * n**3, _matmul_flops(torch.float32, n)) for n in (32, 64, 128, 256, 512, 1024))
     flops = {"float32": curve[-1][1], "float64": _matmul_flops(torch.float64)}
     flops["bfloat16"] = flops["float16"] = _matmul_flops(torch.bfloat16)
-    alpha, beta, busy, latency = _gloo_alpha_beta(repeats) if comm else (50e-6, 1e9, 1.0, ())
+    alpha, beta, busy, latency, skew = _gloo_alpha_beta(repeats) if comm else (50e-6, 1e9, 1.0, (), 0.0)
     cores = float(os.cpu_count() or 1) * busy
     hw = Hardware(
         "this", flops, memory_bytes=_memory_bytes(), memory_bandwidth=_copy_bandwidth(),
         devices_per_node=1024, intra_bandwidth=beta, intra_latency=alpha, inter_bandwidth=beta,
         inter_latency=alpha, matmul_efficiency=1.0, op_overhead=_op_overhead(), nodes=1,
         cores=cores, matmul_curve=curve, reduce_scatter_all_reduces=True, timed_ops=True,
-        link_devices=2, kind_latency=latency,
+        link_devices=2, kind_latency=latency, skew=skew,
     )
-    if comm:  # an fpar step's own cost per op, beyond its kernels (its Python, autograd, fpar's calls)
-        hw = dataclasses.replace(hw, op_overhead=_step_overhead(hw))
+    if comm and estimate is not None:  # an fpar step's cost per op beyond its kernels (Python, autograd, fpar)
+        hw = dataclasses.replace(hw, op_overhead=_step_overhead(hw, estimate))
     return hw
 
 
@@ -198,23 +208,22 @@ def _send_recv(dist, block) -> None:
 _TINY = ("calibration", 64, 2, 4, 2, 128, 256, 32)  # fpar.plan.Model fields: kernels that cost little
 
 
-def _step_overhead(hw: Hardware) -> float:
+def _step_overhead(hw: Hardware, estimate) -> float:
     """Seconds per op an fpar training step costs beyond its kernels, measured on a tiny model.
 
     The step (fpar.plan.model_step: forward, backward, AdamW) runs on a one-process real mesh;
     its median time, less its ops' kernels as timed here, over its number of ops.
     """
-    measured, timing = _tiny(hw, _TINY_STEP, op_overhead=0.0)
+    measured, timing = _tiny(hw, _TINY_STEP, estimate, op_overhead=0.0)
     return max((measured - timing.devices[0]._timing.compute) / max(timing.devices[0]._timing.ops, 1), hw.op_overhead / 4)
 
 
 _TINY_STEP = {"data": 1, "zero": 0, "microbatches": 1, "batch": 2}
 
 
-def _tiny(hw: Hardware, fields: dict, **changes):
+def _tiny(hw: Hardware, fields: dict, estimate, **changes):
     """(median seconds of a tiny model's step on a real mesh here, its estimate on ``hw`` changed)."""
     from .._dist import launch
-    from ._estimate import estimate
     from ._models import Layout, Model, model_step
 
     layout = Layout(**fields)
@@ -294,7 +303,7 @@ def _memory_bytes() -> int:
         return 16 * 2**30
 
 
-def _gloo_alpha_beta(repeats: int = 7) -> tuple[float, float, float, tuple]:
+def _gloo_alpha_beta(repeats: int = 7) -> tuple[float, float, float, tuple, float]:
     """Fit gloo's all-reduce ``2α + S/β`` between two local processes, as a training step pays it.
 
     Each process computes a burst of one small layer's work (matmuls over 0.4 MB weights and a
@@ -310,17 +319,22 @@ def _gloo_alpha_beta(repeats: int = 7) -> tuple[float, float, float, tuple]:
     from .._dist import launch
 
     ranks = launch(_gloo_times, 2, 16, repeats, timeout=300.0)
-    m = {k: statistics.fmean(r[k] for r in ranks) for k in ("small", "big", "all_gather", "psum_scatter", "send")}
+    keys = ("small", "big", "all_gather", "psum_scatter", "send", "short", "long", "short_burst")
+    m = {k: statistics.fmean(r[k] for r in ranks) for k in keys}
     size = ranks[0]["size"]
-    alpha = max(m["small"] / 2, 1e-6)
+    # the wait for the other's drift grows with the compute since the last message: the small
+    # all-reduce after a long and a short burst gives its slope (seconds waited per second computed)
+    skew = max((m["small"] - m["short"]) / max(m["long"] - m["short_burst"], 1e-6), 0.0)
+    drift = skew * m["long"]  # what the long-burst measurements waited for it
+    alpha = max((m["small"] - drift) / 2, 1e-6)
     beta = size / max(m["big"] - m["small"], size / 20e9)
-    # each kind's own latency per step: what is left of its time after its bytes at β (one
-    # device's bytes as fpar.comm_stats counts them, n = 2; gloo's reduce-scatter is an all-reduce)
+    # each kind's own latency per step: what is left of its time after its bytes at β and the
+    # drift (one device's bytes as fpar.comm_stats counts them, n = 2; gloo's reduce-scatter is an all-reduce)
     steps_bytes = {"all_gather": (1, size / 8), "psum_scatter": (2, size / 4), "send": (1, size / 8)}
     latency = tuple(
-        (k, max((m[k] - nbytes / beta) / steps, alpha)) for k, (steps, nbytes) in steps_bytes.items()
+        (k, max((m[k] - drift - nbytes / beta) / steps, alpha)) for k, (steps, nbytes) in steps_bytes.items()
     )
-    return alpha, beta, min(1.0, ranks[0]["busy"]), latency
+    return alpha, beta, min(1.0, ranks[0]["busy"]), latency, skew
 
 
 def _gloo_times(rounds: int = 16, repeats: int = 7) -> dict:
@@ -330,9 +344,9 @@ def _gloo_times(rounds: int = 16, repeats: int = 7) -> dict:
     x0 = torch.randn(1024, 256, generator=g)
     ws = [(torch.randn(256, 384, generator=g) * 0.05, torch.randn(384, 256, generator=g) * 0.05) for _ in range(3)]
 
-    def burst():
+    def burst(pairs: int = 3):
         h = x0
-        for w1, w2 in ws:
+        for w1, w2 in ws[:pairs]:
             h = (h @ w1).tanh() @ w2
 
     numel = 1 << 20  # 4 MB
@@ -346,12 +360,12 @@ def _gloo_times(rounds: int = 16, repeats: int = 7) -> dict:
         "send": lambda: _send_recv(dist, block),  # a pipeline's hand-over: 0.5 MB one way
     }
 
-    def loop(exchange=None, alone: bool = False) -> float:
+    def loop(exchange=None, alone: bool = False, pairs: int = 3) -> float:
         dist.barrier()
         t = time.perf_counter()
         if not alone or dist.get_rank() == 0:
             for _ in range(rounds):
-                burst()
+                burst(pairs)
                 if exchange is not None:
                     exchange()
         elapsed = time.perf_counter() - t
@@ -360,14 +374,19 @@ def _gloo_times(rounds: int = 16, repeats: int = 7) -> dict:
 
     for exchange in exchanges.values():
         loop(exchange)
-    added: dict = {k: [] for k in exchanges}
-    share = []
+    added: dict = {k: [] for k in (*exchanges, "short")}
+    share, long, short = [], [], []
     for _ in range(repeats):
         base = loop()
+        long.append(base)
         for k, exchange in exchanges.items():
             added[k].append(loop(exchange) - base)
         share.append(loop(alone=True) / base)  # rank 0's lone burst over both at once
+        base = loop(pairs=1)  # a third of the compute between two messages: less skew to wait out
+        short.append(base)
+        added["short"].append(loop(exchanges["small"], pairs=1) - base)
     out = {k: statistics.median(v) for k, v in added.items()}
     # one device sends 2 (n-1)/n S = S bytes of an n=2 all-reduce: time = 2 alpha + S / beta
     out.update(size=4 * numel, busy=statistics.median(share))  # rank 0's is the one that ran alone
+    out.update(long=statistics.median(long), short_burst=statistics.median(short))
     return out

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["OpTimer"]
+__all__ = ["OpTimer", "reset", "timer"]
 
 Tensor = torch.Tensor
 
@@ -75,6 +75,21 @@ def _evict() -> None:
     if not _EVICT:
         _EVICT.append(torch.empty(1 << 20))
     _EVICT[0].fill_(1.0)
+
+
+_TABLE: list = []
+
+
+def timer() -> OpTimer:
+    """This process's table of ops timed here (kept across estimates: a search repeats the ops)."""
+    if not _TABLE:
+        _TABLE.append(OpTimer())
+    return _TABLE[0]
+
+
+def reset() -> None:
+    """Start a new table (a new measurement of this machine: time its ops afresh)."""
+    _TABLE.clear()
 
 
 def _median_call(func, args, kwargs, repeats: int, budget: float) -> float:

@@ -63,7 +63,7 @@ def search(
     Raises:
       ValueError: an unknown hardware or choice, or no layout of ``devices`` left to try.
     """
-    hw = _hardware(hardware)
+    hw = _hardware(hardware, estimate=estimate)
     if not isinstance(devices, int) or devices <= 0:
         raise ValueError(f"fpar.plan.search: devices must be a positive integer, got {devices!r}.")
     layouts = layout_choices(model, devices, **choices)

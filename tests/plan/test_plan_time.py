@@ -79,7 +79,7 @@ def test_an_op_is_timed_once_per_signature_and_what_cannot_run_here_is_counted()
 
 def test_an_estimate_with_timed_ops_costs_each_op_by_its_timed_kernel(monkeypatch):
     monkeypatch.setattr(_optime.OpTimer, "seconds", lambda self, *a: 1e-3)
-    _estimate._TIMER.clear()
+    _optime.reset()
     hw = _cpu(timed_ops=True, op_overhead=2e-5)
     step, args = plan.model_step(TINY, plan.Layout(data=1, zero=0, batch=2), dtype=torch.float32)
     timing = plan.estimate(step, *args, hardware=hw).devices[0]._timing
@@ -106,6 +106,18 @@ def test_a_kind_with_its_own_latency_uses_it_and_the_others_use_alpha():
     assert _cost.comm_seconds(send, hw, False) == pytest.approx(3e-3 + 1e-3)
     # more devices per core than when beta was measured: the bytes take longer, the latency not
     assert _cost.comm_seconds(ar, hw, False, link_share=0.5) == pytest.approx(2 * 1e-3 + 2e-3)
+
+
+def test_a_blocking_message_waits_out_the_drift_since_the_last_one():
+    hw = _cpu(skew=0.1)
+    op = _cost.Op("aten.mm", 1e9, 0, torch.float32, "forward")
+    msg = Comm("psum", ("t",), 10**3, 2, False, "forward")
+    plain = _cost.time_events([op, msg, msg, op, msg], dataclasses.replace(hw, skew=0.0), {}, 1.0)
+    drift = _cost.time_events([op, msg, msg, op, msg], hw, {}, 1.0)
+    one_op = plain.compute / 2
+    # the first message waits 0.1 of the compute before it, the second (right after) nothing
+    assert drift.total == pytest.approx(plain.total + 0.1 * one_op * 2)
+    assert drift.compute == plain.compute
 
 
 @pytest.mark.parametrize("devices,expected", [(1, 1.0), (2, 1.0), (4, 0.5), (8, 0.25)])
@@ -145,8 +157,8 @@ def test_a_cpu_pipeline_gives_the_cores_of_idle_stages_to_the_busy_ones(monkeypa
 
 
 def test_this_machine_is_measured_with_every_figure_the_model_reads():
-    before = _estimate._timer()
-    hw = _hardware.measure_this(repeats=1)
+    before = _optime.timer()
+    hw = _hardware.measure_this(repeats=1, estimate=plan.estimate)
     assert hw.timed_ops and hw.link_devices == 2 and hw.reduce_scatter_all_reduces
     for value in (
         hw.peak(torch.float32),
@@ -159,9 +171,9 @@ def test_this_machine_is_measured_with_every_figure_the_model_reads():
     assert 0 < hw.cores <= (os.cpu_count() or 1)
     assert [k for k, _ in hw.kind_latency] == ["all_gather", "psum_scatter", "send"]
     assert all(a >= hw.intra_latency for _, a in hw.kind_latency)
-    assert _estimate._TIMER[0] is not before  # a measurement starts a new table (its tiny step timed in it)
+    assert _optime.timer() is not before  # a measurement starts a new table (its tiny step timed in it)
     step, args = plan.model_step(TINY, plan.Layout(data=2, zero=1, batch=4), dtype=torch.float32)
     est = plan.estimate(step, *args, hardware=hw)
     assert math.isfinite(est.step_time) and est.step_time > 0
-    assert _estimate._TIMER[0].table  # its ops were timed here
+    assert _optime.timer().table  # its ops were timed here
     assert "each op's kernel timed on this machine" in str(est)
