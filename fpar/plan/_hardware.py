@@ -212,39 +212,31 @@ def _step_overhead(hw: Hardware, estimate) -> float:
     """Seconds per op an fpar training step costs beyond its kernels, measured on a tiny model.
 
     The step (fpar.plan.model_step: forward, backward, AdamW) runs on a one-process real mesh;
-    its median time, less its ops' kernels as timed here, over its number of ops.
+    its median time, less its ops' kernels as timed here (``estimate`` on ``hw`` without the
+    overhead), over its number of ops.
     """
-    measured, timing = _tiny(hw, _TINY_STEP, estimate, op_overhead=0.0)
-    return max((measured - timing.devices[0]._timing.compute) / max(timing.devices[0]._timing.ops, 1), hw.op_overhead / 4)
-
-
-_TINY_STEP = {"data": 1, "zero": 0, "microbatches": 1, "batch": 2}
-
-
-def _tiny(hw: Hardware, fields: dict, estimate, **changes):
-    """(median seconds of a tiny model's step on a real mesh here, its estimate on ``hw`` changed)."""
     from .._dist import launch
     from ._models import Layout, Model, model_step
 
-    layout = Layout(**fields)
-    measured = statistics.median(launch(_tiny_step_seconds, layout.devices, fields, timeout=120.0))
-    step, args = model_step(Model(*_TINY), layout, dtype=torch.float32)
-    return measured, estimate(step, *args, hardware=dataclasses.replace(hw, **changes))
+    measured = launch(_tiny_step_seconds, 1, timeout=120.0)[0]
+    step, args = model_step(Model(*_TINY), Layout(**_TINY_LAYOUT), dtype=torch.float32)
+    timing = estimate(step, *args, hardware=dataclasses.replace(hw, op_overhead=0.0)).devices[0]._timing
+    return max((measured - timing.compute) / max(timing.ops, 1), hw.op_overhead / 4)
 
 
-def _tiny_step_seconds(fields: dict, repeats: int = 15) -> float:
+_TINY_LAYOUT = {"data": 1, "zero": 0, "microbatches": 1, "batch": 2}
+
+
+def _tiny_step_seconds(repeats: int = 15) -> float:
     from .._mesh import make_mesh
     from ._models import Layout, Model, model_step
 
-    layout = Layout(**fields)
-    mesh = make_mesh((layout.pipeline, layout.data, layout.tensor), ("pipeline", "data", "tensor"))
-    step, args = model_step(Model(*_TINY), layout, mesh, dtype=torch.float32)
+    mesh = make_mesh((1, 1, 1), ("pipeline", "data", "tensor"))
+    step, args = model_step(Model(*_TINY), Layout(**_TINY_LAYOUT), mesh, dtype=torch.float32)
 
     def run():
-        out = step(*args)
-        loss = out[-1] if isinstance(out, tuple) else None
-        if isinstance(loss, torch.Tensor):
-            float(loss)  # the step is done when its loss is
+        loss = step(*args)[-1]
+        float(loss)  # the step is done when its loss is
 
     for _ in range(3):
         run()
@@ -311,8 +303,9 @@ def _gloo_alpha_beta(repeats: int = 7) -> tuple[float, float, float, tuple, floa
     to what an all-reduce *adds* to such a loop (with it against without it, the medians of
     alternating runs), at 8 bytes and 4 MB.  That is more than an idle ping-pong's time: it
     holds the wait for the other process's skew, waking up, and the caches the exchange's copies
-    evicted.  An all-gather of 0.5 MB blocks, a reduce-scatter of 1 MB and a send of 0.5 MB
-    (a pipeline's) are measured the same way: their own latencies (what is left after their bytes at β) are returned with the
+    evicted.  An all-gather of 0.5 MB blocks, a reduce-scatter of 1 MB and a send of 0.5 MB (a
+    pipeline's) are measured the same way: their own latencies (what is left after their bytes at
+    β) are returned, with the drift a message waits out per second of compute before it, and the
     fraction of its lone speed a process keeps while the other computes the same bursts (the
     cores two devices share).
     """
