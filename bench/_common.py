@@ -8,7 +8,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -89,7 +89,9 @@ def backward_step(f: Callable, params: dict, keys, *args, lr: float) -> Callable
 def add_json_arg(parser) -> None:
     """Add ``--json PATH``: also write the run's results as one JSON record (``Record``)."""
     parser.add_argument(
-        "--json", metavar="PATH", default=None,
+        "--json",
+        metavar="PATH",
+        default=None,
         help="also write the results as a JSON record (bench/report.py renders these)",
     )
 
@@ -106,9 +108,12 @@ def machine() -> dict:
     fpar = sys.modules.get("fpar")
     try:
         here = os.path.dirname(os.path.abspath(__file__))
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
-        ).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {
@@ -167,12 +172,14 @@ class Record:
         out = []
         for name, times, base_name, base_times in pairs:
             side, base = time_stats(times), time_stats(base_times)
-            out.append({
-                "side": dict(name=name, **side),
-                "baseline": dict(name=base_name, **base),
-                "ratio": side["median_ms"] / base["median_ms"],
-                "min_ratio": side["min_ms"] / base["min_ms"],
-            })
+            out.append(
+                {
+                    "side": dict(name=name, **side),
+                    "baseline": dict(name=base_name, **base),
+                    "ratio": side["median_ms"] / base["median_ms"],
+                    "min_ratio": side["min_ms"] / base["min_ms"],
+                }
+            )
         self.data["comparisons"].append({"id": id, "step": step, "unit": "ms", "pairs": out})
 
     def memory(self, id: str, step: str, pairs: list[tuple[str, float, str, float]]) -> None:

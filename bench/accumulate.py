@@ -37,7 +37,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -46,16 +45,22 @@ try:
 except ImportError:  # run from a checkout without installing: use the repo's fpar/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import fpar
-from fpar import P
-
 from _common import Record, add_json_arg, interleaved
+
+from fpar import P
 
 _HERE = Path(__file__).resolve().parent
 
 _spec = importlib.util.spec_from_file_location("data_parallel", _HERE / "data_parallel.py")
 _dp = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_dp)
-KEYS, LR, counting_hook, loss_local, make_module = _dp.KEYS, _dp.LR, _dp.counting_hook, _dp.loss_local, _dp.make_module
+KEYS, LR, counting_hook, loss_local, make_module = (
+    _dp.KEYS,
+    _dp.LR,
+    _dp.counting_hook,
+    _dp.loss_local,
+    _dp.make_module,
+)
 
 NPROCS = 2
 N_MICRO = 4
@@ -120,7 +125,9 @@ def worker(cfg: dict) -> dict:
             rel = ((u - ud).norm() / ud.norm()).item()
             worst = max(worst, rel)
             if rel > 1e-4:  # float32 sums of 4 microbatches in different orders: ~1e-5 apart
-                raise AssertionError(f"the update of {k} differs, {side} vs DDP: relative norm diff {rel:.3e}")
+                raise AssertionError(
+                    f"the update of {k} differs, {side} vs DDP: relative norm diff {rel:.3e}"
+                )
 
     # Messages per step (warm): fpar counted where issued; DDP by a counting comm hook.
     counts = {}
@@ -162,7 +169,9 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=256, help="global batch (split over 2, then 4 microbatches)")
+    parser.add_argument(
+        "--batch", type=int, default=256, help="global batch (split over 2, then 4 microbatches)"
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600.0)
     add_json_arg(parser)
@@ -180,7 +189,12 @@ def main(argv=None) -> None:
         f"float32, {NPROCS} gloo processes x {args.threads} thread(s), {args.repeats} repeats; same update "
         f"as DDP: max rel diff {max(r['worst'] for r in res):.2e}"
     )
-    names = {"fpar": "fpar accumulate (deferred)", "fpar_bw": "fpar .backward() (deferred)", "fpar_every": "fpar, reduce every microbatch", "ddp": "DDP no_sync"}
+    names = {
+        "fpar": "fpar accumulate (deferred)",
+        "fpar_bw": "fpar .backward() (deferred)",
+        "fpar_every": "fpar, reduce every microbatch",
+        "ddp": "DDP no_sync",
+    }
     for k, label in names.items():
         print(f"  {label:31s} median {med[k]:8.2f} ms   min {lo[k]:8.2f} ms")
     print(
@@ -225,15 +239,26 @@ def main(argv=None) -> None:
     record.compare(
         "step",
         f"{step}: `fpar.optim.accumulate` / `.backward()` under `fpar.defer_reduction()` vs DDP with `no_sync()`",
-        [("fpar accumulate", t["fpar"], "DDP no_sync", t["ddp"]), ("fpar .backward()", t["fpar_bw"], "DDP no_sync", t["ddp"])],
+        [
+            ("fpar accumulate", t["fpar"], "DDP no_sync", t["ddp"]),
+            ("fpar .backward()", t["fpar_bw"], "DDP no_sync", t["ddp"]),
+        ],
     )
-    record.compare("every", f"{step}: fpar reducing every microbatch vs fpar's deferred sums", [
-        ("fpar, reduce every microbatch", t["fpar_every"], "fpar accumulate", t["fpar"]),
-    ])
+    record.compare(
+        "every",
+        f"{step}: fpar reducing every microbatch vs fpar's deferred sums",
+        [
+            ("fpar, reduce every microbatch", t["fpar_every"], "fpar accumulate", t["fpar"]),
+        ],
+    )
     record.data["extra"] = {
         "cpu_ms": cpu,
-        "allreduces_per_step": {"fpar": c["psum"]["calls"], "fpar_bw": cb["psum"]["calls"],
-                                "fpar_every": ce["psum"]["calls"], "ddp": d["calls"]},
+        "allreduces_per_step": {
+            "fpar": c["psum"]["calls"],
+            "fpar_bw": cb["psum"]["calls"],
+            "fpar_every": ce["psum"]["calls"],
+            "ddp": d["calls"],
+        },
         "max_rel_update_diff": max(r["worst"] for r in res),
     }
     record.write(args.json)

@@ -116,7 +116,11 @@ def _side(loss, params, x_BD, y_BD, compile_step):
                 return body()
             # loss.backward() in the graph; Inductor's all-reduce bucketing and compute/comm
             # reordering (compile-time settings: they apply when the first compiled call compiles)
-            comm = {} if PLAIN_INDUCTOR[0] else dict(bucket_all_reduces_fx="all", reorder_for_compute_comm_overlap=True)
+            comm = (
+                {}
+                if PLAIN_INDUCTOR[0]
+                else dict(bucket_all_reduces_fx="all", reorder_for_compute_comm_overlap=True)
+            )
             with torch._dynamo.config.patch(trace_autograd_ops=True), torch._inductor.config.patch(**comm):
                 return _timed_first(whole, calls[0] == 2)
 
@@ -171,7 +175,9 @@ def _check(sides: dict, steps: int = 3) -> float:
             rel = float((a - b).norm() / a.norm())
             worst = max(worst, rel)
             if not torch.allclose(a, b, rtol=1e-3, atol=1e-5):  # float32, inductor reorders sums
-                raise AssertionError(f"{name}: parameters differ from eager after {steps} steps: rel {rel:.2e}")
+                raise AssertionError(
+                    f"{name}: parameters differ from eager after {steps} steps: rel {rel:.2e}"
+                )
     return worst
 
 
@@ -273,7 +279,10 @@ def run_tour(cfg: dict) -> dict:
     specs = {"w1": P(None, "tensor"), "w2": P("tensor", None)}
     loss = fpar.shard(tour_loss, mesh, in_specs=(specs, P("data"), P("data")), out_specs=P())
     g = torch.Generator().manual_seed(0)
-    params = {"w1": torch.randn(64, 256, generator=g) * 64**-0.5, "w2": torch.randn(256, 64, generator=g) * 256**-0.5}
+    params = {
+        "w1": torch.randn(64, 256, generator=g) * 64**-0.5,
+        "w2": torch.randn(256, 64, generator=g) * 256**-0.5,
+    }
     x, y = torch.randn(32, 64, generator=g), torch.randn(32, 64, generator=g)
     sgd = fpar.optim.sgd(LR, momentum=0.9)
 
@@ -323,8 +332,11 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="D=64 H=256 B=16")
     ap.add_argument("--profile", action="store_true", help="print the top ops of one step per side")
     ap.add_argument("--mesh", choices=("both", "real", "local"), default="both")
-    ap.add_argument("--plain-inductor", action="store_true",
-                    help="compile the whole step without Inductor's all-reduce bucketing and reordering passes")
+    ap.add_argument(
+        "--plain-inductor",
+        action="store_true",
+        help="compile the whole step without Inductor's all-reduce bucketing and reordering passes",
+    )
     ap.add_argument("--no-tour", action="store_true", help="skip the README tour step's sides")
     ap.add_argument("--batch", type=int, help="global batch (default 128; --tiny 16)")
     ap.add_argument("--dim", type=int, help="model dim (default 512; --tiny 64)")
@@ -335,8 +347,10 @@ def main() -> None:
     dims.update({k: getattr(a, k) for k in dims if getattr(a, k) is not None})
     cfg = dict(dims, repeats=a.repeats, warmup=a.warmup, profile=a.profile, plain_inductor=a.plain_inductor)
     record = Record("compile", dict(cfg, mesh=a.mesh))
-    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
+    print(
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start"
+    )
     label = f"MLP train step B={cfg['batch']} D={cfg['dim']} H={cfg['hidden']} fp32, SGD momentum"
     rows = []
     if a.mesh in ("both", "real"):
@@ -347,11 +361,17 @@ def main() -> None:
         rows.append(("in-process mesh data=2", "1", run(dict(cfg, threads=1))))
         tour = None if a.no_tour else run_tour(dict(cfg, threads=1))
     print(f"load average {os.getloadavg()[0]:.2f} at end")
-    print("| benchmark | config | compiled (ms) | eager (ms) | ratio | max rel. param diff after 3 steps | threads |")
+    print(
+        "| benchmark | config | compiled (ms) | eager (ms) | ratio | max rel. param diff after 3 steps | threads |"
+    )
     print("|---|---|---|---|---|---|---|")
     forms = (
         ("whole step", "eager", "the whole step compiled, fullgraph=True, vs the eager step"),
-        ("whole step", "DDP compiled", "the whole step compiled vs torch.compile(DDP model) + backward + SGD"),
+        (
+            "whole step",
+            "DDP compiled",
+            "the whole step compiled vs torch.compile(DDP model) + backward + SGD",
+        ),
         ("DDP compiled", "DDP", "torch's own: compiled DDP vs eager DDP"),
         ("compiled", "eager", "compiled step + fpar.shard(torch.compile(f))"),
         ("compiled f only", "eager", "eager step + fpar.shard(torch.compile(f))"),
@@ -361,16 +381,20 @@ def main() -> None:
         ms = res["ms"]
         for c, e, what in forms:
             if c in ms and e in ms:
-                print(f"| compile | {label}, {where}: {what} | {ms[c]:.2f} | {ms[e]:.2f} | "
-                      f"{ms[c] / ms[e]:.2f}x | {res['rel']:.1e} | {threads} |")
+                print(
+                    f"| compile | {label}, {where}: {what} | {ms[c]:.2f} | {ms[e]:.2f} | "
+                    f"{ms[c] / ms[e]:.2f}x | {res['rel']:.1e} | {threads} |"
+                )
     for where, _, res in rows:
         print(f"compile time of the whole step, {where}: {res['compile_s']:.1f} s (its first compiled call)")
     if tour is not None:
         print(f"compile time of the whole tour step: {tour['compile_s']:.1f} s (its first compiled call)")
         ms = tour["ms"]
-        print(f"| compile | README tour step (in-process 2x4 mesh, w1 64x256, x 32x64, SGD): the whole step "
-              f"compiled, fullgraph=True, vs the eager step | {ms['tour whole step']:.3f} | {ms['tour eager']:.3f} | "
-              f"{ms['tour whole step'] / ms['tour eager']:.2f}x | {tour['rel']:.1e} | 1 |")
+        print(
+            f"| compile | README tour step (in-process 2x4 mesh, w1 64x256, x 32x64, SGD): the whole step "
+            f"compiled, fullgraph=True, vs the eager step | {ms['tour whole step']:.3f} | {ms['tour eager']:.3f} | "
+            f"{ms['tour whole step'] / ms['tour eager']:.2f}x | {tour['rel']:.1e} | 1 |"
+        )
     for where, _, res in rows:
         if "profile" in res:
             print(f"\n=== profile, {where}\n{res['profile']}")
@@ -384,32 +408,58 @@ def main() -> None:
         record.compare(
             mesh_id,
             f"{step}: compiled step / eager step, each with `fpar.shard(torch.compile(f))`, vs the eager step with `fpar.shard(f)`",
-            [("compiled step", side(res, "compiled"), "eager step", side(res, "eager")),
-             ("compiled f only", side(res, "compiled f only"), "eager step", side(res, "eager"))],
+            [
+                ("compiled step", side(res, "compiled"), "eager step", side(res, "eager")),
+                ("compiled f only", side(res, "compiled f only"), "eager step", side(res, "eager")),
+            ],
         )
         whole = "the whole step compiled (`torch.compile(step, fullgraph=True)`: loss, backward, every all-reduce and SGD in one graph)"
-        record.compare("whole" if mesh_id == "real" else "local_whole", f"{label}, {where}: {whole} vs the eager step", [
-            ("whole step", side(res, "whole step"), "eager step", side(res, "eager")),
-        ])
+        record.compare(
+            "whole" if mesh_id == "real" else "local_whole",
+            f"{label}, {where}: {whole} vs the eager step",
+            [
+                ("whole step", side(res, "whole step"), "eager step", side(res, "eager")),
+            ],
+        )
         if "DDP" in res["ms"]:
-            record.compare("whole_ddp", f"{label}, {where}: {whole} vs torch's compiled DDP (`torch.compile(ddp_model)`, backward, SGD)", [
-                ("whole step", side(res, "whole step"), "DDP compiled", side(res, "DDP compiled")),
-            ])
-            record.compare("ddp", f"{label}, {where}: torch's own compiled DDP vs eager DDP (no fpar)", [
-                ("DDP compiled", side(res, "DDP compiled"), "DDP", side(res, "DDP")),
-            ])
+            record.compare(
+                "whole_ddp",
+                f"{label}, {where}: {whole} vs torch's compiled DDP (`torch.compile(ddp_model)`, backward, SGD)",
+                [
+                    ("whole step", side(res, "whole step"), "DDP compiled", side(res, "DDP compiled")),
+                ],
+            )
+            record.compare(
+                "ddp",
+                f"{label}, {where}: torch's own compiled DDP vs eager DDP (no fpar)",
+                [
+                    ("DDP compiled", side(res, "DDP compiled"), "DDP", side(res, "DDP")),
+                ],
+            )
         if "torch compiled" in res["ms"]:
-            record.compare("torch", f"{label}: plain torch's own `torch.compile(step)` vs its eager step (no fpar)", [
-                ("torch compiled", side(res, "torch compiled"), "torch eager", side(res, "torch eager")),
-            ])
+            record.compare(
+                "torch",
+                f"{label}: plain torch's own `torch.compile(step)` vs its eager step (no fpar)",
+                [
+                    ("torch compiled", side(res, "torch compiled"), "torch eager", side(res, "torch eager")),
+                ],
+            )
         record.data["extra"][f"max_rel_param_diff_{mesh_id}"] = res["rel"]
         record.data["extra"][f"whole_step_compile_s_{mesh_id}"] = res["compile_s"]
     if tour is not None:
-        record.compare("tour", "README tour step, in-process data=2 x tensor=4 mesh (w1 64x256, x 32x64), fpar.optim SGD: "
-                       "the whole step compiled (`torch.compile(step, fullgraph=True)`) vs the eager step", [
-            ("whole step", (tour["ms"]["tour whole step"] / 1e3, tour["min_ms"]["tour whole step"] / 1e3),
-             "eager step", (tour["ms"]["tour eager"] / 1e3, tour["min_ms"]["tour eager"] / 1e3)),
-        ])
+        record.compare(
+            "tour",
+            "README tour step, in-process data=2 x tensor=4 mesh (w1 64x256, x 32x64), fpar.optim SGD: "
+            "the whole step compiled (`torch.compile(step, fullgraph=True)`) vs the eager step",
+            [
+                (
+                    "whole step",
+                    (tour["ms"]["tour whole step"] / 1e3, tour["min_ms"]["tour whole step"] / 1e3),
+                    "eager step",
+                    (tour["ms"]["tour eager"] / 1e3, tour["min_ms"]["tour eager"] / 1e3),
+                ),
+            ],
+        )
         record.data["extra"]["max_rel_param_diff_tour"] = tour["rel"]
         record.data["extra"]["whole_step_compile_s_tour"] = tour["compile_s"]
     record.write(a.json)

@@ -75,9 +75,9 @@ try:
 except ImportError:  # run from a checkout without installing: use the repo's fpar/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import fpar
-from fpar import P
-
 from _common import Record, add_json_arg, backward_step, interleaved
+
+from fpar import P
 
 NPROCS = 2
 LR = 0.01
@@ -319,18 +319,27 @@ def worker(cfg: dict) -> dict:
         # Compare the updates, not the parameters: an update is ~1e-4 of a parameter's size.
         ud = pd.detach() - p0
         updates = (
-            ("fpar", pf - p0), ("fpar .backward()", pb.detach() - p0), ("floor", pl - p0),
-            ("hooks", ph - p0), ("hooks .backward()", phb.detach() - p0),
+            ("fpar", pf - p0),
+            ("fpar .backward()", pb.detach() - p0),
+            ("floor", pl - p0),
+            ("hooks", ph - p0),
+            ("hooks .backward()", phb.detach() - p0),
         )
         for name, u in updates:
             rel = ((u - ud).norm() / ud.norm()).item()
             worst = max(worst, rel)
             if not torch.allclose(u, ud, rtol=1e-4, atol=1e-4 * ud.abs().max().item()):
-                raise AssertionError(f"the update of {k} differs, {name} vs DDP: relative norm diff {rel:.3e}")
+                raise AssertionError(
+                    f"the update of {k} differs, {name} vs DDP: relative norm diff {rel:.3e}"
+                )
 
     steps = {
-        "fpar": fpar_step, "fpar_bw": fpar_bw_step, "ddp": ddp_step, "floor": floor_step,
-        "hooks": hooks_step, "hooks_bw": hooks_bw_step,
+        "fpar": fpar_step,
+        "fpar_bw": fpar_bw_step,
+        "ddp": ddp_step,
+        "floor": floor_step,
+        "hooks": hooks_step,
+        "hooks_bw": hooks_bw_step,
     }
     for _ in range(cfg["warmup"]):
         for step in steps.values():
@@ -494,22 +503,37 @@ def main(argv=None) -> None:
 
     t = r0["times"]
     step = f"DP SGD step, MLP B={B} (global) D={D} H={H} fp32, {n} gloo processes x {threads} thread"
-    record.compare("step", f"{step}: fpar `torch.func.grad` / `.backward()` vs DDP", [
-        ("fpar torch.func.grad", t["fpar"], "DDP", t["ddp"]),
-        ("fpar .backward()", t["fpar_bw"], "DDP", t["ddp"]),
-    ])
-    record.compare("floor", f"{step}: the floor (plain `torch.func.grad`, one flat all-reduce, no fpar) vs DDP", [
-        ("floor", t["floor"], "DDP", t["ddp"]),
-    ])
+    record.compare(
+        "step",
+        f"{step}: fpar `torch.func.grad` / `.backward()` vs DDP",
+        [
+            ("fpar torch.func.grad", t["fpar"], "DDP", t["ddp"]),
+            ("fpar .backward()", t["fpar_bw"], "DDP", t["ddp"]),
+        ],
+    )
+    record.compare(
+        "floor",
+        f"{step}: the floor (plain `torch.func.grad`, one flat all-reduce, no fpar) vs DDP",
+        [
+            ("floor", t["floor"], "DDP", t["ddp"]),
+        ],
+    )
     record.compare(
         "hooks",
         f"{step}: the floor's loss behind the least hooks an overlapped bucketed all-reduce needs (no fpar), "
         "`torch.func.grad` / `.backward()` vs DDP",
-        [("hooks torch.func.grad", t["hooks"], "DDP", t["ddp"]), ("hooks .backward()", t["hooks_bw"], "DDP", t["ddp"])],
+        [
+            ("hooks torch.func.grad", t["hooks"], "DDP", t["ddp"]),
+            ("hooks .backward()", t["hooks_bw"], "DDP", t["ddp"]),
+        ],
     )
-    record.memory("memory", f"{step}: peak memory of a step beyond the parameters, rank 0, vs DDP", [
-        ("fpar", pk["fpar"], "DDP", pk["ddp"]),
-    ])
+    record.memory(
+        "memory",
+        f"{step}: peak memory of a step beyond the parameters, rank 0, vs DDP",
+        [
+            ("fpar", pk["fpar"], "DDP", pk["ddp"]),
+        ],
+    )
     record.data["extra"] = {
         "cpu_ms": cpu,
         "allreduce_bytes": {"fpar": fpar_total, "ddp": ddp_total, "formula": formula},

@@ -32,7 +32,6 @@ import statistics
 import _common
 import data_parallel as _dp
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -146,7 +145,9 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     dim, hidden, batch = (64, 256, 16) if args.tiny else (512, 2048, 128)
-    cfg = dict(repeats=args.repeats, warmup=args.warmup, threads=args.threads, dim=dim, hidden=hidden, batch=batch)
+    cfg = dict(
+        repeats=args.repeats, warmup=args.warmup, threads=args.threads, dim=dim, hidden=hidden, batch=batch
+    )
     res = fpar.launch(worker, 2, cfg, timeout=900)
     r0 = res[0]
     med = {k: statistics.median(v) * 1e3 for k, v in r0["times"].items()}

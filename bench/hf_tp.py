@@ -43,9 +43,9 @@ try:
 except ImportError:  # run from a checkout without installing: use the repo's fpar/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import fpar
-from fpar import P
-
 from _common import Record, add_json_arg, interleaved
+
+from fpar import P
 
 NPROCS = 2
 LR = 1e-3
@@ -241,8 +241,10 @@ def main(argv=None) -> None:
         ],
     )
     record.data["extra"] = {
-        "allreduces": psum.get("calls", 0), "allreduce_bytes": psum.get("bytes", 0),
-        "loss_diff": max(r["loss_diff"] for r in res), "weight_diff": max(r["weight_diff"] for r in res),
+        "allreduces": psum.get("calls", 0),
+        "allreduce_bytes": psum.get("bytes", 0),
+        "loss_diff": max(r["loss_diff"] for r in res),
+        "weight_diff": max(r["weight_diff"] for r in res),
     }
     record.write(args.json)
 

@@ -64,10 +64,10 @@ try:
 except ImportError:  # run from a checkout without installing: use the repo's fpar/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import fpar
+from _common import Record, add_json_arg
+
 import fpar.ops as ops
 from fpar import P
-
-from _common import Record, add_json_arg
 
 NPROCS = 2
 
@@ -202,10 +202,15 @@ def worker(cfg: dict) -> dict:
     ep(p_local, x_local)
     stats = fpar.comm_stats()
     expected = routed_bytes(params, x_local, cfg, rank, n)
-    local = objective(lambda p, x: ops.moe(p, x, top_k=cfg["top_k"]), ct_local)  # sorted + grouped, no exchange
+    local = objective(
+        lambda p, x: ops.moe(p, x, top_k=cfg["top_k"]), ct_local
+    )  # sorted + grouped, no exchange
     times = time_pair(
-        {"fpar": lambda: ep(p_local, x_local), "torch": lambda: base(params, x_local),
-         "grouped, no exchange": lambda: local(params, x_local)},
+        {
+            "fpar": lambda: ep(p_local, x_local),
+            "torch": lambda: base(params, x_local),
+            "grouped, no exchange": lambda: local(params, x_local),
+        },
         cfg["repeats"],
         cfg["warmup"],
         sync=dist.barrier,
@@ -233,8 +238,11 @@ def in_process(args, cfg) -> list:
     stats = fpar.comm_stats()["expert"]
     form = formula(cfg, n, t // n)
     times = time_pair(
-        {"fpar EP": lambda: ep(params, x), "fpar unsharded": lambda: unsharded(params, x),
-         "torch": lambda: base(params, x)},
+        {
+            "fpar EP": lambda: ep(params, x),
+            "fpar unsharded": lambda: unsharded(params, x),
+            "torch": lambda: base(params, x),
+        },
         args.repeats,
         args.warmup,
     )
@@ -242,15 +250,23 @@ def in_process(args, cfg) -> list:
     print(f"in-process, expert={n}: static slots, C = {form['cap']} rows per (source -> destination) slot")
     for kk in med:
         print(f"  {kk:15s} median {med[kk]:8.1f} ms   min {min(times[kk]) * 1e3:8.1f}")
-    print(f"  ratio EP / torch {med['fpar EP'] / med['torch']:.2f}x, unsharded / torch "
-          f"{med['fpar unsharded'] / med['torch']:.2f}x")
+    print(
+        f"  ratio EP / torch {med['fpar EP'] / med['torch']:.2f}x, unsharded / torch "
+        f"{med['fpar unsharded'] / med['torch']:.2f}x"
+    )
     print(
         f"  bytes/device fwd+bwd: all_to_all {stats['all_to_all']['bytes']:,} B (static-slot formula "
         f"{form['static']:,}), psum {stats['psum']['bytes']:,} B (formula {form['psum']:,})"
     )
     args.in_process_times = times  # for the JSON record (--json)
     return [
-        (f"in-process expert={n}, T={t}", med["fpar EP"], med["torch"], stats["all_to_all"]["bytes"], form["static"]),
+        (
+            f"in-process expert={n}, T={t}",
+            med["fpar EP"],
+            med["torch"],
+            stats["all_to_all"]["bytes"],
+            form["static"],
+        ),
         ("unsharded (axis=None), same T", med["fpar unsharded"], med["torch"], None, None),
     ]
 
@@ -272,12 +288,21 @@ def main(argv=None) -> None:
     add_json_arg(ap)
     args = ap.parse_args(argv)
     cfg = {
-        "tokens": args.tokens, "dim": args.dim, "hidden": args.hidden, "experts": args.experts,
-        "top_k": args.top_k, "repeats": args.repeats, "warmup": args.warmup, "threads": args.threads,
+        "tokens": args.tokens,
+        "dim": args.dim,
+        "hidden": args.hidden,
+        "experts": args.experts,
+        "top_k": args.top_k,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "threads": args.threads,
         "skew": args.skew,
     }
-    record = Record("moe", dict(cfg, devices=args.devices, skip_gloo=args.skip_gloo,
-                                skip_in_process=args.skip_in_process), argv)
+    record = Record(
+        "moe",
+        dict(cfg, devices=args.devices, skip_gloo=args.skip_gloo, skip_in_process=args.skip_in_process),
+        argv,
+    )
     torch.set_num_threads(args.threads)
     t, k = args.tokens, args.top_k
     print(
@@ -322,10 +347,15 @@ def main(argv=None) -> None:
         r0 = res[0]
         med0 = {kk: statistics.median(v) * 1e3 for kk, v in r0["times"].items()}
         st0 = r0["stats"]["expert"]
-        rows.append((
-            f"{NPROCS} gloo procs, T/{NPROCS} each", med0["fpar"], med0["torch"],
-            st0["all_to_all"]["bytes"], r0["expected"],
-        ))
+        rows.append(
+            (
+                f"{NPROCS} gloo procs, T/{NPROCS} each",
+                med0["fpar"],
+                med0["torch"],
+                st0["all_to_all"]["bytes"],
+                r0["expected"],
+            )
+        )
 
     print()
     print("| bench/moe.py | fpar (ms) | torch MoE (ms) | ratio | all_to_all B/device fwd+bwd (formula) |")
@@ -342,24 +372,34 @@ def main(argv=None) -> None:
     if not args.skip_in_process:
         ti = args.in_process_times
         record.compare(
-            "in_process", f"{layer}, in-process mesh expert={args.devices}, {args.threads} thread: "
-            "`fpar.ops.moe(axis=\"expert\")` vs the plain torch MoE on all T tokens",
+            "in_process",
+            f"{layer}, in-process mesh expert={args.devices}, {args.threads} thread: "
+            '`fpar.ops.moe(axis="expert")` vs the plain torch MoE on all T tokens',
             [("fpar EP", ti["fpar EP"], "torch MoE", ti["torch"])],
         )
-        record.compare("unsharded", f"{layer}, one process: `fpar.ops.moe(axis=None)` vs the plain torch MoE", [
-            ("fpar unsharded", ti["fpar unsharded"], "torch MoE", ti["torch"]),
-        ])
+        record.compare(
+            "unsharded",
+            f"{layer}, one process: `fpar.ops.moe(axis=None)` vs the plain torch MoE",
+            [
+                ("fpar unsharded", ti["fpar unsharded"], "torch MoE", ti["torch"]),
+            ],
+        )
     if not args.skip_gloo:
         tg = res[0]["times"]
         record.compare(
-            "gloo", f"{layer}, {NPROCS} gloo processes x {args.threads} thread, T/{NPROCS} tokens each (rank 0): "
+            "gloo",
+            f"{layer}, {NPROCS} gloo processes x {args.threads} thread, T/{NPROCS} tokens each (rank 0): "
             "fpar's expert-parallel layer vs the plain torch MoE on the same tokens",
             [("fpar EP", tg["fpar"], "torch MoE", tg["torch"])],
         )
-        record.compare("exchange", f"{layer}, {NPROCS} gloo processes (rank 0): fpar's layer vs the same grouped "
-                       "layer with every expert local (no exchange): what the exchange costs", [
-            ("fpar EP", tg["fpar"], "grouped, no exchange", tg["grouped, no exchange"]),
-        ])
+        record.compare(
+            "exchange",
+            f"{layer}, {NPROCS} gloo processes (rank 0): fpar's layer vs the same grouped "
+            "layer with every expert local (no exchange): what the exchange costs",
+            [
+                ("fpar EP", tg["fpar"], "grouped, no exchange", tg["grouped, no exchange"]),
+            ],
+        )
         record.data["extra"] = {
             "peak_rss_mib": [r["peak_mib"] for r in res],
             "all_to_all_bytes": [r["stats"]["expert"]["all_to_all"]["bytes"] for r in res],

@@ -50,9 +50,9 @@ try:
 except ImportError:  # run from a checkout without installing: use the repo's fpar/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import fpar
-import fpar.pipeline as pp
-
 from _common import Record, add_json_arg
+
+import fpar.pipeline as pp
 
 
 class Block(nn.Module):
@@ -88,7 +88,12 @@ def chunk_modules(rank: int, cfg, v: int, layout: str) -> list[nn.Module]:
 PAIRS = {
     "1F1B": (lambda p, m: pp.one_f_one_b(p, m), 1, "interleaved", "Schedule1F1B"),
     "GPipe": (lambda p, m: pp.gpipe(p, m), 1, "interleaved", "ScheduleGPipe"),
-    "interleaved 1F1B": (lambda p, m: pp.interleaved_1f1b(p, m, 2), 2, "interleaved", "ScheduleInterleaved1F1B"),
+    "interleaved 1F1B": (
+        lambda p, m: pp.interleaved_1f1b(p, m, 2),
+        2,
+        "interleaved",
+        "ScheduleInterleaved1F1B",
+    ),
     "ZB-V": (lambda p, m: pp.zb_v(p, m), 2, "v", "ScheduleZBVZeroBubble"),
     "DualPipeV": (lambda p, m: pp.dualpipe_v(p, m), 2, "v", "ScheduleDualPipeV"),
     "ZB-H1": (lambda p, m: pp.zb_h1(p, m), 1, "interleaved", None),
@@ -287,11 +292,15 @@ def main() -> None:
     for name in r0["check"]:
         f, t = r0["times"][("fpar", name)] * 1e3, r0["times"][("torch", name)] * 1e3
         fmin, tmin = r0["min"][("fpar", name)], r0["min"][("torch", name)]
-        print(f"| {name} (torch `{PAIRS[name][3]}`) | {f:.1f} | {t:.1f} | {f / t:.2f}x | {fmin / tmin:.2f}x |")
+        print(
+            f"| {name} (torch `{PAIRS[name][3]}`) | {f:.1f} | {t:.1f} | {f / t:.2f}x | {fmin / tmin:.2f}x |"
+        )
     if ("fpar", "ZB-H1") in r0["times"] and ("fpar", "1F1B") in r0["times"]:
         zb, ofob = r0["times"][("fpar", "ZB-H1")] * 1e3, r0["times"][("fpar", "1F1B")] * 1e3
         zmin, omin = r0["min"][("fpar", "ZB-H1")], r0["min"][("fpar", "1F1B")]
-        print(f"| ZB-H1 (fpar) vs fpar 1F1B | {zb:.1f} | {ofob:.1f} (fpar 1F1B) | {zb / ofob:.2f}x | {zmin / omin:.2f}x |")
+        print(
+            f"| ZB-H1 (fpar) vs fpar 1F1B | {zb:.1f} | {ofob:.1f} (fpar 1F1B) | {zb / ofob:.2f}x | {zmin / omin:.2f}x |"
+        )
     print()
     print("peak activation bytes saved for backward per stage (MiB), fpar vs torch; fpar's peak stash:")
     for name in r0["stats"]:
@@ -318,18 +327,37 @@ def main() -> None:
     if vs_torch:
         record.compare(
             "schedules",
-            f"{step}: " + " / ".join(vs_torch) + " vs `torch.distributed.pipelining`'s schedule of the same name",
-            [(f"fpar {n}", (T[("fpar", n)], M[("fpar", n)]), f"torch {n}", (T[("torch", n)], M[("torch", n)]))
-             for n in vs_torch],
+            f"{step}: "
+            + " / ".join(vs_torch)
+            + " vs `torch.distributed.pipelining`'s schedule of the same name",
+            [
+                (
+                    f"fpar {n}",
+                    (T[("fpar", n)], M[("fpar", n)]),
+                    f"torch {n}",
+                    (T[("torch", n)], M[("torch", n)]),
+                )
+                for n in vs_torch
+            ],
         )
     if ("fpar", "ZB-H1") in T and ("fpar", "1F1B") in T:
-        record.compare("zb_h1", f"{step}: fpar's ZB-H1 vs fpar's 1F1B", [
-            ("fpar ZB-H1", (T[("fpar", "ZB-H1")], M[("fpar", "ZB-H1")]),
-             "fpar 1F1B", (T[("fpar", "1F1B")], M[("fpar", "1F1B")])),
-        ])
+        record.compare(
+            "zb_h1",
+            f"{step}: fpar's ZB-H1 vs fpar's 1F1B",
+            [
+                (
+                    "fpar ZB-H1",
+                    (T[("fpar", "ZB-H1")], M[("fpar", "ZB-H1")]),
+                    "fpar 1F1B",
+                    (T[("fpar", "1F1B")], M[("fpar", "1F1B")]),
+                ),
+            ],
+        )
     record.data["extra"] = {
         "saved_activation_mib": {
-            f"{side} {name} stage {r['rank']}": b / 2**20 for r in results for (side, name), b in r["memory"].items()
+            f"{side} {name} stage {r['rank']}": b / 2**20
+            for r in results
+            for (side, name), b in r["memory"].items()
         },
         "peak_rss_mib": [r["rss_mb"] for r in results],
         "bubble": {name: st.bubble_fraction for name, st in r0["stats"].items()},

@@ -66,21 +66,30 @@ def bench_time(rounds: int = 3, repeats: int = 7) -> None:
     for r in range(rounds):
         hw = measure_this(estimate=plan.estimate)
         print(f"round {r + 1}: hardware 'this':", *hw.describe(), sep="\n  ")
-        print(f"\n{'case':<16}{'devices':>8}{'predicted ms':>14}{'measured ms':>13}{'ratio':>8}   compute / exposed comm / bubble ms")
+        print(
+            f"\n{'case':<16}{'devices':>8}{'predicted ms':>14}{'measured ms':>13}{'ratio':>8}   compute / exposed comm / bubble ms"
+        )
         for name, layout in TIME_CASES:
             step, args = plan.model_step(SMALL, layout, dtype=torch.float32)
             est = plan.estimate(step, *args, hardware=hw)
             fields = dataclasses.asdict(layout)
-            measured = statistics.median(fpar.launch(_real_step_seconds, layout.devices, fields, repeats, timeout=600.0))
+            measured = statistics.median(
+                fpar.launch(_real_step_seconds, layout.devices, fields, repeats, timeout=600.0)
+            )
             ratios[name].append(est.step_time / measured)
             tb = est.time_breakdown
-            print(f"{name:<16}{layout.devices:>8}{est.step_time * 1e3:>14.1f}{measured * 1e3:>13.1f}{est.step_time / measured:>8.2f}"
-                  f"   {tb['compute'] * 1e3:.0f} / {tb['exposed_comm'] * 1e3:.0f} / {tb['bubble'] * 1e3:.0f}", flush=True)
+            print(
+                f"{name:<16}{layout.devices:>8}{est.step_time * 1e3:>14.1f}{measured * 1e3:>13.1f}{est.step_time / measured:>8.2f}"
+                f"   {tb['compute'] * 1e3:.0f} / {tb['exposed_comm'] * 1e3:.0f} / {tb['bubble'] * 1e3:.0f}",
+                flush=True,
+            )
         print()
     print(f"{'case':<16}{'median ratio':>13}   rounds")
     for name, rs in ratios.items():
         inside = "inside" if 0.8 <= statistics.median(rs) <= 1.2 else "OUTSIDE"
-        print(f"{name:<16}{statistics.median(rs):>13.2f}   {' '.join(f'{x:.2f}' for x in rs)}   {inside} +-20 %")
+        print(
+            f"{name:<16}{statistics.median(rs):>13.2f}   {' '.join(f'{x:.2f}' for x in rs)}   {inside} +-20 %"
+        )
 
 
 LLAMA_LAYOUTS = [
@@ -117,8 +126,17 @@ def bench_search() -> None:
     model = plan.MODELS["llama-70b"]
     t = time.perf_counter()
     results = plan.search(
-        lambda layout: plan.model_step(model, layout), 1024, "h100-sxm", model=model, keep_dropped=True,
-        pipeline=[2, 4, 8], tensor=[4, 8], zero=[0, 1], microbatches=[4, 8], remat=[False, True], batch=[256],
+        lambda layout: plan.model_step(model, layout),
+        1024,
+        "h100-sxm",
+        model=model,
+        keep_dropped=True,
+        pipeline=[2, 4, 8],
+        tensor=[4, 8],
+        zero=[0, 1],
+        microbatches=[4, 8],
+        remat=[False, True],
+        batch=[256],
     )
     seconds = time.perf_counter() - t
     print(plan.ranking(results, tokens_per_step=256 * model.seq))
@@ -137,7 +155,9 @@ def bench_memory() -> None:
         psi = c.state_bytes["params"] / 4
         want = 12 * psi if zero == 0 else 4 * psi + 8 * psi / layout.data
         got = c.state_bytes["params"] + c.state_bytes["optimizer"]
-        print(f"zero={zero}: params+AdamW {got / 2**30:.3f} GiB, formula {want / 2**30:.3f} GiB ({got / want - 1:+.2%})")
+        print(
+            f"zero={zero}: params+AdamW {got / 2**30:.3f} GiB, formula {want / 2**30:.3f} GiB ({got / want - 1:+.2%})"
+        )
     # activations of one layer: the difference between 4 and 2 layers per stage, one microbatch in flight
     s, b = base.seq, 1
     for t in (8,):
@@ -158,11 +178,15 @@ def bench_memory() -> None:
         # Korthikanti et al. 2022 (TP + SP, 16-bit): s b h (34 + 5 a s / h) / t, written for GPT-3's block
         gpt = s * b * h * (34 + 5 * a * s / h) / t
         flash = s * b * h * 34 / t  # the same with the attention scores not kept (flash attention)
-        print(f"tensor={t}: one Llama-70B layer adds {per_layer / 2**20:.1f} MiB at the peak: model states "
-              f"{(states[1] - states[0]) / 2 / 2**20:.1f}; the forward keeps {act / 2**20:.1f} MiB for the backward "
-              f"(of which bf16 weight copies {(weights[1] - weights[0]) / 2 / 2**20:.1f})")
-        print(f"  Korthikanti's GPT-3 block: {gpt / 2**20:.1f} MiB with the s x s scores, {flash / 2**20:.1f} MiB "
-              f"without (flash); activations / that = {act / flash:.2f} (a Llama block is not GPT-3's: see bench/README)")
+        print(
+            f"tensor={t}: one Llama-70B layer adds {per_layer / 2**20:.1f} MiB at the peak: model states "
+            f"{(states[1] - states[0]) / 2 / 2**20:.1f}; the forward keeps {act / 2**20:.1f} MiB for the backward "
+            f"(of which bf16 weight copies {(weights[1] - weights[0]) / 2 / 2**20:.1f})"
+        )
+        print(
+            f"  Korthikanti's GPT-3 block: {gpt / 2**20:.1f} MiB with the s x s scores, {flash / 2**20:.1f} MiB "
+            f"without (flash); activations / that = {act / flash:.2f} (a Llama block is not GPT-3's: see bench/README)"
+        )
 
 
 if __name__ == "__main__":

@@ -110,7 +110,11 @@ def main() -> None:
     print(f"{'case':34s} {'n':>9s} {'fpar ms':>9s} {'torch ms':>9s} {'ratio':>6s}")
     for n in (int(s) for s in args.sizes.split(",")):
         rows = [
-            ("uniform float32 (n,)", lambda n=n: fpar.random.uniform(key, (n,)), lambda n=n: torch.rand(n, device=dev)),
+            (
+                "uniform float32 (n,)",
+                lambda n=n: fpar.random.uniform(key, (n,)),
+                lambda n=n: torch.rand(n, device=dev),
+            ),
             (
                 "uniform float32 (n/1024, 1024)",
                 lambda n=n: fpar.random.uniform(key, (n // 1024, 1024)),
@@ -142,8 +146,10 @@ def main() -> None:
     print(f"{'in shard, 4 devices, P(data)':34s} {n:9d} {1e3 * ta:9.3f} {1e3 * tb:9.3f} {ta / tb:6.2f}")
     if args.guard:
         for rank, (ta, tb) in enumerate(fpar.launch(guard_cost, 2, 200)):
-            print(f"real mesh fast call, rank {rank}: check on {1e6 * ta:.1f} us, off {1e6 * tb:.1f} us, "
-                  f"cost {1e6 * (ta - tb):.1f} us ({ta / tb:.3f}x)")
+            print(
+                f"real mesh fast call, rank {rank}: check on {1e6 * ta:.1f} us, off {1e6 * tb:.1f} us, "
+                f"cost {1e6 * (ta - tb):.1f} us ({ta / tb:.3f}x)"
+            )
 
 
 if __name__ == "__main__":

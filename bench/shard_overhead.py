@@ -38,9 +38,9 @@ try:
 except ImportError:  # run from a checkout without installing: use the repo's fpar/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import fpar
-from fpar import P
-
 from _common import Record, add_json_arg
+
+from fpar import P
 
 B, D, H = 256, 1024, 4096
 MESH_SHAPE, MESH_AXES = (2, 4), ("data", "tensor")
@@ -100,8 +100,18 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    record = Record("shard_overhead", {"repeats": args.repeats, "warmup": args.warmup, "threads": torch.get_num_threads(),
-                                       "batch": B, "dim": D, "hidden": H}, argv)
+    record = Record(
+        "shard_overhead",
+        {
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+            "threads": torch.get_num_threads(),
+            "batch": B,
+            "dim": D,
+            "hidden": H,
+        },
+        argv,
+    )
 
     mesh = fpar.make_mesh(MESH_SHAPE, MESH_AXES)
     sharded = fpar.shard(loss_local, mesh, in_specs=(PARAM_SPECS, P("data"), P("data")), out_specs=P())

@@ -46,8 +46,7 @@ except ImportError:  # run from a checkout without installing: use the repo's fp
     import fpar
 import fpar.ops
 from fpar import P
-from fpar.ops import linear_2d, linear_2p5d, specs_2d, specs_2p5d
-from fpar.ops import linear_3d, specs_3d
+from fpar.ops import linear_2d, linear_2p5d, linear_3d, specs_2d, specs_2p5d, specs_3d
 
 
 def modes(n_bytes: int):

@@ -44,9 +44,9 @@ try:
 except ImportError:  # run from a checkout without installing: use the repo's fpar/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import fpar
-from fpar import P
-
 from _common import Record, add_json_arg, backward_step, interleaved, profile_table
+
+from fpar import P
 
 NPROCS = 2
 LR = 0.01
@@ -120,7 +120,9 @@ def worker(cfg: dict) -> dict:
         rel = ((g[k] - theirs[k]).norm() / theirs[k].norm()).item()
         worst = max(worst, rel)
         if rel > 1e-5:
-            raise AssertionError(f"the gradient of {k} differs, fpar vs DTensor: relative norm diff {rel:.3e}")
+            raise AssertionError(
+                f"the gradient of {k} differs, fpar vs DTensor: relative norm diff {rel:.3e}"
+            )
     opt.zero_grad(set_to_none=True)
 
     for _ in range(cfg["warmup"]):
@@ -139,7 +141,13 @@ def worker(cfg: dict) -> dict:
     stats = fpar.comm_stats().get("tensor", {})
 
     times = interleaved({"fpar": fpar_step, "fpar_bw": fpar_bw_step, "dtensor": dtensor_step}, cfg["repeats"])
-    return {"times": times, "worst_rel": worst, "stats": stats, "profiles": profiles, "threads": torch.get_num_threads()}
+    return {
+        "times": times,
+        "worst_rel": worst,
+        "stats": stats,
+        "profiles": profiles,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def main(argv=None) -> None:
@@ -169,10 +177,14 @@ def main(argv=None) -> None:
     med1 = {k: statistics.median(v) * 1e3 for k, v in res[1]["times"].items()}
     ratio = med["fpar"] / med["dtensor"]
     desc = f"1D TP MLP train step B={args.batch} D={args.dim} H={args.hidden} fp32"
-    print(f"{desc}, {NPROCS} gloo processes x {r0['threads']} thread(s), torch {torch.__version__}, {args.repeats} repeats")
+    print(
+        f"{desc}, {NPROCS} gloo processes x {r0['threads']} thread(s), torch {torch.__version__}, {args.repeats} repeats"
+    )
     for k in ("fpar", "fpar_bw", "dtensor"):
         print(f"  {k:7s}  median {med[k]:8.2f} ms   min {lo[k]:8.2f}   (rank 1 median {med1[k]:.2f})")
-    print(f"  ratio fpar/DTensor: {ratio:.2f}x (medians; target <= 1.0), {lo['fpar'] / lo['dtensor']:.2f}x (minima)")
+    print(
+        f"  ratio fpar/DTensor: {ratio:.2f}x (medians; target <= 1.0), {lo['fpar'] / lo['dtensor']:.2f}x (minima)"
+    )
     print(
         f"  ratio fpar .backward()/DTensor: {med['fpar_bw'] / med['dtensor']:.2f}x (medians), "
         f"{lo['fpar_bw'] / lo['dtensor']:.2f}x (minima)"
@@ -195,7 +207,10 @@ def main(argv=None) -> None:
         "step",
         f"{desc} (`fpar.ops.mlp`), {NPROCS} gloo processes x {r0['threads']} thread: fpar `torch.func.grad` / "
         "`.backward()` vs DTensor `parallelize_module` Colwise + Rowwise",
-        [("fpar torch.func.grad", t["fpar"], "DTensor", t["dtensor"]), ("fpar .backward()", t["fpar_bw"], "DTensor", t["dtensor"])],
+        [
+            ("fpar torch.func.grad", t["fpar"], "DTensor", t["dtensor"]),
+            ("fpar .backward()", t["fpar_bw"], "DTensor", t["dtensor"]),
+        ],
     )
     record.data["extra"] = {"comm_stats": r0["stats"], "max_rel_grad_diff": max(r["worst_rel"] for r in res)}
     record.write(args.json)

@@ -57,10 +57,10 @@ try:
 except ImportError:  # run from a checkout without installing: use the repo's fpar/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import fpar
+from _common import Record, add_json_arg, interleaved, profile_table
+
 import fpar.optim as fo
 from fpar import P
-
-from _common import Record, add_json_arg, interleaved, profile_table
 
 NPROCS = 2
 LR, WD = 1e-3, 0.01
@@ -149,7 +149,10 @@ def peak_bytes(step, held) -> tuple[int, int]:
         nonlocal start
         if node.name == "measured step":
             start = node.start_time_ns
-        if isinstance(node.extra_fields, C._ExtraFields_Allocation) and node.extra_fields.device.type == "cpu":
+        if (
+            isinstance(node.extra_fields, C._ExtraFields_Allocation)
+            and node.extra_fields.device.type == "cpu"
+        ):
             allocs.append((node.start_time_ns, node.extra_fields.alloc_size))
         for child in node.children:
             walk(child)
@@ -206,14 +209,21 @@ def worker(cfg: dict) -> dict:
     mine = fpar.gather(fo.zero_params(box["params"], layout), mesh, P())
     worst = 0.0
     for i, block in enumerate(model):
-        for name, p in (("w1", block.w1.weight), ("b1", block.w1.bias), ("w2", block.w2.weight), ("b2", block.w2.bias)):
+        for name, p in (
+            ("w1", block.w1.weight),
+            ("b1", block.w1.bias),
+            ("w2", block.w2.weight),
+            ("b2", block.w2.bias),
+        ):
             key = f"{i}.{name}"
             theirs = p.full_tensor().detach()
             uf, ut = mine[key] - full[key], theirs - full[key]
             rel = ((uf - ut).norm() / ut.norm()).item()
             worst = max(worst, rel)
             if rel > 1e-3:
-                raise AssertionError(f"the update of {key} differs, fpar vs FSDP2: relative norm diff {rel:.3e}")
+                raise AssertionError(
+                    f"the update of {key} differs, fpar vs FSDP2: relative norm diff {rel:.3e}"
+                )
 
     for _ in range(cfg["warmup"]):
         fpar_step()
@@ -253,13 +263,26 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--no-regather", dest="regather", action="store_false", help="keep gathered params")
     parser.add_argument("--profile", action="store_true", help="print torch.profiler tables of both")
-    parser.add_argument("--no-donate", dest="donate", action="store_false", help="functional update (old + new state)")
+    parser.add_argument(
+        "--no-donate", dest="donate", action="store_false", help="functional update (old + new state)"
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="process-group timeout (s)")
     add_json_arg(parser)
     args = parser.parse_args(argv)
     if args.batch % NPROCS:
         parser.error(f"--batch must be divisible by {NPROCS}")
-    keys = ("repeats", "warmup", "layers", "hidden", "dim", "batch", "threads", "regather", "donate", "profile")
+    keys = (
+        "repeats",
+        "warmup",
+        "layers",
+        "hidden",
+        "dim",
+        "batch",
+        "threads",
+        "regather",
+        "donate",
+        "profile",
+    )
     cfg = {k: getattr(args, k) for k in keys}
     record = Record("zero", cfg, argv)
     res = fpar.launch(worker, NPROCS, cfg, timeout=args.timeout)
@@ -279,20 +302,26 @@ def main(argv=None) -> None:
         f"ZeRO-3 AdamW step, {args.layers} residual MLP layers D={args.dim} H={args.hidden}, "
         f"B={args.batch} (global) fp32, regather={args.regather}, donate={args.donate}"
     )
-    print(f"{desc}, {n} gloo processes x {r0['threads']} thread(s), torch {torch.__version__}, {args.repeats} repeats")
+    print(
+        f"{desc}, {n} gloo processes x {r0['threads']} thread(s), torch {torch.__version__}, {args.repeats} repeats"
+    )
     for k, label in (("fpar", "fpar "), ("fsdp", "FSDP2")):
         print(f"  {label}  median {med[k]:8.2f} ms   min {lo[k]:8.2f}   (rank 1 median {med1[k]:.2f})")
-    print(f"  ratio fpar/FSDP2: {ratio:.2f}x (medians; target <= 1.0), {lo['fpar'] / lo['fsdp']:.2f}x (minima)")
+    print(
+        f"  ratio fpar/FSDP2: {ratio:.2f}x (medians; target <= 1.0), {lo['fpar'] / lo['fsdp']:.2f}x (minima)"
+    )
     mem = {k: max(r["mem"][k][1] for r in res) for k in ("fpar", "fsdp")}
     for k, label in (("fpar", "fpar "), ("fsdp", "FSDP2")):
         held, peak = r0["mem"][k]
-        print(f"  {label}  peak {peak / 2**20:7.1f} MiB per process (held between steps {held / 2**20:.1f} MiB)")
+        print(
+            f"  {label}  peak {peak / 2**20:7.1f} MiB per process (held between steps {held / 2**20:.1f} MiB)"
+        )
     mratio = mem["fpar"] / mem["fsdp"]
     print(f"  peak memory ratio fpar/FSDP2: {mratio:.2f}x (max over ranks; target <= 1.1)")
     psi = r0["param_bytes"]
     stats = r0["stats"]
     print(
-        f"  fpar bytes per device per step (comm_stats): "
+        "  fpar bytes per device per step (comm_stats): "
         + ", ".join(f"{k} {v['bytes']:,} in {v['calls']}" for k, v in stats.items())
         + f"; (N-1)/N Psi = {psi * (n - 1) // n:,}"
     )
@@ -306,13 +335,25 @@ def main(argv=None) -> None:
     print(f"<!-- {platform.processor() or platform.machine()}, torch {torch.__version__} -->")
 
     step = f"{desc}, {n} gloo processes x {r0['threads']} thread"
-    record.compare("step", f"{step}: fpar ZeRO-3 vs FSDP2 `fully_shard`", [
-        ("fpar", r0["times"]["fpar"], "FSDP2", r0["times"]["fsdp"]),
-    ])
-    record.memory("memory", f"{step}: peak memory per process (the larger rank's) vs FSDP2", [
-        ("fpar", mem["fpar"], "FSDP2", mem["fsdp"]),
-    ])
-    record.data["extra"] = {"comm_stats": stats, "param_bytes": psi, "max_rel_update_diff": max(r["worst_rel"] for r in res)}
+    record.compare(
+        "step",
+        f"{step}: fpar ZeRO-3 vs FSDP2 `fully_shard`",
+        [
+            ("fpar", r0["times"]["fpar"], "FSDP2", r0["times"]["fsdp"]),
+        ],
+    )
+    record.memory(
+        "memory",
+        f"{step}: peak memory per process (the larger rank's) vs FSDP2",
+        [
+            ("fpar", mem["fpar"], "FSDP2", mem["fsdp"]),
+        ],
+    )
+    record.data["extra"] = {
+        "comm_stats": stats,
+        "param_bytes": psi,
+        "max_rel_update_diff": max(r["worst_rel"] for r in res),
+    }
     record.write(args.json)
 
 

@@ -408,7 +408,9 @@ def _to_model(tree, specs):
     return optree.tree_unflatten(treedef, out_leaves), optree.tree_unflatten(treedef, out_specs)
 
 
-def save(ckpt_dir: str, step: int, params, opt_state, losses: list[float], mesh, pspecs, sspecs, *, key=None) -> str:
+def save(
+    ckpt_dir: str, step: int, params, opt_state, losses: list[float], mesh, pspecs, sspecs, *, key=None
+) -> str:
     """Save parameters, optimizer state and the loss history at ``step`` (a collective on a real mesh).
 
     ``key``: the run's ``fpar.random`` key (dropout), stored so that a resumed run draws the same masks.

@@ -34,19 +34,30 @@ def main(argv=None) -> list:
     ap.add_argument("--model", default="llama-70b", choices=sorted(plan.MODELS))
     ap.add_argument("--devices", type=int, default=1024)
     ap.add_argument("--hardware", default="h100-sxm")
-    ap.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: 256, tiny: 16)")
+    ap.add_argument(
+        "--batch", type=int, default=None, help="global batch in sequences (default: 256, tiny: 16)"
+    )
     ap.add_argument("--plot", default="plan_llama.png", help="where to draw the best layout ('' for none)")
     args = ap.parse_args(argv)
     model = plan.MODELS[args.model]
     batch = args.batch or (16 if args.model == "tiny" else 256)
-    print(f"{model.name}: {model.n_params / 1e9:.2f}B parameters, seq {model.seq}, batch {batch} sequences, "
-          f"{args.devices} x {args.hardware}")
+    print(
+        f"{model.name}: {model.n_params / 1e9:.2f}B parameters, seq {model.seq}, batch {batch} sequences, "
+        f"{args.devices} x {args.hardware}"
+    )
     results = []
     for p, t, zero, m, remat in LAYOUTS.get(args.model, LAYOUTS["tiny"]):
         if args.devices % (p * t):
             continue
-        layout = plan.Layout(pipeline=p, data=args.devices // (p * t), tensor=t, zero=zero, microbatches=m,
-                             batch=batch, remat=remat)
+        layout = plan.Layout(
+            pipeline=p,
+            data=args.devices // (p * t),
+            tensor=t,
+            zero=zero,
+            microbatches=m,
+            batch=batch,
+            remat=remat,
+        )
         start = time.perf_counter()
         try:
             step, args_ = plan.model_step(model, layout)
@@ -55,8 +66,11 @@ def main(argv=None) -> list:
             continue
         est = plan.estimate(step, *args_, hardware=args.hardware)
         results.append(plan.Result(layout, est, time.perf_counter() - start))
-        print(f"  {layout.describe()}: {est.peak_bytes / 2**30:.1f} GiB, {est.step_time:.3f} s per step "
-              f"(estimated in {results[-1].seconds:.1f} s)", flush=True)
+        print(
+            f"  {layout.describe()}: {est.peak_bytes / 2**30:.1f} GiB, {est.step_time:.3f} s per step "
+            f"(estimated in {results[-1].seconds:.1f} s)",
+            flush=True,
+        )
     results.sort(key=lambda r: (not r.estimate.fits, r.estimate.step_time))
     print()
     print(plan.ranking(results, tokens_per_step=batch * model.seq))

@@ -211,7 +211,9 @@ def main(argv=None) -> Result:
     ap.add_argument("--sample", type=int, default=200, help="bytes to generate at the end")
     ap.add_argument("--prompt", default="def ", help="the sample's first bytes")
     ap.add_argument("--tiny", action="store_true", help="a very small model (smoke tests, torchrun on CPU)")
-    ap.add_argument("--dropout", type=float, default=0.0, help="GPT-2 dropout (GPT-2 used 0.1); fpar.random masks")
+    ap.add_argument(
+        "--dropout", type=float, default=0.0, help="GPT-2 dropout (GPT-2 used 0.1); fpar.random masks"
+    )
     C.add_args(ap, steps=150, batch=32, lr=3e-3, warmup=15)
     args = ap.parse_args(argv)
     if args.tiny:

@@ -91,10 +91,12 @@ def expert_load(args, params: dict, ids_BT: torch.Tensor) -> tuple[list[list[int
             if "moe" not in block:
                 x = ops.gpt_block(block, x, axis="tensor", n_heads=args.heads)
                 continue
-            h = x + ops.attention(block["attn"], ops.layer_norm(block["ln1"], x), axis="tensor",
-                                  n_heads=args.heads, causal=True)
-            _, _, stats = ops.moe(block["moe"], ops.layer_norm(block["ln2"], h), tensor_axis="tensor",
-                                  return_stats=True, **moe)
+            h = x + ops.attention(
+                block["attn"], ops.layer_norm(block["ln1"], x), axis="tensor", n_heads=args.heads, causal=True
+            )
+            _, _, stats = ops.moe(
+                block["moe"], ops.layer_norm(block["ln2"], h), tensor_axis="tensor", return_stats=True, **moe
+            )
             counts.append(stats["counts"])
             dropped.append(stats["dropped"])
             x, _ = ops.moe_block(block, x, axis="tensor", n_heads=args.heads, moe=moe)
@@ -131,13 +133,17 @@ def main(argv=None) -> list[float]:
     )
     ap.add_argument("--expert", type=int, default=2, help="expert-parallel size")
     ap.add_argument(
-        "--tensor", type=int, help="tensor-parallel size, Megatron 1D + expert-TP (default 2 if it fits, else 1)"
+        "--tensor",
+        type=int,
+        help="tensor-parallel size, Megatron 1D + expert-TP (default 2 if it fits, else 1)",
     )
     ap.add_argument("--single-device", action="store_true", help="one device: the unsharded model")
     ap.add_argument("--experts", type=int, default=4, help="E, experts per MoE block")
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument(
-        "--capacity-factor", type=float, help="drop pairs over ceil(cf * T * k / E) per expert (default: dropless)"
+        "--capacity-factor",
+        type=float,
+        help="drop pairs over ceil(cf * T * k / E) per expert (default: dropless)",
     )
     ap.add_argument("--aux-weight", type=float, default=0.01, help="weight of the load-balancing loss")
     ap.add_argument("--d-model", type=int, default=64)

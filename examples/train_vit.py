@@ -115,7 +115,14 @@ def vit_block(w: dict, x_BSD: torch.Tensor, n_heads: int, dropout: float = 0.0, 
     keys = [fpar.random.fold_in(key, i) for i in range(3)] if dropout else [None] * 3
     x_ln = ops.layer_norm(w["ln1"], x_BSD)
     a = ops.attention(
-        w["attn"], x_ln, axis=TENSOR, n_heads=n_heads, causal=False, dropout=dropout, key=keys[0], batch_axes=DATA
+        w["attn"],
+        x_ln,
+        axis=TENSOR,
+        n_heads=n_heads,
+        causal=False,
+        dropout=dropout,
+        key=keys[0],
+        batch_axes=DATA,
     )
     x_BSD = x_BSD + (ops.dropout(keys[1], a, dropout, spec=P(DATA)) if dropout else a)
     h = ops.mlp(w["mlp"], ops.layer_norm(w["ln2"], x_BSD), axis=TENSOR)
@@ -137,9 +144,12 @@ def build_step(mesh: fpar.Mesh, schedule, n_heads: int, k: int, patch: int, drop
     """
     sub = mesh.submesh((DATA, TENSOR))
     rows = P(DATA)
+
     def blocks(w, x_BSD, key):  # one stage: its K blocks, each leaf of w stacked [K, ...]
         for i in range(k):
-            x_BSD = vit_block(optree.tree_map(lambda t, i=i: t[i], w), x_BSD, n_heads, dropout, fpar.random.fold_in(key, i))
+            x_BSD = vit_block(
+                optree.tree_map(lambda t, i=i: t[i], w), x_BSD, n_heads, dropout, fpar.random.fold_in(key, i)
+            )
         return x_BSD
 
     def embed_drop(w, x, key):
@@ -215,7 +225,9 @@ def main(argv=None) -> Result:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--tiny", action="store_true", help="a very small model (smoke tests, torchrun on CPU)")
-    ap.add_argument("--dropout", type=float, default=0.1, help="dropout (0.1 as in Colossal-AI's ViT tutorial)")
+    ap.add_argument(
+        "--dropout", type=float, default=0.1, help="dropout (0.1 as in Colossal-AI's ViT tutorial)"
+    )
     C.add_args(ap, steps=200, batch=64, lr=5e-3, warmup=20)
     args = ap.parse_args(argv)
     if args.tiny:
@@ -242,7 +254,9 @@ def main(argv=None) -> Result:
     )
     C.say(f"peak {peak / 1e9:.1f} GFLOP/s ({C.flops_note(args, mesh)}), {args.dtype}", quiet=quiet)
 
-    step_fn = build_step(mesh, SCHEDULES[args.schedule](s, m), args.heads, args.layers // s, args.patch, args.dropout)
+    step_fn = build_step(
+        mesh, SCHEDULES[args.schedule](s, m), args.heads, args.layers // s, args.patch, args.dropout
+    )
     run_key = fpar.random.key(args.seed)  # dropout: step t uses fold_in(run_key, t)
     params = init_params(args, mesh, dtype)
     warmup = min(args.warmup, args.steps // 2)

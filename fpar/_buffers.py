@@ -27,7 +27,11 @@ def unheld(buf: Tensor) -> bool:
 
 def kept_or_new(old: Tensor | None, shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
     """``old`` when it fits and nothing but it holds its memory any more, else a new buffer."""
-    if old is not None and (tuple(old.shape), old.dtype, old.device) == (tuple(shape), dtype, device) and unheld(old):
+    if (
+        old is not None
+        and (tuple(old.shape), old.dtype, old.device) == (tuple(shape), dtype, device)
+        and unheld(old)
+    ):
         return old
     return torch.empty(shape, dtype=dtype, device=device)
 
@@ -60,7 +64,9 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def block(flat: Tensor, offset: int, shape: tuple[int, ...], strides: tuple[int, ...] | None = None) -> Tensor:
+def block(
+    flat: Tensor, offset: int, shape: tuple[int, ...], strides: tuple[int, ...] | None = None
+) -> Tensor:
     """``flat[offset : offset + numel].view(shape)`` of a 1-D contiguous ``flat``, as one op.
 
     A slot of a flat buffer (a gradient bucket's, a message's), taken on every call of a step:

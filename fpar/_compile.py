@@ -45,7 +45,19 @@ except ImportError:  # a torch without Dynamo: nothing ever compiles a frame
 
 T = TypeVar("T")
 
-__all__ = ["BACKWARD_TRACED", "REASON", "TRACED", "eager", "graph_break", "opaque", "refuse_traced_backward", "signature_key", "untraced", "WHOLE_STEP", "TOO_OLD"]
+__all__ = [
+    "BACKWARD_TRACED",
+    "REASON",
+    "TRACED",
+    "eager",
+    "graph_break",
+    "opaque",
+    "refuse_traced_backward",
+    "signature_key",
+    "untraced",
+    "WHOLE_STEP",
+    "TOO_OLD",
+]
 
 REASON = (
     "fpar: this call cannot be traced by torch.compile, so fullgraph=True cannot cover it. A "

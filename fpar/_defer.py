@@ -158,7 +158,9 @@ class Deferred:
     added into bucket ``b``.  The final call takes each bucket's buffer once.
     """
 
-    def __init__(self, scope: defer_reduction, fname: str, key: tuple, bases: list, n_buckets: int, buffer=None):
+    def __init__(
+        self, scope: defer_reduction, fname: str, key: tuple, bases: list, n_buckets: int, buffer=None
+    ):
         self.scope, self.fname, self.key = scope, fname, key
         # ``buffer(b, numel, dtype, device)``: an uninitialised flat buffer for bucket ``b`` (the
         # plan's kept one when nothing holds it: no fresh pages touched every step), or a new one.

@@ -6,7 +6,14 @@ for an unbound axis, as in JAX) so that ordinary ``except`` clauses keep working
 
 from __future__ import annotations
 
-__all__ = ["ReplicationError", "SpecError", "UnboundAxisError", "check_in_leaf", "check_out_leaf", "replication_message"]
+__all__ = [
+    "ReplicationError",
+    "SpecError",
+    "UnboundAxisError",
+    "check_in_leaf",
+    "check_out_leaf",
+    "replication_message",
+]
 
 
 class SpecError(ValueError):

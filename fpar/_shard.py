@@ -87,7 +87,9 @@ def shard(
         from ._dist.shard import DistShard
 
         if not isinstance(bucket_mb, (int, float)) or isinstance(bucket_mb, bool) or not bucket_mb > 0:
-            raise ValueError(f"fpar.shard({fname}): bucket_mb must be a positive number of megabytes, got {bucket_mb!r}.")
+            raise ValueError(
+                f"fpar.shard({fname}): bucket_mb must be a positive number of megabytes, got {bucket_mb!r}."
+            )
         real = DistShard(f, fname, mesh, in_specs, out_specs, bool(check_rep), _prefix, float(bucket_mb))
 
     kw_real: dict = {}  # real mesh, keyword calls: (number of args, keyword specs) -> its DistShard
@@ -103,7 +105,9 @@ def shard(
         args = (*args, kwargs)
         key = (len(args), repr(specs[-1]))
         if make and key not in kw_real:
-            kw_real[key] = DistShard(g, fname, mesh, specs, out_specs, bool(check_rep), _prefix, float(bucket_mb))
+            kw_real[key] = DistShard(
+                g, fname, mesh, specs, out_specs, bool(check_rep), _prefix, float(bucket_mb)
+            )
         return kw_real.get(key), args
 
     local_plans: dict = {}  # in-process: signature_key -> the LocalPlan its eager call checked

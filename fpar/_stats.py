@@ -80,7 +80,13 @@ def bytes_sent(kind: str, n: int, block_bytes: int, pairs: int | None = None) ->
 
 
 def record(
-    kind: str, axes: tuple[str, ...], n: int, block: torch.Tensor, pairs: int | None = None, *, overlap: bool = False
+    kind: str,
+    axes: tuple[str, ...],
+    n: int,
+    block: torch.Tensor,
+    pairs: int | None = None,
+    *,
+    overlap: bool = False,
 ) -> None:
     """Count one call of ``kind`` on a per-device block ``block``.
 
@@ -117,7 +123,9 @@ def uncounted() -> Iterator[None]:
 LISTENERS: list = []
 
 
-def _add(kind: str, axes: tuple[str, ...], nbytes: int, *, overlap: bool = False, n: int | None = None) -> None:
+def _add(
+    kind: str, axes: tuple[str, ...], nbytes: int, *, overlap: bool = False, n: int | None = None
+) -> None:
     if _PAUSED[0]:
         return
     with _LOCK:

@@ -78,7 +78,9 @@ def _fpar_frames() -> list[str]:
 
     root = str(Path(fpar.__file__).parent)
     codes = (ref() for ref in convert_frame.input_codes.seen)
-    return sorted({c.co_filename[len(root) + 1 :] for c in codes if c is not None and c.co_filename.startswith(root)})
+    return sorted(
+        {c.co_filename[len(root) + 1 :] for c in codes if c is not None and c.co_filename.startswith(root)}
+    )
 
 
 def run_forms(backend: str = "aot_eager") -> dict:
@@ -169,7 +171,10 @@ def run_forms(backend: str = "aot_eager") -> dict:
         tp_want = (_block(tp_want[0], 1), _block(tp_want[1], 0), tp_want[2])
         before = _graphs()
         inner = fpar.shard(
-            torch.compile(_tp_per_device, backend=backend), mesh, (P(None, "data"), P("data"), P(), P(), P()), P()
+            torch.compile(_tp_per_device, backend=backend),
+            mesh,
+            (P(None, "data"), P("data"), P(), P(), P()),
+            P(),
         )
         errs = []
         for _ in range(3):

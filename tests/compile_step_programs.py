@@ -81,7 +81,9 @@ def _diff(a, b) -> float:
     return max(float((x.detach() - y.detach()).abs().max()) for x, y in zip(la, lb))
 
 
-def run_gpt_steps(cases=(((2, 1), "backward"), ((1, 2), "autograd_grad")), backend: str = "aot_eager") -> dict:
+def run_gpt_steps(
+    cases=(((2, 1), "backward"), ((1, 2), "autograd_grad")), backend: str = "aot_eager"
+) -> dict:
     """Per (mesh shape, form): the largest |eager - compiled| of the losses and of the parameters,
     and how far the steps moved the parameters."""
     import torch._dynamo
@@ -137,7 +139,10 @@ def run_refusals(backend: str = "aot_eager") -> dict:
     loss2 = fpar.shard(per_device, mesh, (P(), P("data")), P())
     stepped = torch.compile(lambda w, x: torch.autograd.grad(loss2(w, x), [w])[0], backend=backend)
     with torch._dynamo.config.patch(trace_autograd_ops=False):
-        attempt("graph_break_then_whole", lambda: max(float((stepped(wr, x) - want).abs().max()) for _ in range(3)))
+        attempt(
+            "graph_break_then_whole",
+            lambda: max(float((stepped(wr, x) - want).abs().max()) for _ in range(3)),
+        )
     torch._dynamo.reset()
     loss3 = fpar.shard(per_device, mesh, (P(), P("data")), P())
 
@@ -152,12 +157,18 @@ def run_refusals(backend: str = "aot_eager") -> dict:
     attempt("planned_fullgraph", lambda: max(float((whole(wr, x) - want).abs().max()) for _ in range(2)))
     # 4. torch.func.grad under compile: fullgraph is refused; without it, the right gradient (eager)
     torch._dynamo.reset()
-    attempt("func_grad_fullgraph", lambda: torch.compile(torch.func.grad(loss), backend=backend, fullgraph=True)(w, x))
+    attempt(
+        "func_grad_fullgraph",
+        lambda: torch.compile(torch.func.grad(loss), backend=backend, fullgraph=True)(w, x),
+    )
     torch._dynamo.reset()
     with torch._dynamo.config.patch(trace_autograd_ops=False):  # on, it is refused (as in 2.)
         attempt(
             "func_grad",
-            lambda: max(float((torch.compile(torch.func.grad(loss), backend=backend)(w, x) - want).abs().max()) for _ in range(2)),
+            lambda: max(
+                float((torch.compile(torch.func.grad(loss), backend=backend)(w, x) - want).abs().max())
+                for _ in range(2)
+            ),
         )
     return out
 
@@ -184,7 +195,10 @@ def run_zero_steps(stages=(0, 1, 2, 3)) -> dict:
         return ((out - y) ** 2).mean()
 
     g = torch.Generator().manual_seed(0)
-    init = {"w1": torch.randn(16, 32, generator=g, dtype=F64) * 0.3, "w2": torch.randn(32, 16, generator=g, dtype=F64) * 0.3}
+    init = {
+        "w1": torch.randn(16, 32, generator=g, dtype=F64) * 0.3,
+        "w2": torch.randn(32, 16, generator=g, dtype=F64) * 0.3,
+    }
     batch = (torch.randn(8, 16, generator=g, dtype=F64), torch.randn(8, 16, generator=g, dtype=F64))
     if real:
         batch = tuple(t.chunk(2)[dist.get_rank()] for t in batch)
@@ -205,12 +219,19 @@ def run_zero_steps(stages=(0, 1, 2, 3)) -> dict:
             fn, losses = step, []
             for i in range(STEPS):
                 if compiled and i == 1:  # step 0 eager: it plans (checks) the sharded calls
-                    fn = torch.compile(step, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True)
+                    fn = torch.compile(
+                        step, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True
+                    )
                 params, state, metrics = fn(params, state, batch)
                 losses.append(metrics["loss"])
             runs.append((losses, fo.zero_params(params, layout)))
         (le, pe), (lc, pc) = runs
-        out[stage] = (_diff(le, lc), _diff(pe, pc), _diff(pe, fo.zero_params(fo.zero_init(opt, init, layout)[0], layout)), sorted(ops))
+        out[stage] = (
+            _diff(le, lc),
+            _diff(pe, pc),
+            _diff(pe, fo.zero_params(fo.zero_init(opt, init, layout)[0], layout)),
+            sorted(ops),
+        )
     if real:  # the first eager step ran without trace_autograd_ops: its form planned nothing to trace
         torch._dynamo.reset()
         layout = fo.zero_layout(init, mesh, specs, stage=3)

@@ -213,7 +213,8 @@ def misuse_job() -> dict:
     out["recovered_plain"] = {
         k: a + b
         for (k, a), b in zip(
-            grad(params, _micro(x, 0), _micro(y, 0)).items(), grad(params, _micro(x, 1), _micro(y, 1)).values()
+            grad(params, _micro(x, 0), _micro(y, 0)).items(),
+            grad(params, _micro(x, 1), _micro(y, 1)).values(),
         )
     }
     return out

@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 import fpar
 from fpar import P
-from fpar._dist import pending
 from fpar._dist import agreement as dist_shard
+from fpar._dist import pending
 
 F64 = torch.float64
 

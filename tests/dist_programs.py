@@ -459,11 +459,15 @@ def mismatch(axes):
 
     out["grad_mode"] = _catch(no_grad_on_rank_1)
     # a parameter that requires grad on some ranks only: their gradient buckets would differ
-    two = fpar.shard(lambda w, v, x: fpar.psum((x * w).sum() + (x * v).sum(), names), mesh, (P(), P(), P(names)), P())
+    two = fpar.shard(
+        lambda w, v, x: fpar.psum((x * w).sum() + (x * v).sum(), names), mesh, (P(), P(), P(names)), P()
+    )
     frozen = torch.ones(3, dtype=F64, requires_grad=r != 1)
     out["requires_grad"] = _catch(lambda: two(frozen, w, torch.ones(2, 3, dtype=F64)).backward())
     # a different bucket size: the ranks' gradient all-reduces would not pair
-    sized = fpar.shard(lambda w, x: fpar.psum((x * w).sum(), names), mesh, (P(), P(names)), P(), bucket_mb=1.0 + r)
+    sized = fpar.shard(
+        lambda w, x: fpar.psum((x * w).sum(), names), mesh, (P(), P(names)), P(), bucket_mb=1.0 + r
+    )
     out["bucket_mb"] = _catch(lambda: sized(w, torch.ones(2, 3, dtype=F64)).backward())
     out["sync"] = _psum_all(mesh, names)  # still in step afterwards
     return out
@@ -919,9 +923,13 @@ def jacobians():
         sf = fpar.shard(f, mesh, (wspec, xspec), P())
         wb, xb = fpar.device_put(w, mesh, wspec), fpar.device_put(x, mesh, xspec)
         for call in range(2):
-            out[f"{name} jacrev {call}"] = fpar.gather(torch.func.jacrev(lambda w: sf(w, xb))(wb), mesh, wspec)
+            out[f"{name} jacrev {call}"] = fpar.gather(
+                torch.func.jacrev(lambda w: sf(w, xb))(wb), mesh, wspec
+            )
             if name == "dp":  # replicated a: the whole Hessian on every rank
-                out[f"{name} hessian {call}"] = torch.func.hessian(lambda a: sf({"a": a, "b": wb["b"]}, xb))(wb["a"])
+                out[f"{name} hessian {call}"] = torch.func.hessian(lambda a: sf({"a": a, "b": wb["b"]}, xb))(
+                    wb["a"]
+                )
                 # forward over reverse without vmap: the bucket all-reduce's own jvp rule
                 grad_a = torch.func.grad(lambda a: sf({"a": a, "b": wb["b"]}, xb))
                 out[f"{name} hvp {call}"] = torch.func.jvp(grad_a, (wb["a"],), (torch.ones_like(wb["a"]),))[1]

@@ -39,7 +39,9 @@ def _check_forms(out: dict, *, real: bool) -> None:
     # a real mesh, a collective in a per-device f compiled on its own) is refused with the reason
     # and the fix; in-process that f runs eagerly.
     if not WHOLE_STEP:  # torch < 2.13: refused, naming the version (and run eagerly without fullgraph)
-        assert out["a_fullgraph"][:2] == ("error", "Unsupported") and "needs torch 2.13" in out["a_fullgraph"][2]
+        assert (
+            out["a_fullgraph"][:2] == ("error", "Unsupported") and "needs torch 2.13" in out["a_fullgraph"][2]
+        )
     else:
         assert out["a_fullgraph"][0] == "ok", out["a_fullgraph"]
     if real:
@@ -118,8 +120,18 @@ def _scatter_ref(x, c, _):
 
 CASES = {
     "psum (tensor parallel)": (_tp, _tp_ref, (P(None, "i"), P("i"), P()), ((4, 6), (6, 3), (5, 4))),
-    "all_gather_invariant": (_gather_invariant, _gather_invariant_ref, (P("i"), P(), P()), ((6, 3), (3,), (1,))),
-    "all_gather + pmean": (_gather_then_mean, _gather_invariant_ref, (P("i"), P(), P()), ((6, 3), (3,), (1,))),
+    "all_gather_invariant": (
+        _gather_invariant,
+        _gather_invariant_ref,
+        (P("i"), P(), P()),
+        ((6, 3), (3,), (1,)),
+    ),
+    "all_gather + pmean": (
+        _gather_then_mean,
+        _gather_invariant_ref,
+        (P("i"), P(), P()),
+        ((6, 3), (3,), (1,)),
+    ),
     "ppermute + pmax": (_permute_and_max, _permute_and_max_ref, (P("i"), P(), P()), ((6, 3), (3, 3), (1,))),
     "psum_scatter": (_scatter, _scatter_ref, (P(), P(), P()), ((6, 3), (3,), (1,))),
 }

@@ -84,14 +84,26 @@ def _data(*shapes):
 
 
 CASES = {  # name: (per-device f, in_specs, out_specs, shapes, check_rep, kwargs shape or None)
-    "psum and pmean (tensor x data parallel)": (_tp_dp, (P(None, "b"), P("b"), P("a")), P(), ((6, 8), (8, 6), (4, 6)), True),
+    "psum and pmean (tensor x data parallel)": (
+        _tp_dp,
+        (P(None, "b"), P("b"), P("a")),
+        P(),
+        ((6, 8), (8, 6), (4, 6)),
+        True,
+    ),
     "all_gather, one axis and two": (_gathers, (P("a", "b"), P()), P(), ((4, 6), (3,)), True),
     "psum_scatter over two axes": (_scatter, (P(), P(None, "a")), P(), ((8, 2), (8, 4)), True),
     "all_to_all, one axis and two": (_all_to_all, (P("a"), P()), P(), ((8, 4), (4,)), True),
     "ppermute, pmax, pmin": (_permute_extremes, (P(("a", "b")), P("b")), P(), ((8, 3), (4, 3)), True),
     "axis_index, pvary, all_gather_invariant": (_index_and_pvary, (P("b"), P()), P(), ((4, 3), (3,)), True),
     "check_rep=False output": (_varying_out, (P("a", "b"), P()), P(), ((4, 6), (3,)), False),
-    "sharded and non-tensor outputs": (_sharded_out, (P("a", "b"), P("b")), (P("a", "b"), None), ((4, 6), (6,)), True),
+    "sharded and non-tensor outputs": (
+        _sharded_out,
+        (P("a", "b"), P("b")),
+        (P("a", "b"), None),
+        ((4, 6), (6,)),
+        True,
+    ),
 }
 
 
@@ -109,7 +121,11 @@ def test_a_step_compiled_whole_equals_the_eager_step(name):
     def step(*leaves):
         out = sharded(*leaves)
         _loss(out).backward()
-        return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in out) if isinstance(out, tuple) else out.detach()
+        return (
+            tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in out)
+            if isinstance(out, tuple)
+            else out.detach()
+        )
 
     def run(fn):
         leaves = [a.clone().requires_grad_() for a in args]

@@ -28,7 +28,9 @@ def _check_gpt(out: dict, cases: tuple) -> None:
     for case in cases:
         loss_diff, param_diff, moved = out[case]
         assert moved > 1e-3, f"{case}: the steps did not change the parameters"
-        assert loss_diff < TOL and param_diff < TOL, f"{case}: compiled differs from eager by {loss_diff}, {param_diff}"
+        assert loss_diff < TOL and param_diff < TOL, (
+            f"{case}: compiled differs from eager by {loss_diff}, {param_diff}"
+        )
 
 
 def _check_refusals(out: dict) -> None:
@@ -37,7 +39,11 @@ def _check_refusals(out: dict) -> None:
     assert "no eager call with these argument shapes yet" in message and "Run the step once" in message
     assert out["graph_break_then_whole"][0] == "ok" and out["graph_break_then_whole"][1] < TOL
     kind, err, message = out["backward_traced"]
-    assert (kind, err) == ("error", "RuntimeError") and "trace_autograd_ops" in message and "no gradients" in message
+    assert (
+        (kind, err) == ("error", "RuntimeError")
+        and "trace_autograd_ops" in message
+        and "no gradients" in message
+    )
     assert out["planned_fullgraph"][0] == "ok" and out["planned_fullgraph"][1] < TOL
     # torch.func.grad under compile: never a local gradient; refused under fullgraph ...
     assert out["func_grad_fullgraph"][:2] == ("error", "Unsupported")
@@ -74,9 +80,14 @@ def _check_zero(out: dict, real: bool) -> None:
         assert (kind, err) == ("error", "Unsupported") and "trace_autograd_ops = True" in message
     for stage, (loss_diff, param_diff, moved, ops) in out.items():
         assert moved > 1e-3, f"stage {stage}: the steps did not change the parameters"
-        assert loss_diff < TOL and param_diff < TOL, f"stage {stage}: compiled differs from eager by {loss_diff}, {param_diff}"
+        assert loss_diff < TOL and param_diff < TOL, (
+            f"stage {stage}: compiled differs from eager by {loss_diff}, {param_diff}"
+        )
         if real and stage == 3:  # the parameters' all-gather and the gradients' reduce-scatter, in the graph
-            assert {"_c10d_functional.all_gather_into_tensor.default", "_c10d_functional.reduce_scatter_tensor.default"} <= set(ops)
+            assert {
+                "_c10d_functional.all_gather_into_tensor.default",
+                "_c10d_functional.reduce_scatter_tensor.default",
+            } <= set(ops)
 
 
 def test_zero_steps_compiled_whole_equal_the_eager_steps_in_process():

@@ -21,7 +21,9 @@ from fpar import P
 
 def _close(got: dict, expected: dict) -> None:
     for k in expected:
-        torch.testing.assert_close(got[k], expected[k], rtol=1e-12, atol=1e-12, msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(
+            got[k], expected[k], rtol=1e-12, atol=1e-12, msg=lambda m, k=k: f"{k}: {m}"
+        )
 
 
 def test_in_process_mesh_is_unchanged():
@@ -74,7 +76,10 @@ def test_accumulate_reduces_once_per_bucket_per_step(launched):
             assert step["stats"]["data"]["psum"] == {"calls": 2, "bytes": param_bytes}, (rank, step["stats"])
             assert step["stats"]["data"]["pmean"]["calls"] == W.N_MICRO
         # without deferral: one all-reduce per bucket per microbatch, the same bytes each time
-        assert acc["plain_stats"]["data"]["psum"] == {"calls": 2 * W.N_MICRO, "bytes": W.N_MICRO * param_bytes}
+        assert acc["plain_stats"]["data"]["psum"] == {
+            "calls": 2 * W.N_MICRO,
+            "bytes": W.N_MICRO * param_bytes,
+        }
 
 
 @pytest.mark.multiprocess
@@ -87,8 +92,16 @@ def test_accumulate_reduces_once_per_bucket_per_step(launched):
         ("new_tensors", "RuntimeError", "fpar.optim.accumulate: gradients deferred under"),
         # ranks that defer different microbatches: before, gloo aborted the process (a collective
         # size mismatch) and NCCL would hang; the deferral salts the signature check
-        ("ranks_disagree", "ValueError", "they are all-reduced (gradients enabled, outside fpar.defer_reduction()) on rank 1; deferred (inside fpar.defer_reduction()) on rank 0"),
-        ("ranks_disagree_accumulate", "ValueError", "on rank 1; deferred (inside fpar.defer_reduction()) on rank 0"),
+        (
+            "ranks_disagree",
+            "ValueError",
+            "they are all-reduced (gradients enabled, outside fpar.defer_reduction()) on rank 1; deferred (inside fpar.defer_reduction()) on rank 0",
+        ),
+        (
+            "ranks_disagree_accumulate",
+            "ValueError",
+            "on rank 1; deferred (inside fpar.defer_reduction()) on rank 0",
+        ),
     ],
 )
 def test_misuse_raises_on_every_rank(launched, case, kind, phrase):
@@ -115,7 +128,9 @@ def test_deferred_sums_reuse_buffers_only_once_nothing_holds_them(launched):
             _close(by_backward, expected)
             _close(by_accumulate, expected)
         assert reuse["same_memory"], "a step's deferred sums did not reuse the buffer the last step dropped"
-        assert reuse["accumulate_same_memory"], "accumulate's means did not reuse the buffers the caller dropped"
+        assert reuse["accumulate_same_memory"], (
+            "accumulate's means did not reuse the buffers the caller dropped"
+        )
 
 
 def test_deferred_buffer_filled_per_call_is_whole_when_taken():

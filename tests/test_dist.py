@@ -557,7 +557,13 @@ def test_low_precision_gradient_buckets_sum_in_float32():
         for r, g in enumerate(got):
             for call, grad in enumerate(g[str(dtype)]):
                 assert grad.dtype == dtype
-                torch.testing.assert_close(grad, torch.full((8,), float(want), dtype=dtype), rtol=0, atol=0, msg=f"rank {r} call {call}")
+                torch.testing.assert_close(
+                    grad,
+                    torch.full((8,), float(want), dtype=dtype),
+                    rtol=0,
+                    atol=0,
+                    msg=f"rank {r} call {call}",
+                )
 
 
 def test_jacrev_and_hessian_through_the_real_mesh_equal_in_process():
@@ -681,9 +687,15 @@ def test_mismatched_blocks_raise_on_every_rank(n):
         assert g["grad_mode"][0] == "ValueError", g["grad_mode"]
         assert "gradients, so their next messages would not pair up" in g["grad_mode"][1], g["grad_mode"]
         assert "all-reduced (gradients enabled, outside fpar.defer_reduction()) on rank" in g["grad_mode"][1]
-        assert "not computed (under torch.no_grad(), or no such input requires grad) on rank 1" in g["grad_mode"][1]
+        assert (
+            "not computed (under torch.no_grad(), or no such input requires grad) on rank 1"
+            in g["grad_mode"][1]
+        )
         assert g["requires_grad"][0] == "ValueError", g["requires_grad"]
-        assert "args[0] has a different requires_grad on different ranks (rank 0: True, rank 1: False" in g["requires_grad"][1]
+        assert (
+            "args[0] has a different requires_grad on different ranks (rank 0: True, rank 1: False"
+            in g["requires_grad"][1]
+        )
         assert g["bucket_mb"][0] == "ValueError", g["bucket_mb"]
         assert "bucket_mb differs: rank 0: 1, rank 1: 2" in g["bucket_mb"][1], g["bucket_mb"]
     for g in got:
@@ -739,8 +751,10 @@ def test_fast_paths_match_in_process_and_the_unsharded_gradient(n):
         t = axes["tensor"]
         w_in, w_out, v = D.randn((d, 2 * t), 6), D.randn((c, 2), 7), D.randn((2 * t, c), 8)
         ref = torch.func.grad(
-            lambda a, b, e: ((torch.tanh(x @ a) @ e @ b).sum(dim=(-1, -2)) / axes["data"]).sum() * 0
-            + (torch.tanh(x @ a) @ e @ b).sum() / axes["data"],
+            lambda a, b, e: (
+                ((torch.tanh(x @ a) @ e @ b).sum(dim=(-1, -2)) / axes["data"]).sum() * 0
+                + (torch.tanh(x @ a) @ e @ b).sum() / axes["data"]
+            ),
             argnums=(0, 1, 2),
         )(w_in, w_out, v)
         torch.testing.assert_close(expected["megatron"][1], ref[1])

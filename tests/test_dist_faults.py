@@ -102,7 +102,13 @@ def test_first_bucket_rides_in_the_first_message_and_goes_again_when_a_rank_read
     room = 4 * (head + 1 + w.numel())  # float32: header, loss, the bucket (w's gradient)
     ref32, ref64 = reference(w), reference(w.double())
     for r, res in enumerate(fpar.launch(D.riding_cases, 2, timeout=60.0)):
-        for loss, _, grad in [*res["first"], res["steady"], res["early"], res["after_early"], *res["f32_again"]]:
+        for loss, _, grad in [
+            *res["first"],
+            res["steady"],
+            res["early"],
+            res["after_early"],
+            *res["f32_again"],
+        ]:
             assert loss == pytest.approx(ref32[0].item(), rel=1e-6)
             torch.testing.assert_close(grad, ref32[1])
         for loss, _, grad in res["f64"]:

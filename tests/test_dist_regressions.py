@@ -69,7 +69,11 @@ def _deferred_over_size_one(backend: str) -> dict:
     mesh = fpar.make_mesh((2, 1), ("data", "tensor"), backend=backend)
     g = torch.Generator().manual_seed(1)
     specs = {"a": P(None, "tensor"), "b": P("tensor", None)}
-    w = fpar.device_put({"a": torch.randn(3, 4, generator=g, dtype=F64), "b": torch.randn(4, 2, generator=g, dtype=F64)}, mesh, specs)
+    w = fpar.device_put(
+        {"a": torch.randn(3, 4, generator=g, dtype=F64), "b": torch.randn(4, 2, generator=g, dtype=F64)},
+        mesh,
+        specs,
+    )
     xs = [fpar.device_put(torch.randn(4, 3, generator=g, dtype=F64), mesh, P("data")) for _ in range(2)]
 
     def loss(w, x):
@@ -89,7 +93,9 @@ def _deferred_over_size_one(backend: str) -> dict:
 
 @distributed(2, timeout=120)
 def _defer_size_one():
-    torch.testing.assert_close(_deferred_over_size_one("dist"), _deferred_over_size_one("local"), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        _deferred_over_size_one("dist"), _deferred_over_size_one("local"), rtol=1e-12, atol=1e-12
+    )
 
 
 def test_deferred_gradients_with_an_axis_of_size_one():
@@ -129,7 +135,9 @@ def _deferred_activation(backend: str) -> list:
 
 @distributed(2, timeout=120)
 def _defer_activation():
-    torch.testing.assert_close(_deferred_activation("dist"), _deferred_activation("local"), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        _deferred_activation("dist"), _deferred_activation("local"), rtol=1e-12, atol=1e-12
+    )
 
 
 def test_an_activation_input_is_never_deferred():

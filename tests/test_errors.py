@@ -493,7 +493,7 @@ def test_launch_from_a_script_without_a_main_guard_says_what_to_do(tmp_path):
     assert run.returncode == 1
     last = run.stderr.strip().splitlines()[-1]
     assert last == (
-        f"RuntimeError: fpar.launch: {script} calls fpar.launch without an `if __name__ == \"__main__\":` "
+        f'RuntimeError: fpar.launch: {script} calls fpar.launch without an `if __name__ == "__main__":` '
         f"guard. Each spawned process re-imports the script to find 'f', and would launch again. Put the "
         f"script's top-level code under that guard."
     ), run.stderr

@@ -113,7 +113,11 @@ def _tour_loss(params, x, y):
 
 @pytest.mark.parametrize(
     ("stage", "leaf", "given", "want"),
-    [(1, "['b']", "(32,)", "(2, 32)"), (2, "['w1']", "(16, 32)", "(512,)"), (3, "['w1']", "(16, 32)", "(512,)")],
+    [
+        (1, "['b']", "(32,)", "(2, 32)"),
+        (2, "['w1']", "(16, 32)", "(512,)"),
+        (3, "['w1']", "(16, 32)", "(512,)"),
+    ],
 )
 def test_zero_update_given_the_global_gradient_says_what_it_takes(stage, leaf, given, want):
     P = fpar.P
@@ -121,7 +125,11 @@ def test_zero_update_given_the_global_gradient_says_what_it_takes(stage, leaf, g
     specs = {"w1": P(None, "tensor"), "w2": P("tensor", None), "b": P("tensor")}
     sharded = fpar.shard(_tour_loss, mesh, in_specs=(specs, P("data"), P("data")), out_specs=P())
     g = torch.Generator().manual_seed(0)
-    params = {"w1": torch.randn(16, 32, generator=g), "w2": torch.randn(32, 16, generator=g), "b": torch.zeros(32)}
+    params = {
+        "w1": torch.randn(16, 32, generator=g),
+        "w2": torch.randn(32, 16, generator=g),
+        "b": torch.zeros(32),
+    }
     x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
     opt = fpar.optim.adamw(1e-3)
     layout = fpar.optim.zero_layout(params, mesh, specs, stage=stage)

@@ -160,8 +160,10 @@ def _in_process(case: Case, n: int, cwd: Path, monkeypatch) -> str:
 
 
 def _tail(out: str, err: str, lines: int = 40) -> str:
-    return "--- stdout (end) ---\n" + "\n".join(out.splitlines()[-lines:]) + (
-        "\n--- stderr (end) ---\n" + "\n".join(err.splitlines()[-lines:])
+    return (
+        "--- stdout (end) ---\n"
+        + "\n".join(out.splitlines()[-lines:])
+        + ("\n--- stderr (end) ---\n" + "\n".join(err.splitlines()[-lines:]))
     )
 
 

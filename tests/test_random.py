@@ -185,7 +185,10 @@ def test_uniform_statistics():
     lag = torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1]
     assert abs(float(lag)) < 6 / math.sqrt(N)
     f32 = fpar.random.uniform(fpar.random.key(0), (N,))
-    assert float(f32.max()) < 1.0 and float(fpar.random.uniform(fpar.random.key(0), (N,), torch.bfloat16).max()) < 1.0
+    assert (
+        float(f32.max()) < 1.0
+        and float(fpar.random.uniform(fpar.random.key(0), (N,), torch.bfloat16).max()) < 1.0
+    )
 
 
 def test_normal_statistics():
@@ -230,14 +233,19 @@ RANDOM_CALLS = {
 def test_torch_random_ops_inside_shard_raise(name):
     mesh = fpar.make_mesh((2,), ("data",))
     shown = "torch.nn.functional.dropout" if name == "nn.Dropout" else name
-    with pytest.raises(RuntimeError, match=re.escape(shown) + r" was called inside the sharded function.*fpar\.(random|ops\.dropout)"):
+    with pytest.raises(
+        RuntimeError,
+        match=re.escape(shown) + r" was called inside the sharded function.*fpar\.(random|ops\.dropout)",
+    ):
         fpar.shard(RANDOM_CALLS[name], mesh, (P("data"),), P("data"))(torch.zeros(4, 3))
 
 
 def test_inactive_dropout_inside_shard_is_allowed():
     mesh = fpar.make_mesh((2,), ("data",))
     x = torch.randn(4, 3)
-    f = fpar.shard(lambda x: F.dropout(x, 0.5, training=False) + F.dropout(x, 0.0), mesh, (P("data"),), P("data"))
+    f = fpar.shard(
+        lambda x: F.dropout(x, 0.5, training=False) + F.dropout(x, 0.0), mesh, (P("data"),), P("data")
+    )
     assert torch.equal(f(x), 2 * x)
     torch.rand(2)  # outside shard torch's generator is untouched
 
@@ -256,9 +264,21 @@ def _in_shard(fn, axes=None):
         (lambda k: fpar.ops.dropout(k, torch.ones(3), 1.0), ValueError, r"rate=1.0 must be in \[0, 1\)"),
         (lambda k: fpar.ops.dropout(k, torch.ones(3), -0.1), ValueError, r"rate=-0.1 must be in \[0, 1\)"),
         (lambda k: fpar.ops.dropout(k, torch.ones(3), "0.1"), TypeError, r"rate must be a Python number"),
-        (lambda k: fpar.ops.dropout(k, torch.ones(3, dtype=torch.int64), 0.1), TypeError, r"x must be a floating"),
-        (lambda k: fpar.random.uniform(k.float(), (3,)), ValueError, r"key must be an int64 tensor of shape \(2,\)"),
-        (lambda k: fpar.random.uniform(torch.zeros(3, dtype=torch.int64), (3,)), ValueError, r"got dtype torch.int64 and shape \(3,\)"),
+        (
+            lambda k: fpar.ops.dropout(k, torch.ones(3, dtype=torch.int64), 0.1),
+            TypeError,
+            r"x must be a floating",
+        ),
+        (
+            lambda k: fpar.random.uniform(k.float(), (3,)),
+            ValueError,
+            r"key must be an int64 tensor of shape \(2,\)",
+        ),
+        (
+            lambda k: fpar.random.uniform(torch.zeros(3, dtype=torch.int64), (3,)),
+            ValueError,
+            r"got dtype torch.int64 and shape \(3,\)",
+        ),
         (lambda k: fpar.random.uniform(fpar.random.split(k), (3,)), ValueError, r"index one, e.g. keys\[0\]"),
         (lambda k: fpar.random.normal(0, (3,)), TypeError, r"key must be a key tensor from fpar.random.key"),
         (lambda k: fpar.random.uniform(k, (3,), torch.int32), TypeError, r"dtype must be one of"),
@@ -282,10 +302,19 @@ def test_bad_input_outside_shard(call, err, match):
     "fn,match",
     [
         (lambda k: fpar.random.uniform(k, (4,), spec=P("data", "tensor")), r"longer than the rank"),
-        (lambda k: fpar.random.uniform(k, (4,), spec=P("pipe")), r"names 'pipe', which is not an axis of the mesh"),
-        (lambda k: fpar.random.uniform(k, (5, 4), spec=P("data")), r"dim 0 of size 5 is not evenly divisible"),
+        (
+            lambda k: fpar.random.uniform(k, (4,), spec=P("pipe")),
+            r"names 'pipe', which is not an axis of the mesh",
+        ),
+        (
+            lambda k: fpar.random.uniform(k, (5, 4), spec=P("data")),
+            r"dim 0 of size 5 is not evenly divisible",
+        ),
         (lambda k: fpar.ops.dropout(k, torch.ones(4), 0.1, spec=P(None, "data")), r"longer than the rank"),
-        (lambda k: fpar.ops.dropout(k, torch.ones(4), 0.1, spec=P("model")), r"'model', which is not an axis"),
+        (
+            lambda k: fpar.ops.dropout(k, torch.ones(4), 0.1, spec=P("model")),
+            r"'model', which is not an axis",
+        ),
     ],
 )
 def test_bad_spec_inside_shard(fn, match):
@@ -296,7 +325,10 @@ def test_bad_spec_inside_shard(fn, match):
 def test_dropout_spec_must_name_the_axes_x_varies_over():
     mesh = fpar.make_mesh((2, 2), ("data", "tensor"))
     f = fpar.shard(
-        lambda x, k: fpar.ops.dropout(k, x, 0.5, spec=P(None, "tensor")), mesh, (P("data", "tensor"), P()), P("data", "tensor")
+        lambda x, k: fpar.ops.dropout(k, x, 0.5, spec=P(None, "tensor")),
+        mesh,
+        (P("data", "tensor"), P()),
+        P("data", "tensor"),
     )
     with pytest.raises(fpar.SpecError, match=r"x varies over mesh axis 'data', which the spec does not name"):
         f(torch.ones(4, 4), fpar.random.key(0))
@@ -343,7 +375,9 @@ def _real_mesh_draws(seed: int):
     specs = (P("data"), P(), P("data"))
     out = fpar.shard(per_device, mesh, (P("data"), P()), specs)(fpar.device_put(x, mesh, P("data")), k)
     try:  # torch's generator is refused on the real mesh too
-        fpar.shard(lambda x: F.dropout(x, 0.5), mesh, (P("data"),), P("data"))(fpar.device_put(x, mesh, P("data")))
+        fpar.shard(lambda x: F.dropout(x, 0.5), mesh, (P("data"),), P("data"))(
+            fpar.device_put(x, mesh, P("data"))
+        )
         refused = ""
     except RuntimeError as e:
         refused = str(e)
@@ -435,19 +469,27 @@ def _gpt_loss_and_grads(axes: dict, sequence_parallel: bool, rate: float):
 
     def loss(params, ids, targets, key):
         tok = fpar.ops.gpt_loss(
-            params, ids, targets, axis="tensor", n_heads=4, sequence_parallel=sequence_parallel, dropout=rate, key=key
+            params,
+            ids,
+            targets,
+            axis="tensor",
+            n_heads=4,
+            sequence_parallel=sequence_parallel,
+            dropout=rate,
+            key=key,
         )
         return fpar.pmean(tok.mean(), "data")
 
     step = fpar.shard(loss, mesh, (specs, P("data"), P("data"), P()), P())
     key = fpar.random.fold_in(fpar.random.key(0), 17)
-    grads, loss = torch.func.grad(step, has_aux=False)(params, ids, targets, key), step(params, ids, targets, key)
+    grads, loss = (
+        torch.func.grad(step, has_aux=False)(params, ids, targets, key),
+        step(params, ids, targets, key),
+    )
     return loss, grads
 
 
-@pytest.mark.parametrize(
-    "axes,sp", [({"data": 2, "tensor": 2}, False), ({"data": 2, "tensor": 4}, True)]
-)
+@pytest.mark.parametrize("axes,sp", [({"data": 2, "tensor": 2}, False), ({"data": 2, "tensor": 4}, True)])
 def test_gpt_dropout_does_not_depend_on_the_layout(axes, sp):
     ref_loss, ref_grads = _gpt_loss_and_grads({"data": 1, "tensor": 1}, False, 0.3)
     plain_loss, _ = _gpt_loss_and_grads({"data": 1, "tensor": 1}, False, 0.0)
@@ -471,7 +513,9 @@ def _ulysses_or_attention(axes: dict, ulysses: bool, rate: float):
         )
     else:
         specs, x_spec = fpar.ops.attention_specs("tensor"), P("data")
-        layer = lambda p, x, key: fpar.ops.attention(p, x, axis="tensor", n_heads=n_heads, dropout=rate, key=key)  # noqa: E731
+        layer = lambda p, x, key: fpar.ops.attention(
+            p, x, axis="tensor", n_heads=n_heads, dropout=rate, key=key
+        )  # noqa: E731
 
     def loss(p, x, key):
         return fpar.psum(layer(p, x, key).square().sum(), "data" if not ulysses else ("data", "tensor"))
@@ -480,7 +524,11 @@ def _ulysses_or_attention(axes: dict, ulysses: bool, rate: float):
     placed = fpar.init(params, mesh, specs)
     key = fpar.random.fold_in(fpar.random.key(1), 5)
     grads = torch.func.grad(f, argnums=(0, 1))(placed, fpar.device_put(x, mesh, x_spec), key)
-    return f(placed, fpar.device_put(x, mesh, x_spec), key), fpar.gather(grads[0], mesh, specs), fpar.gather(grads[1], mesh, x_spec)
+    return (
+        f(placed, fpar.device_put(x, mesh, x_spec), key),
+        fpar.gather(grads[0], mesh, specs),
+        fpar.gather(grads[1], mesh, x_spec),
+    )
 
 
 @pytest.mark.parametrize("axes", [{"data": 1, "tensor": 2}, {"data": 2, "tensor": 2}])
@@ -513,7 +561,9 @@ def _ring(axes: dict, rate: float, causal: bool):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("axes", [{"data": 1, "tensor": 2}, {"data": 2, "tensor": 2}, {"data": 1, "tensor": 4}])
+@pytest.mark.parametrize(
+    "axes", [{"data": 1, "tensor": 2}, {"data": 2, "tensor": 2}, {"data": 1, "tensor": 4}]
+)
 def test_ring_attention_dropout_is_dropout_of_the_unsharded_probabilities(axes, causal):
     """Each ring step draws its key block's part of one global mask: the result is
     ``dropout(softmax(q k^T / sqrt(K))) v`` of the whole sequence, with the same key."""
@@ -551,7 +601,10 @@ def test_layer_dropout_needs_a_key():
     mesh = fpar.make_mesh((2,), ("tensor",))
     params = fpar.init(fpar.ops.init_gpt_block(16), mesh, fpar.ops.gpt_block_specs())
     f = fpar.shard(
-        lambda p, x: fpar.ops.gpt_block(p, x, axis="tensor", n_heads=2, dropout=0.1), mesh, (fpar.ops.gpt_block_specs(), P()), P()
+        lambda p, x: fpar.ops.gpt_block(p, x, axis="tensor", n_heads=2, dropout=0.1),
+        mesh,
+        (fpar.ops.gpt_block_specs(), P()),
+        P(),
     )
     with pytest.raises(ValueError, match=r"dropout=0.1 needs key="):
         f(params, torch.randn(2, 4, 16))
@@ -620,12 +673,27 @@ def test_resumed_run_reproduces_the_losses(tmp_path):
 # Dropout in the 2D / 2.5D / 3D MLPs: the block of the unsharded MLP's masks -------------------
 
 TP_MODES = {
-    "2d": ((2, 2), ("tensor_row", "tensor_col"), lambda: fpar.ops.specs_2d(ndim=3), fpar.ops.mlp_2d,
-           {"row_axis": "tensor_row", "col_axis": "tensor_col"}),
-    "2.5d": ((2, 2, 2), ("tensor_dep", "tensor_row", "tensor_col"), lambda: fpar.ops.specs_2p5d(ndim=3),
-             fpar.ops.mlp_2p5d, {"dep_axis": "tensor_dep", "row_axis": "tensor_row", "col_axis": "tensor_col"}),
-    "3d": ((2, 2, 2), ("tensor_x", "tensor_y", "tensor_z"), lambda: fpar.ops.specs_3d(ndim=3), fpar.ops.mlp_3d,
-           {"input_axis": "tensor_y", "weight_axis": "tensor_x", "output_axis": "tensor_z"}),
+    "2d": (
+        (2, 2),
+        ("tensor_row", "tensor_col"),
+        lambda: fpar.ops.specs_2d(ndim=3),
+        fpar.ops.mlp_2d,
+        {"row_axis": "tensor_row", "col_axis": "tensor_col"},
+    ),
+    "2.5d": (
+        (2, 2, 2),
+        ("tensor_dep", "tensor_row", "tensor_col"),
+        lambda: fpar.ops.specs_2p5d(ndim=3),
+        fpar.ops.mlp_2p5d,
+        {"dep_axis": "tensor_dep", "row_axis": "tensor_row", "col_axis": "tensor_col"},
+    ),
+    "3d": (
+        (2, 2, 2),
+        ("tensor_x", "tensor_y", "tensor_z"),
+        lambda: fpar.ops.specs_3d(ndim=3),
+        fpar.ops.mlp_3d,
+        {"input_axis": "tensor_y", "weight_axis": "tensor_x", "output_axis": "tensor_z"},
+    ),
 }
 
 
@@ -634,11 +702,18 @@ def test_multi_dim_mlp_dropout_is_the_unsharded_mlps(mode):
     shape, names, specs, mlp, axes = TP_MODES[mode]
     s = specs()
     g = torch.Generator().manual_seed(0)
-    p = {k: torch.randn(shp, generator=g, dtype=torch.float64) for k, shp in
-         {"w_in": (8, 16), "b_in": (16,), "w_out": (16, 8), "b_out": (8,)}.items()}
+    p = {
+        k: torch.randn(shp, generator=g, dtype=torch.float64)
+        for k, shp in {"w_in": (8, 16), "b_in": (16,), "w_out": (16, 8), "b_out": (8,)}.items()
+    }
     x = torch.randn(8, 2, 8, generator=g, dtype=torch.float64)
     k = fpar.random.key(31)
-    layer = fpar.shard(lambda p, x, k: mlp(p, x, dropout=0.25, key=k, **axes), fpar.make_mesh(shape, names), (s.mlp, s.x, P()), s.x)
+    layer = fpar.shard(
+        lambda p, x, k: mlp(p, x, dropout=0.25, key=k, **axes),
+        fpar.make_mesh(shape, names),
+        (s.mlp, s.x, P()),
+        s.x,
+    )
 
     def reference(p, x):
         h = fpar.ops.dropout(fpar.random.fold_in(k, 0), F.gelu(x @ p["w_in"] + p["b_in"]), 0.25)
@@ -656,8 +731,10 @@ def test_multi_dim_mlp_dropout_is_the_unsharded_mlps(mode):
 
 def _pipe_problem(L: int, m: int):
     g = torch.Generator().manual_seed(5)
-    stages = {"a": torch.randn(L, 4, 8, dtype=torch.float64, generator=g) * 0.5,
-              "b": torch.randn(L, 8, 4, dtype=torch.float64, generator=g) * 0.5}
+    stages = {
+        "a": torch.randn(L, 4, 8, dtype=torch.float64, generator=g) * 0.5,
+        "b": torch.randn(L, 8, 4, dtype=torch.float64, generator=g) * 0.5,
+    }
     first = {"emb": torch.randn(7, 4, dtype=torch.float64, generator=g)}
     last = {"head": torch.randn(4, 3, dtype=torch.float64, generator=g)}
     xs, ts = torch.randint(0, 7, (m, 4), generator=g), torch.randn(m, 4, 3, dtype=torch.float64, generator=g)
@@ -679,7 +756,9 @@ def test_pipeline_dropout_equals_the_unpipelined_model_with_per_microbatch_keys(
         lambda w, x, k: fpar.ops.dropout(k, w["emb"][x], 0.4, spec=rows), sub, ({"emb": P()}, rows, P()), rows
     )
     loss = fpar.shard(
-        lambda w, h, t: fpar.pmean(((h @ w["head"] - t) ** 2).mean(), "data"), sub, ({"head": P()}, rows, rows),
+        lambda w, h, t: fpar.pmean(((h @ w["head"] - t) ** 2).mean(), "data"),
+        sub,
+        ({"head": P()}, rows, rows),
         P(),
     )
     sch = {
@@ -779,7 +858,10 @@ def _pipe_dropout_run():
     mesh = fpar.make_mesh((2,), ("pipe",))
     sch = fpar.pipeline.one_f_one_b(2, 4)
     step = fpar.pipeline.pipeline(
-        _pipe_block, sch, mesh, loss=lambda w, h, t: ((h @ w["head"] - t) ** 2).mean(),
+        _pipe_block,
+        sch,
+        mesh,
+        loss=lambda w, h, t: ((h @ w["head"] - t) ** 2).mean(),
         first=lambda w, x, k: fpar.ops.dropout(k, w["emb"][x], 0.4),
     )
     stages, first_p, last_p, xs, ts = _pipe_problem(2, 4)

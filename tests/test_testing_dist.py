@@ -229,9 +229,7 @@ def _keyword_arguments(real, local):
     want_grads = torch.autograd.grad(want, leaves, ct)
 
     def run(sharded, mesh):
-        xb, wb = (
-            fpar.device_put(t, mesh, s).detach().requires_grad_() for t, s in zip((x, w), ROW_SPECS)
-        )
+        xb, wb = (fpar.device_put(t, mesh, s).detach().requires_grad_() for t, s in zip((x, w), ROW_SPECS))
         s, b = scale.clone().requires_grad_(), bias.clone().requires_grad_()
         out = sharded(xb, wb, scale=s, bias=b, tag="kw")
         grads = list(torch.autograd.grad(out, [xb, wb, s, b], ct))

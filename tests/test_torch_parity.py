@@ -133,7 +133,9 @@ def test_keyword_arguments_are_replicated():
 
 def test_keyword_arguments_with_a_wrong_positional_spec_still_say_so():
     f = fpar.shard(lambda x, y, *, z: x, MESH, (P("tensor"),), P("tensor"))
-    with pytest.raises(fpar.SpecError, match=r"in_specs has 1 entries, but <lambda> was called with 2 positional arguments"):
+    with pytest.raises(
+        fpar.SpecError, match=r"in_specs has 1 entries, but <lambda> was called with 2 positional arguments"
+    ):
         f(torch.zeros(4), torch.zeros(4), z=torch.zeros(4))
 
 

@@ -42,7 +42,13 @@ def _torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
         cmd += ["--master-port", str(free_port()), str(PROGRAM), *args]
         proc = subprocess.Popen(
-            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+            cmd,
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
         )
         try:
             out, err = proc.communicate(timeout=TIMEOUT_S)

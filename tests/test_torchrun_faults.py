@@ -28,8 +28,18 @@ STEP_LINE = re.compile(r"step\s+(\d+)/\d+ \| loss ([0-9.]+)")
 
 def _torchrun(n: int, *args: str, restarts: int = 0) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--max-restarts", str(restarts),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(n),
+        "--max-restarts",
+        str(restarts),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        *args,
     ]
 
 
@@ -40,7 +50,13 @@ def _env() -> dict:
 def _run(cmd: list[str], timeout: float, cwd: Path = ROOT) -> tuple[int, str, float]:
     start = time.monotonic()
     proc = subprocess.Popen(
-        cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        cmd,
+        cwd=cwd,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -75,7 +91,19 @@ def _losses(out: str) -> dict[int, str]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds torchrun's workers in /proc")
 def test_a_killed_rank_restarts_and_resume_gives_the_uninterrupted_losses(tmp_path):
     steps = 8
-    args = ["--tiny", "--steps", str(steps), "--ckpt-every", "1", "--log-every", "1", "--plot", "none", "--sample", "0"]
+    args = [
+        "--tiny",
+        "--steps",
+        str(steps),
+        "--ckpt-every",
+        "1",
+        "--log-every",
+        "1",
+        "--plot",
+        "none",
+        "--sample",
+        "0",
+    ]
     script = str(ROOT / "examples" / "train_gpt.py")
     rc, straight, _ = _run(_torchrun(2, script, *args, "--ckpt-dir", str(tmp_path / "a")), timeout=240)
     assert rc == 0, straight[-3000:]
@@ -85,7 +113,13 @@ def test_a_killed_rank_restarts_and_resume_gives_the_uninterrupted_losses(tmp_pa
     ckpt = tmp_path / "b"
     cmd = _torchrun(2, script, *args, "--resume", "--ckpt-dir", str(ckpt), restarts=1)
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        cmd,
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 180
@@ -114,4 +148,6 @@ def test_a_killed_rank_restarts_and_resume_gives_the_uninterrupted_losses(tmp_pa
     got = _losses(out)  # both attempts' lines: the steps redone after the restart print again, the same
     assert set(got) == set(want)
     for line_step, loss in STEP_LINE.findall(out):
-        assert loss == want[int(line_step)], f"step {line_step}: {loss} after the restart, {want[int(line_step)]} straight"
+        assert loss == want[int(line_step)], (
+            f"step {line_step}: {loss} after the restart, {want[int(line_step)]} straight"
+        )

@@ -39,6 +39,7 @@ __all__ = ["_Agreement", "_differences"]
 
 Tensor = torch.Tensor
 
+
 def _may_wait_later() -> bool:
     """Whether a carried sum may be a ``Pending`` value: no transform but ``torch.func.grad``."""
     from torch._C import _functorch
@@ -180,7 +181,12 @@ class _Agreement:
         """
         first = self.first
         dtype, size = self._wire()
-        if first is None or first.work is not None or bucket.layout.dtype != dtype or not self._fits(first.x, bucket):
+        if (
+            first is None
+            or first.work is not None
+            or bucket.layout.dtype != dtype
+            or not self._fits(first.x, bucket)
+        ):
             return None
         flats = self.plan.flats
         flats["wire"] = kept_or_new(flats.get("wire"), (size,), dtype, bucket.layout.device)
@@ -214,7 +220,12 @@ class _Agreement:
         with torch._C.DisableTorchFunction(), torch._C._DisableFuncTorch():  # plain buffers, also in a hook
             dev = x.device if x is not None else _device([])
             head = self._head(dtype, dev, rides, joins, failed, mask, want)
-            if joins and bucket.wire is not None and bucket.wire.shape == (size,) and bucket.wire.dtype == dtype:
+            if (
+                joins
+                and bucket.wire is not None
+                and bucket.wire.shape == (size,)
+                and bucket.wire.dtype == dtype
+            ):
                 buf = bucket.wire  # its tail holds the bucket already
                 buf.narrow(0, 0, size - m).zero_()
             else:
@@ -260,7 +271,13 @@ class _Agreement:
                 return None  # this rank's own error is on its way
             _defer.drop_all()  # every rank raises: no rank keeps sums of the failed step
             raise failed_error(
-                f"fpar.shard({owner.fname})", "this call's first collective", n_failed, n, mask, group, _MASK_BITS
+                f"fpar.shard({owner.fname})",
+                "this call's first collective",
+                n_failed,
+                n,
+                mask,
+                group,
+                _MASK_BITS,
             )
         if not agreed(sums, n):
             _defer.drop_all()
@@ -412,8 +429,7 @@ def _differences(by_rank: dict) -> str:
     statics = {r: by_rank[r][1] for r in ranks}
     if len(set(statics.values())) > 1:
         lines.append(
-            "in_specs/out_specs/check_rep differ: "
-            + "; ".join(f"rank {r}: {statics[r]}" for r in ranks)
+            "in_specs/out_specs/check_rep differ: " + "; ".join(f"rank {r}: {statics[r]}" for r in ranks)
         )
     buckets = {r: by_rank[r][4] for r in ranks}
     if len(set(buckets.values())) > 1:  # the gradient buckets, so their all-reduces, would differ
@@ -421,7 +437,10 @@ def _differences(by_rank: dict) -> str:
     sigs = {r: by_rank[r][2] for r in ranks}
     lengths = {r: len(s) for r, s in sigs.items()}
     if len(set(lengths.values())) > 1:
-        lines.append("the number of tensor arguments differs: " + ", ".join(f"rank {r}: {n}" for r, n in lengths.items()))
+        lines.append(
+            "the number of tensor arguments differs: "
+            + ", ".join(f"rank {r}: {n}" for r, n in lengths.items())
+        )
     else:
         fields = ("spec", "shape", "dtype", "requires_grad")
         for i in range(min(lengths.values())):
@@ -447,7 +466,9 @@ def _differences(by_rank: dict) -> str:
                     said.append(f"{what} on rank{'s' if len(these) > 1 else ''} {', '.join(map(str, these))}")
             return (
                 "the ranks differ in what this call's backward does with the replicated inputs' "
-                "gradients, so their next messages would not pair up: they are " + "; ".join(said) + ". Every "
+                "gradients, so their next messages would not pair up: they are "
+                + "; ".join(said)
+                + ". Every "
                 "process must run the same microbatches inside fpar.defer_reduction() (the same number "
                 "per step, the last one outside it), with gradients enabled alike."
             )

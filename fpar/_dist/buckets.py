@@ -71,7 +71,17 @@ _RIDING = object()  # a bucket's ``work`` while it rides in the call's first mes
 class _Layout:
     """A bucket's fixed part, the same in every call of a plan: its tensors' places in the flat buffer."""
 
-    __slots__ = ("slots", "bucket", "shapes", "strides", "offsets", "numel", "dtype", "device", "summed_bytes")
+    __slots__ = (
+        "slots",
+        "bucket",
+        "shapes",
+        "strides",
+        "offsets",
+        "numel",
+        "dtype",
+        "device",
+        "summed_bytes",
+    )
 
     def __init__(self, slots: list[int], bucket: tuple, xs: list[Tensor]):
         self.slots = slots  # the sources' slots, in order
@@ -94,7 +104,17 @@ class _State:
     """One bucket in one call: its flat buffer, the cotangents that arrived, the pending all-reduce."""
 
     __slots__ = (
-        "layout", "held", "index", "kept", "flat", "adding", "arrived", "work", "narrow", "rider", "wire",
+        "layout",
+        "held",
+        "index",
+        "kept",
+        "flat",
+        "adding",
+        "arrived",
+        "work",
+        "narrow",
+        "rider",
+        "wire",
     )
 
     def __init__(self, layout: _Layout, held=None, index: int = 0, kept: dict | None = None):
@@ -240,7 +260,9 @@ class _State:
                 wire = flat.float()
                 self.narrow = (flat, wire)
             axes, mg = self.layout.bucket
-            stats.record_bytes("psum", axes, len(mg.members(axes)), self.layout.summed_bytes, overlap=True)  # as issued
+            stats.record_bytes(
+                "psum", axes, len(mg.members(axes)), self.layout.summed_bytes, overlap=True
+            )  # as issued
             self.work = dist.all_reduce(wire, group=mg.group(axes), async_op=True)
 
     # -- the wait: a hook on each tensor's waiting view, run once nothing else is ready -------
@@ -387,7 +409,9 @@ def _reduce_now(buckets: list, held, kept: dict | None, rider) -> tuple[dict[int
         if _several_levels(xs[0]):
             # Hooks act at one autograd level; each level's cotangent needs its own sum: a
             # pvary Function per tensor (its backward a psum at every level), not bucketed.
-            out.update((slot, _Exchange.apply(x, "pvary", (), 0, axes, mg)) for slot, x in zip(layout.slots, xs))
+            out.update(
+                (slot, _Exchange.apply(x, "pvary", (), 0, axes, mg)) for slot, x in zip(layout.slots, xs)
+            )
             grads = "reduced"
             continue
         state = _State(layout, held, index, kept)
@@ -429,7 +453,8 @@ def _defer_hooked(held, index: int, xs: list[Tensor]) -> list[Tensor]:
 
 def _several_levels(x: Tensor) -> bool:
     """Whether ``x`` is differentiated at more than one level (nested ``torch.func`` transforms,
-    ``vmap``, a ``torch.func.grad`` inside plain autograd)."""
+    ``vmap``, a ``torch.func.grad`` inside plain autograd).
+    """
     stack = _functorch.get_interpreter_stack() or ()
     if len(stack) > 1 or any(i.key() != _functorch.TransformType.Grad for i in stack):
         return True
@@ -474,9 +499,12 @@ def _hooked(x: Tensor, state: _State, i: int) -> Tensor:
 _ASAP = 2**64 - 1  # AccumulateGrad's sequence number (UINT64_MAX)
 
 
-def _buckets(sources: list, bucket_mb: float, mg, cache: dict | None = None) -> list[tuple[_Layout, list[Tensor]]]:
+def _buckets(
+    sources: list, bucket_mb: float, mg, cache: dict | None = None
+) -> list[tuple[_Layout, list[Tensor]]]:
     """Group the sources into buckets: ``(layout, tensors)``, the same layouts in every call of a plan
-    (kept in ``cache``, by which sources get a gradient and their devices)."""
+    (kept in ``cache``, by which sources get a gradient and their devices).
+    """
     flows = tuple((x.requires_grad or _tracked(x), x.device) for _, x, _ in sources)
     layouts = None if cache is None else cache.get(flows)
     if layouts is None:

@@ -189,7 +189,8 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, x: Tensor, kind: str, params: tuple, nb: int, axes: tuple, mg: MeshGroups):
         """Under ``vmap`` (jacrev, hessian, per-example gradients): the batch is one more leading
-        dim of the block, which every collective carries along (``nb`` counts such dims)."""
+        dim of the block, which every collective carries along (``nb`` counts such dims).
+        """
         d = in_dims[0]
         if d is None:
             return _Exchange.apply(x, kind, params, nb, axes, mg), None
@@ -371,7 +372,9 @@ def _pvary_when_recorded(t: Tensor, axes: tuple, mg: MeshGroups) -> None:
     So the cotangent's own cotangent is summed: the carried sum's second order.  A pre-hook on ``t``'s node (as a tensor hook, ~2 us cheaper); grad mode is on in a hook
     exactly when the backward records a graph.
     """
-    t.grad_fn.register_prehook(lambda cts: (_pvary(cts[0], 0, axes, mg),) if torch.is_grad_enabled() else None)
+    t.grad_fn.register_prehook(
+        lambda cts: (_pvary(cts[0], 0, axes, mg),) if torch.is_grad_enabled() else None
+    )
 
 
 def _pending_sum(base: Tensor, total: Pending, level: int) -> Tensor:
@@ -425,7 +428,7 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def _widened(kind: str, params: tuple, x: Tensor, nb: int, axes, mg: MeshGroups) -> Tensor:
-    """fpar's rule for sums over devices, as in-process (``_local._reduce``, README "Low precision").
+    """Fpar's rule for sums over devices, as in-process (``_local._reduce``, README "Low precision").
 
     fp16/bf16 blocks are summed in float32 and rounded once to their dtype; a mean divides each
     block by the device count first, so it does not overflow where the mean fits.  Bools are

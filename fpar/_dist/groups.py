@@ -38,7 +38,8 @@ ON_PAPER: list = [None]
 
 def on_paper(mesh):
     """A context in which ``mesh``'s collectives can run: a simulation of device 0 for an abstract
-    mesh outside ``fpar.plan.estimate``, else nothing to do."""
+    mesh outside ``fpar.plan.estimate``, else nothing to do.
+    """
     import contextlib
 
     if getattr(mesh, "abstract", False) and SIMULATION[0] is None and ON_PAPER[0] is not None:

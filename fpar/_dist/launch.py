@@ -42,7 +42,11 @@ def init_distributed(*, backend: str | None = None, timeout: float = 600.0) -> N
     # rank's address and gloo's connect times out (torch 2.13 and 2.14, plain torch alike).
     store, rank, world = next(dist.rendezvous("env://", timeout=wait))
     dist.init_process_group(
-        backend, store=dist.PrefixStore(f"fpar/attempt{attempt}", store), rank=rank, world_size=world, timeout=wait
+        backend,
+        store=dist.PrefixStore(f"fpar/attempt{attempt}", store),
+        rank=rank,
+        world_size=world,
+        timeout=wait,
     )
 
 
@@ -81,7 +85,9 @@ def launch(fn: Callable, nprocs: int, *args: Any, timeout: float = 60.0, backend
         raise ValueError(f"fpar.launch: nprocs must be at least 1, got {nprocs}.")
     _check_launchable(fn)
     ctx, forked = _context(fn, backend)
-    if forked:  # the function and its arguments travel pickled, unpickled once the environment is the caller's
+    if (
+        forked
+    ):  # the function and its arguments travel pickled, unpickled once the environment is the caller's
         target, head = _forked_worker, (pickle.dumps((fn, args)), dict(os.environ))
     else:
         target, head = _worker, (fn, args)
@@ -202,7 +208,7 @@ def _check_launchable(fn: Callable) -> None:
         raise TypeError(
             f"fpar.launch: fn {name!r} is a lambda or a function defined inside another function; the "
             f"processes are spawned and must import fn by name. Define it at the top level of a "
-            f"module (or of the script, under an `if __name__ == \"__main__\":` guard) and pass "
+            f'module (or of the script, under an `if __name__ == "__main__":` guard) and pass '
             f"its arguments through *args."
         )
     if getattr(fn, "__module__", None) == "__main__":
@@ -220,7 +226,7 @@ def _check_launchable(fn: Callable) -> None:
             return
         if "__main__" not in source:
             raise RuntimeError(
-                f"fpar.launch: {path} calls fpar.launch without an `if __name__ == \"__main__\":` "
+                f'fpar.launch: {path} calls fpar.launch without an `if __name__ == "__main__":` '
                 f"guard. Each spawned process re-imports the script to find {name!r}, and would "
                 f"launch again. Put the script's top-level code under that guard."
             )

@@ -116,7 +116,10 @@ def _settle_at_exit() -> None:
             import sys
             import traceback
 
-            print("fpar: a sharded call's signature check failed after its result was last used:", file=sys.stderr)
+            print(
+                "fpar: a sharded call's signature check failed after its result was last used:",
+                file=sys.stderr,
+            )
             traceback.print_exc()
     _HELD.clear()
     while _UNSETTLED:  # the group was destroyed first, or a verdict raised: wait, send nothing

@@ -56,12 +56,28 @@ from .tracker import _Tracker
 __all__ = ["DistShard"]
 
 Tensor = torch.Tensor
+
+
 class _Plan:
     """What the traced first call learned about one signature."""
 
     __slots__ = (
-        "digest", "sig", "fast", "in_reduce", "in_order", "coll", "out_broken", "out_specs", "out_treedef",
-        "varying", "flats", "layouts", "heads", "lone", "read_inside", "groups",
+        "digest",
+        "sig",
+        "fast",
+        "in_reduce",
+        "in_order",
+        "coll",
+        "out_broken",
+        "out_specs",
+        "out_treedef",
+        "varying",
+        "flats",
+        "layouts",
+        "heads",
+        "lone",
+        "read_inside",
+        "groups",
     )
 
     def __init__(self, digest: int):
@@ -141,7 +157,9 @@ class DistShard:
             check_in_leaf(where, leaf, spec)
             check_spec(spec, tuple(leaf.shape), self.mesh.shape, where=where, blocks=True)
             # requires_grad: which inputs get gradients sets the gradient buckets' layout
-            sig.append((f"args{keystr(path)}", str(spec), tuple(leaf.shape), str(leaf.dtype), leaf.requires_grad))
+            sig.append(
+                (f"args{keystr(path)}", str(spec), tuple(leaf.shape), str(leaf.dtype), leaf.requires_grad)
+            )
         text = repr((self.fname, self.static_text, self.bucket_mb, sig))  # bucket_mb: the buckets' sizes
         plan = _Plan(digest(text))
         plan.sig = sig
@@ -202,7 +220,13 @@ class DistShard:
         elif plan.in_reduce:
             sources = [(i, leaves[i], plan.in_reduce[i]) for i in plan.in_order]
             wrapped, agree.grads = reduce_inputs(
-                sources, mg, self.bucket_mb, owner=(self, plan), fname=self.fname, kept=plan.flats, layouts=plan.layouts,
+                sources,
+                mg,
+                self.bucket_mb,
+                owner=(self, plan),
+                fname=self.fname,
+                kept=plan.flats,
+                layouts=plan.layouts,
                 rider=None if plan.lone else agree,
             )
             for i, x in wrapped.items():
@@ -326,7 +350,10 @@ class DistShard:
             device = torch.device("cpu")
         if self.index is None or (device is not None and self.index[0] != device):
             dev = device if device is not None else _device([])
-            self.index = (dev, {a: torch.full((), self.mg.coords[a], dtype=torch.int64, device=dev) for a in self.axes})
+            self.index = (
+                dev,
+                {a: torch.full((), self.mg.coords[a], dtype=torch.int64, device=dev) for a in self.axes},
+            )
         return self.index[1]
 
 
@@ -378,5 +405,3 @@ def _drew_message(fname: str) -> str:
 def _grad_sum(x: Tensor, axes: tuple[str, ...], mg) -> Tensor:
     """Identity forward; all-reduces the cotangent over ``axes`` backward (counted when issued)."""
     return _Exchange.apply(x, "pvary", (), 0, axes, mg)
-
-

@@ -32,8 +32,17 @@ _REDUCING = {"psum", "pmean", "pmax", "pmin", "all_gather_invariant"}
 
 # What reads a tensor's value without returning a tensor (as the ops that make a ``Pending`` wait)
 _VALUE_READS = {
-    Tensor.item, Tensor.tolist, Tensor.numpy, Tensor.__bool__, Tensor.__float__, Tensor.__int__,
-    Tensor.__index__, Tensor.__format__, Tensor.__repr__, Tensor.__array__, Tensor.data_ptr,
+    Tensor.item,
+    Tensor.tolist,
+    Tensor.numpy,
+    Tensor.__bool__,
+    Tensor.__float__,
+    Tensor.__int__,
+    Tensor.__index__,
+    Tensor.__format__,
+    Tensor.__repr__,
+    Tensor.__array__,
+    Tensor.data_ptr,
 }
 _SHAPE_LIKE = {torch.ones_like, torch.zeros_like, torch.empty_like}
 
@@ -50,7 +59,6 @@ def _reads_value(func, result: Any) -> bool:
 def _diff(t: Tensor) -> bool:
     """Whether a cotangent can flow to ``t`` (float or complex dtype)."""
     return t.is_floating_point() or t.is_complex()
-
 
 
 @bound_once
@@ -226,7 +234,9 @@ class _Tracker(TorchFunctionMode):
             types.append((union, deps))
         shared = [k for k, a in enumerate(args) if k not in lists and isinstance(a, Tensor)]
         if all(e[k] is args[k] for e in elements for k in shared):  # one call, as the user wrote it
-            result = func(*[[e[k] for e in elements] if k in lists else a for k, a in enumerate(args)], **kwargs)
+            result = func(
+                *[[e[k] for e in elements] if k in lists else a for k, a in enumerate(args)], **kwargs
+            )
         else:
             outs = [func(*[[a] if k in lists else a for k, a in enumerate(e)], **kwargs) for e in elements]
             result = None if outs and outs[0] is None else [r[0] for r in outs]

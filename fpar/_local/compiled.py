@@ -87,8 +87,15 @@ _SEP = "\x1f"  # joins the mesh's axis names into one string argument (the op ta
 
 @torch.library.custom_op("fpar::local_collective", mutates_args=())
 def _collective_op(
-    x: Tensor, token: Tensor, kind: str, axes: list[int], params: list[int], mesh_axes: str,
-    mesh_sizes: list[int], explicit: list[int], nbatch: int,
+    x: Tensor,
+    token: Tensor,
+    kind: str,
+    axes: list[int],
+    params: list[int],
+    mesh_axes: str,
+    mesh_sizes: list[int],
+    explicit: list[int],
+    nbatch: int,
 ) -> Tensor:
     """Only ever reached through its vmap rule: outside the mesh's levels it has no meaning."""
     raise RuntimeError("fpar: an in-process collective ran outside fpar.shard's vmap levels.")
@@ -121,7 +128,9 @@ def _(info, in_dims, x, token, kind, axes, params, mesh_axes, mesh_sizes, explic
     names, sizes = tuple(mesh_axes.split(_SEP)), tuple(mesh_sizes)
     if (names, sizes) not in _EXCHANGES:
         _EXCHANGES[names, sizes] = make_exchange(_Shape(names, sizes))
-    op = Op(kind, tuple(names[a] for a in axes), _params(kind, params), tuple(names[a] for a in explicit), nbatch)
+    op = Op(
+        kind, tuple(names[a] for a in axes), _params(kind, params), tuple(names[a] for a in explicit), nbatch
+    )
     return _EXCHANGES[names, sizes](op, x), out_dim
 
 
@@ -168,8 +177,15 @@ def compiled_call(f, fname: str, mesh, plan: LocalPlan, args: tuple) -> Any:
     def collective(kind: str, axes_: tuple, params: tuple, x: Tensor) -> Tensor:
         # vmap level i + 1 is mesh axis i: compiled_call refuses outer transforms
         return _collective_op(
-            x, frame.token, kind, [axes.index(a) for a in axes_], _flat_params(kind, params), names,
-            list(mesh.axis_sizes), [], 0,
+            x,
+            frame.token,
+            kind,
+            [axes.index(a) for a in axes_],
+            _flat_params(kind, params),
+            names,
+            list(mesh.axis_sizes),
+            [],
+            0,
         )
 
     def varying(x: Tensor):

@@ -214,7 +214,8 @@ class LocalBackend:
 
 def vmap_dims(axes: tuple, labels: list) -> list[tuple]:
     """Each mesh level's vmap ``in_dims``: the views' split dims (``LocalBackend.split``'s labels),
-    then the token (batched at every level) and one coordinate per axis (batched at its own)."""
+    then the token (batched at every level) and one coordinate per axis (batched at its own).
+    """
     level_dims = []
     labels = [list(lab) for lab in labels]
     for i, a in enumerate(axes):

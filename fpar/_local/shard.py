@@ -30,7 +30,6 @@ __all__ = ["LocalCall"]
 Tensor = torch.Tensor
 
 
-
 class LocalCall:
     """One call of a sharded function: split the inputs, run the nest, assemble the outputs."""
 
@@ -211,6 +210,3 @@ class _Opaque:
 
 
 # Error checking and messages ---------------------------------------------------------------
-
-
-

@@ -91,14 +91,15 @@ def _global_shape(x: Tensor, spec) -> tuple[int, ...]:
     return global_shape(spec, tuple(x.shape), frame.mesh.shape)
 
 
-
 # Dropout sites inside the parallel layers --------------------------------------------------
 
 
 def check_dropout(api: str, rate, key) -> None:
     """Validate a layer's ``dropout=`` / ``key=`` pair at its boundary, before any communication."""
     if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0.0 <= rate < 1.0:
-        raise ValueError(f"fpar.ops.{api}: dropout={rate!r} must be a number in [0, 1) (the drop probability).")
+        raise ValueError(
+            f"fpar.ops.{api}: dropout={rate!r} must be a number in [0, 1) (the drop probability)."
+        )
     if rate and key is None:
         raise ValueError(
             f"fpar.ops.{api}: dropout={rate} needs key= (a fpar.random key, e.g. "
@@ -108,7 +109,9 @@ def check_dropout(api: str, rate, key) -> None:
         _random._check_key(api, key)
 
 
-def site_dropout(key, x: Tensor, rate: float, *, axis, split_dim: int | None = None, batch_axes=None) -> Tensor:
+def site_dropout(
+    key, x: Tensor, rate: float, *, axis, split_dim: int | None = None, batch_axes=None
+) -> Tensor:
     """Dropout at one site of a layer: dim 0 is the batch, ``split_dim`` (if any) is split over ``axis``.
 
     The batch dim is split over ``batch_axes`` (major first); ``None`` infers them: the mesh axes
@@ -127,7 +130,8 @@ def site_dropout(key, x: Tensor, rate: float, *, axis, split_dim: int | None = N
 
 def batch_axes_of(x: Tensor, axis, batch_axes=None) -> tuple:
     """The mesh axes a layer's batch dim is split over: ``batch_axes`` as given, or (``None``)
-    the axes ``x`` varies over other than the layer's own ``axis``, in mesh order."""
+    the axes ``x`` varies over other than the layer's own ``axis``, in mesh order.
+    """
     if batch_axes is not None:
         return (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
     layer = (axis,) if isinstance(axis, str) else tuple(axis)

@@ -113,19 +113,41 @@ def gpt_block(
     seq = 1 if sequence_parallel else None
     drop = dict(axis=axis, split_dim=seq, batch_axes=batch_axes)
     a = attn_fn(
-        params["attn"], layer_norm(params["ln1"], x), axis=axis, n_heads=n_heads, causal=True,
-        dropout=dropout, key=k_attn, batch_axes=batch_axes,
+        params["attn"],
+        layer_norm(params["ln1"], x),
+        axis=axis,
+        n_heads=n_heads,
+        causal=True,
+        dropout=dropout,
+        key=k_attn,
+        batch_axes=batch_axes,
     )
     x = x + site_dropout(k_res1, a, dropout, **drop)
-    return x + site_dropout(k_res2, mlp_fn(params["mlp"], layer_norm(params["ln2"], x), axis=axis), dropout, **drop)
+    return x + site_dropout(
+        k_res2, mlp_fn(params["mlp"], layer_norm(params["ln2"], x), axis=axis), dropout, **drop
+    )
 
 
 def sp_gpt_block(
-    params: dict, x: Tensor, *, axis, n_heads: int, dropout: float = 0.0, key: Tensor | None = None, batch_axes=None
+    params: dict,
+    x: Tensor,
+    *,
+    axis,
+    n_heads: int,
+    dropout: float = 0.0,
+    key: Tensor | None = None,
+    batch_axes=None,
 ) -> Tensor:
     """``gpt_block(..., sequence_parallel=True)``: ``x[B, T/n, D] -> [B, T/n, D]``, split along the sequence."""
     return gpt_block(
-        params, x, axis=axis, n_heads=n_heads, sequence_parallel=True, dropout=dropout, key=key, batch_axes=batch_axes
+        params,
+        x,
+        axis=axis,
+        n_heads=n_heads,
+        sequence_parallel=True,
+        dropout=dropout,
+        key=key,
+        batch_axes=batch_axes,
     )
 
 
@@ -160,13 +182,21 @@ def moe_block(
     check.params("moe_block", params, ("ln1", "attn", "ln2", "moe"), (), "gpt", leaves=False)
     check_dropout("moe_block", dropout, key)
     if not dropout:
-        x = x + attention(params["attn"], layer_norm(params["ln1"], x), axis=axis, n_heads=n_heads, causal=True)
+        x = x + attention(
+            params["attn"], layer_norm(params["ln1"], x), axis=axis, n_heads=n_heads, causal=True
+        )
         y, aux = _moe_layer(params["moe"], layer_norm(params["ln2"], x), tensor_axis=axis, **moe)
         return x + y, aux
     k_attn, k_res1, k_res2 = (fold_in(key, i) for i in range(3))
     a = attention(
-        params["attn"], layer_norm(params["ln1"], x), axis=axis, n_heads=n_heads, causal=True,
-        dropout=dropout, key=k_attn, batch_axes=batch_axes,
+        params["attn"],
+        layer_norm(params["ln1"], x),
+        axis=axis,
+        n_heads=n_heads,
+        causal=True,
+        dropout=dropout,
+        key=k_attn,
+        batch_axes=batch_axes,
     )
     x = x + site_dropout(k_res1, a, dropout, axis=axis, batch_axes=batch_axes)
     y, aux = _moe_layer(params["moe"], layer_norm(params["ln2"], x), tensor_axis=axis, **moe)
@@ -234,7 +264,11 @@ def gpt(
         x = vocab_embedding(ids, params["w_emb"], axis=axis) + w_pos[:t]
     if dropout:
         x = site_dropout(
-            fold_in(key, 0), x, dropout, axis=axis, split_dim=1 if sequence_parallel else None,
+            fold_in(key, 0),
+            x,
+            dropout,
+            axis=axis,
+            split_dim=1 if sequence_parallel else None,
             batch_axes=batch_axes,
         )
     aux = 0.0
@@ -273,8 +307,15 @@ def gpt_loss(
     (a MoE GPT) it returns ``(loss, aux_loss)``.
     """
     out = gpt(
-        params, ids, axis=axis, n_heads=n_heads, sequence_parallel=sequence_parallel, dropout=dropout, key=key,
-        batch_axes=batch_axes, moe=moe,
+        params,
+        ids,
+        axis=axis,
+        n_heads=n_heads,
+        sequence_parallel=sequence_parallel,
+        dropout=dropout,
+        key=key,
+        batch_axes=batch_axes,
+        moe=moe,
     )
     if moe is None:
         return vocab_cross_entropy(out, targets, axis=axis)

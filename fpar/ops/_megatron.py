@@ -122,7 +122,15 @@ def mlp(params: dict, x: Tensor, *, axis) -> Tensor:
 
 
 def attention(
-    params: dict, x: Tensor, *, axis, n_heads: int, causal: bool = True, dropout: float = 0.0, key=None, batch_axes=None
+    params: dict,
+    x: Tensor,
+    *,
+    axis,
+    n_heads: int,
+    causal: bool = True,
+    dropout: float = 0.0,
+    key=None,
+    batch_axes=None,
 ) -> Tensor:
     """Apply head-parallel multi-head self-attention: ``x[B, T, D] replicated -> [B, T, D] replicated``.
 
@@ -148,13 +156,30 @@ def attention(
     """
     check_dropout("attention", dropout, key)
     o_BTE = heads_attention(
-        params, x, axis=axis, n_heads=n_heads, causal=causal, api="attention", dropout=dropout, key=key, batch_axes=batch_axes
+        params,
+        x,
+        axis=axis,
+        n_heads=n_heads,
+        causal=causal,
+        api="attention",
+        dropout=dropout,
+        key=key,
+        batch_axes=batch_axes,
     )
     return row_linear(o_BTE, params["w_o"], params.get("b_o"), axis=axis)
 
 
 def heads_attention(
-    params: dict, x_BTD: Tensor, *, axis, n_heads: int, causal: bool, api: str, dropout: float = 0.0, key=None, batch_axes=None
+    params: dict,
+    x_BTD: Tensor,
+    *,
+    axis,
+    n_heads: int,
+    causal: bool,
+    api: str,
+    dropout: float = 0.0,
+    key=None,
+    batch_axes=None,
 ) -> Tensor:
     """The column-parallel part of ``attention``: this device's heads' outputs ``[B, T, E]``."""
     h_local, k = check_attention(api, params, x_BTD, axis=axis, n_heads=n_heads)
@@ -164,7 +189,9 @@ def heads_attention(
     q_BTHK, k_BTHK, v_BTHK = qkv.unflatten(-1, (3, h_local, k)).unbind(2)
     drop = None
     if dropout:
-        drop = lambda p_BHTS: site_dropout(key, p_BHTS, dropout, axis=axis, split_dim=1, batch_axes=batch_axes)  # noqa: E731
+        drop = lambda p_BHTS: site_dropout(
+            key, p_BHTS, dropout, axis=axis, split_dim=1, batch_axes=batch_axes
+        )  # noqa: E731
     return attend(q_BTHK, k_BTHK, v_BTHK, causal=causal, drop=drop).flatten(2)
 
 

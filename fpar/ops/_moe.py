@@ -59,7 +59,6 @@ __all__ = ["init_moe", "moe", "moe_specs"]
 Tensor = torch.Tensor
 
 
-
 def moe(
     params: dict,
     x: Tensor,
@@ -219,7 +218,6 @@ def check_moe_args(
     return n, token_axes
 
 
-
 def _token_axes(api: str, axis, token_axes) -> tuple:
     if token_axes is None:
         return _axes(axis)
@@ -321,7 +319,5 @@ def init_moe(
     return {
         "router": normal((d_model, n_experts), std=std, dtype=dtype),
         "w_in": normal((n_experts, d_model, d_hidden), std=std, dtype=dtype),
-        "w_out": normal(
-            (n_experts, d_hidden, d_model), std=std if out_std is None else out_std, dtype=dtype
-        ),
+        "w_out": normal((n_experts, d_hidden, d_model), std=std if out_std is None else out_std, dtype=dtype),
     }

@@ -123,7 +123,15 @@ def sp_mlp(params: dict, x: Tensor, *, axis) -> Tensor:
 
 
 def sp_attention(
-    params: dict, x: Tensor, *, axis, n_heads: int, causal: bool = True, dropout: float = 0.0, key=None, batch_axes=None
+    params: dict,
+    x: Tensor,
+    *,
+    axis,
+    n_heads: int,
+    causal: bool = True,
+    dropout: float = 0.0,
+    key=None,
+    batch_axes=None,
 ) -> Tensor:
     """Head-parallel self-attention on sequence shards: ``x[B, T/n, D] -> [B, T/n, D]``.
 
@@ -143,7 +151,14 @@ def sp_attention(
     check_dropout("sp_attention", dropout, key)
     x_BTD = all_gather(x, axis, axis=1, tiled=True)
     o_BTE = heads_attention(
-        params, x_BTD, axis=axis, n_heads=n_heads, causal=causal, api="sp_attention", dropout=dropout, key=key,
+        params,
+        x_BTD,
+        axis=axis,
+        n_heads=n_heads,
+        causal=causal,
+        api="sp_attention",
+        dropout=dropout,
+        key=key,
         batch_axes=batch_axes,
     )
     return sp_row_linear(o_BTE, params["w_o"], params.get("b_o"), axis=axis)
@@ -216,7 +231,9 @@ def ulysses_attention(
     qkv_BT3HK = all_to_all(qkv_BT3HK, axis, split_axis=3, concat_axis=1, tiled=True)
     drop = None
     if dropout:
-        drop = lambda p_BHTS: site_dropout(key, p_BHTS, dropout, axis=axis, split_dim=1, batch_axes=batch_axes)  # noqa: E731
+        drop = lambda p_BHTS: site_dropout(
+            key, p_BHTS, dropout, axis=axis, split_dim=1, batch_axes=batch_axes
+        )  # noqa: E731
     o_BTHK = attend(*qkv_BT3HK.unbind(2), causal=causal, drop=drop)
     # heads -> seq: split the sequence, concatenate the heads in device order.
     o_BTHK = all_to_all(o_BTHK, axis, split_axis=1, concat_axis=2, tiled=True)

@@ -330,7 +330,9 @@ def mlp_2d(
         return linear_2d(h_BH, params["w_out"], params.get("b_out"), **axes)
     spec = specs_2d(row_axis, col_axis, ndim=x.dim()).x
     h_BH = _dropout(fold_in(key, 0), h_BH, dropout, spec=spec)
-    return _dropout(fold_in(key, 1), linear_2d(h_BH, params["w_out"], params.get("b_out"), **axes), dropout, spec=spec)
+    return _dropout(
+        fold_in(key, 1), linear_2d(h_BH, params["w_out"], params.get("b_out"), **axes), dropout, spec=spec
+    )
 
 
 # 2.5D layers --------------------------------------------------------------------------------
@@ -444,7 +446,9 @@ def mlp_2p5d(
         return linear_2p5d(h_BH, params["w_out"], params.get("b_out"), **axes)
     spec = specs_2p5d(dep_axis, row_axis, col_axis, ndim=x.dim()).x
     h_BH = _dropout(fold_in(key, 0), h_BH, dropout, spec=spec)
-    return _dropout(fold_in(key, 1), linear_2p5d(h_BH, params["w_out"], params.get("b_out"), **axes), dropout, spec=spec)
+    return _dropout(
+        fold_in(key, 1), linear_2p5d(h_BH, params["w_out"], params.get("b_out"), **axes), dropout, spec=spec
+    )
 
 
 def _vary_over_depth(*params: Tensor | None, dep_axis: AxisName) -> tuple[Tensor | None, ...]:

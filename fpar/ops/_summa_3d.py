@@ -246,7 +246,12 @@ def mlp_3d(
         return linear_3d(h_BH, params["w_out"], params.get("b_out"), **second)
     specs = specs_3d(input_axis, weight_axis, output_axis, ndim=x.dim())
     h_BH = _dropout(fold_in(key, 0), h_BH, dropout, spec=specs.y)
-    return _dropout(fold_in(key, 1), linear_3d(h_BH, params["w_out"], params.get("b_out"), **second), dropout, spec=specs.x)
+    return _dropout(
+        fold_in(key, 1),
+        linear_3d(h_BH, params["w_out"], params.get("b_out"), **second),
+        dropout,
+        spec=specs.x,
+    )
 
 
 # Error checking and messages ---------------------------------------------------------------

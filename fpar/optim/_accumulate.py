@@ -59,7 +59,8 @@ def accumulate(
 
         def add(total: Any, g: Any) -> Any:
             """``total + g``, in place into a sum this call allocated (``grad_fn``'s own results
-            may be buffers it reuses: never written); deferred zeros are skipped."""
+            may be buffers it reuses: never written); deferred zeros are skipped.
+            """
             if not isinstance(g, Tensor):
                 return total + g
             if _defer.is_deferred_zero(g):

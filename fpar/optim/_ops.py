@@ -24,7 +24,18 @@ import torch
 
 from ._internal import is_plain
 
-__all__ = ["add", "addcmul", "adam_direction", "donating", "donation", "lerp", "mul", "sum_squares", "where", "writable"]
+__all__ = [
+    "add",
+    "addcmul",
+    "adam_direction",
+    "donating",
+    "donation",
+    "lerp",
+    "mul",
+    "sum_squares",
+    "where",
+    "writable",
+]
 
 Tensor = torch.Tensor
 _LOCAL = threading.local()
@@ -111,7 +122,13 @@ def addcmul(
 
 
 def adam_direction(
-    mu: list[Tensor], nu: list[Tensor], bc1: Tensor, bc2: Tensor, eps: float, *, into: list[Tensor] | None = None
+    mu: list[Tensor],
+    nu: list[Tensor],
+    bc1: Tensor,
+    bc2: Tensor,
+    eps: float,
+    *,
+    into: list[Tensor] | None = None,
 ) -> list[Tensor]:
     """``(mu / bc1) / (sqrt(nu) / sqrt(bc2) + eps)``: Adam's bias-corrected step direction.
 

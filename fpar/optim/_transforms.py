@@ -79,7 +79,9 @@ def scale_by_schedule(schedule: Callable[[Any], Tensor]) -> GradientTransformati
     def update(updates, state, params=None):
         u, treedef = tree_flatten(updates)
         factor = torch.as_tensor(schedule(state.count))
-        return tree_unflatten(treedef, ops.mul(u, factor, inplace=ops.writable(u))), ScaleByScheduleState(state.count + 1)
+        return tree_unflatten(treedef, ops.mul(u, factor, inplace=ops.writable(u))), ScaleByScheduleState(
+            state.count + 1
+        )
 
     return GradientTransformation(init, update)
 

@@ -226,7 +226,9 @@ class _InFlight:
         return self.out
 
 
-def gathered_grad(objective, layout: Any, chunks: Any, batch: Any, scale: Tensor, compute_dtype) -> tuple[Any, Tensor]:
+def gathered_grad(
+    objective, layout: Any, chunks: Any, batch: Any, scale: Tensor, compute_dtype
+) -> tuple[Any, Tensor]:
     """Stage 3's gradient on a real mesh with FSDP's schedule (see the module docstring).
 
     Args:
@@ -251,9 +253,7 @@ def gathered_grad(objective, layout: Any, chunks: Any, batch: Any, scale: Tensor
     # gloo's reduce_scatter_single copies its whole input first; its list form does not.
     direct = _ordered(members, group) and dist.get_backend(group) != "gloo"
     leaves, treedef = tree_flatten(chunks)
-    cast = [
-        c if compute_dtype is None or not c.is_floating_point() else c.to(compute_dtype) for c in leaves
-    ]
+    cast = [c if compute_dtype is None or not c.is_floating_point() else c.to(compute_dtype) for c in leaves]
     flat = [c.detach().reshape(-1) for c in cast]
     metas = [torch.empty(c.shape, dtype=c.dtype, device="meta") for c in cast]
     params = [_Param(f, m) for f, m in zip(flat, metas)]
@@ -365,7 +365,9 @@ def scattered_grad(
         if direct:
             work = reduce_scatter_single(out, full, group=group, async_op=True)
         else:
-            work = dist.reduce_scatter(out, _in_group_order(list(full.chunk(n)), members, group), group=group, async_op=True)
+            work = dist.reduce_scatter(
+                out, _in_group_order(list(full.chunk(n)), members, group), group=group, async_op=True
+            )
         _stats.record("psum_scatter", (axis,), n, full, overlap=True)
         done[k] = _InFlight(work, out, full)
         inflight.append(k)

@@ -115,7 +115,6 @@ def pipeline(
     return step
 
 
-
 # Error checking and messages ---------------------------------------------------------------
 
 

@@ -52,7 +52,9 @@ class DistDriver:
         self.shapes: dict[int, tuple] = {}  # chunk -> (shape, dtype) of the activations it receives
         self.kept_rows: list = []  # the stacked gradient buffers of the last step, reused when free
         digest = hashlib.blake2b(repr(schedule.actions).encode(), digest_size=6).hexdigest()
-        self.described = f"{schedule.name} (p={schedule.p}, m={schedule.m}, v={schedule.v}, actions #{digest})"
+        self.described = (
+            f"{schedule.name} (p={schedule.p}, m={schedule.m}, v={schedule.v}, actions #{digest})"
+        )
 
     def _stage(self, me: int) -> None:
         """Run as stage ``me``: its actions per tick."""
@@ -191,7 +193,9 @@ class DistDriver:
             st.inbox[("F" if a.kind == "RECV_F" else "B", a.microbatch, a.chunk)] = incoming
         return set(recvs)
 
-    def _exchange(self, actions: list, st: Stage, _dist, early: set = frozenset(), posted: set = frozenset()) -> list:
+    def _exchange(
+        self, actions: list, st: Stage, _dist, early: set = frozenset(), posted: set = frozenset()
+    ) -> list:
         """Post this tick's sends and receives (after shape headers, if any); return the sends."""
         p, v, me, layout = self.schedule.p, self.schedule.v, self.me, self.schedule.layout
         sends, recvs, heads_out, heads_in = [], [], [], []
@@ -231,7 +235,9 @@ class DistDriver:
 
     def _peer(self, a: Action) -> int:
         sch = self.schedule
-        return (prev_stage if a.kind == "RECV_F" else next_stage)(a.stage, a.chunk, sch.p, sch.v, sch.layout)[0]
+        return (prev_stage if a.kind == "RECV_F" else next_stage)(a.stage, a.chunk, sch.p, sch.v, sch.layout)[
+            0
+        ]
 
     def _shape(self, a: Action, st: Stage) -> tuple:
         if a.kind == "RECV_B":
@@ -294,7 +300,8 @@ def _described(tree: Any) -> str:
     paths, leaves, _ = tree_flatten_with_path(tree)
     parts = [
         f"{keystr(path)} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}".lstrip()
-        if isinstance(t, Tensor) else f"{keystr(path)} {type(t).__name__}".lstrip()
+        if isinstance(t, Tensor)
+        else f"{keystr(path)} {type(t).__name__}".lstrip()
         for path, t in zip(paths, leaves)
     ]
     return ", ".join(parts) or "None"
@@ -388,7 +395,9 @@ def _stack_local(per_chunk: list, bufs: list | None = None) -> list:
     out = []
     for i, col in enumerate(zip(*flat)):
         buf = bufs[i] if bufs else None
-        if buf is not None and all(g is not None and g.data_ptr() == buf[c].data_ptr() for c, g in enumerate(col)):
+        if buf is not None and all(
+            g is not None and g.data_ptr() == buf[c].data_ptr() for c, g in enumerate(col)
+        ):
             out.append(buf)  # every chunk's gradient was written into its row
         else:
             out.append(stack(col))

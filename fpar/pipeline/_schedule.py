@@ -189,7 +189,9 @@ def check_sizes(api: str, p: int, m: int, v: int) -> None:
             raise ScheduleError(f"fpar.pipeline.{api}: {name} must be a positive int, got {val!r}.")
 
 
-def needs(s: int, kind: str, j: int, c: int, p: int, v: int, layout: str = "interleaved") -> list[tuple[str, int, int, int]]:
+def needs(
+    s: int, kind: str, j: int, c: int, p: int, v: int, layout: str = "interleaved"
+) -> list[tuple[str, int, int, int]]:
     """What a compute action waits for: (kind, stage, microbatch, chunk) of other actions."""
     if kind == "F":
         prev = prev_stage(s, c, p, v, layout)

@@ -144,7 +144,9 @@ class _Linear(torch.autograd.Function):
         return dx, None, None, None
 
 
-def weight_grads(records: list[Record], into: dict[int, Tensor], slots: dict[int, Tensor] | None = None) -> None:
+def weight_grads(
+    records: list[Record], into: dict[int, Tensor], slots: dict[int, Tensor] | None = None
+) -> None:
     """W: the recorded weight (and bias) gradients, accumulated into ``into[id(leaf)]``.
 
     The accumulation is fused into the matmul (``addmm_`` into the running sum), so a

@@ -248,7 +248,6 @@ def _backward(out: Tensor, dy: Tensor, inputs: list) -> None:
         torch.autograd.backward(out, dy, inputs=inputs)
 
 
-
 def last_stage(sch: Schedule) -> int:
     """The stage that holds the last virtual stage (and so the loss)."""
     return locate(sch.p * sch.v - 1, sch.p, sch.v, sch.layout)[0]

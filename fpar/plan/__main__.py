@@ -47,15 +47,26 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         results = search(
-            lambda layout: model_step(model, layout), args.devices, args.hardware, model=model,
-            keep_dropped=args.all, pipeline=args.pipeline, tensor=args.tensor, zero=args.zero,
-            microbatches=args.microbatches, remat=remat, schedule=args.schedule.split(","), batch=[args.batch],
+            lambda layout: model_step(model, layout),
+            args.devices,
+            args.hardware,
+            model=model,
+            keep_dropped=args.all,
+            pipeline=args.pipeline,
+            tensor=args.tensor,
+            zero=args.zero,
+            microbatches=args.microbatches,
+            remat=remat,
+            schedule=args.schedule.split(","),
+            batch=[args.batch],
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     fits = [r for r in results if r.dropped is None]
-    print(f"{len(results)} layouts estimated in {time.perf_counter() - start:.0f} s; {len(fits)} fit memory\n")
+    print(
+        f"{len(results)} layouts estimated in {time.perf_counter() - start:.0f} s; {len(fits)} fit memory\n"
+    )
     shown = fits[: args.top] + ([r for r in results if r.dropped is not None] if args.all else [])
     print(ranking(shown, tokens_per_step=args.batch * model.seq))
     if fits:

@@ -31,11 +31,22 @@ from ._record import Comm, Op
 __all__ = ["Timing", "op_seconds", "time_events"]
 
 _STEPS = {"psum": 2, "pmean": 2, "pmax": 2, "pmin": 2}
-_MATMUL = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.convolution", "aten._grouped_mm",
-           "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_efficient_attention",
-           "aten._scaled_dot_product_cudnn_attention", "aten._flash_attention_forward",
-           "aten._efficient_attention_forward", "aten._scaled_dot_product_flash_attention_backward",
-           "aten._scaled_dot_product_efficient_attention_backward", "aten.convolution_backward"}
+_MATMUL = {
+    "aten.mm",
+    "aten.addmm",
+    "aten.bmm",
+    "aten.baddbmm",
+    "aten.convolution",
+    "aten._grouped_mm",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+    "aten._flash_attention_forward",
+    "aten._efficient_attention_forward",
+    "aten._scaled_dot_product_flash_attention_backward",
+    "aten._scaled_dot_product_efficient_attention_backward",
+    "aten.convolution_backward",
+}
 
 
 @dataclasses.dataclass
@@ -87,7 +98,9 @@ def comm_seconds(c: Comm, hw: Hardware, inter: bool, link_share: float = 1.0) ->
     return steps * alpha + nbytes / (beta * link_share)
 
 
-def time_events(events: list, hw: Hardware, inter_axes: dict[tuple, bool], share: float, link_share: float = 1.0) -> Timing:
+def time_events(
+    events: list, hw: Hardware, inter_axes: dict[tuple, bool], share: float, link_share: float = 1.0
+) -> Timing:
     """Replay one device's ops and messages on a compute stream and a message stream.
 
     ``share``: the fraction of a core each device gets (CPU); ``link_share``: the speed of messages

@@ -15,7 +15,8 @@ from .. import _stats
 from .._dist import shard as _dist_shard
 from ..pipeline._timeline import replay
 from . import _cost, _optime
-from ._hardware import Hardware, hardware as _hardware
+from ._hardware import Hardware
+from ._hardware import hardware as _hardware
 from ._paper import Simulation, Upstream
 from ._record import CATEGORIES, Recorder
 
@@ -202,9 +203,17 @@ def _estimate(fn, args, kwargs, hw, known, shapes) -> Estimate:
         for k, v in c.unknown_ops.items():
             not_costed[k] = not_costed.get(k, 0) + v
     return Estimate(
-        mesh=mesh, hardware=hw, devices=classes, peak_bytes=max(c.peak_bytes for c in classes),
-        comm=busiest.comm, step_time=worst.step_time, time_breakdown=dict(worst.time_breakdown), mfu=mfu,
-        assumptions=_assumptions(hw, mesh, dtype, _optime.timer().untimed - untimed if untimed is not None else None),
+        mesh=mesh,
+        hardware=hw,
+        devices=classes,
+        peak_bytes=max(c.peak_bytes for c in classes),
+        comm=busiest.comm,
+        step_time=worst.step_time,
+        time_breakdown=dict(worst.time_breakdown),
+        mfu=mfu,
+        assumptions=_assumptions(
+            hw, mesh, dtype, _optime.timer().untimed - untimed if untimed is not None else None
+        ),
         not_costed=not_costed,
     )
 
@@ -242,11 +251,22 @@ def _simulate(fn, args, kwargs, hw, known, shapes, coords, headers=None, *, firs
     share = _core_share(hw, mesh)
     timing = _cost.time_events(rec.events, hw, inter, share, _link_share(hw, share))
     cls = DeviceClass(
-        coords={a: c for a, c in coords.items()}, count=0, peak_bytes=rec.peak, breakdown=rec.breakdown(),
-        comm=comm, flops=timing.flops, step_time=timing.total,
-        time_breakdown={"compute": timing.compute, "exposed_comm": timing.total - timing.compute, "bubble": 0.0},
-        unknown_ops=dict(rec.unknown_ops), state_bytes=_state_bytes((args, kwargs), known),
-        saved_activations=rec.at_backward.get("activations", 0), _timing=timing,
+        coords={a: c for a, c in coords.items()},
+        count=0,
+        peak_bytes=rec.peak,
+        breakdown=rec.breakdown(),
+        comm=comm,
+        flops=timing.flops,
+        step_time=timing.total,
+        time_breakdown={
+            "compute": timing.compute,
+            "exposed_comm": timing.total - timing.compute,
+            "bubble": 0.0,
+        },
+        unknown_ops=dict(rec.unknown_ops),
+        state_bytes=_state_bytes((args, kwargs), known),
+        saved_activations=rec.at_backward.get("activations", 0),
+        _timing=timing,
         _replay=(rec.events, inter) if hw.cores and sim.pipeline_axes else None,
     )
     return mesh, sim, cls
@@ -259,7 +279,11 @@ def _call(fn, args, kwargs):
         raise
     except (RuntimeError, NotImplementedError) as e:
         text = str(e)
-        if "_local_scalar_dense" in text or "meta" in text and ("item" in text or "data" in text or "copy" in text):
+        if (
+            "_local_scalar_dense" in text
+            or "meta" in text
+            and ("item" in text or "data" in text or "copy" in text)
+        ):
             raise PlanError(
                 "fpar.plan.estimate: the step reads a tensor's value (.item(), .tolist(), bool(t), "
                 "printing, or control flow on a tensor); a step on paper has shapes but no values, "
@@ -378,11 +402,16 @@ def _assumptions(hw: Hardware, mesh, dtype, untimed: Counter | None = None) -> l
 
 def _table(est: Estimate) -> str:
     hw = est.hardware
-    gib, unit = next((u, n) for u, n in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")) if est.peak_bytes >= u or n == "KiB")
+    gib, unit = next(
+        (u, n)
+        for u, n in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
+        if est.peak_bytes >= u or n == "KiB"
+    )
     lines = [
         f"fpar.plan estimate: {est.mesh} on {hw.name} ({est.mesh.size} devices)",
         "",
-        f"memory per device ({unit})" + ("" if est.fits else f"  -- DOES NOT FIT in {hw.memory_bytes / 2**30:.1f} GiB"),
+        f"memory per device ({unit})"
+        + ("" if est.fits else f"  -- DOES NOT FIT in {hw.memory_bytes / 2**30:.1f} GiB"),
         f"  {'class':<16}{'count':>7}{'peak':>9}" + "".join(f"{c[:11]:>12}" for c in CATEGORIES),
     ]
     for c in est.devices:

@@ -112,18 +112,26 @@ class Hardware:
             f"alpha {self.inter_latency * 1e6:.3g} us across nodes",
         ]
         if self.cores:
-            lines.append(f"  {self.cores:.2f} CPU cores' worth of compute shared by the devices (processes) of the node")
+            lines.append(
+                f"  {self.cores:.2f} CPU cores' worth of compute shared by the devices (processes) of the node"
+            )
         if self.cores and self.link_devices:
             lines.append(
                 f"  alpha and beta measured between {self.link_devices} processes computing between messages; "
                 "more devices per core than then slow a message's bytes (not its latency) in proportion"
             )
         if self.skew:
-            lines.append(f"  a blocking message waits {self.skew:.3f} s per second computed since the last one (the peers' drift)")
+            lines.append(
+                f"  a blocking message waits {self.skew:.3f} s per second computed since the last one (the peers' drift)"
+            )
         if self.kind_latency:
-            lines.append("  alpha per kind: " + ", ".join(f"{k} {a * 1e6:.3g} us" for k, a in self.kind_latency))
+            lines.append(
+                "  alpha per kind: " + ", ".join(f"{k} {a * 1e6:.3g} us" for k, a in self.kind_latency)
+            )
         if self.timed_ops:
-            lines.append("  each op's kernel timed on this machine once per signature (median of 5), plus the per-op overhead")
+            lines.append(
+                "  each op's kernel timed on this machine once per signature (median of 5), plus the per-op overhead"
+            )
         if self.reduce_scatter_all_reduces:
             lines.append("  reduce-scatter runs as an all-reduce (gloo): twice the bytes, 2(n-1) steps")
         return lines
@@ -131,19 +139,37 @@ class Hardware:
 
 PRESETS: dict[str, Hardware] = {
     "a100-80g": Hardware(
-        "a100-80g", {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12, "float64": 19.5e12},
-        memory_bytes=80 * 10**9, memory_bandwidth=2.0e12, devices_per_node=8,
-        intra_bandwidth=300e9, intra_latency=5e-6, inter_bandwidth=25e9, inter_latency=10e-6,
+        "a100-80g",
+        {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12, "float64": 19.5e12},
+        memory_bytes=80 * 10**9,
+        memory_bandwidth=2.0e12,
+        devices_per_node=8,
+        intra_bandwidth=300e9,
+        intra_latency=5e-6,
+        inter_bandwidth=25e9,
+        inter_latency=10e-6,
     ),
     "h100-sxm": Hardware(
-        "h100-sxm", {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12, "float64": 67e12},
-        memory_bytes=80 * 10**9, memory_bandwidth=3.35e12, devices_per_node=8,
-        intra_bandwidth=450e9, intra_latency=5e-6, inter_bandwidth=50e9, inter_latency=10e-6,
+        "h100-sxm",
+        {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12, "float64": 67e12},
+        memory_bytes=80 * 10**9,
+        memory_bandwidth=3.35e12,
+        devices_per_node=8,
+        intra_bandwidth=450e9,
+        intra_latency=5e-6,
+        inter_bandwidth=50e9,
+        inter_latency=10e-6,
     ),
     "b200": Hardware(
-        "b200", {"bfloat16": 2250e12, "float16": 2250e12, "float32": 80e12, "float64": 40e12},
-        memory_bytes=180 * 10**9, memory_bandwidth=8e12, devices_per_node=8,
-        intra_bandwidth=900e9, intra_latency=5e-6, inter_bandwidth=50e9, inter_latency=10e-6,
+        "b200",
+        {"bfloat16": 2250e12, "float16": 2250e12, "float32": 80e12, "float64": 40e12},
+        memory_bytes=180 * 10**9,
+        memory_bandwidth=8e12,
+        devices_per_node=8,
+        intra_bandwidth=900e9,
+        intra_latency=5e-6,
+        inter_bandwidth=50e9,
+        inter_latency=10e-6,
     ),
 }
 
@@ -187,13 +213,29 @@ def measure_this(*, comm: bool = True, repeats: int = 7, estimate=None) -> Hardw
     alpha, beta, busy, latency, skew = _gloo_alpha_beta(repeats) if comm else (50e-6, 1e9, 1.0, (), 0.0)
     cores = float(os.cpu_count() or 1) * busy
     hw = Hardware(
-        "this", flops, memory_bytes=_memory_bytes(), memory_bandwidth=_copy_bandwidth(),
-        devices_per_node=1024, intra_bandwidth=beta, intra_latency=alpha, inter_bandwidth=beta,
-        inter_latency=alpha, matmul_efficiency=1.0, op_overhead=_op_overhead(), nodes=1,
-        cores=cores, matmul_curve=curve, reduce_scatter_all_reduces=True, timed_ops=True,
-        link_devices=2, kind_latency=latency, skew=skew,
+        "this",
+        flops,
+        memory_bytes=_memory_bytes(),
+        memory_bandwidth=_copy_bandwidth(),
+        devices_per_node=1024,
+        intra_bandwidth=beta,
+        intra_latency=alpha,
+        inter_bandwidth=beta,
+        inter_latency=alpha,
+        matmul_efficiency=1.0,
+        op_overhead=_op_overhead(),
+        nodes=1,
+        cores=cores,
+        matmul_curve=curve,
+        reduce_scatter_all_reduces=True,
+        timed_ops=True,
+        link_devices=2,
+        kind_latency=latency,
+        skew=skew,
     )
-    if comm and estimate is not None:  # an fpar step's cost per op beyond its kernels (Python, autograd, fpar)
+    if (
+        comm and estimate is not None
+    ):  # an fpar step's cost per op beyond its kernels (Python, autograd, fpar)
         hw = dataclasses.replace(hw, op_overhead=_step_overhead(hw, estimate))
     return hw
 
@@ -337,7 +379,10 @@ def _gloo_times(rounds: int = 16, repeats: int = 7) -> dict:
 
     g = torch.Generator().manual_seed(0)
     x0 = torch.randn(1024, 256, generator=g)
-    ws = [(torch.randn(256, 384, generator=g) * 0.05, torch.randn(384, 256, generator=g) * 0.05) for _ in range(3)]
+    ws = [
+        (torch.randn(256, 384, generator=g) * 0.05, torch.randn(384, 256, generator=g) * 0.05)
+        for _ in range(3)
+    ]
 
     def burst(pairs: int = 3):
         h = x0

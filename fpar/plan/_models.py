@@ -125,7 +125,17 @@ def check_layout(model: Model, layout: Layout) -> None:
 
 def _block_specs() -> dict:
     col, row = P(None, TENSOR), P(TENSOR, None)
-    return {"ln1": P(), "wq": col, "wk": col, "wv": col, "wo": row, "ln2": P(), "w1": col, "w3": col, "w2": row}
+    return {
+        "ln1": P(),
+        "wq": col,
+        "wk": col,
+        "wv": col,
+        "wo": row,
+        "ln2": P(),
+        "w1": col,
+        "w3": col,
+        "w2": row,
+    }
 
 
 def _block_inits(model: Model, lead: tuple) -> dict:
@@ -242,7 +252,9 @@ def model_step(model: Model | str, layout: Layout, mesh: Mesh | None = None, *, 
     """
     if isinstance(model, str):
         if model not in MODELS:
-            raise ValueError(f"fpar.plan: unknown model {model!r}; choose one of {sorted(MODELS)} or pass a fpar.plan.Model.")
+            raise ValueError(
+                f"fpar.plan: unknown model {model!r}; choose one of {sorted(MODELS)} or pass a fpar.plan.Model."
+            )
         model = MODELS[model]
     check_layout(model, layout)
     mesh = layout.mesh() if mesh is None else mesh
@@ -256,7 +268,9 @@ def model_step(model: Model | str, layout: Layout, mesh: Mesh | None = None, *, 
     if mesh.abstract:
         ids = torch.empty(m, rows * layout.data, model.seq, dtype=torch.long, device="meta")
     else:  # a real or in-process mesh: a batch of token ids to run it for real
-        ids = torch.randint(0, model.vocab, (m, rows * layout.data, model.seq), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(
+            0, model.vocab, (m, rows * layout.data, model.seq), generator=torch.Generator().manual_seed(0)
+        )
     act = P(DATA, TENSOR) if layout.sequence_parallel and layout.tensor > 1 else P(DATA)
     if p == 1:
         specs = {"blocks": _stacked(_block_specs(), False), "first": first_specs, "last": last_specs}
@@ -297,7 +311,9 @@ def model_step(model: Model | str, layout: Layout, mesh: Mesh | None = None, *, 
     loss_k = shard(head_loss, sub, (last_specs, act, P(DATA)), P())
     schedules = {"1f1b": pp.one_f_one_b, "gpipe": pp.gpipe, "zb": pp.zb_h1}
     if layout.schedule not in schedules:
-        raise ValueError(f"fpar.plan: unknown schedule {layout.schedule!r}; choose one of {sorted(schedules)}.")
+        raise ValueError(
+            f"fpar.plan: unknown schedule {layout.schedule!r}; choose one of {sorted(schedules)}."
+        )
     run = pp.pipeline(stage_k, schedules[layout.schedule](p, m), mesh, loss=loss_k, first=first_k, axis=PIPE)
     zl = fo.zero_layout(params, mesh, specs, stage=0 if layout.zero == 0 else 2, data_axis=DATA)
     params, state = fo.zero_init(opt, params, zl)

@@ -169,7 +169,10 @@ class Simulation:
     def groups_for(self, root: Mesh, names: tuple[str, ...] | None) -> groups.MeshGroups:
         if self.root is None:
             self._start(root)
-        elif root is not self.root and (root.axis_names, root.axis_sizes) != (self.root.axis_names, self.root.axis_sizes):
+        elif root is not self.root and (root.axis_names, root.axis_sizes) != (
+            self.root.axis_names,
+            self.root.axis_sizes,
+        ):
             raise ValueError(
                 f"fpar.plan: one step uses two abstract meshes, {self.root} and {root}; a step "
                 f"runs on one mesh (and its submeshes)."
@@ -195,7 +198,9 @@ class Simulation:
             )
         self.root = root
         coords = [self.coords.get(a, 0) for a in root.axis_names]
-        dist.init_process_group("fake", store=FakeStore(), rank=groups._ravel(coords, root.axis_sizes), world_size=root.size)
+        dist.init_process_group(
+            "fake", store=FakeStore(), rank=groups._ravel(coords, root.axis_sizes), world_size=root.size
+        )
         self.real[None] = groups.MeshGroups(root)
 
 

@@ -27,17 +27,57 @@ __all__ = ["Comm", "Op", "Recorder"]
 
 Tensor = torch.Tensor
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers", "other")
-_VIEWS_FREE = {"aten.view", "aten._unsafe_view", "aten.alias", "aten.detach", "aten.t", "aten.expand",
-               "aten.permute", "aten.transpose", "aten.unsqueeze", "aten.squeeze", "aten.select",
-               "aten.slice", "aten.as_strided", "aten.split", "aten.split_with_sizes", "aten.unbind",
-               "aten.narrow", "aten.chunk", "aten.reshape", "aten.unflatten", "aten.flatten",
-               "aten.lift_fresh", "aten._reshape_alias", "aten.view_as", "aten.diagonal", "aten.movedim",
-               "aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty",
-               "aten.new_empty_strided", "aten.zeros_like", "aten.zeros", "aten.new_zeros",
-               "aten.set_", "aten._to_copy", "aten.copy_", "aten.clone", "aten.contiguous"}
+_VIEWS_FREE = {
+    "aten.view",
+    "aten._unsafe_view",
+    "aten.alias",
+    "aten.detach",
+    "aten.t",
+    "aten.expand",
+    "aten.permute",
+    "aten.transpose",
+    "aten.unsqueeze",
+    "aten.squeeze",
+    "aten.select",
+    "aten.slice",
+    "aten.as_strided",
+    "aten.split",
+    "aten.split_with_sizes",
+    "aten.unbind",
+    "aten.narrow",
+    "aten.chunk",
+    "aten.reshape",
+    "aten.unflatten",
+    "aten.flatten",
+    "aten.lift_fresh",
+    "aten._reshape_alias",
+    "aten.view_as",
+    "aten.diagonal",
+    "aten.movedim",
+    "aten.empty",
+    "aten.empty_like",
+    "aten.empty_strided",
+    "aten.new_empty",
+    "aten.new_empty_strided",
+    "aten.zeros_like",
+    "aten.zeros",
+    "aten.new_zeros",
+    "aten.set_",
+    "aten._to_copy",
+    "aten.copy_",
+    "aten.clone",
+    "aten.contiguous",
+}
 # the last few move bytes but are costed as memory traffic below, not skipped
-_MOVES = {"aten._to_copy", "aten.copy_", "aten.clone", "aten.contiguous", "aten.zeros_like",
-          "aten.zeros", "aten.new_zeros"}
+_MOVES = {
+    "aten._to_copy",
+    "aten.copy_",
+    "aten.clone",
+    "aten.contiguous",
+    "aten.zeros_like",
+    "aten.zeros",
+    "aten.new_zeros",
+}
 
 
 @dataclasses.dataclass
@@ -164,11 +204,15 @@ class Recorder(TorchDispatchMode):
             nbytes = sum(_nbytes(t) for t in outs)
             if name not in ("aten.zeros_like", "aten.zeros", "aten.new_zeros"):
                 nbytes += sum(_nbytes(t) for t in ins)
-        dtype = next((t.dtype for t in ins if t.is_floating_point()), outs[0].dtype if outs else torch.float32)
+        dtype = next(
+            (t.dtype for t in ins if t.is_floating_point()), outs[0].dtype if outs else torch.float32
+        )
         seconds = None
         if self.timer is not None and (name not in _VIEWS_FREE or name in _MOVES):
             sig = key if key is not None or cacheable else _key(func, args, kwargs)
-            seconds = self.timer.seconds(func, args, kwargs, sig, sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs))
+            seconds = self.timer.seconds(
+                func, args, kwargs, sig, sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
+            )
         # every op: a view or an empty tensor moves nothing, but costs its dispatch on a CPU
         self.events.append(Op(name, flops, nbytes, dtype, phase, self.mark, seconds))
         return out

@@ -5,9 +5,15 @@ from __future__ import annotations
 from ._record import CATEGORIES
 
 _COLOURS = {
-    "params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52",
-    "comm_buffers": "#8172b3", "other": "#937860",
-    "compute": "#4c72b0", "exposed_comm": "#dd8452", "bubble": "#c7c7c7",
+    "params": "#4c72b0",
+    "grads": "#dd8452",
+    "optimizer": "#55a868",
+    "activations": "#c44e52",
+    "comm_buffers": "#8172b3",
+    "other": "#937860",
+    "compute": "#4c72b0",
+    "exposed_comm": "#dd8452",
+    "bubble": "#c7c7c7",
 }
 
 

@@ -81,7 +81,9 @@ def search(
     if workers > 1 and "fork" in mp.get_all_start_methods():
         _JOB[:] = [build, hw]  # what the forked workers inherit (build need not be picklable)
         try:
-            with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"), initializer=_worker_init) as pool:
+            with ProcessPoolExecutor(
+                workers, mp_context=mp.get_context("fork"), initializer=_worker_init
+            ) as pool:
                 results = list(pool.map(_try_in_worker, layouts))
         finally:
             _JOB.clear()

@@ -41,7 +41,15 @@ from ._philox import MASK, TAG_FOLD, TAG_SPLIT, block_words, compiled_ok, fused,
 from ._philox import set_compiled as set_compiled
 
 __all__ = [
-    "bernoulli", "bits", "check_random_op", "fold_in", "key", "normal", "set_compiled", "split", "uniform"
+    "bernoulli",
+    "bits",
+    "check_random_op",
+    "fold_in",
+    "key",
+    "normal",
+    "set_compiled",
+    "split",
+    "uniform",
 ]
 
 Tensor = torch.Tensor
@@ -68,7 +76,9 @@ def key(seed: int, *, device=None) -> Tensor:
         else:
             raise TypeError(f"fpar.random.key: seed must be a Python int, got {seed!r}.")
     if not -(2**63) <= seed < 2**64:
-        raise ValueError(f"fpar.random.key: seed={seed} does not fit in 64 bits; use a seed in [-2**63, 2**64).")
+        raise ValueError(
+            f"fpar.random.key: seed={seed} does not fit in 64 bits; use a seed in [-2**63, 2**64)."
+        )
     seed &= 2**64 - 1
     return torch.tensor([seed & MASK, seed >> 32], dtype=torch.int64, device=device)
 
@@ -102,7 +112,9 @@ def fold_in(key: Tensor, data) -> Tensor:
     _check_key("fold_in", key)
     if isinstance(data, Tensor):
         if data.is_floating_point() or data.is_complex() or data.dtype == torch.bool:
-            raise TypeError(f"fpar.random.fold_in: data must be an int or an integer tensor, got dtype {data.dtype}.")
+            raise TypeError(
+                f"fpar.random.fold_in: data must be an int or an integer tensor, got dtype {data.dtype}."
+            )
         data = data.to(device=key.device, dtype=torch.int64)
         lo, hi = data & MASK, (data >> 32) & MASK
     elif isinstance(data, int) and not isinstance(data, bool):
@@ -124,7 +136,9 @@ def bits(key: Tensor, shape, *, spec: PartitionSpec | None = None) -> Tensor:
     return _words("bits", key, shape, 1, spec)[0]
 
 
-def uniform(key: Tensor, shape, dtype: torch.dtype = torch.float32, *, spec: PartitionSpec | None = None) -> Tensor:
+def uniform(
+    key: Tensor, shape, dtype: torch.dtype = torch.float32, *, spec: PartitionSpec | None = None
+) -> Tensor:
     """Uniform floats in [0, 1) of global ``shape``.
 
     Each element has the full precision of ``dtype`` (24 random bits for float32, 53 for float64
@@ -160,7 +174,9 @@ def _unit(m: int, dtype: torch.dtype):
 _UNIT = {d: _unit(m, d) for d, m in _MANTISSA.items() if d != torch.float64}
 
 
-def normal(key: Tensor, shape, dtype: torch.dtype = torch.float32, *, spec: PartitionSpec | None = None) -> Tensor:
+def normal(
+    key: Tensor, shape, dtype: torch.dtype = torch.float32, *, spec: PartitionSpec | None = None
+) -> Tensor:
     """Standard normal floats of global ``shape`` (``spec`` as in ``uniform``).
 
     By inversion: ``ndtri(u)`` of a uniform ``u`` in the open interval (0, 1), computed in float64
@@ -233,7 +249,11 @@ def _check_key(api: str, key) -> None:
             f"{type(key).__name__}. Make one with key = fpar.random.key(0)."
         )
     if key.dtype != torch.int64 or tuple(key.shape) != (2,):
-        fix = " (a stack of keys from split: index one, e.g. keys[0])" if key.dim() == 2 and key.shape[-1] == 2 else ""
+        fix = (
+            " (a stack of keys from split: index one, e.g. keys[0])"
+            if key.dim() == 2 and key.shape[-1] == 2
+            else ""
+        )
         raise ValueError(
             f"fpar.random.{api}: key must be an int64 tensor of shape (2,) from fpar.random.key / "
             f"split / fold_in, got dtype {key.dtype} and shape {tuple(key.shape)}{fix}."
@@ -246,7 +266,9 @@ def _check_shape(api: str, shape) -> list[int]:
     try:
         out = [operator.index(n) for n in shape]
     except TypeError:
-        raise TypeError(f"fpar.random.{api}: shape must be a tuple of ints (the global shape), got {shape!r}.") from None
+        raise TypeError(
+            f"fpar.random.{api}: shape must be a tuple of ints (the global shape), got {shape!r}."
+        ) from None
     if any(n < 0 for n in out):
         raise ValueError(f"fpar.random.{api}: shape {tuple(out)} has a negative size.")
     return out
@@ -263,11 +285,12 @@ def _float_bits(api: str, dtype) -> int:
 def _threshold(api: str, p):
     if isinstance(p, Tensor):
         if not p.is_floating_point() or p.dim() != 0:
-            raise TypeError(f"fpar.random.{api}: p must be a number or a 0-d float tensor, got {p.dtype} of shape {tuple(p.shape)}.")
+            raise TypeError(
+                f"fpar.random.{api}: p must be a number or a 0-d float tensor, got {p.dtype} of shape {tuple(p.shape)}."
+            )
         return torch.ceil(p.to(torch.float64) * 2.0**32).to(torch.int64)
     if isinstance(p, bool) or not isinstance(p, (int, float)):
         raise TypeError(f"fpar.random.{api}: p must be a number in [0, 1], got {p!r}.")
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"fpar.random.{api}: p={p} is not a probability; use 0 <= p <= 1.")
     return math.ceil(float(p) * 2.0**32)
-

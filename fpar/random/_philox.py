@@ -24,7 +24,14 @@ import torch
 from .._torch_api import is_functorch_wrapped_tensor
 
 __all__ = [
-    "MASK", "TAG_DRAW", "TAG_FOLD", "TAG_SPLIT", "block_words", "compiled_ok", "fused", "philox",
+    "MASK",
+    "TAG_DRAW",
+    "TAG_FOLD",
+    "TAG_SPLIT",
+    "block_words",
+    "compiled_ok",
+    "fused",
+    "philox",
     "set_compiled",
 ]
 
@@ -74,12 +81,15 @@ def block_words(k0, k1, shape, start, local, words: int, device) -> list[Tensor]
     if local and local[-1] % e == 0:
         # Fast path: the block's rows are whole Philox blocks, so each counter serves e elements.
         counter = _linear(
-            shape[:-1] + [shape[-1] // e], start[:-1] + [start[-1] // e], local[:-1] + [local[-1] // e], device
+            shape[:-1] + [shape[-1] // e],
+            start[:-1] + [start[-1] // e],
+            local[:-1] + [local[-1] // e],
+            device,
         )
         w4 = words4(counter, k0, k1)  # (..., L/e, 4): the e elements of each counter, in order
         if words == 1:
             return [w4.reshape(local)]
-        return [w4[..., j :: 2].reshape(local) for j in range(2)]
+        return [w4[..., j::2].reshape(local) for j in range(2)]
     index = _linear(shape, start, local, device)
     w4 = words4(index // e, k0, k1)  # (*local, 4), the counter of each element
     sub = (index % e) * words

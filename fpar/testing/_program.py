@@ -346,6 +346,7 @@ class _Run:
         self, trace, step, loss, params, specs, state, layout, opt, grads=None, gspecs=None, order=None
     ):
         """Step ``step``'s global values; ``order`` puts stacked stages back in model order."""
+
         def gather(tree, specs):
             # copies: a replicated leaf may come back as the process's own tensor, which the next
             # step's donated (in-place) update overwrites

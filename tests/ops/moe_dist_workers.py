@@ -52,8 +52,16 @@ def exact_bytes(rank: int, n: int, capacity_factor=None, all_to_one=False) -> in
     """all_to_all bytes rank ``rank`` sends for one forward + backward under exact counts."""
     params, x, _ = inputs(all_to_one)
     t_local, e_local = T // n, E // n
-    out = sum(1 for t, ex in kept_pairs(params, x, capacity_factor) if t // t_local == rank and ex // e_local != rank)
-    back = sum(1 for t, ex in kept_pairs(params, x, capacity_factor) if t // t_local != rank and ex // e_local == rank)
+    out = sum(
+        1
+        for t, ex in kept_pairs(params, x, capacity_factor)
+        if t // t_local == rank and ex // e_local != rank
+    )
+    back = sum(
+        1
+        for t, ex in kept_pairs(params, x, capacity_factor)
+        if t // t_local != rank and ex // e_local == rank
+    )
     counts = (n - 1) * E * 8 // n  # the [n, E/n] int64 counts, forward only
     return 2 * (out + back) * D * 8 + counts  # dispatch + combine, forward and transposed
 
@@ -107,14 +115,20 @@ def program_data_expert(mesh, capacity_factor=None):
 
     def per_device(p, x):
         return ops.moe(
-            p, x, top_k=TOP_K, axis="expert", token_axes=("data", "expert"),
-            capacity_factor=capacity_factor, return_stats=True,
+            p,
+            x,
+            top_k=TOP_K,
+            axis="expert",
+            token_axes=("data", "expert"),
+            capacity_factor=capacity_factor,
+            return_stats=True,
         )
 
     layer = fpar.shard(per_device, mesh, (specs, tokens), (tokens, P(), P()))
     p_local = fpar.device_put(params, mesh, specs)
     x_local, ct_local = fpar.device_put((x, ct), mesh, tokens)
     out = []
+
     def split(p, x):
         y, aux, stats = layer(p, x)
         return (y, aux), stats
@@ -122,10 +136,14 @@ def program_data_expert(mesh, capacity_factor=None):
     for _ in range(2):
         (y, aux), vjp, stats = torch.func.vjp(split, p_local, x_local, has_aux=True)
         grads = vjp((ct_local, torch.ones_like(aux)))
-        out.append((
-            fpar.gather(y, mesh, tokens), aux, stats,
-            (fpar.gather(grads[0], mesh, specs), fpar.gather(grads[1], mesh, tokens)),
-        ))
+        out.append(
+            (
+                fpar.gather(y, mesh, tokens),
+                aux,
+                stats,
+                (fpar.gather(grads[0], mesh, specs), fpar.gather(grads[1], mesh, tokens)),
+            )
+        )
     return out
 
 

@@ -292,7 +292,9 @@ def test_grouped_mm_path_equals_per_expert_matmuls(monkeypatch):
         fast_traffic[name] = traffic(fn)
     monkeypatch.setattr(moe_mod, "_GROUPED_MM", False)
     for name, fn in layers.items():
-        torch.testing.assert_close(fast[name], run(fn), msg=lambda m, name=name: f"{name}: {m}")  # fp32 tolerances
+        torch.testing.assert_close(
+            fast[name], run(fn), msg=lambda m, name=name: f"{name}: {m}"
+        )  # fp32 tolerances
         # the same implicit pvaries (e.g. the experts' gradient sum over "data") on both paths
         assert fast_traffic[name] == traffic(fn), name
     p64, x64 = optree.tree_map(torch.Tensor.double, (params, x))
@@ -409,7 +411,13 @@ def test_bad_input_is_named_before_any_communication():
     _error(mesh, bad, x, r"w_out.shape\[1\] != w_in.shape\[2\] \(H\) \(5 != 4\)")
     _error(mesh, params, x, r"token_axes=\(\) leaves out \['expert'\]", token_axes=())
     for cf in (0, -1.0, float("nan"), float("inf"), True, "1"):
-        _error(mesh, params, x, r"capacity_factor must be None \(dropless\) or a finite number > 0", capacity_factor=cf)
+        _error(
+            mesh,
+            params,
+            x,
+            r"capacity_factor must be None \(dropless\) or a finite number > 0",
+            capacity_factor=cf,
+        )
     # Tokens not divisible over the axis: fpar.shard's own check, naming the argument.
     msg = r"args\[1\]: dim 0 of size 3 is not evenly divisible by the mesh axes \(.expert.,\)"
     _error(mesh, params, x[:3], msg, exc=fpar.SpecError, top_k=2)

@@ -28,7 +28,9 @@ def test_real_mesh_equals_in_process():
                 continue  # a repeated call: its values only
             # every collective but the gradient sums, which the real mesh issues per source
             # (bucketed) and the in-process mesh counts per use: tests/test_defer.py, test_dist.py
-            assert without_gradient_sums(stats) == without_gradient_sums(want[name][2]), f"rank {rank} {name} traffic"
+            assert without_gradient_sums(stats) == without_gradient_sums(want[name][2]), (
+                f"rank {rank} {name} traffic"
+            )
 
 
 @pytest.mark.multiprocess

@@ -36,7 +36,14 @@ def _pipe_coord(mesh: fpar.Mesh) -> int | None:
 
 
 def exec_job(
-    axes: tuple, name: str, p: int, m: int, v: int, device: str = "cpu", batch: int = 4, compiled: bool = False
+    axes: tuple,
+    name: str,
+    p: int,
+    m: int,
+    v: int,
+    device: str = "cpu",
+    batch: int = 4,
+    compiled: bool = False,
 ) -> dict:
     """One step of the executor: loss, gathered gradients, and the measured stats.
 
@@ -140,7 +147,9 @@ def mismatch_job() -> dict:
             "last": prob["last"],
         }
         name, m = (name, m) if me == 1 else ("1f1b", 4)
-        step = pp.pipeline(fns["stage"], M.schedule(name, 2, m, 1), mesh, loss=fns["loss"], first=fns["first"])
+        step = pp.pipeline(
+            fns["stage"], M.schedule(name, 2, m, 1), mesh, loss=fns["loss"], first=fns["first"]
+        )
         try:
             step(params, prob["xs"][:m], prob["ts"][:m])
             out[case] = None

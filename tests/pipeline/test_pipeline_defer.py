@@ -58,7 +58,10 @@ def _p2p_formula(stage: int, prob: dict) -> dict:
     act = rows * M.D * 8  # one activation (stage 0 -> 1) or its gradient (1 -> 0)
     stats_row = 5 * 8  # the loss and 4 counters, to the other stage, once per step
     if stage == 0:  # + the first activation's shape header (10 int64) + the embedding's gradient
-        return {"calls": W.M_ + 3, "bytes": W.M_ * act + 10 * 8 + stats_row + prob["first"]["emb"].numel() * 8}
+        return {
+            "calls": W.M_ + 3,
+            "bytes": W.M_ * act + 10 * 8 + stats_row + prob["first"]["emb"].numel() * 8,
+        }
     return {"calls": W.M_ + 2, "bytes": W.M_ * act + stats_row + prob["last"]["head"].numel() * 8}
 
 

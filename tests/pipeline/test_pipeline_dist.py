@@ -112,7 +112,10 @@ def test_ranks_running_different_steps_raise_on_every_rank():
         assert "xs (rank 0: (4, 4) int64; rank 1: (2, 4) int64)" in res["microbatches"], res["microbatches"]
         kind, message = res["one_rank_raises"]  # rank 1's own check, then rank 0 names it
         if rank == 1:
-            assert kind == "ValueError" and "xs must be the 4 microbatches stacked on dim 0, got (3, 4)" in message
+            assert (
+                kind == "ValueError"
+                and "xs must be the 4 microbatches stacked on dim 0, got (3, 4)" in message
+            )
         else:
             assert kind == "RuntimeError", message
             assert "1 of the 2 ranks raised before the step's first message (global rank 1)" in message

@@ -223,7 +223,9 @@ def test_a_stage_that_raises_is_named():
             raise RuntimeError("bad activation")
         return h * w["a"][0]
 
-    step = pp.pipeline(stage, pp.one_f_one_b(2, 2), fpar.make_mesh((2,), ("pipe",)), loss=lambda w, h, t: h.sum())
+    step = pp.pipeline(
+        stage, pp.one_f_one_b(2, 2), fpar.make_mesh((2,), ("pipe",)), loss=lambda w, h, t: h.sum()
+    )
     xs = torch.tensor([[1.0], [2.0]])
     with pytest.raises(RuntimeError, match="bad activation") as info:
         step({"stages": {"a": torch.ones(2, 1)}}, xs, None)
@@ -315,16 +317,23 @@ def test_split_backward_leaves_a_weight_seen_through_a_function_to_b():
 def test_split_backward_of_a_module_stage():
     """ZB-H1 on nn.Linear stages (torch.func.functional_call) equals the unpipelined gradient."""
     torch.manual_seed(0)
-    mods = [torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 4)) for _ in range(2)]
+    mods = [
+        torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 4)) for _ in range(2)
+    ]
     mods = [mod.double() for mod in mods]
     template = mods[0]
-    stacked = {k: torch.stack([dict(mod.named_parameters())[k].detach() for mod in mods]) for k, _ in template.named_parameters()}
+    stacked = {
+        k: torch.stack([dict(mod.named_parameters())[k].detach() for mod in mods])
+        for k, _ in template.named_parameters()
+    }
     xs = torch.randn(3, 5, 4, dtype=torch.float64)
 
     def stage(w, h):
         return torch.func.functional_call(template, w, (h,))
 
-    step = pp.pipeline(stage, pp.zb_h1(2, 3), fpar.make_mesh((2,), ("pipe",)), loss=lambda w, h, t: (h**2).mean())
+    step = pp.pipeline(
+        stage, pp.zb_h1(2, 3), fpar.make_mesh((2,), ("pipe",)), loss=lambda w, h, t: (h**2).mean()
+    )
     res = step({"stages": stacked}, xs, None)
 
     def ref(stacked):

@@ -244,11 +244,15 @@ def test_v_layout_places_two_chunks_per_stage_in_a_v():
     assert next_stage(0, 1, p, 2, "v") is None  # the loss is on stage 0
     stacked = {"w": torch.arange(2 * p)}
     assert pp.stage_major(stacked, p, 2, layout="v")["w"].tolist() == [0, 5, 1, 4, 2, 3]
-    assert torch.equal(pp.model_major(pp.stage_major(stacked, p, 2, layout="v"), p, 2, layout="v")["w"], stacked["w"])
+    assert torch.equal(
+        pp.model_major(pp.stage_major(stacked, p, 2, layout="v"), p, 2, layout="v")["w"], stacked["w"]
+    )
 
 
 def test_v_schedules_check_their_sizes():
-    with pytest.raises(ScheduleError, match=r"DualPipeV needs at least 2 p = 4 microbatches.*Use m >= 4 or zb_v"):
+    with pytest.raises(
+        ScheduleError, match=r"DualPipeV needs at least 2 p = 4 microbatches.*Use m >= 4 or zb_v"
+    ):
         pp.dualpipe_v(2, 3)
     with pytest.raises(ScheduleError, match=r"the 'v' layout has v=2 chunks per stage, got v=3"):
         pp.place([["F0", "F0.1", "F0.2", "BW0.2", "BW0.1", "BW0"]], m=1, v=3, layout="v")

@@ -68,7 +68,9 @@ def build(name: str, mesh: fpar.Mesh):
         opt = fo.adamw(1e-3)
         params, state = fo.zero_init(opt, params, layout)
         step = fo.zero_step(_mlp_loss, opt, layout)
-        batch = fpar.device_put((torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)), mesh, P("data"))
+        batch = fpar.device_put(
+            (torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)), mesh, P("data")
+        )
         return step, (params, state, batch)
     if name == "tp":
         specs = ops.mlp_specs("tensor")
@@ -77,7 +79,9 @@ def build(name: str, mesh: fpar.Mesh):
         opt = fo.adamw(1e-3)
         params, state = fo.zero_init(opt, params, layout)
         step = fo.zero_step(_tp_loss, opt, layout)
-        batch = fpar.device_put((torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)), mesh, P("data"))
+        batch = fpar.device_put(
+            (torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)), mesh, P("data")
+        )
         return step, (params, state, batch)
     if name == "sp":
         specs = ops.gpt_specs(2, "tensor")

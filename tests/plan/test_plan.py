@@ -8,15 +8,11 @@ rank measures its steady-state step: ``fpar.comm_stats()`` and the live tensor b
 
 from __future__ import annotations
 
-
+import plan_programs as PP
 import pytest
-import torch
 
 import fpar
 import fpar.plan as plan
-from fpar import P
-
-import plan_programs as PP
 
 
 def _estimate(name: str):
@@ -45,6 +41,11 @@ def test_traffic_exact_and_memory_within_5_percent_of_real_mesh(size):
             # then released a step late, one buffer more in the next step's peak (about a third of
             # the steps of zero1; the estimate is the step's own peak)
             peak = min(got["peaks"])
-            assert abs(cls.peak_bytes - peak) <= 0.05 * peak, (name, got["coords"], cls.peak_bytes, got["peaks"])
+            assert abs(cls.peak_bytes - peak) <= 0.05 * peak, (
+                name,
+                got["coords"],
+                cls.peak_bytes,
+                got["peaks"],
+            )
         assert est.peak_bytes == max(c.peak_bytes for c in est.devices)
         assert est.comm in [c.comm for c in est.devices]

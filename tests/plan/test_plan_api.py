@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import plan_programs as PP
 import pytest
@@ -28,7 +27,10 @@ def _calls():
 
 def test_unknown_hardware_is_refused_before_the_step_runs():
     step, calls = _calls()
-    with pytest.raises(ValueError, match=r"unknown hardware 'h200x'; choose one of \['a100-80g', 'b200', 'h100-sxm', 'this'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown hardware 'h200x'; choose one of \['a100-80g', 'b200', 'h100-sxm', 'this'\]",
+    ):
         plan.estimate(step, torch.zeros(2), hardware="h200x")
     assert calls == []
 
@@ -38,7 +40,9 @@ def test_a_mesh_larger_than_the_hardware_is_refused_before_any_op():
     mesh = plan.abstract_mesh((16,), ("data",))
     f = fpar.shard(lambda x: fpar.psum(x.sum(), "data"), mesh, P("data"), P())
     x = fpar.device_put(torch.empty(32, device="meta"), mesh, P("data"))
-    with pytest.raises(ValueError, match=r"has 16 devices, but hardware 'h100-sxm' has 1 node\(s\) of 8 devices"):
+    with pytest.raises(
+        ValueError, match=r"has 16 devices, but hardware 'h100-sxm' has 1 node\(s\) of 8 devices"
+    ):
         plan.estimate(f, x, hardware=small)
 
 
@@ -86,7 +90,9 @@ def test_an_abstract_mesh_has_no_processes_but_set_up_code_runs_as_device_0():
     opt = fpar.optim.adamw(1e-3)
     layout = fpar.optim.zero_layout(params, mesh, {"w": P()}, stage=1, data_axis="data")
     _, state = fpar.optim.zero_init(opt, params, layout)  # a sharded call outside estimate: device 0
-    assert all(t.device.type == "meta" for t in torch.utils._pytree.tree_leaves(state) if isinstance(t, torch.Tensor))
+    assert all(
+        t.device.type == "meta" for t in torch.utils._pytree.tree_leaves(state) if isinstance(t, torch.Tensor)
+    )
     assert not torch.distributed.is_initialized()
 
 
@@ -156,8 +162,15 @@ def test_llama_70b_state_bytes_equal_the_sharded_parameter_count(zero):
 def test_search_ranks_the_layouts_that_fit_by_step_time():
     model = plan.MODELS["tiny"]
     results = plan.search(
-        lambda layout: plan.model_step(model, layout), 4, "h100-sxm", model=model,
-        pipeline=[1, 2], tensor=[1, 2], zero=[0, 1], batch=[8], microbatches=[2],
+        lambda layout: plan.model_step(model, layout),
+        4,
+        "h100-sxm",
+        model=model,
+        pipeline=[1, 2],
+        tensor=[1, 2],
+        zero=[0, 1],
+        batch=[8],
+        microbatches=[2],
     )
     times = [est.step_time for _, est in results]
     assert len(results) >= 6 and times == sorted(times)
@@ -166,23 +179,46 @@ def test_search_ranks_the_layouts_that_fit_by_step_time():
     assert table.count("\n") == len(results)
     tiny_memory = dataclasses.replace(plan.PRESETS["h100-sxm"], memory_bytes=1)
     dropped = plan.search(
-        lambda layout: plan.model_step(model, layout), 4, tiny_memory, model=model, keep_dropped=True,
-        pipeline=[1], tensor=[2], batch=[8], microbatches=[2],
+        lambda layout: plan.model_step(model, layout),
+        4,
+        tiny_memory,
+        model=model,
+        keep_dropped=True,
+        pipeline=[1],
+        tensor=[2],
+        batch=[8],
+        microbatches=[2],
     )
     assert [r.dropped.startswith("does not fit") for r in dropped] == [True] * len(dropped)
-    assert plan.search(lambda layout: plan.model_step(model, layout), 4, tiny_memory, model=model,
-                       pipeline=[1], tensor=[2], batch=[8], microbatches=[2]) == []
+    assert (
+        plan.search(
+            lambda layout: plan.model_step(model, layout),
+            4,
+            tiny_memory,
+            model=model,
+            pipeline=[1],
+            tensor=[2],
+            batch=[8],
+            microbatches=[2],
+        )
+        == []
+    )
 
 
 def test_search_in_forked_workers_equals_the_search_in_this_process():
     model = plan.MODELS["tiny"]
-    choices = dict(model=model, keep_dropped=True, pipeline=[1, 2], tensor=[2], zero=[1], batch=[8], microbatches=[2])
+    choices = dict(
+        model=model, keep_dropped=True, pipeline=[1, 2], tensor=[2], zero=[1], batch=[8], microbatches=[2]
+    )
     serial = plan.search(lambda layout: plan.model_step(model, layout), 4, "h100-sxm", workers=1, **choices)
     forked = plan.search(lambda layout: plan.model_step(model, layout), 4, "h100-sxm", workers=2, **choices)
     assert [r.layout for r in forked] == [r.layout for r in serial] and len(serial) == 2
     for a, b in zip(serial, forked):
         assert (a.estimate.peak_bytes, a.estimate.step_time, a.estimate.comm) == (
-            b.estimate.peak_bytes, b.estimate.step_time, b.estimate.comm)
+            b.estimate.peak_bytes,
+            b.estimate.step_time,
+            b.estimate.comm,
+        )
     assert "pipeline=" in plan.ranking(forked) and forked[0].estimate.mesh.abstract
     with pytest.raises(ValueError, match="workers must be a positive integer, got 0"):
         plan.search(lambda layout: plan.model_step(model, layout), 4, workers=0, **choices)
@@ -191,8 +227,26 @@ def test_search_in_forked_workers_equals_the_search_in_this_process():
 def test_command_line_prints_the_ranking(capsys):
     from fpar.plan.__main__ import main
 
-    code = main(["--model", "tiny", "--devices", "4", "--batch", "8", "--pipeline", "1,2", "--tensor", "2",
-                 "--zero", "1", "--microbatches", "2", "--remat", "no"])
+    code = main(
+        [
+            "--model",
+            "tiny",
+            "--devices",
+            "4",
+            "--batch",
+            "8",
+            "--pipeline",
+            "1,2",
+            "--tensor",
+            "2",
+            "--zero",
+            "1",
+            "--microbatches",
+            "2",
+            "--remat",
+            "no",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "2 layouts estimated" in out and "pipeline=2 data=1 tensor=2 zero=1" in out
@@ -202,7 +256,9 @@ def test_command_line_prints_the_ranking(capsys):
 def test_plot_draws_a_picture(tmp_path):
     pytest.importorskip("matplotlib")
     model = plan.MODELS["tiny"]
-    step, args = plan.model_step(model, plan.Layout(pipeline=2, data=1, tensor=2, microbatches=2, batch=4, zero=0))
+    step, args = plan.model_step(
+        model, plan.Layout(pipeline=2, data=1, tensor=2, microbatches=2, batch=4, zero=0)
+    )
     est = plan.estimate(step, *args)
     path = est.plot(str(tmp_path / "plan.png"))
     assert (tmp_path / "plan.png").stat().st_size > 10_000 and path.endswith("plan.png")

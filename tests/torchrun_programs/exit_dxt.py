@@ -99,8 +99,10 @@ def main() -> int:
     predict = fpar.shard(total_prediction_local, mesh, in_specs=(SPECS, P("data")), out_specs=P())
 
     gen = torch.Generator().manual_seed(0)
-    params = {"w1": torch.randn(D, H, generator=gen, dtype=torch.float64) / D**0.5,
-              "w2": torch.randn(H, 1, generator=gen, dtype=torch.float64) / H**0.5}
+    params = {
+        "w1": torch.randn(D, H, generator=gen, dtype=torch.float64) / D**0.5,
+        "w2": torch.randn(H, 1, generator=gen, dtype=torch.float64) / H**0.5,
+    }
     ref = dict(params)
     bad = []
     for step in range(args.steps):
@@ -149,7 +151,9 @@ def main() -> int:
             if not torch.allclose(loss, loss_global(ref, x, y), rtol=1e-10, atol=1e-12):
                 bad.append(f"eval batch {batch}: loss {float(loss)} != {float(loss_global(ref, x, y))}")
             if not torch.allclose(total, total_prediction_global(ref, x), rtol=1e-10, atol=1e-12):
-                bad.append(f"eval batch {batch}: total {float(total)} != {float(total_prediction_global(ref, x))}")
+                bad.append(
+                    f"eval batch {batch}: total {float(total)} != {float(total_prediction_global(ref, x))}"
+                )
     if bad:
         print(f"rank {rank}: FAIL " + "; ".join(bad), flush=True)
         return 1

@@ -21,8 +21,11 @@ def main() -> None:
     fpar.init_distributed(backend="gloo")
     mesh = fpar.make_mesh((2, 2), ("data", "tensor"))
     g = torch.Generator().manual_seed(0)
-    w = fpar.device_put({"a": torch.randn(4, 8, generator=g), "b": torch.randn(8, 4, generator=g)},
-                        mesh, {"a": P(None, "tensor"), "b": P("tensor", None)})
+    w = fpar.device_put(
+        {"a": torch.randn(4, 8, generator=g), "b": torch.randn(8, 4, generator=g)},
+        mesh,
+        {"a": P(None, "tensor"), "b": P("tensor", None)},
+    )
     x = fpar.device_put(torch.randn(8, 4, generator=g), mesh, P("data"))
 
     after = sys.argv[1:] == ["after"]  # raise after the call's first collective, or before it
@@ -36,7 +39,9 @@ def main() -> None:
             maybe_raise()
         return fpar.pmean(y.square().mean(), "data")
 
-    f = torch.func.grad(fpar.shard(loss, mesh, ({"a": P(None, "tensor"), "b": P("tensor", None)}, P("data")), P()))
+    f = torch.func.grad(
+        fpar.shard(loss, mesh, ({"a": P(None, "tensor"), "b": P("tensor", None)}, P("data")), P())
+    )
     for step in range(4):
         STEP[0] = step
         grads = f(w, x)
@@ -50,6 +55,7 @@ STEP = [0]
 def maybe_raise() -> None:
     if torch.distributed.get_rank() == 1 and STEP[0] == 2:
         raise RuntimeError("the model raised on rank 1 at step 2")
+
 
 if __name__ == "__main__":
     main()

@@ -58,6 +58,7 @@ def test_mesh_shapes(parallel, devices, expected):
 
 def test_same_mesh_as_fpar_ops_tensor_layout():
     import fpar.ops as ops
+
     for parallel in (
         dict(pipeline=2, tensor=dict(size=4, mode="2d")),
         dict(tensor=dict(size=8, mode="2.5d", depth=2)),

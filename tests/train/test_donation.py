@@ -30,7 +30,6 @@ def _clone(tree):
     return optree.tree_map(lambda t: t.clone(), tree)
 
 
-
 def _addresses(tree):
     return [t.data_ptr() for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.dim() > 0]
 

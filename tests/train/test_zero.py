@@ -94,7 +94,9 @@ def test_bucketed_collectives_follow_adamw_and_count_one_call_per_bucket(stage, 
     params, batch = W.tp_problem()
     ref = _torch_trajectory(params, W.tp_loss_unsharded, batch, 2)
     mesh = _mesh(data=2, tensor=2)
-    traj, _ = _zero_trajectory(params, W.tp_loss, batch, mesh, W.TP_SPECS, stage, 2, bucket_bytes=bucket_bytes)
+    traj, _ = _zero_trajectory(
+        params, W.tp_loss, batch, mesh, W.TP_SPECS, stage, 2, bucket_bytes=bucket_bytes
+    )
     _assert_same(traj, ref)
     layout = fo.zero_layout(params, mesh, W.TP_SPECS, stage=stage)
     leaves = fpar._tree.tree_flatten(params)[0]
@@ -286,7 +288,12 @@ def _kinds(**kw):
         # With 2 microbatches: stage 1 reduces once per step, stage 2 once per microbatch
         (1, 2, True, _kinds(psum_scatter=(1, RING), all_gather_invariant=(1, RING), pmean=(2, 2 * LOSS))),
         (2, 2, True, _kinds(psum_scatter=(2, 2 * RING), all_gather_invariant=(1, RING), pmean=(2, 2 * LOSS))),
-        (3, 2, True, _kinds(all_gather=(8, 2 * (RING + SAVED)), psum_scatter=(6, 2 * RING), pmean=(2, 2 * LOSS))),
+        (
+            3,
+            2,
+            True,
+            _kinds(all_gather=(8, 2 * (RING + SAVED)), psum_scatter=(6, 2 * RING), pmean=(2, 2 * LOSS)),
+        ),
     ],
     ids=[
         "ddp",
@@ -343,7 +350,12 @@ def test_real_mesh_zero_equals_in_process():
     # AdamW on stages 3 and 0, SGD with momentum on stage 2.
     jobs = [(2, 3, "mlp"), (3, 2, "mlp"), (3, 2, "remat"), (3, 2, "deep"), (0, 2, "remat"), (3, 2, "odd")]
     jobs += [(2, 2, "odd"), (2, 2, "remat")]
-    jobs += [(3, 3, "deep", True), (0, 2, "mlp", True), (2, 2, "mlp", True, "sgdm"), (3, 2, "mlp", True, "bf16")]
+    jobs += [
+        (3, 3, "deep", True),
+        (0, 2, "mlp", True),
+        (2, 2, "mlp", True, "sgdm"),
+        (3, 2, "mlp", True, "bf16"),
+    ]
     ranks = fpar.launch(W.zero_runs, 2, jobs, timeout=120.0)
     local = W.zero_runs(jobs)
     for results in ranks:
