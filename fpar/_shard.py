@@ -152,6 +152,16 @@ def shard(
                 return too_old(*args, **kwargs)
             return trace(args, kwargs)
 
+        def compiled_entry(*args: Any, **kwargs: Any) -> Any:
+            return sharded_entry(*args, **kwargs)
+
+        # ``torch.compile(fpar.shard(f, ...))`` compiles what ``innermost_fn`` finds here: a frame
+        # of its own that calls the entry, so the call is traced whole as from a step.  The entry's
+        # own frame is never compiled: called eagerly under a torch.func transform inside a
+        # compiled region, Dynamo would try, fail (pytorch#128711) and mark its code skipped for
+        # good, so that no later compile could start at it.
+        sharded_entry._torchdynamo_orig_callable = compiled_entry
+        sharded_entry._torchdynamo_wrapper_id = id(sharded_entry)
         return untraced(sharded_entry)
 
     if real is None:

@@ -36,3 +36,11 @@ def test_defer_unmatched_final_call_is_an_error_at_that_call():
     local = cp.defer_unmatched("matched")
     torch.testing.assert_close(results[0][0], local, rtol=1e-12, atol=1e-12)
     assert cp.defer_unmatched("other_tensors") is None  # in-process: nothing is deferred, all is right
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_compile_of_a_sharded_function_fullgraph_on_both_meshes():
+    for unplanned, eager, compiled in [cp.compiled_shard(), *fpar.launch(cp.compiled_shard, 2, timeout=300)]:
+        assert unplanned is not None and "no eager call with these argument shapes yet" in unplanned
+        for a, b in zip(eager, compiled):
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
