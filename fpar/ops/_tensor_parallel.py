@@ -144,17 +144,19 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, *, axis: str = "tensor", plan:
         _check_layer(name, modules[name], layer, n)
     params = {name: p.detach() for name, p in model.named_parameters()}
     specs = _specs(model, modules, layers, params, axis)
-    regrouped = {}
+    regrouped, sources = {}, {}
     for name, layer in layers.items():
         if layer.groups > 1:
             for pname, dim in _out_dims(modules[name]).items():
                 full = f"{name}.{pname}" if name else pname
-                params[full] = _regroup(params[full], layer.groups, n, dim)
+                index = _regroup(torch.arange(params[full].shape[dim]), layer.groups, n, 0)
+                params[full] = params[full].index_select(dim, index)
                 regrouped[full] = (layer.groups, dim)
+                sources[full] = (dim, index)
     local = _local_copy(model, modules, layers, n, axis)
     buffers = {name: b.detach() for name, b in local.named_buffers()}
     run = _stateless(local, frozenset(params), buffers)
-    return TensorParallelFn(run, local, axis, n, layers, regrouped), params, specs
+    return TensorParallelFn(run, local, axis, n, layers, regrouped, sources, frozenset(params)), params, specs
 
 
 class TensorParallelFn:
@@ -168,10 +170,22 @@ class TensorParallelFn:
         ``params`` holds regrouped per device (GPT-2's ``c_attn``: groups 3).
     """
 
-    def __init__(self, run: Callable, module: nn.Module, axis: str, n: int, layers: dict, regrouped: dict):
+    def __init__(
+        self,
+        run: Callable,
+        module: nn.Module,
+        axis: str,
+        n: int,
+        layers: dict,
+        regrouped: dict,
+        sources: dict,
+        names: frozenset,
+    ):
         self._run, self.module, self.axis, self.n = run, module, axis, n
         self.plan = {name: layer.kind for name, layer in layers.items() if layer.kind != "replicate"}
         self.regrouped = regrouped
+        self._sources = sources
+        self._names_of_params = frozenset(names)
         self._names = {id(m): name for name, m in module.named_modules()}
         self.__name__ = f"{type(module).__name__}_tensor_parallel"
 
@@ -201,23 +215,53 @@ class TensorParallelFn:
                 f"tensor_parallel divides by {self.n}), or mark its layers 'replicate' in the plan."
             ) from e
 
-    def export(self, tensors: Mapping[str, Tensor], *, prefix: str = "") -> dict[str, Tensor]:
-        """Undo the regrouping of fused weights: ``params`` in the module's own layout.
+    def source(self, name: str) -> tuple[int, Tensor] | None:
+        """Where the global tensor ``params[name]`` comes from in the module's own tensor.
 
         Args:
-          tensors: ``{name: global tensor}``, e.g. ``params`` (after training), or the flat dict
-            of a merged checkpoint (``fpar.checkpoint.merge(..., transform=apply_fn.export)``).
+          name: a parameter name, as in ``params``.
+
+        Returns:
+          ``None`` when ``params[name]`` is the module's own tensor (same shape and values), else
+          ``(dim, index)`` with ``index`` a 1-D ``LongTensor`` such that ``params[name] ==
+          module_tensor.index_select(dim, index)``: a fused weight regrouped per device (a
+          permutation), or a key/value weight whose heads are replicated over the tensor devices
+          that use them (``index`` repeats rows; ``params[name]`` is then larger).  A loader reads
+          only the rows of its own block: ``index`` sliced by the spec.
+
+        Raises:
+          KeyError: ``name`` is not a parameter of the model.
+        """
+        if name not in self._names_of_params:
+            raise KeyError(
+                f"{_API}: source({name!r}): no such parameter; the names are those of params "
+                f"(model.named_parameters(), tied ones once)."
+            )
+        found = self._sources.get(name)
+        return None if found is None else (found[0], found[1].clone())
+
+    def export(self, tensors: Mapping[str, Tensor], *, prefix: str = "") -> dict[str, Tensor]:
+        """Undo ``source``: tensors in the module's own layout, e.g. to save for ``from_pretrained``.
+
+        Regrouped rows go back to the module's order; replicated key/value heads collapse to one
+        copy (the first: replicas are equal, and their gradients too, see the docs).
+
+        Args:
+          tensors: ``{name: global tensor}`` over any subset of the parameter names, e.g.
+            ``params`` (after training), their gradients, or the flat dict of a merged checkpoint.
           prefix: what precedes the module's parameter names in ``tensors`` (``"params."`` for a
             checkpoint of ``{"params": params, ...}``).
 
         Returns:
-          A new dict with the same names and shapes, regrouped weights restored to the original
-          column order (e.g. GPT-2's ``[q|k|v]``); the other tensors are passed through.
+          A new dict with the same names, each tensor in the module's own layout (and shape); the
+          other tensors are passed through.
         """
         out = dict(tensors)
-        for name, (groups, dim) in self.regrouped.items():
+        for name, (dim, index) in self._sources.items():
             if prefix + name in out:
-                out[prefix + name] = _ungroup(out[prefix + name], groups, self.n, dim)
+                out[prefix + name] = out[prefix + name].index_select(
+                    dim, _inverse(index).to(out[prefix + name].device)
+                )
         return out
 
 
@@ -464,10 +508,11 @@ def _regroup(t: Tensor, groups: int, n: int, dim: int) -> Tensor:
     return v.transpose(dim, dim + 1).reshape(shape).contiguous()
 
 
-def _ungroup(t: Tensor, groups: int, n: int, dim: int) -> Tensor:
-    shape = t.shape
-    v = t.unflatten(dim, (n, groups, shape[dim] // (groups * n)))
-    return v.transpose(dim, dim + 1).reshape(shape).contiguous()
+def _inverse(index: Tensor) -> Tensor:
+    """The first position of each value ``0..max`` in ``index`` (undoes ``index_select(d, index)``)."""
+    size = int(index.max()) + 1
+    first = torch.full((size,), index.numel(), dtype=torch.long)
+    return first.scatter_reduce(0, index, torch.arange(index.numel()), reduce="amin")
 
 
 # The local copy ---------------------------------------------------------------------------------
