@@ -4,7 +4,7 @@
   directory onto a mesh, tensor parallel, each process reading only its blocks;
 * ``save_pretrained(path, apply_fn, params, mesh)``: a directory ``transformers`` loads, written
   from every process's blocks without gathering the model in one process;
-* ``pipeline_stages(apply_fn, mesh, ...)``: the model cut where its ``base_model_pp_plan``
+* ``pipeline_stages(apply_fn, specs, mesh, ...)``: the model cut where its ``base_model_pp_plan``
   says, as the functions ``fpar.pipeline.pipeline`` runs.
 
 ``transformers`` and ``safetensors`` are imported when these are called, not with ``fpar``.
@@ -12,6 +12,14 @@
 
 from ._files import CheckpointFormatError as CheckpointFormatError
 from ._load import from_pretrained as from_pretrained
+from ._pipeline import Stages as Stages
+from ._pipeline import pipeline_stages as pipeline_stages
 from ._save import save_pretrained as save_pretrained
 
-__all__ = ["CheckpointFormatError", "from_pretrained", "save_pretrained"]
+__all__ = [
+    "CheckpointFormatError",
+    "Stages",
+    "from_pretrained",
+    "pipeline_stages",
+    "save_pretrained",
+]
