@@ -128,6 +128,8 @@ def _ready(model):
         for p in model.parameters():  # random norm weights and biases too
             p.normal_(0.0, 0.3)
     model.set_attn_implementation("eager")
+    if getattr(model.config, "_experts_implementation", "none") != "none":
+        model.set_experts_implementation("batched_mm")  # grouped_mm has no float64 kernel
     return model.double().eval()
 
 
