@@ -45,7 +45,7 @@ from torch import nn
 from .._functional import _stateless
 from .._mesh import Mesh
 from . import _tp_layers as tl
-from ._tp_index import group_perms, inverse, layout_index
+from ._tp_index import inverse, layout_index
 from ._tp_resolve import (
     KV_ATTRS,
     QUERY_ATTRS,
@@ -148,7 +148,7 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, *, axis: str = "tensor", plan:
             params[name] = params[name].index_select(dim, index)
             sources[name] = (dim, index)
         if rows is not None:
-            tied[name] = (dim, rows, group_perms(n, group))
+            tied[name] = (dim, rows, n // group, group)
     local = _local_copy(model, modules, layers, rules, n, axis)
     buffers = {name: b.detach() for name, b in local.named_buffers()}
     run = _stateless(local, frozenset(params), buffers)
@@ -182,7 +182,7 @@ class TensorParallelFn:
         self.regrouped = {
             name: dim for name, (dim, index) in sources.items() if index.numel() == len(set(index.tolist()))
         }
-        self.replicated = {name: len(perms) + 1 for name, (_, _, perms) in tied.items()}
+        self.replicated = {name: group for name, (_, _, _, group) in tied.items()}
         self._sources, self._tied = sources, tied
         self._names_of_params = frozenset(names)
         self._names = {id(m): name for name, m in module.named_modules()}
@@ -191,9 +191,9 @@ class TensorParallelFn:
     def __call__(self, params: Mapping[str, Tensor], *args: Any, **kwargs: Any) -> Any:
         if self._tied and isinstance(params, Mapping):
             params = dict(params)
-            for name, (dim, rows, perms) in self._tied.items():
+            for name, (dim, rows, kv, group) in self._tied.items():
                 if name in params:
-                    params[name] = tl.tie_replicas(params[name], self.axis, dim, rows, perms)
+                    params[name] = tl.tie_replicas(params[name], self.axis, dim, rows, kv, group)
         try:
             return self._run(params, *args, **kwargs)
         except RuntimeError as e:
@@ -282,7 +282,9 @@ def _local_copy(model, modules, layers: dict, rules: dict, n: int, axis: str) ->
     counts = attention_counts(modules, layers)
     for name, (heads, kv, _) in counts.items():
         _local_heads(local_modules[name], name, heads, kv, n)
-    parents = {name.rpartition(".")[0] for name, layer in layers.items() if layer.kind in ("colwise", "vocab")}
+    parents = {
+        name.rpartition(".")[0] for name, layer in layers.items() if layer.kind in ("colwise", "vocab")
+    }
     for name in parents - set(counts):  # a plain module's head counts: divided by n
         if not isinstance(modules[name], nn.Embedding):
             _divide_attrs(local_modules[name], name, QUERY_ATTRS + KV_ATTRS, n)

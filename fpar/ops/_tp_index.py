@@ -50,11 +50,6 @@ def layout_index(segments: list[tuple], n: int) -> tuple[Tensor | None, Tensor |
     return index, (torch.cat(tied) if tied else None), group
 
 
-def group_perms(n: int, group: int) -> list[list[tuple[int, int]]]:
-    """The ``group - 1`` rotations inside each run of ``group`` consecutive devices (for ppermute)."""
-    return [[(j, (j // group) * group + (j % group + s) % group) for j in range(n)] for s in range(1, group)]
-
-
 def inverse(index: Tensor) -> Tensor:
     """The first position of each value ``0..max`` in ``index`` (undoes ``index_select(d, index)``)."""
     size = int(index.max()) + 1

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._collectives import all_gather, axis_index, ppermute, psum
+from .._collectives import all_gather_invariant, axis_index, psum
 from ._megatron import _local_ids, vocab_cross_entropy
 
 Tensor = torch.Tensor
@@ -40,7 +40,7 @@ def split_input(row, n: int, axis: str, x: Tensor) -> Tensor:
 def gather_output(forward, axis: str, *args, **kwargs) -> Tensor:
     """``colwise_gather_output`` / ``embedding_colwise``: the split last dim all-gathered."""
     y = forward(*args, **kwargs)
-    return all_gather(y, axis, axis=y.dim() - 1, tiled=True)
+    return all_gather_invariant(y, axis, axis=y.dim() - 1, tiled=True)
 
 
 def all_reduce_output(forward, axis: str, *args, **kwargs):
@@ -76,15 +76,21 @@ def split_rms_norm(module: nn.Module, axis: str, width: int, repeats: int, x: Te
     return (module.weight * h).to(dtype)
 
 
-def tie_replicas(w: Tensor, axis: str, dim: int, rows: Tensor, perms: list) -> Tensor:
-    """Replicated kv rows: the same value, and each replica's gradient the sum over its group.
+def tie_replicas(w: Tensor, axis: str, dim: int, rows: Tensor, kv: int, group: int) -> Tensor:
+    """Replicated kv rows: their value unchanged, their gradient the sum over the replicas.
 
-    ``rows`` are the replicated positions of this device's block, ``perms`` the rotations inside
-    each group of devices holding the same heads.  The added term is exactly zero in value.
+    ``rows`` are the replicated positions of this device's block; device ``r`` holds kv head
+    ``r // group``.  The rows go through one ``psum`` of a ``[kv, ...]`` buffer (each device's rows in
+    its head's slot) whose only use is its gradient: the backward sums each head's cotangents
+    over the devices holding it in one all-reduce, so every replica gets bit-identical gradients
+    (an optimizer keeps them equal).  The value is exactly the rows (``x - x.detach()`` is zero).
     """
-    part = w.index_select(dim, rows.to(w.device))
-    others = sum(ppermute(part, axis, perm) for perm in perms)
-    return w.index_add(dim, rows.to(w.device), others - others.detach())
+    rows = rows.to(w.device)
+    part = w.index_select(dim, rows)
+    slot = torch.arange(kv, device=w.device) == axis_index(axis) // group
+    slot = slot.to(w.dtype).reshape(kv, *([1] * part.dim()))
+    mine = (psum(slot * part.unsqueeze(0), axis) * slot).sum(0)
+    return w.index_copy(dim, rows, part.detach() + (mine - mine.detach()))
 
 
 def vocab_loss(axis: str, loss_type, logits: Tensor, labels: Tensor, vocab_size: int, **kwargs) -> Tensor:

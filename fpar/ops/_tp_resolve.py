@@ -19,6 +19,7 @@ from ._tp_index import segment_size
 
 _API = "fpar.ops.tensor_parallel"
 COLUMN = ("colwise", "colwise_gather", "packed_colwise", "vocab", "split_norm")
+SPLIT_OUT = ("colwise", "packed_colwise")  # column-parallel layers whose output stays split
 LINEAR_KINDS = ("colwise", "rowwise", "colwise_gather", "rowwise_split", "packed_colwise", "vocab")
 # Module attributes counting query heads, kv heads, or fused widths (set to per-device values).
 QUERY_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads", "split_size", "all_head_size")
@@ -63,8 +64,8 @@ def resolve(model: nn.Module, modules: dict, params: dict, plan: Any, n: int) ->
     else:
         layers, rules = _match_user(plan, modules, params)
         _fpar_fused(modules, layers)
-    _heads_and_vocab(model, modules, layers, n)
     _upgrade(modules, layers)
+    _heads_and_vocab(model, modules, layers, n)
     return layers, rules
 
 
@@ -152,8 +153,10 @@ def _fpar_auto(model: nn.Module, modules: dict) -> dict:
 
 
 def _fpar_fused(modules: dict, layers: dict) -> None:
-    """A user plan's column-parallel fused layers of fpar's families are regrouped, as ``auto`` does
-    (GPT-2's ``c_attn``: a contiguous split of ``[q|k|v]`` would be silently wrong)."""
+    """A user plan's column-parallel fused layers of fpar's families are regrouped, as ``auto`` does.
+
+    GPT-2's ``c_attn``: a contiguous split of ``[q|k|v]`` would be silently wrong.
+    """
     families = hf.fpar_families()
     for name, layer in layers.items():
         parent, _, child = name.rpartition(".")
@@ -198,7 +201,7 @@ def _heads_and_vocab(model, modules: dict, layers: dict, n: int) -> None:
     seen = set()
     for name, layer in layers.items():
         parent = name.rpartition(".")[0]
-        if layer.kind in COLUMN and parent not in seen and is_attention(modules.get(parent)):
+        if layer.kind in SPLIT_OUT and parent not in seen and is_attention(modules.get(parent)):
             seen.add(parent)
             counts = hf.head_counts(modules[parent])
             if counts is not None:
@@ -206,11 +209,11 @@ def _heads_and_vocab(model, modules: dict, layers: dict, n: int) -> None:
 
 
 def attention_counts(modules: dict, layers: dict) -> dict[str, tuple[int, int, int]]:
-    """``{attention module: (heads, kv heads, head dim)}`` for the parents of column-parallel layers."""
+    """``{attention module: (heads, kv heads, head dim)}`` for the parents of split-output layers."""
     out = {}
     for name, layer in layers.items():
         parent = name.rpartition(".")[0]
-        if layer.kind in COLUMN and parent not in out and is_attention(modules.get(parent)):
+        if layer.kind in SPLIT_OUT and parent not in out and is_attention(modules.get(parent)):
             counts = hf.head_counts(modules[parent])
             if counts is not None:
                 out[parent] = counts

@@ -163,3 +163,36 @@ def sharded_loss(apply_fn, mesh, specs, causal: bool):
         return fpar.pmean(loss, "data") if data else loss
 
     return fpar.shard(per_device, mesh, (specs, P("data") if data else P()), P())
+
+
+# Tolerances: float64 throughout, except where the HF modules themselves compute in float32 (Gemma 3's
+# RMSNorm runs in float32, so its weight gradient is a float32 sum whose order the split changes;
+# OLMo 2's q/k norms are float32 statistics, which fpar sums per device and then over the axis).
+FLOAT32_INSIDE = {"gemma3", "olmo2"}
+
+
+def tolerances(family: str) -> dict:
+    return dict(rtol=1e-5, atol=1e-7) if family in FLOAT32_INSIDE else dict(rtol=1e-9, atol=1e-10)
+
+
+def compare(got: dict, want: dict, what: str, **tol) -> None:
+    assert set(got) == set(want), what
+    for k in want:
+        assert got[k].shape == want[k].shape, f"{what} {k}: {tuple(got[k].shape)} != {tuple(want[k].shape)}"
+        torch.testing.assert_close(got[k], want[k], **tol, msg=lambda m, k=k: f"{what} {k}: {m}")
+
+
+def unsharded(model, ids):
+    """Loss and gradients of the whole model on its own parameters (the reference)."""
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    loss = reference_loss(model)
+    return loss(params, ids), torch.func.grad(loss)(params, ids)
+
+
+def sharded(model, mesh, ids, plan="auto"):
+    """fpar's loss and gradients (exported to the model's layout), and the raw gradients."""
+    apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh, plan=plan)
+    causal = hasattr(model, "lm_head") or hasattr(model, "embed_out")
+    loss = sharded_loss(apply_fn, mesh, specs, causal=causal)
+    grads = torch.func.grad(loss)(params, ids)
+    return loss(params, ids), apply_fn.export(grads), grads, apply_fn
