@@ -287,3 +287,30 @@ def test_error_tensor_size_dividing_neither_heads_nor_kv_heads():
         r"Tensor sizes that work: \[1, 2, 4, 8\]",
     ):
         fpar.ops.tensor_parallel(model, fpar.make_mesh((3,), ("tensor",)))
+
+
+# The real mesh --------------------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_real_mesh_equals_in_process_and_unsharded():
+    import hf_workers
+
+    results = fpar.launch(hf_workers.worker, 2, timeout=240.0)
+    want = hf_workers.run(fpar.make_mesh((2,), ("tensor",)))
+    for case, (family, kw) in hf_workers.CASES.items():
+        model = hf_models.FAMILIES[family](num_hidden_layers=1, **kw)
+        ref_loss, ref_grads = hf_models.unsharded(model, hf_models.batch())
+        # HF's RMSNorms compute in float32: the real mesh's sums in another order move a float32
+        # rounding now and then, so real vs in-process agree to float32 precision, not float64.
+        tol = hf_models.tolerances("gemma3")
+        for rank, got in enumerate(results):
+            value, grads, replicas = got[case]
+            torch.testing.assert_close(value, want[case][0], **tol)
+            hf_models.compare(grads, want[case][1], f"rank {rank} {case} real vs in-process", **tol)
+            hf_models.compare(grads, ref_grads, f"rank {rank} {case} real vs unsharded", **tol)
+            torch.testing.assert_close(value, ref_loss, **tol)
+            for name, g in replicas.items():  # kv rows replicated on both devices: equal gradients
+                half = g.shape[0] // 2 if "qkv" not in name else None
+                if half is not None:
+                    assert torch.equal(g[:half], g[half:]), f"rank {rank} {case} {name}"
