@@ -76,20 +76,24 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, *, axis: str = "tensor", plan:
     the bias, vocabulary-parallel embeddings and heads split the vocabulary.  Everything else
     (norms, position embeddings, biases of row-parallel layers) is replicated.
 
-    ``plan="auto"`` recognises Hugging Face ``GPT2LMHeadModel``/``GPT2Model``,
-    ``LlamaForCausalLM``/``LlamaModel``, ``MistralForCausalLM``/``MistralModel`` and
-    ``BertModel``: q/k/v (GPT-2's fused ``c_attn``) and the MLP's first layers column-parallel,
-    the attention output and the MLP's last layer row-parallel, the token embedding and
-    ``lm_head`` vocabulary-parallel when ``n`` divides the vocabulary (replicated otherwise, e.g.
-    GPT-2's 50257; padding it would change the model's shapes).  Tied embeddings stay tied.
+    ``plan="auto"`` reads a Hugging Face model's own tensor-parallel plan (``model.tp_plan``:
+    the config's ``base_model_tp_plan``, the head's ``_tp_plan``, ``embed_tokens`` vocabulary
+    split), every ``transformers`` string mapped to what it means with fpar's collectives
+    (``docs/hf-tensor-parallel.md`` has the table; one fpar does not implement is an error naming
+    the module).  Models without a plan: fpar's own table for ``GPT2LMHeadModel``/``GPT2Model``
+    and ``BertModel``.  The token embedding and ``lm_head`` are vocabulary-parallel when ``n``
+    divides the vocabulary (replicated otherwise, e.g. GPT-2's 50257; padding it would change the
+    model's shapes), and the logits stay split.  Tied embeddings stay tied.
 
-    **GPT-2's c_attn is regrouped.**  Its ``[q|k|v]`` output columns are permuted in ``params``
-    so that device ``r``'s contiguous block is ``[q_r|k_r|v_r]`` (its own heads of q, k and v; a
-    contiguous third of the fused dim would be silently wrong).  Names and shapes are unchanged
-    but the values are not the module's: ``apply_fn.export(params)`` undoes it, and
-    ``fpar.checkpoint.merge(..., transform=apply_fn.export)`` writes a file that
-    ``transformers``' ``from_pretrained`` loads into the original class.  ``apply_fn.regrouped``
-    names the regrouped parameters.  A user plan's column-parallel ``c_attn`` is regrouped too.
+    **Where a device's block is not a slice of the module's tensor.**  Fused weights are
+    regrouped so device ``r``'s contiguous block holds its own heads (GPT-2's ``c_attn``, Phi-3's
+    ``qkv_proj``: ``[q_r|k_r|v_r]``; ``gate_up_proj``: ``[gate_r|up_r]``), where the plan would
+    gather; with fewer kv heads than ``n`` each kv head is replicated on the ``n / kv`` devices
+    whose query heads use it (``params`` then holds the repeated rows; every replica gets the
+    same summed gradient, so an optimizer keeps them equal).  ``apply_fn.source(name)`` says
+    where each block comes from, ``apply_fn.export`` gives tensors back in the module's layout
+    (``from_pretrained`` loads them).  ``apply_fn.regrouped`` / ``apply_fn.replicated`` name
+    those parameters.  A model on the ``meta`` device gives ``meta`` params.
 
     Args:
       model: the module (not modified; its parameters are shared, not copied).  Call
@@ -98,9 +102,11 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, *, axis: str = "tensor", plan:
       axis: the tensor-parallel mesh axis.
       plan: ``"auto"``, or a dict of module-name patterns (glob, ``*`` also crosses dots, matched
         against the whole dotted name from ``named_modules``) to ``"colwise"`` | ``"rowwise"`` |
-        ``"vocab"`` | ``"replicate"``, over ``nn.Linear``, ``nn.Embedding`` (``"vocab"``) and HF
-        ``Conv1D``.  The first matching pattern wins; modules no pattern names are replicated.
-        ``"vocab"`` on a Linear is column-parallel over the vocabulary (``lm_head``).
+        ``"vocab"`` | ``"replicate"`` or a ``transformers`` plan string (``"colwise_gather_output"``,
+        ``"embedding_rowwise"``, ...), over ``nn.Linear``, ``nn.Embedding`` and HF ``Conv1D``
+        (3-D expert weights by their parameter name).  The first matching pattern wins; modules
+        no pattern names are replicated.  ``"vocab"`` on a Linear is column-parallel over the
+        vocabulary (``lm_head``).
 
     Returns:
       ``(apply_fn, params, specs)``: ``apply_fn(params, *args, **kwargs)`` is the per-device
@@ -113,8 +119,9 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, *, axis: str = "tensor", plan:
     Raises:
       TypeError: ``model`` is not a module, ``mesh`` not a ``fpar.Mesh``, a bad plan value, or a
         plan splitting a module type it cannot split.
-      ValueError: an unknown axis, an unrecognised model with ``plan="auto"``, a pattern naming no
-        module, or head/feature/vocabulary sizes the axis size does not divide.
+      ValueError: an unknown axis, an unrecognised model with ``plan="auto"``, a pattern (or a whole
+        model plan) naming no module, a plan string fpar does not implement, or head/feature/
+        vocabulary sizes the axis size does not fit (the error lists the tensor sizes that work).
 
     Example:
       >>> model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64)).eval()
@@ -162,8 +169,10 @@ class TensorParallelFn:
       module: the private local copy whose forward runs on this device's blocks.
       axis: the tensor-parallel mesh axis; ``n`` its size.
       plan: ``{module name: kind}`` of every non-replicated layer.
-      regrouped: ``{parameter name: (groups, dim)}`` of the fused weights whose output columns
-        ``params`` holds regrouped per device (GPT-2's ``c_attn``: groups 3).
+      regrouped: ``{parameter name: dim}`` of the fused weights whose rows (columns of a
+        ``Conv1D``) ``params`` holds regrouped per device (GPT-2's ``c_attn``, Phi-3's fused ones).
+      replicated: ``{parameter name: replicas}`` of the kv weights whose heads ``params`` holds
+        repeated (fewer kv heads than tensor devices).
     """
 
     def __init__(
