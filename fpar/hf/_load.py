@@ -20,6 +20,7 @@ from torch import nn
 
 from .._mesh import Mesh
 from ..ops._tensor_parallel import tensor_parallel
+from ._convert import Entry, entries
 from ._files import Checkpoint, CheckpointFormatError
 from ._layout import block_ranges, source
 
@@ -78,11 +79,11 @@ def from_pretrained(
     ckpt = Checkpoint(path, _API)
     model = meta_model(ckpt, dtype)
     loads = _plan_loads(model, ckpt)
-    _materialize_buffers(model, ckpt, loads)
+    _materialize_buffers(model, loads)
     apply_fn, meta_params, specs = tensor_parallel(model, mesh, axis=axis, plan=plan)
     params = {}
     for name, meta in meta_params.items():
-        params[name] = _read(ckpt, loads[name], apply_fn, name, meta, specs[name], mesh)
+        params[name] = _read(loads[name], apply_fn, name, meta, specs[name], mesh)
     apply_fn.config = model.config
     return apply_fn, params, specs
 
@@ -129,8 +130,8 @@ def _stored_float(ckpt: Checkpoint) -> torch.dtype:
     return max(counts, key=counts.get) if counts else torch.float32
 
 
-def _plan_loads(model: nn.Module, ckpt: Checkpoint) -> dict[str, str]:
-    """``{model tensor name: stored name}`` for parameters and persistent buffers, all checked.
+def _plan_loads(model: nn.Module, ckpt: Checkpoint) -> dict[str, Entry]:
+    """``{model tensor name: where it is stored}`` for parameters and persistent buffers, all checked.
 
     A tied parameter is found under any of its names (HF writes a tied ``lm_head`` once).
     """
@@ -143,9 +144,10 @@ def _plan_loads(model: nn.Module, ckpt: Checkpoint) -> dict[str, str]:
         aliases.setdefault(id(t), []).append(name)
         tensors[name] = t
     persistent = set(model.state_dict())
-    loads: dict[str, str] = {}
+    stored = entries(model, ckpt)
+    loads: dict[str, Entry] = {}
     for name, t in tensors.items():
-        found = next((a for a in [name, *aliases[id(t)]] if a in ckpt.tensors), None)
+        found = next((a for a in [name, *aliases[id(t)]] if a in stored), None)
         if found is None:
             if isinstance(t, nn.Parameter):
                 raise CheckpointFormatError(
@@ -156,29 +158,29 @@ def _plan_loads(model: nn.Module, ckpt: Checkpoint) -> dict[str, str]:
             continue  # a buffer: recomputed below
         if name not in persistent and not isinstance(t, nn.Parameter):
             continue  # a non-persistent buffer an old checkpoint still carries: recomputed
-        _check_tensor(ckpt, found, name, t)
-        loads[name] = found
+        _check_tensor(stored[found], name, t)
+        loads[name] = stored[found]
     return loads
 
 
-def _check_tensor(ckpt: Checkpoint, stored: str, name: str, t: Tensor) -> None:
-    where = f"{_API}: {stored!r} in {os.path.basename(ckpt.file(stored))!r}"
-    if tuple(ckpt.shape(stored)) != tuple(t.shape):
+def _check_tensor(entry: Entry, name: str, t: Tensor) -> None:
+    where = f"{_API}: {entry.where}"
+    if tuple(entry.shape) != tuple(t.shape):
         raise CheckpointFormatError(
-            f"{where} has shape {ckpt.shape(stored)}, but the model config.json describes has "
+            f"{where} has shape {entry.shape}, but the model config.json describes has "
             f"{tuple(t.shape)} for {name!r}: the config and the weights are from different models; "
             f"use the config.json saved with these weights."
         )
-    have = ckpt.dtype(stored)
+    have = entry.dtype
     if have is None or (t.dtype.is_floating_point and not have.is_floating_point):
-        shown = have or ckpt.tensors[stored][2]
+        shown = have or entry.stored_dtype
         raise CheckpointFormatError(
             f"{where} is stored as {shown}, which cannot be cast to the model's {t.dtype}; convert the "
             f"checkpoint to a floating dtype with transformers first."
         )
 
 
-def _materialize_buffers(model: nn.Module, ckpt: Checkpoint, loads: dict[str, str]) -> None:
+def _materialize_buffers(model: nn.Module, loads: dict[str, Entry]) -> None:
     """Every buffer off ``meta``: read from the checkpoint, or recomputed by ``_init_weights``."""
     owners: dict[str, nn.Module] = {}
     for mname, module in model.named_modules():
@@ -187,7 +189,7 @@ def _materialize_buffers(model: nn.Module, ckpt: Checkpoint, loads: dict[str, st
                 continue
             full = f"{mname}.{bname}" if mname else bname
             if full in loads:
-                module._buffers[bname] = ckpt.read(loads[full], [], None).to(b.dtype)
+                module._buffers[bname] = loads[full].read([], None).to(b.dtype)
                 continue
             fill = float("nan") if b.dtype.is_floating_point else _sentinel(b.dtype)
             module._buffers[bname] = torch.full(b.shape, fill, dtype=b.dtype)
@@ -215,9 +217,9 @@ def _sentinel(dtype: torch.dtype):
 # Reading blocks ------------------------------------------------------------------------------------
 
 
-def _read(ckpt: Checkpoint, stored: str, apply_fn, name: str, meta: Tensor, spec, mesh: Mesh) -> Tensor:
+def _read(entry: Entry, apply_fn, name: str, meta: Tensor, spec, mesh: Mesh) -> Tensor:
     """``name``'s global tensor in-process, this process's block on a real mesh, in ``meta.dtype``."""
-    hf_shape = tuple(ckpt.shape(stored))
+    hf_shape = tuple(entry.shape)
     rows = source(apply_fn, name, hf_shape)
     want = list(hf_shape)
     if rows is not None:
@@ -234,4 +236,4 @@ def _read(ckpt: Checkpoint, stored: str, apply_fn, name: str, meta: Tensor, spec
         start, stop = ranges[dim]
         rows = (dim, index[start:stop])
         ranges[dim] = (0, hf_shape[dim])
-    return ckpt.read(stored, ranges, rows).to(meta.dtype).contiguous()
+    return entry.read(ranges, rows).to(meta.dtype).contiguous()

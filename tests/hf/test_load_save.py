@@ -49,11 +49,44 @@ def llama(kv: int = 2, tied: bool = False):
     return transformers.LlamaForCausalLM(config).double().eval()
 
 
+def phi3():  # fused qkv_proj and gate_up_proj, regrouped per device
+    config = transformers.Phi3Config(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    return transformers.Phi3ForCausalLM(config).double().eval()
+
+
+def mixtral():  # stored per expert (w1/w2/w3); transformers' conversion stacks them
+    config = transformers.MixtralConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(config).double().eval()
+
+
 MODELS = {
     "gpt2": gpt2,
     "llama": llama,
     "llama-tied": lambda: llama(tied=True),
     "llama-kv1": lambda: llama(kv=1),
+    "phi3": phi3,
+    "mixtral": mixtral,
 }
 
 
@@ -82,7 +115,7 @@ def logits_of(apply_fn, params, specs, mesh, ids):
 # In-process ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-tied", "llama-kv1"])
+@pytest.mark.parametrize("name", ["gpt2", "llama-tied", "llama-kv1", "phi3", "mixtral"])
 def test_in_process_params_are_tensor_parallels_global_tensors(tmp_path, name):
     path = saved(tmp_path, name)
     mesh = fpar.make_mesh((1, 2), ("data", "tensor"))
@@ -108,7 +141,7 @@ def test_dtype_casts_each_tensor(tmp_path):
     )
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-tied", "llama-kv1"])
+@pytest.mark.parametrize("name", ["gpt2", "llama-tied", "llama-kv1", "phi3", "mixtral"])
 def test_save_then_transformers_from_pretrained_gives_the_same_logits(tmp_path, name):
     mesh = fpar.make_mesh((1, 2), ("data", "tensor"))
     apply_fn, params, specs = fpar.hf.from_pretrained(saved(tmp_path, name), mesh)
@@ -118,7 +151,8 @@ def test_save_then_transformers_from_pretrained_gives_the_same_logits(tmp_path, 
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1 and set(index["weight_map"]) == set(params)
     ids = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(1))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    eager = {"attn_implementation": "eager", "experts_implementation": "eager"}  # float64 kernels
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, **eager).eval()
     assert hf.dtype == torch.float64
     with torch.no_grad():
         torch.testing.assert_close(
