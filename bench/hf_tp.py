@@ -291,7 +291,7 @@ def main(argv=None) -> None:
     psum = r0["stats"].get("tensor", {}).get("psum", {})
     print(
         f"fpar traffic per step per device (forward + backward): {psum.get('calls', 0)} all-reduces, "
-        f"{psum.get('bytes', 0) / 1e6:.2f} MB ({args.layers} blocks: 2 forward + 2 backward each)"
+        f"{psum.get('bytes', 0) / 1e6:.2f} MB ({args.layers} blocks; per block: --collectives)"
     )
     med = {k: statistics.median(v) * 1e3 for k, v in r0["times"].items()}
     print(

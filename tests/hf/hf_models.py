@@ -17,7 +17,7 @@ V, T = 64, 8  # vocabulary, sequence
 
 def _decoder(**kw) -> dict:
     cfg = dict(
-        num_hidden_layers=2,
+        num_hidden_layers=1,
         hidden_size=32,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -59,7 +59,8 @@ def qwen3(meta=False, **kw):
 
 def gemma3(meta=False, **kw):
     cfg = _decoder(head_dim=8, sliding_window=4, query_pre_attn_scalar=8, **kw)
-    cfg.setdefault("layer_types", ["sliding_attention", "full_attention"][: cfg["num_hidden_layers"]])
+    cfg.setdefault("layer_types", ["sliding_attention", "full_attention"] * cfg["num_hidden_layers"])
+    cfg["layer_types"] = cfg["layer_types"][: cfg["num_hidden_layers"]]
     return _build("Gemma3TextConfig", "Gemma3ForCausalLM", meta, **cfg)
 
 
@@ -90,13 +91,13 @@ def qwen3_moe(meta=False, **kw):
 
 
 def gpt2(meta=False, **kw):
-    cfg = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=V, n_positions=16, bos_token_id=0, eos_token_id=0)
+    cfg = dict(n_layer=1, n_embd=32, n_head=4, vocab_size=V, n_positions=16, bos_token_id=0, eos_token_id=0)
     return _build("GPT2Config", "GPT2LMHeadModel", meta, **{**cfg, **kw})
 
 
 def bert(meta=False, **kw):
     cfg = dict(
-        num_hidden_layers=2,
+        num_hidden_layers=1,
         hidden_size=32,
         num_attention_heads=4,
         intermediate_size=64,

@@ -7,14 +7,13 @@ import torch
 
 import fpar
 
-# One launch covers the styles: kv replicated (Llama, kv=1), fused regrouped (Phi-3), split norms
-# (OLMo 2), experts (Mixtral), per-head norms and a scaled embedding (Gemma 3).
+# One launch covers the collectives fpar adds to Megatron's: kv heads replicated and tied through a
+# psum (Llama, kv=1), fused weights regrouped with a replicated kv head (Phi-3), experts (Mixtral).
+# OLMo 2's split norms and Gemma 3 are checked in-process only (CI time).
 CASES = {
     "llama_kv1": ("llama", dict(num_key_value_heads=1)),
     "phi3_kv1": ("phi3", dict(num_key_value_heads=1)),
-    "olmo2": ("olmo2", {}),
     "mixtral": ("mixtral", {}),
-    "gemma3": ("gemma3", {}),
 }
 
 

@@ -75,7 +75,7 @@ def test_each_device_holds_its_share(family, kv, n):
     mesh = fpar.make_mesh((n,), ("tensor",))
     model = hf_models.FAMILIES[family](meta=True, num_key_value_heads=kv)
     _, params, specs = fpar.ops.tensor_parallel(model, mesh)
-    d, h, hd, inter, v, layers = 32, 4, 8, 48, hf_models.V, 2
+    d, h, hd, inter, v, layers = 32, 4, 8, 48, hf_models.V, 1
     kv_local = max(kv // n, 1)  # one replicated kv head when there are fewer than devices
     attn = (h // n) * hd * d * 2 + kv_local * hd * d * 2  # q, o; k, v
     if family == "mixtral":
@@ -90,7 +90,7 @@ def test_each_device_holds_its_share(family, kv, n):
 # Fewer kv heads than tensor devices ------------------------------------------------------------------
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(
     heads=st.sampled_from([2, 4, 8]),
     kv_choice=st.integers(0, 3),
@@ -173,7 +173,7 @@ def test_meta_model_gives_meta_params_of_the_global_shapes():
     model = hf_models.llama(meta=True, num_key_value_heads=1)
     apply_fn, params, _ = fpar.ops.tensor_parallel(model, MESH)
     assert all(p.is_meta for p in params.values())
-    name = "model.layers.1.self_attn.k_proj.weight"
+    name = "model.layers.0.self_attn.k_proj.weight"
     assert params[name].shape == (16, 32)  # one 8-row kv head on each of the 2 tensor devices
     dim, index = apply_fn.source(name)
     assert dim == 0 and index.tolist() == [*range(8), *range(8)]
@@ -199,7 +199,7 @@ HEAD = ["colwise_gather_output", "colwise_rep", "vocab", "replicate"]
 NORM = ["replicated_with_grad_allreduce", "replicate"]
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(
     attn=st.sampled_from(ATTENTION),
     mlp=st.sampled_from(MLP),
@@ -241,6 +241,7 @@ def test_packed_colwise_and_moe_strings_in_a_user_plan():
     model = hf_models.phi3(num_hidden_layers=1)
     plan = {"*.qkv_proj": "colwise_gather_output", "*.o_proj": "rowwise_split_input"}
     plan |= {"*.gate_up_proj": "packed_colwise", "*.down_proj": "rowwise"}
+    plan |= {"model.embed_tokens": "embedding_rowwise", "lm_head": "colwise_gather_output"}
     ids = hf_models.batch()
     want_loss, want_grads = hf_models.unsharded(model, ids)
     loss, grads, _, apply_fn = hf_models.sharded(model, MESH, ids, plan=plan)
