@@ -152,7 +152,7 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, *, axis: str = "tensor", plan:
             continue
         index, rows, group = layout_index(segments, n)
         if index is not None:
-            params[name] = params[name].index_select(dim, index)
+            params[name] = params[name].index_select(dim, index.to(params[name].device))
             sources[name] = (dim, index)
         if rows is not None:
             tied[name] = (dim, rows, n // group, group)

@@ -37,6 +37,16 @@ def test_family_equals_unsharded_at_data_x_tensor(family):
     hf_models.compare(grads, want_grads, f"{family} grads", **tol)
 
 
+def test_tied_embedding_and_head_stay_tied():
+    model = hf_models.gemma3(tie_word_embeddings=True)  # Gemma ties them by default
+    ids = hf_models.batch()
+    want_loss, want_grads = hf_models.unsharded(model, ids)
+    loss, grads, _, apply_fn = hf_models.sharded(model, MESH, ids)
+    assert apply_fn.plan["lm_head"] == "vocab" and "lm_head.weight" not in grads
+    torch.testing.assert_close(loss, want_loss, **hf_models.tolerances("gemma3"))
+    hf_models.compare(grads, want_grads, "tied gemma3 grads", **hf_models.tolerances("gemma3"))
+
+
 def test_auto_reads_the_model_plan():
     _, _, specs = fpar.ops.tensor_parallel(hf_models.qwen3(meta=True), MESH)
     layer = "model.layers.0."
