@@ -95,3 +95,41 @@ def test_bf16_mixed_precision_zero_step_equals_unsharded_bf16_policy():
     close = sum(((got[k] - start[k]) - (want[k] - start[k])).abs().le(1e-3).sum().item() for k in start)
     total = sum(p.numel() for p in start.values())
     assert close / total > 0.98, f"{close}/{total} of the bf16 step's moves agree to 1e-3"
+
+
+def _remat_each(layers, calls: list) -> None:
+    """Wrap each decoder layer of the private local copy in ``fpar.optim.remat`` (its parameters as
+    explicit inputs, so the recomputation in the backward uses this device's blocks)."""
+    for layer in layers:
+        base = type(layer)
+
+        class Remat(base):
+            def __call__(self, *args, **kwargs):
+                if self.__dict__.get("_inside"):
+                    calls.append(1)
+                    return super().__call__(*args, **kwargs)
+                names = [n for n, _ in self.named_parameters()]
+
+                def run(ps, *a, **k):
+                    self.__dict__["_inside"] = True
+                    try:
+                        return torch.func.functional_call(self, dict(zip(names, ps)), a, k)
+                    finally:
+                        self.__dict__["_inside"] = False
+
+                return fo.remat(run)([p for _, p in self.named_parameters()], *args, **kwargs)
+
+        layer.__class__ = Remat
+
+
+def test_remat_per_decoder_layer_equals_unsharded():
+    model = hf_models.qwen3(num_hidden_layers=2, num_key_value_heads=1)
+    ids = hf_models.batch()
+    apply_fn, params, specs = fpar.ops.tensor_parallel(model, MESH)
+    calls: list = []
+    _remat_each(apply_fn.module.model.layers, calls)
+    loss = hf_models.sharded_loss(apply_fn, MESH, specs, causal=True)
+    want_loss, want_grads = hf_models.unsharded(model, ids)
+    grads = apply_fn.export(torch.func.grad(loss)(params, ids))
+    assert len(calls) == 4  # 2 layers, each run forward and again in the backward
+    hf_models.compare(grads, want_grads, "grads with remat per decoder layer", **TOL)
