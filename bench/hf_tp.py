@@ -21,9 +21,21 @@ losses and updated parameters agree after one step from the same initial values.
 warmed up and timed interleaved (the order alternates), each full step after a barrier; medians
 from rank 0 and the ratio fpar / DTensor (target <= 1.0).  Timings are printed, never asserted.
 
+``--family qwen3``: a Qwen3-shaped model (GQA, per-head q/k norms) with ``plan="auto"`` (its own
+transformers plan) against ``parallelize_module`` driven by the same plan, translated by hand to
+DTensor's styles (``colwise`` -> ``ColwiseParallel()``, ``rowwise`` -> ``RowwiseParallel()``,
+``embedding_rowwise`` -> ``RowwiseParallel(input_layouts=Replicate())``,
+``colwise_gather_output`` -> ``ColwiseParallel(output_layouts=Replicate())``,
+``replicated_with_grad_allreduce`` -> an all-reduce of those gradients after ``.backward()``).
+
+``--collectives``: the table of collectives per transformer block, fpar's measured with
+``fpar.comm_stats()`` (in-process, tensor=2) and transformers' plan's counted per style.
+
 Run:
     python bench/hf_tp.py                            # d=256, 4 layers, batch 8 x 128, 15 repeats
     python bench/hf_tp.py --d-model 512 --repeats 21
+    python bench/hf_tp.py --family qwen3
+    python bench/hf_tp.py --collectives
 """
 
 from __future__ import annotations
@@ -58,6 +70,8 @@ PLAN = {
 
 
 def build(cfg: dict):
+    if cfg["family"] == "qwen3":
+        return build_qwen3(cfg)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
@@ -76,6 +90,55 @@ def build(cfg: dict):
     model = GPT2LMHeadModel(config).eval()
     model.set_attn_implementation("eager")
     return model
+
+
+def build_qwen3(cfg: dict, **kw):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    d, heads = cfg["d_model"], cfg["heads"]
+    config = Qwen3Config(
+        vocab_size=cfg["vocab"],
+        max_position_embeddings=cfg["seq"],
+        hidden_size=d,
+        num_hidden_layers=cfg["layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=max(heads // 4, NPROCS),
+        head_dim=d // heads,
+        intermediate_size=4 * d,
+        tie_word_embeddings=False,
+        **kw,
+    )
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).eval()
+    model.set_attn_implementation("eager")
+    return model
+
+
+def dtensor_from_hf_plan(model, n: int):
+    """``parallelize_module`` driven by the model's own transformers plan, styles translated by hand."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from fpar.ops._hf_plan import generic
+
+    model = copy.deepcopy(model)
+    styles = {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    }
+    plan, grad_allreduce = {}, []
+    for name, module in model.named_modules():
+        style = model.tp_plan.get(generic(name)) if name else None
+        if style in styles:
+            plan[name] = styles[style]()
+        elif style == "replicated_with_grad_allreduce":
+            grad_allreduce += list(module.parameters())
+        elif style is not None:
+            raise ValueError(f"no DTensor translation for {style!r} ({name})")
+    return parallelize_module(model, init_device_mesh("cpu", (n,)), plan), grad_allreduce
 
 
 def dtensor_model(model, n: int):
@@ -128,7 +191,8 @@ def worker(cfg: dict) -> dict:
 
     # (a) fpar on the unmodified model
     mesh = fpar.make_mesh((n,), ("tensor",))
-    apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh, plan=PLAN)
+    qwen = cfg["family"] == "qwen3"
+    apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh, plan="auto" if qwen else PLAN)
     params = {k: v.clone() for k, v in fpar.device_put(params, mesh, specs).items()}
     loss_fn = fpar.shard(lambda p, x: apply_fn(p, x, labels=x, use_cache=False).loss, mesh, (specs, P()), P())
     grad_fn = torch.func.grad_and_value(loss_fn)
@@ -154,7 +218,7 @@ def worker(cfg: dict) -> dict:
             p.grad = None
 
     # (b) DTensor parallelize_module
-    dmodel = dtensor_model(model, n)
+    dmodel, grad_allreduce = dtensor_from_hf_plan(model, n) if qwen else (dtensor_model(model, n), [])
     from torch.distributed.tensor import DTensor
 
     dparams = list(dmodel.parameters())
@@ -166,6 +230,8 @@ def worker(cfg: dict) -> dict:
     def dtensor_step():
         loss = dmodel(ids, labels=ids, use_cache=False).loss
         loss.backward()
+        for p in grad_allreduce:  # replicated_with_grad_allreduce: each rank saw its heads only
+            dist.all_reduce(p.grad)
         with torch.no_grad():  # foreach refuses DTensors mixed with tensors: one call per kind
             for group in groups:
                 torch._foreach_add_(group, [p.grad for p in group], alpha=-LR)
@@ -177,8 +243,12 @@ def worker(cfg: dict) -> dict:
     fpar_step()
     dtensor_step()
     loss_diff = abs(out["fpar"] - out["dtensor"])
-    w_f = params["transformer.h.0.mlp.c_fc.weight"]  # [in, out/n] block (Conv1D layout)
-    w_d = dmodel.transformer.h[0].mlp.c_fc.weight.detach().to_local().t()
+    if qwen:
+        w_f = params["model.layers.0.mlp.up_proj.weight"]  # [out/n, in] block
+        w_d = dmodel.model.layers[0].mlp.up_proj.weight.detach().to_local()
+    else:
+        w_f = params["transformer.h.0.mlp.c_fc.weight"]  # [in, out/n] block (Conv1D layout)
+        w_d = dmodel.transformer.h[0].mlp.c_fc.weight.detach().to_local().t()
     weight_diff = float((w_f - w_d).abs().max())
 
     steps = {"fpar": fpar_step, "fpar .backward()": fpar_backward_step, "dtensor": dtensor_step}
@@ -203,10 +273,15 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--family", choices=("gpt2", "qwen3"), default="gpt2")
+    ap.add_argument("--collectives", action="store_true", help="print the collectives-per-block table")
     add_json_arg(ap)
     args = ap.parse_args(argv)
+    if args.collectives:
+        collectives_table()
+        return
     cfg = {k.replace("-", "_"): v for k, v in vars(args).items() if k != "json"}
-    record = Record("hf_tp", cfg, argv)
+    record = Record("hf_tp" if args.family == "gpt2" else f"hf_tp_{args.family}", cfg, argv)
     res = fpar.launch(worker, NPROCS, cfg, timeout=args.timeout)
     r0 = res[0]
     print(
@@ -216,11 +291,11 @@ def main(argv=None) -> None:
     psum = r0["stats"].get("tensor", {}).get("psum", {})
     print(
         f"fpar traffic per step per device (forward + backward): {psum.get('calls', 0)} all-reduces, "
-        f"{psum.get('bytes', 0) / 1e6:.2f} MB ({args.layers} blocks: 2 forward + 2 backward each)"
+        f"{psum.get('bytes', 0) / 1e6:.2f} MB ({args.layers} blocks; per block: --collectives)"
     )
     med = {k: statistics.median(v) * 1e3 for k, v in r0["times"].items()}
     print(
-        f"HF GPT2LMHeadModel train step (fwd+bwd+SGD), d={args.d_model} L={args.layers} H={args.heads} "
+        f"HF {type(build(cfg)).__name__} train step (fwd+bwd+SGD), d={args.d_model} L={args.layers} H={args.heads} "
         f"V={args.vocab}, batch {args.batch} x {args.seq}, float32, {NPROCS} gloo processes x {args.threads} "
         f"thread(s), torch {torch.__version__}, {args.repeats} repeats, interleaved"
     )
@@ -232,7 +307,7 @@ def main(argv=None) -> None:
     t = r0["times"]
     record.compare(
         "step",
-        f"an unmodified HF GPT-2 train step, d={args.d_model} L={args.layers} V={args.vocab}, batch {args.batch} x "
+        f"an unmodified HF {'GPT-2' if args.family == 'gpt2' else 'Qwen3 (plan=auto)'} train step, d={args.d_model} L={args.layers} V={args.vocab}, batch {args.batch} x "
         f"{args.seq}, fp32, {NPROCS} gloo processes x {args.threads} thread: `fpar.ops.tensor_parallel`, "
         "`torch.func.grad` / `.backward()`, vs DTensor `parallelize_module`",
         [
@@ -247,6 +322,114 @@ def main(argv=None) -> None:
         "weight_diff": max(r["weight_diff"] for r in res),
     }
     record.write(args.json)
+
+
+# Collectives per block ----------------------------------------------------------------------------
+
+# What each style of a transformers plan communicates (transformers/distributed/tensor_parallel.py,
+# training path): (forward all-reduces, forward all-gathers, backward all-reduces, backward all-gathers).
+HF_STYLE_COST = {
+    "colwise": (0, 0, 1, 0),  # the replicated input's gradient, per layer
+    "packed_colwise": (0, 0, 1, 0),
+    "rowwise": (1, 0, 0, 0),
+    "colwise_gather_output": (0, 1, 1, 0),
+    "rowwise_split_input": (1, 0, 0, 1),
+    "replicated_with_grad_allreduce": (0, 0, 1, 0),
+    "moe_tp_experts": (1, 0, 2, 0),  # output; hidden states' and routing weights' gradients
+}
+
+
+def _tiny(family: str, layers: int, **kw):
+    import transformers as tf
+
+    base = dict(
+        num_hidden_layers=layers,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        vocab_size=64,
+        head_dim=8,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    base.update(kw)
+    names = {
+        "Llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "Qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+        "Gemma 3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+        "Phi-3": ("Phi3Config", "Phi3ForCausalLM"),
+        "GPT-NeoX": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
+        "OLMo 2": ("Olmo2Config", "Olmo2ForCausalLM"),
+        "Mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    }
+    if family == "GPT-NeoX":
+        base.pop("num_key_value_heads")
+    if family == "Mixtral":
+        base.update(num_local_experts=4, num_experts_per_tok=2)
+    if family == "Gemma 3":
+        base.update(layer_types=["full_attention"] * layers)
+    config_cls, model_cls = names[family]
+    model = getattr(tf, model_cls)(getattr(tf, config_cls)(**base)).eval()
+    model.set_attn_implementation("eager")
+    if hasattr(model.config, "_experts_implementation"):
+        model.set_experts_implementation("batched_mm")
+    return model
+
+
+def _fpar_counts(family: str, layers: int, **kw) -> tuple[dict, dict]:
+    model = _tiny(family, layers, **kw)
+    mesh = fpar.make_mesh((2,), ("tensor",))
+    apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh)
+    loss = fpar.shard(lambda p, x: apply_fn(p, x, labels=x, use_cache=False).loss, mesh, (specs, P()), P())
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    fpar.reset_comm_stats()
+    loss(params, ids)
+    fwd = {op: v["calls"] for op, v in fpar.comm_stats().get("tensor", {}).items()}
+    fpar.reset_comm_stats()
+    torch.func.grad(loss)(params, ids)
+    both = {op: v["calls"] for op, v in fpar.comm_stats().get("tensor", {}).items()}
+    return fwd, both
+
+
+def collectives_table() -> None:
+    """Per block, tensor=2: fpar's collectives (measured) next to the transformers plan's (counted)."""
+    rows = [("Llama", {}), ("Llama, 1 kv head", dict(num_key_value_heads=1)), ("Qwen3", {}), ("Gemma 3", {})]
+    rows += [("Phi-3", {}), ("GPT-NeoX", {}), ("OLMo 2", {}), ("Mixtral", {})]
+    print(
+        "| family | fpar forward | fpar backward | transformers plan forward | transformers plan backward |"
+    )
+    print("|---|---|---|---|---|")
+    for label, kw in rows:
+        family = label.split(",")[0]
+        (f1, b1), (f2, b2) = _fpar_counts(family, 1, **kw), _fpar_counts(family, 2, **kw)
+        fwd = {op: f2.get(op, 0) - f1.get(op, 0) for op in set(f1) | set(f2)}
+        bwd = {op: (b2.get(op, 0) - b1.get(op, 0)) - fwd.get(op, 0) for op in set(b1) | set(b2)}
+        model = _tiny(family, 1, **kw)
+        cost = [0, 0, 0, 0]
+        for key, style in model.tp_plan.items():
+            if ".layers.*." in key and any(
+                n.startswith(key.replace("*", "0")) for n, _ in model.named_modules()
+            ):
+                cost = [a + b for a, b in zip(cost, HF_STYLE_COST.get(style, (0, 0, 0, 0)))]
+        hf_f = _words(cost[0], cost[1])
+        hf_b = _words(cost[2], cost[3])
+        if kw.get("num_key_value_heads", 2) < 2:
+            hf_f = hf_b = "fails (transformers#48307)"
+        print(f"| {label} | {_fmt(fwd)} | {_fmt(bwd)} | {hf_f} | {hf_b} |")
+
+
+def _words(reduces: int, gathers: int) -> str:
+    parts = [f"{reduces} all-reduce"] + ([f"{gathers} all-gather"] if gathers else [])
+    return " + ".join(parts)
+
+
+def _fmt(ops: dict) -> str:
+    names = {"psum": "all-reduce", "all_gather": "all-gather", "all_gather_invariant": "all-gather"}
+    out = [f"{v} {names.get(op, op)}" for op, v in sorted(ops.items()) if v]
+    return " + ".join(out) or "0"
 
 
 if __name__ == "__main__":

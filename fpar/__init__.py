@@ -52,6 +52,7 @@ from ._stats import reset_comm_stats as reset_comm_stats
 # (tests/test_tree.py).
 # isort: off
 from . import checkpoint as checkpoint  # noqa: E402
+from . import hf as hf  # noqa: E402
 from . import ops as ops  # noqa: E402
 from . import optim as optim  # noqa: E402
 from . import pipeline as pipeline  # noqa: E402
@@ -86,6 +87,7 @@ __all__ = [
     "full",
     "functionalize",
     "gather",
+    "hf",
     "init",
     "init_distributed",
     "launch",

@@ -56,16 +56,21 @@ class Case:
     args: tuple[str, ...]  # the example's smallest settings
     sizes: tuple[int, ...] = (2, 4)  # process counts (= in-process devices)
     needs: tuple[str, ...] = ()  # optional packages
+    label: str = ""  # a second case of the same file: what its layout adds
 
     def __str__(self) -> str:
-        return self.file.removesuffix(".py")
+        return self.file.removesuffix(".py") + (f"-{self.label}" if self.label else "")
 
 
 TINY_GPT = ("--seq", "16", "--d-model", "32", "--heads", "2", "--batch", "8", "--max-bytes", "100000")
 TRAIN = ("--tiny", "--steps", "3", "--warmup", "1", "--log-every", "1", "--peak-tflops", "1")
 TRAIN += ("--plot", "none", "--ckpt-dir", "ckpt", "--ckpt-every", "0")
 
+FINETUNE = ("--tiny", "--steps", "3", "--warmup", "1", "--log-every", "1", "--max-bytes", "100000")
+
 CASES = [
+    Case("finetune_hf.py", FINETUNE, needs=("transformers",)),  # 2: tensor=2; 4: data=2 x tensor=2, ZeRO-1
+    Case("finetune_hf.py", (*FINETUNE, "--pp", "2"), sizes=(4,), needs=("transformers",), label="pipeline"),
     Case("gpt_pipeline.py", ("--steps", "3", "--batch", "8")),
     Case(
         "gpt_tensor_parallel.py",

@@ -300,7 +300,9 @@ def test_error_bad_kind_and_plan_type():
         fpar.ops.tensor_parallel(Block(), MESH, plan={"fc1": "column"})
     with pytest.raises(TypeError, match="plan must be 'auto' or a dict of module-name patterns"):
         fpar.ops.tensor_parallel(Block(), MESH, plan=["fc1"])
-    with pytest.raises(ValueError, match=r"plan='auto' does not recognise Block \(it knows GPT2LMHeadModel"):
+    with pytest.raises(
+        ValueError, match=r"plan='auto' does not recognise Block \(it knows the transformers models that carry"
+    ):
         fpar.ops.tensor_parallel(Block(), MESH)
     with pytest.raises(ValueError, match=r"axis 'model' is not an axis of"):
         fpar.ops.tensor_parallel(Block(), MESH, axis="model", plan=PLAN)
@@ -318,13 +320,14 @@ def test_error_sizes_not_divisible():
         fpar.ops.tensor_parallel(Block(), mesh3, plan={"fc1": "colwise"})
 
 
-def test_error_gqa_kv_heads_not_divisible():
+def test_error_gqa_kv_heads_neither_dividing_nor_divided():
     mesh4 = fpar.make_mesh((4,), ("tensor",))
     with pytest.raises(
         ValueError,
-        match=r"MistralForCausalLM has 2 key/value heads \(grouped-query attention\), not divisible by the size 4",
+        match=r"MistralForCausalLM has 3 key/value heads, and the size 4 of the tensor axis neither divides 3 "
+        r"nor is a multiple of it: .* Tensor sizes that work: \[1, 3, 6, 12\]",
     ):
-        fpar.ops.tensor_parallel(tp_models.mistral(), mesh4)
+        fpar.ops.tensor_parallel(tp_models.mistral(num_attention_heads=12, num_key_value_heads=3), mesh4)
 
 
 class GlobalReshape(Attention):

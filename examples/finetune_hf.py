@@ -1,0 +1,245 @@
+"""Fine-tune a Hugging Face causal LM from a checkpoint directory, with data x tensor x pipeline x ZeRO.
+
+The model is whatever ``--model PATH`` holds (a directory ``save_pretrained`` wrote: config.json
+and safetensors, e.g. a Qwen3 or Llama you downloaded elsewhere).  With no ``--model`` the
+example first writes a small random-init Qwen3 (byte vocabulary, 256) with
+``fpar.hf.save_pretrained``, since nothing can be downloaded here.  Then:
+
+* ``fpar.hf.from_pretrained(path, mesh)`` builds the model on ``meta`` and reads only this
+  process's blocks of each tensor: Megatron tensor parallelism from the model's own HF plan
+  (heads and MLP columns split over ``tensor``, the vocabulary over ``tensor`` too);
+* ``fpar.hf.pipeline_stages`` cuts it where its ``base_model_pp_plan`` says: the embedding on
+  stage 0, the decoder layers split over ``pipeline``, final norm, head and loss on the last
+  stage, run by ``fpar.pipeline``'s 1F1B (or ``--schedule gpipe``); one stage when the mesh has
+  no pipeline;
+* each microbatch's rows are split over ``data``; AdamW with ZeRO stage ``--zero`` (default 1:
+  the optimizer state split over ``data``) and global-norm clipping (``fpar.optim``);
+* at the end ``fpar.hf.save_pretrained`` writes the fine-tuned model (each process its own shard
+  files, no process gathering the model), and the example loads it back with
+  ``fpar.hf.from_pretrained`` and checks that it holds the trained weights and gives the same
+  held-out loss.  ``transformers.AutoModelForCausalLM.from_pretrained`` loads it too.
+
+The text is ``--text FILE``'s bytes, or the standard library's ``.py`` sources (as
+``train_gpt.py``).  The mesh is (pipeline, data, tensor): with no layout flags tensor=2, then
+data=2, then pipeline=2 while they fit (2 devices: tensor=2; 4: data=2 x tensor=2; 8: all three);
+``--parallel "pipeline=2,data=1,tensor=2"`` or ``--pp/--dp/--tp`` choose another.
+
+    python examples/finetune_hf.py                                   # 4 in-process devices
+    python examples/finetune_hf.py --model ~/models/Qwen3-0.6B --text notes.txt --devices 8
+    torchrun --nproc-per-node 4 examples/finetune_hf.py --tiny --steps 3
+    torchrun --nproc-per-node 4 examples/finetune_hf.py --tiny --pp 2   # pipeline=2 x tensor=2
+
+Needs ``pip install fpar[hf,examples]``.  Shape suffixes: M microbatches, B rows, T time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common.py and train_gpt.py, next to this file
+import _common as C  # noqa: E402
+from _common import AXES, DATA, PIPE, TENSOR  # noqa: E402
+from train_gpt import batch_at, load_corpus  # noqa: E402
+
+import fpar  # noqa: E402
+import fpar.optim as fo  # noqa: E402
+import fpar.pipeline as pp  # noqa: E402
+from fpar import P  # noqa: E402
+
+SCHEDULES = {"1f1b": pp.one_f_one_b, "gpipe": pp.gpipe, "zb": pp.zb_h1}
+
+
+def random_checkpoint(path: Path, args, mesh: fpar.Mesh) -> None:
+    """A random-init Qwen3 (byte vocabulary) written with ``fpar.hf.save_pretrained``."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=256,
+        hidden_size=args.d_model,
+        intermediate_size=2 * args.d_model,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=args.d_model // 4,
+        max_position_embeddings=args.seq,
+        tie_word_embeddings=False,  # the embedding and the head live on different pipeline stages
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    torch.manual_seed(args.seed)  # the same model on every process
+    model = Qwen3ForCausalLM(config).eval()
+    apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh)
+    fpar.hf.save_pretrained(path, apply_fn, fpar.device_put(params, mesh, specs), mesh)
+
+
+def layout(devices: int) -> dict:
+    """With no flags: tensor=2, then data=2, then pipeline=2 while they fit; data takes the rest."""
+    sizes, rest = {}, devices
+    for axis in (TENSOR, DATA, PIPE):
+        sizes[axis] = 2 if rest % 2 == 0 else 1
+        rest //= sizes[axis]
+    sizes[DATA] *= rest
+    return sizes
+
+
+def build_mesh(args) -> fpar.Mesh:
+    if (
+        args.parallel
+        or args.config
+        or args.single_device
+        or any(v is not None for v in (args.pp, args.dp, args.tp))
+    ):
+        return C.build_mesh(args)
+    real = torch.distributed.is_available() and torch.distributed.is_initialized()
+    sizes = layout(torch.distributed.get_world_size() if real else args.devices)
+    return fpar.make_mesh(tuple(sizes[a] for a in AXES), AXES, devices=None if real else args.devices)
+
+
+def token_loss(apply_fn, p, ids_BT, targets_BT) -> torch.Tensor:
+    """This device's mean next-token loss (per-device code: the logits may be split over the vocabulary)."""
+    logits_BTV = apply_fn(p, ids_BT, use_cache=False).logits
+    if apply_fn.plan.get("lm_head") == "vocab":
+        return fpar.ops.vocab_cross_entropy(logits_BTV, targets_BT, axis=TENSOR).mean()
+    return torch.nn.functional.cross_entropy(logits_BTV.transpose(1, 2), targets_BT)
+
+
+def held_out_loss(apply_fn, specs, mesh, params, val_N, args) -> float:
+    """Mean next-token loss on 2 batches of the held-out text, the model unpipelined over data x tensor."""
+    sub = mesh.submesh((DATA, TENSOR))
+
+    def per_device(p, ids_BT, targets_BT):
+        return fpar.pmean(token_loss(apply_fn, p, ids_BT, targets_BT), DATA)
+
+    loss = fpar.shard(per_device, sub, (specs, P(DATA), P(DATA)), P())
+    total = 0.0
+    with torch.no_grad():
+        for i in range(2):
+            ids_BT, targets_BT = batch_at(val_N, i, args.batch, args.seq, args.seed + 1)
+            total += float(loss(params, *fpar.device_put((ids_BT, targets_BT), sub, P(DATA))))
+    return total / 2
+
+
+def build_step(args, apply_fn, params, specs, mesh, opt):
+    """``(step(state, ids_BT, targets_BT) -> (state, loss), state, to_flat(state) -> params)``.
+
+    One stage: ``fpar.optim.zero_step`` at ZeRO stage ``--zero`` over data.  Several: the
+    pipeline executor (``fpar.hf.pipeline_stages``), whose gradients come summed over data, then
+    ``fpar.optim.zero_update`` at stage 0 (ZeRO 1/2 take each data rank's unreduced gradient,
+    which the executor does not return).
+    """
+    s, m = mesh.shape[PIPE], C.microbatches(args, mesh)
+    if s == 1:
+        zero = fo.zero_layout(params, mesh, specs, stage=args.zero, data_axis=DATA)
+        params, opt_state = fo.zero_init(opt, params, zero)
+        run = fo.zero_step(lambda p, batch: token_loss(apply_fn, p, *batch), opt, zero, batch_specs=P(DATA))
+
+        def step(state, ids_BT, targets_BT):
+            params, opt_state, metrics = run(*state, fpar.device_put((ids_BT, targets_BT), mesh, P(DATA)))
+            return (params, opt_state), metrics["loss"]
+
+        C.say(f"one stage, ZeRO-{args.zero} over data (fpar.optim.zero_step)", quiet=args.quiet)
+        return step, (params, opt_state), lambda state: state[0]
+
+    stages = fpar.hf.pipeline_stages(apply_fn, specs, mesh, pipe=PIPE)
+    schedule = SCHEDULES[args.schedule](s, m)
+    run = pp.pipeline(stages.stage, schedule, mesh, loss=stages.loss, first=stages.first, axis=PIPE)
+    pipe_params = stages.split(params)  # {"stages": layers stacked per chunk, "first", "last"}
+    zero = fo.zero_layout(pipe_params, mesh, stages.specs, stage=0, data_axis=DATA)
+    pipe_params, opt_state = fo.zero_init(opt, pipe_params, zero)
+    update = fo.zero_update(opt, zero)
+
+    def step(state, ids_BT, targets_BT):
+        xs_MBT, ys_MBT = (
+            fpar.device_put(t.unflatten(0, (m, -1)), mesh, P(None, DATA)) for t in (ids_BT, targets_BT)
+        )
+        res = run(state[0], xs_MBT, ys_MBT)
+        return update(res.grads, state[1], state[0]), res.loss
+
+    C.say(f"{s} pipeline stages, {m} microbatches ({schedule.name}), data parallel AdamW", quiet=args.quiet)
+    return step, (pipe_params, opt_state), lambda state: stages.merge(state[0])
+
+
+def main(argv=None) -> list[float]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="a checkpoint directory (default: write a small random Qwen3 first)")
+    ap.add_argument("--text", help="fine-tune on this file's bytes (default: the standard library's sources)")
+    ap.add_argument("--out", default="checkpoints/finetune_hf", help="where the checkpoints go")
+    ap.add_argument("--max-bytes", type=int, default=1_000_000)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--d-model", type=int, default=64, help="the random model's width (no --model)")
+    ap.add_argument("--layers", type=int, default=4, help="the random model's layers (no --model)")
+    ap.add_argument("--zero", type=int, default=1, choices=(0, 1, 2), help="ZeRO stage over data")
+    ap.add_argument("--tiny", action="store_true", help="a very small model (tests, torchrun on CPU)")
+    C.add_args(ap, steps=40, batch=16, lr=3e-3, warmup=4)
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.d_model, args.layers, args.seq, args.batch = 32, 2, 16, 8
+        args.max_bytes = min(args.max_bytes, 200_000)
+    C.start(args.threads)
+    quiet, out = args.quiet, Path(args.out)
+    mesh = build_mesh(args)
+    kind = "real: one process per device" if mesh.backend == "dist" else "in-process"
+    C.say(f"mesh {dict(mesh.shape)} ({kind})", quiet=quiet)
+
+    # --- The checkpoint, loaded shard by shard -----------------------------------------------
+    path = Path(args.model) if args.model else out / "init"
+    if not args.model:
+        random_checkpoint(path, args, mesh)
+        C.say(f"wrote a random-init Qwen3 to {path} (fpar.hf.save_pretrained)", quiet=quiet)
+    dtype = C.DTYPES[args.dtype]
+    apply_fn, params, specs = fpar.hf.from_pretrained(path, mesh, dtype=dtype)
+    n_params = sum(p.numel() for p in apply_fn.module.parameters())
+    C.say(f"{type(apply_fn.module).__name__}: {n_params / 1e6:.2f}M parameters from {path}", quiet=quiet)
+    tokens_N, source = load_corpus(args.text, args.max_bytes)
+    split = int(0.95 * len(tokens_N))
+    train_N, val_N = tokens_N[:split], tokens_N[split:]
+    C.say(f"text: {len(tokens_N):,} bytes from {source}", quiet=quiet)
+
+    # --- The step: pipeline stages or one, ZeRO ---------------------------------------------------
+    lr = fo.warmup_cosine(args.lr, min(args.warmup, args.steps // 2), args.steps, end=args.lr / 10)
+    opt = fo.chain(fo.clip_by_global_norm(args.clip), fo.adamw(lr, b2=0.95, weight_decay=args.weight_decay))
+    step_fn, state, to_flat = build_step(args, apply_fn, params, specs, mesh, opt)
+    del params  # the step's state holds them now
+
+    # --- Fine-tuning ------------------------------------------------------------------------------
+    losses, t0 = [], time.perf_counter()
+    for step in range(args.steps):
+        state, loss = step_fn(state, *batch_at(train_N, step, args.batch, args.seq, args.seed))
+        losses.append(float(loss))
+        if (step + 1) % args.log_every == 0 or step == 0 or step + 1 == args.steps:
+            C.say(f"step {step + 1:4d}/{args.steps} | loss {losses[-1]:.4f}", quiet=quiet)
+    seconds = time.perf_counter() - t0
+    C.say(
+        f"{args.steps} steps in {seconds:.1f} s: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
+        f"(uniform guess {math.log(256):.3f})",
+        quiet=quiet,
+    )
+    params = to_flat(state)  # from_pretrained's layout: flat names, tensor-parallel blocks
+    val = held_out_loss(apply_fn, specs, mesh, params, val_N, args)
+    C.say(f"held-out loss {val:.4f} (the last 5% of the text)", quiet=quiet)
+
+    # --- Save, and load back ------------------------------------------------------------------------
+    final = out / "final"
+    fpar.hf.save_pretrained(final, apply_fn, params, mesh)
+    apply_fn2, params2, specs2 = fpar.hf.from_pretrained(final, mesh, dtype=dtype)
+    diff = max((params2[k] - params[k]).abs().max().item() for k in params)
+    val2 = held_out_loss(apply_fn2, specs2, mesh, params2, val_N, args)
+    C.say(
+        f"saved to {final} (fpar.hf.save_pretrained); reloaded with fpar.hf.from_pretrained: "
+        f"max |weight diff| {diff:.1e}, held-out loss {val2:.4f}",
+        quiet=quiet,
+    )
+    if diff != 0.0 or abs(val2 - val) > 1e-6:
+        raise SystemExit(f"the reloaded checkpoint differs from the trained model ({diff}, {val2} vs {val})")
+    return losses
+
+
+if __name__ == "__main__":
+    C.entry(main)

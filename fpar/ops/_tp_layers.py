@@ -1,0 +1,114 @@
+"""The forwards ``tensor_parallel`` gives the split layers of its private local copy.
+
+Each is installed with ``functools.partial`` over the module (and, where it wraps the module's own
+forward, that bound forward), and runs on this device's blocks inside ``fpar.shard``.  fpar's
+collectives give the exact gradient of each (a replicated input gets its summed cotangent), so
+none needs a backward of its own: where transformers' plan styles add gradient all-reduces
+(``replicated_with_grad_allreduce``, ``moe_tp_experts``' routing weights) fpar needs nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._collectives import all_gather_invariant, axis_index, psum
+from ._megatron import _local_ids, vocab_cross_entropy
+
+Tensor = torch.Tensor
+_API = "fpar.ops.tensor_parallel"
+
+
+def row_linear(module: nn.Linear, axis: str, x: Tensor) -> Tensor:
+    """A row-parallel ``nn.Linear``: all-reduce the partial product, then add the bias once."""
+    y = psum(F.linear(x, module.weight), axis)
+    return y if module.bias is None else y + module.bias
+
+
+def row_conv1d(module: nn.Module, axis: str, x: Tensor) -> Tensor:
+    """A row-parallel HF ``Conv1D`` (``[in/n, out]`` block): psum, then the bias."""
+    y = psum(x @ module.weight, axis)
+    return y if module.bias is None else y + module.bias
+
+
+def split_input(row, n: int, axis: str, x: Tensor) -> Tensor:
+    """``rowwise_split_input``: the input arrives whole; take this device's slice, then ``row``."""
+    return row(x.unflatten(-1, (n, -1)).movedim(-2, 0)[axis_index(axis)])
+
+
+def gather_output(forward, axis: str, *args, **kwargs) -> Tensor:
+    """``colwise_gather_output`` / ``embedding_colwise``: the split last dim all-gathered."""
+    y = forward(*args, **kwargs)
+    return all_gather_invariant(y, axis, axis=y.dim() - 1, tiled=True)
+
+
+def all_reduce_output(forward, axis: str, *args, **kwargs):
+    """``all_reduce`` (and ``moe_tp_experts``): the module's partial output summed over the axis."""
+    y = forward(*args, **kwargs)
+    return None if y is None else psum(y, axis)
+
+
+def vocab_embedding(module: nn.Embedding, forward, axis: str, padding_idx, ids: Tensor) -> Tensor:
+    """A vocabulary-parallel embedding: the module's own forward on the owned rows, one psum.
+
+    A scaled embedding (Gemma's) keeps its scale; rows it does not own are zeros.  ``padding_idx``
+    (global; the copy's is cleared) gets no gradient, as in ``nn.Embedding``.
+    """
+    local, outside = _local_ids(ids, module.weight.shape[0], axis)
+    x = forward(local)
+    if padding_idx is not None:
+        x = torch.where((ids == padding_idx).unsqueeze(-1), x.detach(), x)
+    return psum(x.masked_fill(outside.unsqueeze(-1), 0.0), axis)
+
+
+def split_rms_norm(module: nn.Module, axis: str, width: int, repeats: int, x: Tensor) -> Tensor:
+    """OLMo 2's RMSNorm over a width split over the axis: the sum of squares psum'd.
+
+    Same arithmetic as ``Olmo2RMSNorm`` (float32 statistics); ``repeats`` > 1 when the block holds
+    replicated kv heads (each counted that many times by the psum).
+    """
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    total = psum(h.pow(2).sum(-1, keepdim=True), axis)
+    variance = (total / repeats if repeats > 1 else total) / width
+    h = h * torch.rsqrt(variance + module.variance_epsilon)
+    return (module.weight * h).to(dtype)
+
+
+def tie_replicas(w: Tensor, axis: str, dim: int, rows: Tensor, kv: int, group: int) -> Tensor:
+    """Replicated kv rows: their value unchanged, their gradient the sum over the replicas.
+
+    ``rows`` are the replicated positions of this device's block; device ``r`` holds kv head
+    ``r // group``.  The rows go through one ``psum`` of a ``[kv, ...]`` buffer (each device's rows in
+    its head's slot) whose only use is its gradient: the backward sums each head's cotangents
+    over the devices holding it in one all-reduce, so every replica gets bit-identical gradients
+    (an optimizer keeps them equal).  The value is exactly the rows (``x - x.detach()`` is zero).
+    """
+    rows = rows.to(w.device)
+    part = w.index_select(dim, rows)
+    slot = torch.arange(kv, device=w.device) == axis_index(axis) // group
+    slot = slot.to(w.dtype).reshape(kv, *([1] * part.dim()))
+    mine = (psum(slot * part.unsqueeze(0), axis) * slot).sum(0)
+    return w.index_copy(dim, rows, part.detach() + (mine - mine.detach()))
+
+
+def vocab_loss(axis: str, loss_type, logits: Tensor, labels: Tensor, vocab_size: int, **kwargs) -> Tensor:
+    """HF's ``ForCausalLMLoss`` on vocabulary-split logits (``fpar.ops.vocab_cross_entropy``)."""
+    if loss_type not in (None, "ForCausalLM"):
+        raise ValueError(
+            f"{_API}: with a vocabulary-parallel lm_head the logits are split; the {loss_type} loss "
+            f"cannot use them. Compute it from the logits with fpar.ops.vocab_cross_entropy(logits, "
+            f"targets, axis={axis!r}), or mark the head 'replicate'."
+        )
+    ignore = kwargs.get("ignore_index", -100)
+    shift = kwargs.get("shift_labels")
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()  # HF upcasts the loss computation
+    if shift is None:
+        shift = F.pad(labels, (0, 1), value=ignore)[..., 1:]
+    valid = shift != ignore
+    tok = vocab_cross_entropy(logits, shift.masked_fill(~valid, 0), axis=axis)
+    total = tok.masked_fill(~valid, 0.0).sum()
+    count = kwargs.get("num_items_in_batch")
+    return total / (valid.sum() if count is None else count)

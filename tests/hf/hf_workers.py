@@ -1,0 +1,38 @@
+"""The real-mesh side of test_hf_families: several families on 2 gloo processes (module-level: spawned)."""
+
+from __future__ import annotations
+
+import hf_models
+import torch
+
+import fpar
+
+# One launch covers the collectives fpar adds to Megatron's: kv heads replicated and tied through a
+# psum (Llama, kv=1), fused weights regrouped with a replicated kv head (Phi-3), experts (Mixtral).
+# OLMo 2's split norms and Gemma 3 are checked in-process only (CI time).
+CASES = {
+    "llama_kv1": ("llama", dict(num_key_value_heads=1)),
+    "phi3_kv1": ("phi3", dict(num_key_value_heads=1)),
+    "mixtral": ("mixtral", {}),
+}
+
+
+def worker():
+    torch.set_num_threads(1)
+    return run(fpar.make_mesh((2,), ("tensor",)))
+
+
+def run(mesh: fpar.Mesh) -> dict:
+    """``{case: (loss, gradients in the model's layout, the raw replicated kv gradient rows)}``."""
+    out = {}
+    for case, (family, kw) in CASES.items():
+        model = hf_models.FAMILIES[family](num_hidden_layers=1, **kw)
+        apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh)
+        params = fpar.device_put(params, mesh, specs)
+        loss = hf_models.sharded_loss(apply_fn, mesh, specs, causal=True)
+        ids = hf_models.batch()
+        value = loss(params, ids)
+        grads = fpar.gather(torch.func.grad(loss)(params, ids), mesh, specs)
+        replicas = {name: grads[name] for name in apply_fn.replicated}
+        out[case] = (value.detach(), apply_fn.export(grads), replicas)
+    return out

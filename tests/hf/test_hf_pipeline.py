@@ -1,0 +1,133 @@
+"""fpar.hf.pipeline_stages: an HF decoder cut by its base_model_pp_plan, run by fpar.pipeline's schedules.
+
+The reference is the unsharded ``transformers`` model itself (``functional_call`` on its own
+parameters, eager attention, float64): the mean over microbatches of its next-token
+cross-entropy, and that loss's gradient.  The pipeline's loss and every gradient (merged back
+to the model's names and layout) must equal it, in-process (pipe x tensor, pipe x data x
+tensor; 1F1B, GPipe, interleaved 1F1B) and on 2 gloo processes (pipe=2).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fpar
+import fpar.pipeline as pp
+
+transformers = pytest.importorskip(
+    "transformers", reason="the hf extra (pip install fpar[hf]) is not installed"
+)
+
+V, M, B, T = 64, 2, 2, 4
+
+
+def qwen3(tied: bool = False):
+    config = transformers.Qwen3Config(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(0)
+    return transformers.Qwen3ForCausalLM(config).double().eval()
+
+
+def batch():
+    ids = torch.randint(0, V, (M, B, T + 1), generator=torch.Generator().manual_seed(1))
+    return ids[..., :-1], ids[..., 1:]
+
+
+def reference(model, xs, ys):
+    """The unsharded model's mean loss over the microbatches and its gradient, by parameter name."""
+    model.set_attn_implementation("eager")
+    own = {k: p.detach() for k, p in model.named_parameters()}
+
+    def loss(p):
+        total = 0.0
+        for x, y in zip(xs, ys):
+            logits = torch.func.functional_call(model, p, (x,), {"use_cache": False}).logits
+            total = total + torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+        return total / len(xs)
+
+    return loss(own), torch.func.grad(loss)(own)
+
+
+def check(result, stages, apply_fn, want_loss, want_grads):
+    grads = apply_fn.export(stages.merge(result.grads))
+    torch.testing.assert_close(result.loss, want_loss, rtol=0, atol=1e-12)
+    assert set(grads) == set(want_grads)
+    for k, g in want_grads.items():
+        torch.testing.assert_close(grads[k], g, rtol=0, atol=1e-12, msg=k)
+
+
+@pytest.mark.parametrize(
+    "shape,schedule,chunks",
+    [
+        ((2, 1, 2), "1f1b", 1),
+        ((2, 2, 2), "gpipe", 1),
+        ((2, 1, 2), "interleaved", 2),
+    ],
+    ids=["pipe2-tensor2-1f1b", "pipe2-data2-tensor2-gpipe", "pipe2-tensor2-interleaved"],
+)
+def test_pipeline_equals_the_unsharded_model(tmp_path, shape, schedule, chunks):
+    model = qwen3()
+    model.save_pretrained(tmp_path)
+    mesh = fpar.make_mesh(shape, ("pipe", "data", "tensor"))
+    apply_fn, params, specs = fpar.hf.from_pretrained(tmp_path, mesh)
+    stages = fpar.hf.pipeline_stages(apply_fn, specs, mesh, chunks=chunks)
+    sched = {
+        "1f1b": pp.one_f_one_b(2, M),
+        "gpipe": pp.gpipe(2, M),
+        "interleaved": pp.interleaved_1f1b(2, M, 2),
+    }
+    step = pp.pipeline(stages.stage, sched[schedule], mesh, loss=stages.loss, first=stages.first)
+    xs, ys = batch()
+    result = step(stages.split(params), xs, ys)
+    check(result, stages, apply_fn, *reference(model, xs, ys))
+    assert {k: torch.equal(v, params[k]) for k, v in stages.merge(stages.split(params)).items()} == {
+        k: True for k in params
+    }
+
+
+def test_refusals(tmp_path):
+    model = qwen3(tied=True)
+    mesh = fpar.make_mesh((2, 2), ("pipe", "tensor"))
+    apply_fn, _, specs = fpar.ops.tensor_parallel(model, mesh)
+    with pytest.raises(ValueError, match="ties its input and output embeddings"):
+        fpar.hf.pipeline_stages(apply_fn, specs, mesh)
+    apply_fn, _, specs = fpar.ops.tensor_parallel(qwen3(), mesh)
+    with pytest.raises(ValueError, match=r"4 decoder layers do not divide into 2 stages x 3 chunks"):
+        fpar.hf.pipeline_stages(apply_fn, specs, mesh, chunks=3)
+    with pytest.raises(ValueError, match="the pipe axis 'stage' is not an axis"):
+        fpar.hf.pipeline_stages(apply_fn, specs, mesh, pipe="stage")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=V))
+    apply_fn, _, specs = fpar.ops.tensor_parallel(gpt2.eval(), mesh)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel has no base_model_pp_plan"):
+        fpar.hf.pipeline_stages(apply_fn, specs, mesh)
+
+
+def run_pipeline(path: str):
+    """On each of 2 processes: pipe=2, 1F1B; the loss and the gathered, merged gradients."""
+    mesh = fpar.make_mesh((2, 1), ("pipe", "tensor"))
+    apply_fn, params, specs = fpar.hf.from_pretrained(path, mesh)
+    stages = fpar.hf.pipeline_stages(apply_fn, specs, mesh)
+    step = pp.pipeline(stages.stage, pp.one_f_one_b(2, M), mesh, loss=stages.loss, first=stages.first)
+    result = step(stages.split(params), *batch())
+    grads = fpar.gather(stages.merge(result.grads), mesh, specs)  # merged: from_pretrained's layout
+    return result.loss, apply_fn.export(grads)
+
+
+@pytest.mark.multiprocess
+def test_pipeline_on_two_processes_equals_the_unsharded_model(tmp_path):
+    model = qwen3()
+    model.save_pretrained(tmp_path)
+    want_loss, want_grads = reference(model, *batch())
+    for loss, grads in fpar.launch(run_pipeline, 2, str(tmp_path), timeout=120.0):
+        torch.testing.assert_close(loss, want_loss, rtol=0, atol=1e-12)
+        for k, g in want_grads.items():
+            torch.testing.assert_close(grads[k], g, rtol=0, atol=1e-12, msg=k)
