@@ -301,7 +301,8 @@ def test_error_bad_kind_and_plan_type():
     with pytest.raises(TypeError, match="plan must be 'auto' or a dict of module-name patterns"):
         fpar.ops.tensor_parallel(Block(), MESH, plan=["fc1"])
     with pytest.raises(
-        ValueError, match=r"plan='auto' does not recognise Block \(it knows the transformers models that carry"
+        ValueError,
+        match=r"plan='auto' does not recognise Block \(it knows the transformers models that carry",
     ):
         fpar.ops.tensor_parallel(Block(), MESH)
     with pytest.raises(ValueError, match=r"axis 'model' is not an axis of"):
