@@ -71,6 +71,9 @@ class PendingSave:
           ``CheckpointError`` when another process failed or died before the commit.
         """
         self._thread.join()
+        with _lock:
+            if self in _pending:
+                _pending.remove(self)
         if self._error is not None and not self._reported:
             self._reported = True
             raise self._error
@@ -100,7 +103,7 @@ def start(path: str, work: Callable[[], None]) -> PendingSave:
 def settle() -> BaseException | None:
     """Wait for this process's background save; return its error (reported once) instead of raising it."""
     with _lock:
-        handle = _pending.pop() if _pending else None
+        handle = _pending[-1] if _pending else None
     if handle is None:
         return None
     try:
@@ -117,7 +120,7 @@ def wait() -> str | None:
       The directory of the checkpoint waited for, or ``None`` if none was being written.
     """
     with _lock:
-        handle = _pending.pop() if _pending else None
+        handle = _pending[-1] if _pending else None
     return None if handle is None else handle.wait()
 
 
