@@ -3,40 +3,35 @@
 ``save(..., blocking=False)`` checks the tree and agrees with the other processes on the calling
 thread (one tiny all-gather, as a blocking save's first), copies this process's blocks to host
 memory, and returns a ``PendingSave``; a thread then writes the blocks and commits.  The thread
-never calls a collective: gloo collectives from two threads on one process group are unsafe, so
-the processes agree through the shared filesystem alone:
+never calls a collective on the training's process groups (gloo collectives from two threads on
+one group are unsafe): on a real mesh it uses a gloo group of its own over every process, made
+once by the first background save (``side_group``), for two tiny all-gathers:
 
-1. every process writes its block file ``g<gen>-p<proc>.safetensors`` (atomically: temporary
-   name, fsync, rename), so the file's existence is its marker;
-2. process 0 waits until every block file the save names exists (the list follows from the
-   specs and the mesh), then writes ``metadata.json``: the commit, the moment the checkpoint
-   becomes the latest one (``latest_step``, ``load``); it then removes older files and steps;
-3. every other process waits until ``metadata.json`` names this save's generation.
+1. every process writes its block file (atomically: temporary name, fsync, rename), then they
+   all-gather whether each write succeeded;
+2. if all did, process 0 writes ``metadata.json``: the commit, the moment the checkpoint becomes
+   the latest one (``latest_step``, ``load``), then removes older files and steps (``keep=``);
+   the processes all-gather whether the commit succeeded, so ``wait()`` returns on every
+   process after the commit (and its clean-up), and raises on every process if it failed.
 
-A process whose write fails writes ``g<gen>-p<proc>.failed`` instead, so the others stop waiting
-and fail too; a process that dies leaves the save uncommitted and the others give up after
-``COMMIT_TIMEOUT`` seconds.  Either way the previous checkpoint stays the latest.  The next
-``save`` (blocking or not) first waits for this one and raises its error on every process,
-through its agreement; ``wait()`` raises it too.  At exit the process waits for its save.
-
-Process 0 enters the next save's agreement only after its commit (and the clean-up that follows
-it), so no process starts writing a newer save while an older one's clean-up runs.
+A process that dies makes the others' all-gather fail (its sockets close) instead of waiting,
+and the save is not committed: the previous checkpoint stays the latest.  The next ``save``
+(blocking or not) first waits for this one and raises its error on every process, through its
+agreement; ``wait()`` raises it too.  At exit the process waits for its save (``atexit``).
+Every process starts a newer save only after the older one's commit and clean-up, so no
+clean-up ever removes a save being written.
 """
 
 from __future__ import annotations
 
 import atexit
-import os
 import sys
 import threading
-import time
 from collections.abc import Callable
 
-from . import _io
+__all__ = ["COMMIT_TIMEOUT", "PendingSave", "agree", "settle", "side_group", "start", "wait"]
 
-__all__ = ["COMMIT_TIMEOUT", "PendingSave", "settle", "start", "wait"]
-
-COMMIT_TIMEOUT = 1800.0  # seconds a process waits for the others' files (torch's default group timeout)
+COMMIT_TIMEOUT = 1800.0  # the side group's timeout (torch's default): a process that hangs, not dies
 
 
 class PendingSave:
@@ -50,7 +45,9 @@ class PendingSave:
         self.path = path
         self._error: BaseException | None = None
         self._reported = False
-        self._thread = threading.Thread(target=self._run, args=(work,), name="fpar-checkpoint", daemon=False)
+        self._thread = threading.Thread(
+            target=self._run, args=(work,), name="fpar-checkpoint", daemon=True
+        )  # atexit waits
         self._thread.start()
 
     def _run(self, work: Callable[[], None]) -> None:
@@ -133,43 +130,43 @@ def _at_exit() -> None:
         )
 
 
-# The filesystem agreement ---------------------------------------------------------------------------
+# The agreement of a background save (its own gloo group) ------------------------------------------
+
+_side: list = [None, None]  # (the default group it was made under, the side group)
 
 
-def wait_for_files(target: str, files: set[str], gen: int, timeout: float) -> None:
-    """Process 0: wait until every block file of save ``gen`` exists in ``target``, or fail."""
-    _poll(target, gen, timeout, lambda: files.issubset(_names(target)), f"the block files {sorted(files)}")
+def side_group():
+    """The gloo group over every process that background saves agree on (made once, on the calling thread).
+
+    Every process makes it at the same point (its first ``save(..., blocking=False)``), as
+    ``torch.distributed.new_group`` requires; a new default group (a re-initialised job) gets a
+    new one.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    if _side[0] is not dist.group.WORLD:
+        timeout = datetime.timedelta(seconds=COMMIT_TIMEOUT)
+        _side[:] = [dist.group.WORLD, dist.new_group(backend="gloo", timeout=timeout)]
+    return _side[1]
 
 
-def wait_for_commit(target: str, gen: int, timeout: float) -> None:
-    """Every other process: wait until ``metadata.json`` in ``target`` names generation ``gen``."""
-    _poll(target, gen, timeout, lambda: _io.committed_generation(target) == gen, "process 0's commit")
+def agree(group, proc: int, err: BaseException | None, what: str, where: str) -> None:
+    """All-gather over ``group`` whether each process's ``what`` succeeded; raise on every process if not."""
+    import torch
+    import torch.distributed as dist
 
-
-def _poll(target: str, gen: int, timeout: float, ready: Callable[[], bool], what: str) -> None:
     from ._format import CheckpointError
 
-    deadline, pause = time.monotonic() + timeout, 0.001
-    while not ready():
-        failed = _io.failures(target, gen)
-        if failed:
-            proc, message = failed[0]
-            raise CheckpointError(
-                f"fpar.checkpoint.save({target!r}): process {proc} failed to write its blocks ({message}); "
-                f"the save was not committed and the previous checkpoint stays the latest."
-            )
-        if time.monotonic() > deadline:
-            raise CheckpointError(
-                f"fpar.checkpoint.save({target!r}): waited {timeout:g} s for {what} of the background save "
-                f"(generation {gen}); a process died or stopped before writing. The save was not "
-                f"committed and the previous checkpoint stays the latest."
-            )
-        time.sleep(pause)
-        pause = min(2 * pause, 0.05)
-
-
-def _names(target: str) -> set[str]:
-    try:
-        return set(os.listdir(target))
-    except FileNotFoundError:
-        return set()
+    mine = torch.tensor([proc, 0 if err is None else 1], dtype=torch.int64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    if err is not None:
+        raise err
+    failed = sorted(int(t[0]) for t in every if int(t[1]))
+    if failed:
+        raise CheckpointError(
+            f"fpar.checkpoint.save({where!r}): process {failed[0]} failed in its {what} (its own error says "
+            f"why); the save was not committed and the previous checkpoint stays the latest."
+        )

@@ -106,7 +106,7 @@ def save(
             gen = _io.next_generation(target)
     except Exception as e:  # reported to every process before anything is written
         err = e
-    _agree(mesh, err, _digest(leaves, gen, step), "save")
+    _agree(mesh, err, _digest(leaves, gen, (step, bool(blocking))), "save")
     if not blocking:
         return _save_in_background(target, path, leaves, desc, mesh, proc, coords, gen, step, keep)
     err = _try(lambda: _write_blocks(target, leaves, mesh, proc, coords, gen, step))
@@ -323,19 +323,21 @@ def _save_in_background(target, root, leaves, desc, mesh: Mesh, proc: int, coord
         else leaf
         for leaf in leaves
     ]
-    files = _files(snap, mesh, gen)
+    group = _async.side_group() if mesh.backend == "dist" else None
+
+    def settle(err: BaseException | None, what: str) -> None:
+        if group is None:
+            if err is not None:
+                raise err
+            return
+        _async.agree(group, proc, err, what, target)
 
     def work() -> None:
-        try:
-            _write_blocks(target, snap, mesh, proc, coords, gen, step)
-            if proc == 0:
-                _async.wait_for_files(target, files, gen, _async.COMMIT_TIMEOUT)
-                _commit(target, root, snap, desc, mesh, gen, step, keep)
-        except Exception as e:
-            _io.write_failure(target, gen, proc, f"{type(e).__name__}: {e}")
-            raise
-        if proc != 0:
-            _async.wait_for_commit(target, gen, _async.COMMIT_TIMEOUT)
+        settle(
+            _try(lambda: _write_blocks(target, snap, mesh, proc, coords, gen, step)), "write of its blocks"
+        )
+        err = _try(lambda: _commit(target, root, snap, desc, mesh, gen, step, keep)) if proc == 0 else None
+        settle(err, "commit")
 
     return _async.start(target, work)
 

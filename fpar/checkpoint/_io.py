@@ -21,7 +21,6 @@ import torch
 from ._format import BLOCK_FILE, INDEX, CheckpointError, check_file_name, check_index
 
 STEP_DIR = re.compile(r"step_(\d+)")
-FAILED_FILE = re.compile(r"g(\d{6})-p(\d{5})\.failed")  # a background save's failure marker
 
 
 # Writing -----------------------------------------------------------------------------------------
@@ -101,9 +100,7 @@ def next_generation(directory: str) -> int:
     """One more than any save already in ``directory`` (committed or not), so no file is overwritten."""
     gens = [-1]
     if os.path.isdir(directory):
-        names = os.listdir(directory)
-        gens += [int(m.group(1)) for m in map(BLOCK_FILE.fullmatch, names) if m]
-        gens += [int(m.group(1)) for m in map(FAILED_FILE.fullmatch, names) if m]
+        gens += [int(m.group(1)) for m in map(BLOCK_FILE.fullmatch, os.listdir(directory)) if m]
     committed = committed_generation(directory)
     return max([*gens, -1 if committed is None else committed]) + 1
 
@@ -116,31 +113,10 @@ def committed_generation(directory: str) -> int | None:
     return None
 
 
-def write_failure(directory: str, gen: int, proc: int, message: str) -> None:
-    """Leave the marker that tells the other processes this one's background write of ``gen`` failed."""
-    os.makedirs(directory, exist_ok=True)
-    write_json(os.path.join(directory, f"g{gen:06d}-p{proc:05d}.failed"), {"error": message[:2000]})
-
-
-def failures(directory: str, gen: int) -> list[tuple[int, str]]:
-    """``(process, error)`` of every failure marker of save ``gen`` in ``directory``."""
-    out = []
-    with contextlib.suppress(FileNotFoundError):
-        for name in sorted(os.listdir(directory)):
-            m = FAILED_FILE.fullmatch(name)
-            if m and int(m.group(1)) == gen:
-                message = "unreadable marker"
-                with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
-                    with open(os.path.join(directory, name), "rb") as f:
-                        message = str(json.load(f)["error"])
-                out.append((int(m.group(2)), message))
-    return out
-
-
 def collect_garbage(directory: str, keep_files: set[str]) -> None:
     """Remove block files of other saves and temporary files left by crashed ones."""
     for name in os.listdir(directory):
-        stale_block = (BLOCK_FILE.fullmatch(name) or FAILED_FILE.fullmatch(name)) and name not in keep_files
+        stale_block = BLOCK_FILE.fullmatch(name) and name not in keep_files
         if stale_block or (name.startswith(".") and ".tmp-" in name):
             _remove_quietly(os.path.join(directory, name))
 
@@ -148,8 +124,8 @@ def collect_garbage(directory: str, keep_files: set[str]) -> None:
 def _interrupted(directory: str) -> bool:
     """Whether ``directory`` is what a save killed before its commit leaves.
 
-    That is: no index, and only fpar block files, failure markers and temporary files (so
-    nothing of anyone else's is ever removed).
+    That is: no index, and only fpar block files and temporary files (so nothing of anyone
+    else's is ever removed).
     """
     if not os.path.isdir(directory) or os.path.exists(os.path.join(directory, INDEX)):
         return False
@@ -158,9 +134,7 @@ def _interrupted(directory: str) -> bool:
 
 
 def _ours(name: str) -> bool:
-    return bool(BLOCK_FILE.fullmatch(name) or FAILED_FILE.fullmatch(name)) or (
-        name.startswith(".") and ".tmp-" in name
-    )
+    return bool(BLOCK_FILE.fullmatch(name)) or (name.startswith(".") and ".tmp-" in name)
 
 
 def remove_interrupted_steps(root: str, keep: str) -> None:
