@@ -64,8 +64,9 @@ class PendingSave:
         """Block until the checkpoint is committed; return its directory.
 
         Raises:
-          the background write's error (once; later calls return quietly), e.g. a
-          ``CheckpointError`` when another process failed or died before the commit.
+          Exception: the background write's error, once (later calls return quietly), e.g. a
+            ``CheckpointError`` when another process failed before the commit, or the side
+            group's error when one died.
         """
         self._thread.join()
         with _lock:
@@ -115,6 +116,9 @@ def wait() -> str | None:
 
     Returns:
       The directory of the checkpoint waited for, or ``None`` if none was being written.
+
+    Raises:
+      Exception: the background save's error (see ``PendingSave.wait``).
     """
     with _lock:
         handle = _pending[-1] if _pending else None
