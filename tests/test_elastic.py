@@ -42,7 +42,7 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "examples" / "train_gpt.py")
 STEP_LINE = re.compile(r"step\s+(\d+)/\d+ \| loss ([0-9.]+)")
-STEPS, K = 6, 2
+STEPS, K = 20, 2  # 18 steps after K: time for a node to join while the job runs
 FLAGS = ["--tiny", "--steps", str(STEPS), "--dtype", "float64", "--ckpt-every", "1", "--log-every", "1"]
 QUIET = ["--plot", "none", "--sample", "0"]
 # Elastic runs: both agents are clients of a c10d store the test hosts, so either can die.
@@ -65,16 +65,45 @@ def reference(*extra: str) -> list[float]:
         import train_gpt
 
         with tempfile.TemporaryDirectory() as tmp:
-            res = train_gpt.main([*FLAGS, *QUIET, *extra, "--devices", "4", "--quiet", "--ckpt-dir", tmp])
+            flags = [
+                *FLAGS,
+                *QUIET,
+                *extra,
+                "--ckpt-every",
+                "0",
+                "--devices",
+                "4",
+                "--quiet",
+                "--ckpt-dir",
+                tmp,
+            ]
+            res = train_gpt.main(flags)
         _REFERENCE[extra] = res.losses
     return _REFERENCE[extra]
 
 
 def _env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: torch 2.13's agents share the rendezvous store with
+    # their workers, and an agent that stays rank 0 across rounds then never publishes the new
+    # round's MASTER_ADDR, so a node that joins waits for it until its store times out (seen
+    # here: scale-up failed that way); unshared, every round publishes it.
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": str(ROOT),
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
 
 
-def _agent(port: int, ckpt: Path, *extra: str, nnodes: str = "1:2", static: int | None = None):
+# torchrun, its imports done, waiting for a line on stdin before it starts (so a joining agent
+# registers within a second of the signal, not after seconds of imports on a busy machine)
+GATED = "import sys, torch.distributed.run as r; sys.stdin.readline(); r.main()"
+
+
+def _agent(
+    port: int, ckpt: Path, *extra: str, nnodes: str = "1:2", static: int | None = None, gated: bool = False
+):
     conf = RDZV_CONF + ",is_host=false" if nnodes != "2" else RDZV_CONF
     rdzv = (
         ["--node-rank", str(static), "--master-addr", "127.0.0.1", "--master-port", str(port)]
@@ -83,8 +112,7 @@ def _agent(port: int, ckpt: Path, *extra: str, nnodes: str = "1:2", static: int 
     )
     cmd = [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
+        *(["-c", GATED] if gated else ["-m", "torch.distributed.run"]),
         "--nnodes",
         nnodes,
         "--nproc-per-node",
@@ -104,6 +132,7 @@ def _agent(port: int, ckpt: Path, *extra: str, nnodes: str = "1:2", static: int 
         cmd,
         cwd=ROOT,
         env=_env(),
+        stdin=subprocess.PIPE if gated else subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -230,15 +259,17 @@ def test_a_node_joining_grows_the_job_with_zero3_state(tmp_path, store_port):
     want = reference()
     port, ckpt = store_port, tmp_path / "run"
     first = _agent(port, ckpt, "--zero", "3")
-    joined = None
+    joined = _agent(port, ckpt, "--zero", "3", gated=True)  # imports now, joins on the signal
     try:
         _wait_for_step(ckpt, K, [first], timeout=240)
-        assert first.poll() is None, "the run ended before a node could join"
-        joined = _agent(port, ckpt, "--zero", "3")
+        if first.poll() is not None or joined.poll() is not None:
+            pytest.fail("a launcher ended before the join:\n" + _killed(first, joined))
+        joined.stdin.write("go\n")
+        joined.stdin.flush()
         outs = _finish([first, joined], timeout=300)
     finally:
         for p in (first, joined):
-            if p is not None and p.poll() is None:
+            if p.poll() is None:
                 kill_tree(p.pid)
                 p.communicate()
     assert first.returncode == 0 and joined.returncode == 0, outs[0][-3000:] + outs[1][-3000:]
