@@ -11,6 +11,7 @@ every load afterwards gets the newest complete checkpoint.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 
 import fpar
 from fpar import P
-from fpar.checkpoint import _core
+from fpar.checkpoint import CheckpointError, _core
 
 F64 = torch.float64
 SPECS = {"params": {"w": P("data"), "b": P()}, "step": None, "name": None}
@@ -190,3 +191,28 @@ def test_real_mesh_background_saves(tmp_path):
 def test_killed_at_random_points_every_load_gets_the_newest_complete_checkpoint(tmp_path):
     counts = checkpoint_kill.kill_and_check(Path(tmp_path) / "run", 3, seed=1)
     assert counts["kills"] == counts["loads_checked"] == 3
+
+
+# Bad input ---------------------------------------------------------------------------------------------
+
+
+def test_a_checkpoint_of_a_newer_format_names_the_file_and_the_fix(tmp_path, mesh):
+    fpar.checkpoint.save(tmp_path, _tree(1), mesh, SPECS, step=1, blocking=False).wait()
+    index = tmp_path / "step_00000001" / "metadata.json"
+    meta = json.loads(index.read_text())
+    meta["version"] = 99
+    index.write_text(json.dumps(meta))
+    with pytest.raises(
+        CheckpointError, match=r"metadata.json says format version 99, written by a newer fpar"
+    ):
+        fpar.checkpoint.load(tmp_path, mesh, SPECS)
+    with pytest.raises(CheckpointError, match="Upgrade fpar to load it"):
+        fpar.checkpoint.merge(tmp_path, tmp_path / "merged.safetensors")
+
+
+def test_a_checkpoint_of_another_model_is_refused_whole(tmp_path, mesh):
+    fpar.checkpoint.save(tmp_path, _tree(1), mesh, SPECS, step=1, blocking=False).wait()
+    other = _tree(1)
+    other["params"]["w"] = torch.zeros(4, 5, dtype=F64)  # another width
+    with pytest.raises(CheckpointError, match=r"saved from another model or configuration"):
+        fpar.checkpoint.load(tmp_path, mesh, SPECS, like=other)
