@@ -202,7 +202,11 @@ def microbatches(args, mesh: fpar.Mesh) -> int:
     p = mesh.shape[PIPE]
     m = args.microbatches or (2 * p if p > 1 else 1)
     if args.batch % (m * mesh.shape[DATA]):
-        raise SystemExit(f"--batch {args.batch} must divide into {m} microbatches x data={mesh.shape[DATA]}")
+        raise SystemExit(
+            f"--batch {args.batch} must divide into {m} microbatches x data={mesh.shape[DATA]} (the layout "
+            f"{dict(mesh.shape)} of {mesh.size} devices); give a --batch that does, or a --parallel layout "
+            f"or world size whose data axis divides it"
+        )
     return m
 
 
