@@ -45,9 +45,8 @@ class PendingSave:
         self.path = path
         self._error: BaseException | None = None
         self._reported = False
-        self._thread = threading.Thread(
-            target=self._run, args=(work,), name="fpar-checkpoint", daemon=True
-        )  # atexit waits
+        # a daemon: the interpreter would join a plain thread before atexit runs; _at_exit waits
+        self._thread = threading.Thread(target=self._run, args=(work,), name="fpar-checkpoint", daemon=True)
         self._thread.start()
 
     def _run(self, work: Callable[[], None]) -> None:
