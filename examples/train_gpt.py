@@ -14,10 +14,14 @@ By default it runs on an 8-device in-process mesh, ``pipeline=2 x data=2 x tenso
 
 AdamW (``fpar.optim``) with linear warmup and cosine decay and gradient clipping by the global
 norm runs inside ``fpar.shard`` over the whole mesh (``fpar.optim.zero_update``, stage 0), so the
-norm is the norm of the whole model however it is split.  Batches are a pure function of the
-step, so ``--resume`` from a checkpoint reproduces the uninterrupted run's losses exactly; the
-checkpoint holds the model's layout (layers stacked, split over ``pipeline``), so a run can
-resume on another mesh, or ``--single-device``.
+norm is the norm of the whole model however it is split; ``--zero 1`` splits the AdamW state
+over ``data``, ``--zero 3`` the weights too.  Batches are a pure function of the step, so
+``--resume`` from a checkpoint reproduces the uninterrupted run's losses exactly; the checkpoint
+holds the model's layout (layers stacked, split over ``pipeline``; ZeRO state as the blocks its
+chunks are cut from), so a run can resume on another mesh, or ``--single-device``: under
+``torchrun --nnodes 1:2`` a job that loses or gains a node continues on the layout that fits
+(``tests/test_elastic.py``).  Checkpoints are written in the background
+(``fpar.checkpoint.save(..., blocking=False)``) while the next steps run.
 
 Meters: tokens/s; MFU = model FLOPs per step (6 per weight per token, plus PaLM's attention term
 12 L T D per token) / step time / the peak: one device's FLOP/s (a 512x512 matmul measured at
