@@ -87,7 +87,9 @@ def victim(run: str, procs: int) -> None:
 # The driver ------------------------------------------------------------------------------------------
 
 
-def kill_and_check(run: Path, kills: int, *, seed: int = 0, procs: int = 1, timeout: float = 120.0) -> dict:
+def kill_and_check(
+    run: Path, kills: int, *, seed: int = 0, procs: int = 1, timeout: float = 120.0, verbose: bool = False
+) -> dict:
     """SIGKILL the victim ``kills`` times at random points; check every load.  Returns counts."""
     from torchrun_util import kill_tree
 
@@ -130,6 +132,11 @@ def kill_and_check(run: Path, kills: int, *, seed: int = 0, procs: int = 1, time
         counts["newest_step"] = latest
         partial = [d for d in os.listdir(run) if not (run / d / "metadata.json").exists()]
         counts["half_written_at_kill"] += bool(partial)
+        if verbose:
+            print(
+                f"kill {counts['kills']}: newest complete step {latest}, half-written: {bool(partial)}",
+                flush=True,
+            )
     return counts
 
 
@@ -147,7 +154,7 @@ def main() -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     with tempfile.TemporaryDirectory() as tmp:
-        counts = kill_and_check(Path(tmp) / "run", int(ns.kills), seed=ns.seed, procs=ns.procs)
+        counts = kill_and_check(Path(tmp) / "run", int(ns.kills), seed=ns.seed, procs=ns.procs, verbose=True)
     print(counts)
 
 
