@@ -202,7 +202,11 @@ def microbatches(args, mesh: fpar.Mesh) -> int:
     p = mesh.shape[PIPE]
     m = args.microbatches or (2 * p if p > 1 else 1)
     if args.batch % (m * mesh.shape[DATA]):
-        raise SystemExit(f"--batch {args.batch} must divide into {m} microbatches x data={mesh.shape[DATA]}")
+        raise SystemExit(
+            f"--batch {args.batch} must divide into {m} microbatches x data={mesh.shape[DATA]} (the layout "
+            f"{dict(mesh.shape)} of {mesh.size} devices); give a --batch that does, or a --parallel layout "
+            f"or world size whose data axis divides it"
+        )
     return m
 
 
@@ -409,18 +413,29 @@ def _to_model(tree, specs):
 
 
 def save(
-    ckpt_dir: str, step: int, params, opt_state, losses: list[float], mesh, pspecs, sspecs, *, key=None
-) -> str:
+    ckpt_dir: str,
+    step: int,
+    params,
+    opt_state,
+    losses: list[float],
+    mesh,
+    pspecs,
+    sspecs,
+    *,
+    key=None,
+    blocking: bool = True,
+):
     """Save parameters, optimizer state and the loss history at ``step`` (a collective on a real mesh).
 
     ``key``: the run's ``fpar.random`` key (dropout), stored so that a resumed run draws the same masks.
+    ``blocking=False``: write in the background (``fpar.checkpoint.save``'s), returning its handle.
     """
     tree, specs = _to_model({"params": params, "opt": opt_state}, {"params": pspecs, "opt": sspecs})
     tree["losses"] = torch.tensor(losses, dtype=torch.float64)
     specs["losses"] = P()
     if key is not None:
         tree["key"], specs["key"] = key, P()
-    return fpar.checkpoint.save(ckpt_dir, tree, mesh, specs, step=step, keep=2)
+    return fpar.checkpoint.save(ckpt_dir, tree, mesh, specs, step=step, keep=2, blocking=blocking)
 
 
 def restore(ckpt_dir: str, params, opt_state, mesh, pspecs, sspecs, *, key=None):
@@ -450,6 +465,81 @@ def restore(ckpt_dir: str, params, opt_state, mesh, pspecs, sspecs, *, key=None)
     if key is not None:
         return step, tree["params"], tree["opt"], got["losses"].tolist(), got["key"]
     return step, tree["params"], tree["opt"], got["losses"].tolist()
+
+
+# ZeRO state in the model layout --------------------------------------------------------------------
+# fpar.optim's ZeRO stages 1-3 keep each optimizer-state leaf (and, at stage 3, each parameter) as
+# this data rank's chunk: its block flattened, zero-padded and cut into `data` pieces.  Chunks
+# depend on the layout, so the flagship checkpoints the model layout (the blocks the chunks come
+# from) and cuts chunks again after loading: a run can resume with another data size or
+# pipeline depth.  The pipeline's backward already sums each gradient over `data` (the loss is
+# `pmean`'d), so a ZeRO step takes each rank's chunk of that sum (`to_chunks`).
+
+_TAG = 1_000_003  # fake sizes that tell which state leaf mirrors which parameter
+
+
+def mirrors(opt, params) -> list[int]:
+    """For each leaf of ``opt.init(params)``: the index of the parameter it mirrors, or -1."""
+    leaves, treedef = optree.tree_flatten(params, none_is_leaf=True)
+    fake = optree.tree_unflatten(
+        treedef, [torch.empty((_TAG + i,), device="meta") for i in range(len(leaves))]
+    )
+    out = []
+    for x in optree.tree_leaves(opt.init(fake), none_is_leaf=True):
+        i = x.shape[0] - _TAG if isinstance(x, torch.Tensor) and x.dim() == 1 else -1
+        out.append(i if 0 <= i < len(leaves) else -1)
+    return out
+
+
+def _chunk(block: torch.Tensor, n: int) -> torch.Tensor:
+    """This data rank's chunk of a block that is the same on every data rank (inside fpar.shard)."""
+    c = -(-block.numel() // n)
+    flat = block.reshape(-1)
+    flat = torch.cat([flat, flat.new_zeros(n * c - flat.numel())]) if n * c > flat.numel() else flat
+    return flat.reshape(n, c).index_select(0, fpar.axis_index(DATA).reshape(1)).squeeze(0)
+
+
+def _unchunk(chunk: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """The whole block from every data rank's chunk (inside fpar.shard; all-gathered over data)."""
+    return fpar.all_gather_invariant(chunk, DATA, tiled=True)[: math.prod(shape)].reshape(shape)
+
+
+def block_shapes(tree, mesh: fpar.Mesh, specs) -> list[tuple]:
+    """Each leaf's per-device block shape (a real mesh's tensors are blocks already)."""
+    leaves = optree.tree_leaves(tree, none_is_leaf=True)
+    flat = optree.broadcast_prefix(specs, tree, is_leaf=lambda s: isinstance(s, P), none_is_leaf=True)
+    out = []
+    for x, s in zip(leaves, flat):
+        shape = list(x.shape)
+        if mesh.backend != "dist":
+            for d, entry in enumerate(s.normalized()):
+                shape[d] //= math.prod(mesh.shape[a] for a in entry)
+        out.append(tuple(shape))
+    return out
+
+
+def to_chunks(tree, mesh: fpar.Mesh, specs, chunk_specs, which: list[int] | None = None):
+    """Blocks (laid out by ``specs``) -> this rank's chunks (``chunk_specs``); ``which``: leaves to cut."""
+    n = mesh.shape[DATA]
+
+    def per_device(tree):
+        leaves, treedef = optree.tree_flatten(tree, none_is_leaf=True)
+        cut = range(len(leaves)) if which is None else [k for k, i in enumerate(which) if i >= 0]
+        leaves = [_chunk(x, n) if k in set(cut) else x for k, x in enumerate(leaves)]
+        return optree.tree_unflatten(treedef, leaves)
+
+    return fpar.shard(per_device, mesh, (specs,), chunk_specs)(tree)
+
+
+def from_chunks(tree, mesh: fpar.Mesh, chunk_specs, specs, shapes: list[tuple], which: list[int]):
+    """The inverse of ``to_chunks``: ``shapes[which[k]]`` is the block shape of chunk leaf ``k``."""
+
+    def per_device(tree):
+        leaves, treedef = optree.tree_flatten(tree, none_is_leaf=True)
+        leaves = [_unchunk(x, shapes[i]) if i >= 0 else x for x, i in zip(leaves, which)]
+        return optree.tree_unflatten(treedef, leaves)
+
+    return fpar.shard(per_device, mesh, (chunk_specs,), specs)(tree)
 
 
 # Plot ---------------------------------------------------------------------------------------------

@@ -14,10 +14,14 @@ By default it runs on an 8-device in-process mesh, ``pipeline=2 x data=2 x tenso
 
 AdamW (``fpar.optim``) with linear warmup and cosine decay and gradient clipping by the global
 norm runs inside ``fpar.shard`` over the whole mesh (``fpar.optim.zero_update``, stage 0), so the
-norm is the norm of the whole model however it is split.  Batches are a pure function of the
-step, so ``--resume`` from a checkpoint reproduces the uninterrupted run's losses exactly; the
-checkpoint holds the model's layout (layers stacked, split over ``pipeline``), so a run can
-resume on another mesh, or ``--single-device``.
+norm is the norm of the whole model however it is split; ``--zero 1`` splits the AdamW state
+over ``data``, ``--zero 3`` the weights too.  Batches are a pure function of the step, so
+``--resume`` from a checkpoint reproduces the uninterrupted run's losses exactly; the checkpoint
+holds the model's layout (layers stacked, split over ``pipeline``; ZeRO state as the blocks its
+chunks are cut from), so a run can resume on another mesh, or ``--single-device``: under
+``torchrun --nnodes 1:2`` a job that loses or gains a node continues on the layout that fits
+(``tests/test_elastic.py``).  Checkpoints are written in the background
+(``fpar.checkpoint.save(..., blocking=False)``) while the next steps run.
 
 Meters: tokens/s; MFU = model FLOPs per step (6 per weight per token, plus PaLM's attention term
 12 L T D per token) / step time / the peak: one device's FLOP/s (a 512x512 matmul measured at
@@ -189,6 +193,43 @@ def model_flops(args) -> tuple[int, float]:
     return n_params, 6 * n_matmul + 12 * L * T * d  # PaLM's attention term (scores + values, fwd + bwd)
 
 
+# ZeRO ----------------------------------------------------------------------------------------------------
+
+
+class Zero:
+    """A ZeRO layout's conversions: to the model layout (for checkpoints, evaluation) and back."""
+
+    def __init__(self, opt, layout, params):
+        self.opt, self.layout, self.mesh = opt, layout, layout.mesh
+        self.model_specs = fo.zero_layout(params, self.mesh, SPECS, stage=0, data_axis=DATA).state_specs(opt)
+        self.specs = layout.state_specs(opt)
+        self.shapes = C.block_shapes(params, self.mesh, SPECS)  # each parameter's block
+        self.which = C.mirrors(opt, params)  # which parameter each state leaf mirrors
+
+    def params(self, params):
+        """The parameters in the model layout (stage 3 all-gathers its chunks)."""
+        return fo.zero_params(params, self.layout)
+
+    def grads(self, grads):
+        """The pipeline's gradient (summed over data) in the form the stage's update takes."""
+        return (
+            grads if self.layout.stage == 0 else C.to_chunks(grads, self.mesh, SPECS, self.layout.chunk_specs)
+        )
+
+    def model_form(self, params, opt_state):
+        if self.layout.stage == 0:
+            return params, opt_state
+        state = C.from_chunks(opt_state, self.mesh, self.specs, self.model_specs, self.shapes, self.which)
+        return self.params(params), state
+
+    def zero_form(self, params, opt_state):
+        if self.layout.stage == 0:
+            return params, opt_state
+        if self.layout.stage == 3:
+            params = C.to_chunks(params, self.mesh, SPECS, self.layout.param_specs)
+        return params, C.to_chunks(opt_state, self.mesh, self.model_specs, self.specs, self.which)
+
+
 # Training ----------------------------------------------------------------------------------------------
 
 
@@ -213,6 +254,13 @@ def main(argv=None) -> Result:
     ap.add_argument("--tiny", action="store_true", help="a very small model (smoke tests, torchrun on CPU)")
     ap.add_argument(
         "--dropout", type=float, default=0.0, help="GPT-2 dropout (GPT-2 used 0.1); fpar.random masks"
+    )
+    ap.add_argument(
+        "--zero",
+        type=int,
+        default=0,
+        choices=(0, 1, 3),
+        help="ZeRO: 1 splits the AdamW state over data, 3 the weights too",
     )
     C.add_args(ap, steps=150, batch=32, lr=3e-3, warmup=15)
     args = ap.parse_args(argv)
@@ -250,16 +298,21 @@ def main(argv=None) -> Result:
     warmup = min(args.warmup, args.steps // 2)
     lr = fo.warmup_cosine(args.lr, warmup, args.steps, end=args.lr / 10)
     opt = fo.chain(fo.clip_by_global_norm(args.clip), fo.adamw(lr, b2=0.95, weight_decay=args.weight_decay))
-    layout = fo.zero_layout(params, mesh, SPECS, stage=0, data_axis=DATA)  # stage 0: plain data parallel
+    # --zero 0: plain data parallel (AdamW on every device's blocks); 1: the AdamW state split
+    # over data; 3: the parameters too, gathered for each step.  The pipeline's backward sums the
+    # gradients over data already, so ZeRO-1 runs as stage 2's update (the same state).
+    stage = {0: 0, 1: 2, 3: 3}[args.zero]
+    layout = fo.zero_layout(params, mesh, SPECS, stage=stage, data_axis=DATA)
+    zero = Zero(opt, layout, params)  # checkpoints hold the model layout, whatever the stage
     params, opt_state = fo.zero_init(opt, params, layout)
-    update = fo.zero_update(opt, layout)  # AdamW on every device's blocks, inside fpar.shard
-    state_specs = layout.state_specs(opt)
+    update = fo.zero_update(opt, layout)  # AdamW inside fpar.shard
 
     start, losses = 0, []
     if args.resume and fpar.checkpoint.latest_step(ckpt_dir) is not None:
         start, params, opt_state, losses, run_key = C.restore(
-            ckpt_dir, params, opt_state, mesh, SPECS, state_specs, key=run_key
+            ckpt_dir, *zero.model_form(params, opt_state), mesh, SPECS, zero.model_specs, key=run_key
         )
+        params, opt_state = zero.zero_form(params, opt_state)
         C.say(f"resumed from {ckpt_dir} at step {start}", quiet=quiet)
     elif args.resume:
         C.say(f"--resume: no checkpoint in {ckpt_dir}; starting at step 0", quiet=quiet)
@@ -275,9 +328,8 @@ def main(argv=None) -> Result:
         ys_MBT = fpar.device_put(targets_BT.unflatten(0, (m, -1)), mesh, P(None, DATA))
         fpar.reset_comm_stats()
         t0 = time.perf_counter()
-        res = step_fn(params, xs_MBT, ys_MBT, fpar.random.fold_in(run_key, step))  # loss and gradients
-        grads = res.grads
-        params, opt_state = update(grads, opt_state, params)
+        res = step_fn(zero.params(params), xs_MBT, ys_MBT, fpar.random.fold_in(run_key, step))  # loss, grads
+        params, opt_state = update(zero.grads(res.grads), opt_state, params)
         seconds.append(time.perf_counter() - t0)
         comm = C.comm_bytes(p2p)
         losses.append(res.loss.item())
@@ -292,8 +344,13 @@ def main(argv=None) -> Result:
         if step == start:
             bar.write(f"bytes sent per step, per mesh axis: {C.fmt_comm(comm)}; {C.COMM_NOTE[mesh.backend]}")
         if step + 1 == args.steps or (args.ckpt_every and (step + 1) % args.ckpt_every == 0):
-            C.save(ckpt_dir, step + 1, params, opt_state, losses, mesh, SPECS, state_specs, key=run_key)
+            # in the background: the blocks are copied, then written while the next steps run
+            model = zero.model_form(params, opt_state)
+            C.save(
+                ckpt_dir, step + 1, *model, losses, mesh, SPECS, zero.model_specs, key=run_key, blocking=False
+            )
     bar.close()
+    fpar.checkpoint.wait()  # the last save has committed
 
     # --- Summary, evaluation, plot ---------------------------------------------------------------
     timed = seconds[1:] or seconds  # the first step pays one-off costs
@@ -316,7 +373,7 @@ def main(argv=None) -> Result:
             f"bytes sent per step, per mesh axis: {C.fmt_comm(comm)}; {C.COMM_NOTE[mesh.backend]}",
             quiet=quiet,
         )
-    whole = fpar.gather(params, mesh, SPECS)  # every process gets the whole model (tiny)
+    whole = fpar.gather(zero.params(params), mesh, SPECS)  # every process gets the whole model (tiny)
     if not quiet and C.rank() == 0:
         evaluate(args, as_gpt(whole), val_N)
     if args.plot != "none" and losses and not quiet:

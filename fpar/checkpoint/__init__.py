@@ -21,12 +21,18 @@ Every file is written to a temporary name, fsynced and renamed; ``metadata.json`
 last and names its save's files (``g<generation>-``), and the previous save's files are removed
 only after it, so a crash never damages the last good checkpoint.  A real mesh needs a
 filesystem that every process sees.
+
+``save(..., blocking=False)`` returns at once with a ``PendingSave``: the blocks are copied to
+host memory and written, then committed, by a background thread that agrees with the other
+processes through the filesystem alone (``_async`` says how); ``wait()`` waits for the commit.
 """
 
+from ._async import PendingSave as PendingSave
+from ._async import wait as wait
 from ._core import latest_step as latest_step
 from ._core import load as load
 from ._core import merge as merge
 from ._core import save as save
 from ._format import CheckpointError as CheckpointError
 
-__all__ = ["CheckpointError", "latest_step", "load", "merge", "save"]
+__all__ = ["CheckpointError", "PendingSave", "latest_step", "load", "merge", "save", "wait"]

@@ -15,7 +15,8 @@ from .._errors import SpecError
 from .._mesh import Mesh
 from .._spec import PartitionSpec, check_spec, global_shape
 from .._tree import describe, keystr, tree_flatten_with_path, tree_leaves
-from . import _io
+from . import _async, _io
+from ._async import PendingSave
 from ._format import (
     FORMAT,
     INDEX,
@@ -46,7 +47,8 @@ def save(
     *,
     step: int | None = None,
     keep: int | None = None,
-) -> str:
+    blocking: bool = True,
+) -> str | PendingSave:
     """Save a sharded pytree: each process writes its own blocks, then the save commits atomically.
 
     A collective on a real mesh: every process calls it with its blocks (as ``fpar.shard``
@@ -57,6 +59,15 @@ def save(
     processes agree on the tree and wait for each other with three tiny all-gathers (they
     show in ``fpar.comm_stats``).
 
+    With ``blocking=False`` the save does not stop the step: after the first agreement, this
+    process's blocks are copied to host memory (so a later in-place or ``donate=True`` update
+    cannot change what is written) and a background thread writes them and commits; the
+    processes then agree through the filesystem only (no collective leaves the calling thread).
+    The checkpoint becomes the latest when process 0 writes its ``metadata.json``, once every
+    process's block file exists.  A later ``save`` first waits for this one, and raises its
+    error on every process; ``fpar.checkpoint.wait()`` or the handle's ``.wait()`` waits for the
+    commit; a process does not exit before it.
+
     Args:
       path: the checkpoint directory; with ``step``, a run directory that gets ``step_<step>/``.
       tree: a pytree (dict, list, tuple, NamedTuple) of tensors, ``None`` and Python scalars,
@@ -66,10 +77,13 @@ def save(
       step: the training step; stored, and names the subdirectory.
       keep: with ``step``, keep only the newest ``keep`` complete steps under ``path`` (and
         always the step just written, even beside newer ones).  Step directories that an
-        interrupted save left without its commit are removed by the next save with ``step``.
+        interrupted save left without its commit are removed by the next save with ``step``;
+        older steps go only after the newer one committed.
+      blocking: ``False``: snapshot the blocks and write them in the background (see above).
 
     Returns:
-      The checkpoint directory written.
+      The checkpoint directory written; with ``blocking=False`` a ``PendingSave`` (``.path``,
+      ``.done()``, ``.wait()`` -> the directory, once committed).
 
     Raises:
       TypeError: an unsupported node or leaf, or a spec that is not a ``fpar.P``.
@@ -84,14 +98,17 @@ def save(
     if keep is not None and (step is None or keep < 1):
         raise ValueError(f"fpar.checkpoint.save: keep={keep} needs step= and must be at least 1.")
     proc, coords = _process(mesh, "save")
-    err, leaves, gen, desc = None, [], 0, {}
+    err, leaves, gen, desc = _async.settle(), [], 0, {}  # the previous background save's error
     try:
-        paths, values, desc = flatten(tree, "save")
-        leaves = _describe_leaves(paths, values, _specs_for(specs, paths, "save"), mesh)
-        gen = _io.next_generation(target)
+        if err is None:
+            paths, values, desc = flatten(tree, "save")
+            leaves = _describe_leaves(paths, values, _specs_for(specs, paths, "save"), mesh)
+            gen = _io.next_generation(target)
     except Exception as e:  # reported to every process before anything is written
         err = e
-    _agree(mesh, err, _digest(leaves, gen, step), "save")
+    _agree(mesh, err, _digest(leaves, gen, (step, bool(blocking))), "save")
+    if not blocking:
+        return _save_in_background(target, path, leaves, desc, mesh, proc, coords, gen, step, keep)
     err = _try(lambda: _write_blocks(target, leaves, mesh, proc, coords, gen, step))
     _agree(mesh, err, 0, "save")
     if proc == 0:
@@ -298,15 +315,58 @@ def _write_blocks(target: str, leaves: list[_Leaf], mesh: Mesh, proc: int, coord
     _io.write_safetensors(os.path.join(target, _file(gen, proc)), tensors, header)
 
 
+def _save_in_background(target, root, leaves, desc, mesh: Mesh, proc: int, coords, gen: int, step, keep):
+    """Snapshot this process's blocks, then write and commit them in a thread (see ``_async``)."""
+    snap = [
+        dataclasses.replace(leaf, value=_host_copy(leaf.value))
+        if leaf.is_tensor and writes(leaf.spec, coords)
+        else leaf
+        for leaf in leaves
+    ]
+    group = _async.side_group() if mesh.backend == "dist" else None
+
+    def settle(err: BaseException | None, what: str) -> None:
+        if group is None:
+            if err is not None:
+                raise err
+            return
+        _async.agree(group, proc, err, what, target)
+
+    def work() -> None:
+        settle(
+            _try(lambda: _write_blocks(target, snap, mesh, proc, coords, gen, step)), "write of its blocks"
+        )
+        err = _try(lambda: _commit(target, root, snap, desc, mesh, gen, step, keep)) if proc == 0 else None
+        settle(err, "commit")
+
+    return _async.start(target, work)
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy in host memory that later updates of ``t`` (in place, donated) cannot reach."""
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    return out.copy_(t.detach())
+
+
+def _files(leaves: list[_Leaf], mesh: Mesh, gen: int) -> set[str]:
+    """The block files a save writes (each process that holds a written block writes one)."""
+    dist = mesh.backend == "dist"
+    return {
+        _file(gen, b.process)
+        for leaf in leaves
+        if leaf.is_tensor
+        for b in blocks(leaf.shape, leaf.spec, mesh.shape, dist)
+    }
+
+
 def _commit(target: str, root, leaves: list[_Leaf], desc: dict, mesh: Mesh, gen: int, step, keep) -> None:
     os.makedirs(target, exist_ok=True)
-    records, files = [], set()
+    records, files = [], _files(leaves, mesh, gen)
     for leaf in leaves:
         record = leaf.record()
         if leaf.is_tensor:
             stored = blocks(leaf.shape, leaf.spec, mesh.shape, mesh.backend == "dist")
             record["blocks"] = [_block_json(b, gen) for b in stored]
-            files.update(_file(gen, b.process) for b in stored)
         records.append(record)
     meta = {
         **_header(FORMAT, step, _mesh_json(mesh)),

@@ -146,9 +146,13 @@ def check_index(meta: Any, where: str, *, merged: bool = False) -> dict:
     """
     kind = FORMAT + (".merged" if merged else "")
     _need(isinstance(meta, dict) and meta.get("format") == kind, where, f"format is not {kind!r}")
-    _need(
-        meta.get("version") == VERSION, where, f"version {meta.get('version')!r} (this fpar reads {VERSION})"
-    )
+    version = meta.get("version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > VERSION:
+        raise CheckpointError(
+            f"{where}: its {'header' if merged else INDEX} says format version {version}, written by a newer "
+            f"fpar; this fpar reads version {VERSION}. Upgrade fpar to load it (nothing was read)."
+        )
+    _need(version == VERSION, where, f"version {version!r} (this fpar reads {VERSION})")
     _need(isinstance(meta.get("tree"), dict), where, "no tree description")
     leaves = meta.get("leaves")
     _need(isinstance(leaves, list), where, "no leaves")

@@ -101,10 +101,16 @@ def next_generation(directory: str) -> int:
     gens = [-1]
     if os.path.isdir(directory):
         gens += [int(m.group(1)) for m in map(BLOCK_FILE.fullmatch, os.listdir(directory)) if m]
-    with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+    committed = committed_generation(directory)
+    return max([*gens, -1 if committed is None else committed]) + 1
+
+
+def committed_generation(directory: str) -> int | None:
+    """The generation that ``directory``'s ``metadata.json`` names (``None``: none, or unreadable)."""
+    with contextlib.suppress(OSError, ValueError, TypeError, AttributeError, KeyError):
         with open(os.path.join(directory, INDEX), "rb") as f:
-            gens.append(int(json.load(f)["generation"]))
-    return max(gens) + 1
+            return int(json.load(f)["generation"])
+    return None
 
 
 def collect_garbage(directory: str, keep_files: set[str]) -> None:
@@ -124,7 +130,11 @@ def _interrupted(directory: str) -> bool:
     if not os.path.isdir(directory) or os.path.exists(os.path.join(directory, INDEX)):
         return False
     names = os.listdir(directory)
-    return all(BLOCK_FILE.fullmatch(n) or (n.startswith(".") and ".tmp-" in n) for n in names)
+    return all(_ours(n) for n in names)
+
+
+def _ours(name: str) -> bool:
+    return bool(BLOCK_FILE.fullmatch(name)) or (name.startswith(".") and ".tmp-" in name)
 
 
 def remove_interrupted_steps(root: str, keep: str) -> None:
