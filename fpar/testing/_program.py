@@ -197,6 +197,14 @@ class TrainingProgram:
         """The mesh's device count (processes on a real mesh)."""
         return math.prod(self.shape)
 
+    @property
+    def tolerance(self) -> tuple[float | None, float | None]:
+        """``(rtol, atol)`` to compare a real mesh with the in-process mesh (None: float64's default).
+
+        bf16/fp16 compute rounds each mesh's partial sums apart: 2e-2 and 2e-3.
+        """
+        return (None, None) if self.precision == "fp64" else (2e-2, 2e-3)
+
     def describe(self) -> str:
         """A one-line summary: the mesh, then what differs from a plain program."""
         mesh = "x".join(f"{n}={s}" for n, s in zip(self.names, self.shape))
