@@ -162,9 +162,6 @@ def test_the_array_covers_every_pair(devices):
     assert not free_gaps, free_gaps
     assert sum(1 in shape for shape, _ in mf.MESHES[devices].values()) >= 2
     assert any(dict(zip(n, s)).get("pipe", 1) > 1 for s, n in mf.MESHES[devices].values())
-    assert mc.cover(mf.factors(devices), functools.partial(valid, devices=devices), seed=SEED)[0] == list(
-        runs
-    )
 
 
 # On the real mesh -------------------------------------------------------------------------------------
