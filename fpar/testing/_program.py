@@ -77,7 +77,8 @@ class TrainingProgram:
       schedule: ``"pipeline"`` only: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``,
         ``"zb_h1"``, ``"zb_v"`` or ``"dualpipe_v"`` (``fpar.pipeline``'s builders).
       chunks: ``"pipeline"`` only: model chunks per stage (``v``): 1 or 2 for ``"gpipe"``, 2 for
-        ``"interleaved_1f1b"`` (in the V layout for ``"zb_v"`` and ``"dualpipe_v"``), else 1.
+        ``"interleaved_1f1b"`` (in the V layout for ``"zb_v"`` and ``"dualpipe_v"``), any for
+        ``"gpipe"``, else 1.
       layers: blocks in the model (the pipeline has ``pipe size x chunks``).
       dropout: dropout rate (``fpar.ops.dropout`` / ``gpt_block``'s, keys from ``fpar.random``).
       optimizer: ``"sgd"`` or ``"adamw"``.
@@ -168,7 +169,7 @@ class TrainingProgram:
                 bad(
                     f"a pipeline has layers = pipe size x chunks = {size['pipe'] * self.chunks}, not {self.layers}."
                 )
-            if self.chunks not in CHUNKS[self.schedule]:
+            if self.chunks not in CHUNKS[self.schedule] and self.schedule != "gpipe":
                 bad(
                     f"schedule={self.schedule!r} runs chunks in {CHUNKS[self.schedule]} per stage, not {self.chunks}."
                 )
