@@ -62,7 +62,10 @@ def factors(devices: int) -> dict[str, tuple]:
 
 REFUSED: dict[tuple, str] = {
     # torch.compile cannot trace remat's recomputation inside a whole compiled step
-    (("remat", True), ("compile", True)): "remat",
+    (
+        ("remat", True),
+        ("compile", True),
+    ): "inside a sharded call that torch.compile traces whole: not supported",
 }
 
 

@@ -40,12 +40,26 @@ TIMEOUT = 900.0 if WHOLE else 300.0  # seconds one launch may run
 # fix turns it into a pass and strict xfail then fails: remove the entry.
 KNOWN_BUGS: list[tuple[str, Callable[[TrainingProgram], bool], TrainingProgram]] = [
     (
-        "ZeRO-3 with microbatches, MoE: on a real mesh a gathered expert weight's gradient is None at "
-        "its reduce-scatter hook in the second step (AttributeError in fpar/optim/_zero_comm.py)",
-        lambda p: p.model == "moe" and p.zero_stage == 3 and p.n_micro > 1 and p.steps > 1,
-        TrainingProgram(
-            (1, 2), ("data", "tensor"), model="moe", driver="zero", zero_stage=3, n_micro=2, steps=2, seed=13
+        "ZeRO-3 with microbatches on a data axis of size 1 (tensor=2): on a real mesh the second step's "
+        "reduce-scatter hook finds a gathered parameter's .grad None (AttributeError in "
+        "fpar/optim/_zero_comm.py reduce_scatter); data=2 x tensor=1 is right",
+        lambda p: (
+            p.zero_stage == 3 and p.n_micro > 1 and p.steps > 1 and dict(zip(p.names, p.shape))["data"] == 1
         ),
+        TrainingProgram((1, 2), ("data", "tensor"), driver="zero", zero_stage=3, n_micro=2, steps=2, seed=13),
+    ),
+    (
+        "zero_step with microbatches compiled whole: in-process Dynamo raises Unsupported 'Failed to convert "
+        "args/kwargs to proxy' (a generator expression); the real mesh compiles it",
+        lambda p: p.compile and p.n_micro > 1,
+        TrainingProgram((2, 1), ("data", "tensor"), driver="zero", n_micro=2, compile=True, steps=2),
+    ),
+    (
+        "MoE compiled whole: both meshes raise Dynamo's Unsupported 'Attempted to call function marked as "
+        "skipped' (torch._subclasses.fake_tensor.is_fake, from fpar/ops/_moe_dispatch.py), not fpar's own "
+        "message; docs/compile.md says the in-process mesh compiles it",
+        lambda p: p.compile and p.model == "moe",
+        TrainingProgram((1, 2), ("data", "tensor"), model="moe", driver="zero", compile=True, steps=2),
     ),
 ]
 
@@ -204,6 +218,9 @@ def test_matrix_on_real_mesh(devices):
 )
 def test_known_bug(bug):
     """Each known bug's minimal program still fails (strict xfail: the fix makes this fail, until the
-    entry is removed from KNOWN_BUGS)."""
+    entry is removed from KNOWN_BUGS).  Compiled ones only with FPAR_MATRIX=all (a compile takes
+    longer than CI's slice)."""
     assert known_bug(bug) is not None
+    if bug.compile and not WHOLE:
+        pytest.skip("a compiled program: run with FPAR_MATRIX=all")
     assert_programs_on_real_mesh([bug], timeout=TIMEOUT)
