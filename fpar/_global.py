@@ -58,7 +58,10 @@ def device_put(x: Any, mesh: Mesh, spec: Any) -> Any:
 def gather(x: Any, mesh: Mesh, spec: Any) -> Any:
     """Return the full global tensors, on every process, from each process's blocks.
 
-    Differentiable (its transpose keeps each process's block of the cotangent).
+    Differentiable (its transpose keeps each process's block of the cotangent).  The result is a
+    new tensor on both meshes, never the block itself (a replicated block is copied), so it is
+    the user's to keep: a later in-place update of the blocks (``zero_step(..., donate=True)``)
+    does not change it.
 
     Args:
       x: a pytree of blocks, as ``fpar.shard`` returns them on a real mesh.
@@ -66,7 +69,7 @@ def gather(x: Any, mesh: Mesh, spec: Any) -> Any:
       spec: a pytree prefix of ``x`` of ``fpar.P`` (the out_specs they were returned with).
     """
     if mesh.backend == "local":
-        return _map("gather", x, mesh, spec, lambda t, s: t)
+        return _map("gather", x, mesh, spec, lambda t, s: t.clone())
     return _map("gather", x, mesh, spec, lambda t, s: _dist().gather(t, s, mesh), blocks=True)
 
 

@@ -30,14 +30,17 @@ def gather(x: Tensor, spec: PartitionSpec, mesh) -> Tensor:
     """The global tensor on every rank, from each rank's block ``x`` (differentiable).
 
     The result is one replicated value, so the transpose keeps each rank's own block of the
-    cotangent (``all_gather_invariant``), as in-process, where ``gather`` is the identity.  Not
+    cotangent (``all_gather_invariant``), as in-process, where ``gather`` copies.  Not
     counted in ``fpar.comm_stats``: it moves data out of the mesh, like ``device_put`` into it.
     """
+    out = x
     with stats.uncounted():
         for d, entry in enumerate(spec.normalized()):
             if entry:
-                x = _Exchange.apply(x, "all_gather_invariant", (d, True), 0, entry, mesh._dist)
-    return x
+                out = _Exchange.apply(out, "all_gather_invariant", (d, True), 0, entry, mesh._dist)
+    # a replicated block is returned as a copy, as every gathered one is new: the caller may keep
+    # it while the block is updated in place (a donated optimizer step)
+    return x.clone() if out is x else out
 
 
 def _placements(spec: PartitionSpec, mesh, api: str):
