@@ -243,7 +243,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi("torch._C._dynamo.eval_frame._FrameExecStrategy", ("_compile.py",), "the same", optional=True),
     PrivateApi(
         "torch._dynamo.config.trace_autograd_ops",
-        ("_compile.py",),
+        ("_compile.py", "testing/_program_run.py"),
         "whether Dynamo traces .backward() (then an fpar call at a graph break is refused: torch makes no "
         "gradient for a graph input's backward)",
     ),

@@ -9,11 +9,11 @@ and in-process and compares every step's loss, gradients, parameters and optimiz
 Processes are slow to start (each imports torch; the machine has 2 cores), so the programs of
 one device count run in one launch.  Which programs: hypothesis draws a deterministic pool
 (``derandomize``) and ``cover`` picks from it, greedily, the ones that add the most features not
-yet drawn (cheapest first on ties), so ten programs per device count cover every feature
+yet drawn (cheapest first on ties), so twelve programs per device count cover every feature
 ``REQUIRED`` lists; ``test_ci_programs_cover_every_feature`` keeps that true.
 
 To hunt for bugs beyond CI's sample, set ``FPAR_RANDOM_MESH_SEED`` (a fresh pool drawn with that
-seed) and ``FPAR_RANDOM_MESH_PROGRAMS`` (programs per device count, default 10), e.g.
+seed) and ``FPAR_RANDOM_MESH_PROGRAMS`` (programs per device count, default 12), e.g.
 ``FPAR_RANDOM_MESH_SEED=7 FPAR_RANDOM_MESH_PROGRAMS=30 pytest tests/test_random_mesh.py -k drawn``.
 
 The default-tier tests below check the kit itself without processes: that a program's values do
@@ -43,8 +43,8 @@ from fpar.testing import strategies as fst
 from fpar.testing._real_mesh import _compare
 
 EXPLORE_SEED = os.environ.get("FPAR_RANDOM_MESH_SEED")  # None in CI: the derandomized pool
-PER_LAUNCH = int(os.environ.get("FPAR_RANDOM_MESH_PROGRAMS", "10"))  # programs per device count
-POOL = max(200, 10 * PER_LAUNCH)  # drawn programs to choose them from (drawing is cheap; running is not)
+PER_LAUNCH = int(os.environ.get("FPAR_RANDOM_MESH_PROGRAMS", "12"))  # programs per device count
+POOL = max(300, 10 * PER_LAUNCH)  # drawn programs to choose them from (drawing is cheap; running is not)
 TIMEOUT = 400.0  # seconds one launch may take (a hang: every process is stopped after it)
 
 
@@ -73,11 +73,15 @@ def features(p: TrainingProgram) -> set[str]:
     if p.driver == "manual":
         f |= {f"grad_api={p.grad_api}", f"accumulation={p.accumulation}"}
     elif p.driver == "zero":
-        f |= {f"zero_stage={p.zero_stage}", f"zero_fused={p.fused}"}
+        f |= {f"zero_stage={p.zero_stage}", f"zero_fused={p.fused}", f"precision={p.precision}"}
         if p.n_micro > 1:
             f.add("zero n_micro>1")
     else:
         f |= {f"schedule={p.schedule}", f"chunks={p.chunks}", f"m={p.n_micro}"}
+        if p.schedule in ("zb_h1", "zb_v", "dualpipe_v"):
+            f.add("split backward (B, W)")
+        if p.schedule in ("interleaved_1f1b", "zb_v", "dualpipe_v"):
+            f.add("several chunks per stage, scheduled")
         f.add("pipeline, pipe>1" if size["pipe"] > 1 else "pipeline, pipe=1")
         if size["data"] > 1:
             f.add("pipeline x data>1")
@@ -87,6 +91,10 @@ def features(p: TrainingProgram) -> set[str]:
             f.add("pipeline x tensor>1")
             if size["data"] > 1:
                 f.add("pipeline x data>1 x tensor>1")
+    if p.driver != "pipeline" and size.get("pipe", 1) > 1:
+        f.add("unreduced pipe>1")
+    f.add("remat" if p.remat else "no remat")
+    f.add("checkpoint" if p.checkpoint else "no checkpoint")
     f.add("dropout" if p.dropout else "no dropout")
     f.add("clip" if p.clip is not None else "no clip")
     f.add("donate" if p.donate else "no donate")
@@ -102,8 +110,10 @@ REQUIRED = {
     "grad_api=func_grad", "grad_api=backward",
     "accumulation=loop", "accumulation=defer", "accumulation=accumulate",
     "zero_stage=0", "zero_stage=1", "zero_stage=2", "zero_stage=3",
-    "schedule=gpipe", "schedule=1f1b", "pipeline, pipe>1", "pipeline, pipe=1",
-    "model=mlp", "model=gpt", "dropout", "clip", "donate", "several steps", "eval between steps",
+    "schedule=gpipe", "schedule=1f1b", "split backward (B, W)", "several chunks per stage, scheduled",
+    "pipeline, pipe>1", "pipeline, pipe=1", "unreduced pipe>1",
+    "model=mlp", "model=gpt", "model=sp_gpt", "model=moe", "dropout", "clip", "donate", "several steps",
+    "eval between steps", "remat", "checkpoint", "precision=bf16", "precision=fp16",
     "data x tensor x pipe", "3 axes, one of size 1", "data=1", "tensor=1", "pipe=1",
     "pipeline x data>1", "pipeline x tensor>1",
 }  # fmt: skip
@@ -115,7 +125,7 @@ REQUIRED_AT = {
 
 def cost(p: TrainingProgram) -> float:
     """A rough relative run time (a GPT block is slow to trace; steps and microbatches add up)."""
-    per_step = (3.0 if p.model == "gpt" else 1.0) * p.layers * (1 + 0.3 * p.n_micro)
+    per_step = (3.0 if p.model != "mlp" else 1.0) * p.layers * (1 + 0.3 * p.n_micro)
     return per_step * (p.steps + 0.5 * p.evaluate) * (1 + 0.5 * (p.driver == "pipeline"))
 
 
@@ -133,7 +143,7 @@ def draw_pool(devices: int, count: int = POOL) -> list[TrainingProgram]:
         phases=[Phase.generate],
         suppress_health_check=list(HealthCheck),
     )
-    @given(fst.training_programs(devices=devices))
+    @given(fst.training_programs(devices=devices, compile=EXPLORE_SEED is not None))
     def collect(program):
         drawn.append(program)
 
@@ -300,7 +310,7 @@ def _on_one_device(p: TrainingProgram) -> TrainingProgram:
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(fst.training_programs(devices=(2, 4)))
+@given(fst.training_programs(devices=(2, 4), compile=False))
 def test_program_values_do_not_depend_on_the_layout(program):
     """In-process, each drawn program computes what it computes on one device: its layouts are
     right (so a real mesh that differs from the in-process mesh is the real mesh's fault, and a
@@ -315,7 +325,8 @@ def test_program_values_do_not_depend_on_the_layout(program):
     one = _on_one_device(program)
     got = program.run(mesh)
     want = one.run(fpar.make_mesh(one.shape, one.names, backend="local"))
-    problems = _compare(_layout_free(got, program), _layout_free(want, program), 1e-9, 1e-11)
+    rtol, atol = (1e-9, 1e-11) if program.precision == "fp64" else program.tolerance
+    problems = _compare(_layout_free(got, program), _layout_free(want, program), rtol, atol)
     assert not problems, f"{program.describe()}:\n" + "\n".join(problems)
 
 
@@ -370,7 +381,24 @@ def test_training_program_rejects_what_it_cannot_run():
         (dict(shape=(2,), names=("tensor",)), "including 'data'"),
         (dict(shape=(2, 2), names=("data",)), "as long as each other"),
         (dict(shape=(2,), names=("data",), model="gpt"), "needs a 'tensor' axis"),
-        (dict(shape=(2, 2), names=("data", "pipe")), "is for driver='pipeline'"),
+        (dict(shape=(2,), names=("data",), schedule="zb_v"), "schedule and chunks are for driver='pipeline'"),
+        (
+            dict(shape=(2,), names=("data",), precision="bf16"),
+            "precision is for driver='zero' with fused=True",
+        ),
+        (dict(shape=(2,), names=("data",), driver="zero", compile=True, steps=1), "need steps >= 2"),
+        (dict(shape=(2,), names=("data",), driver="zero", grad_api="backward"), "are for driver='manual'"),
+        (
+            dict(
+                shape=(2, 1),
+                names=("pipe", "data"),
+                driver="pipeline",
+                layers=4,
+                chunks=2,
+                schedule="dualpipe_v",
+            ),
+            "needs n_micro >= 2 x the pipe size",
+        ),
         (dict(shape=(2,), names=("data",), driver="pipeline"), "needs a 'pipe' axis"),
         (
             dict(shape=(1, 2), names=("pipe", "data"), driver="pipeline", layers=2),
@@ -383,7 +411,7 @@ def test_training_program_rejects_what_it_cannot_run():
             dict(
                 shape=(2, 2), names=("pipe", "data"), driver="pipeline", layers=4, chunks=2, schedule="1f1b"
             ),
-            "needs schedule='gpipe'",
+            "schedule='1f1b' runs chunks in (1,) per stage, not 2",
         ),
         (dict(shape=(2,), names=("data",), dropout=1.0), "dropout=1.0 must be in [0, 1)"),
     ]

@@ -78,7 +78,8 @@ def _run_programs(
         start = time.monotonic()
         try:
             mesh = make_mesh(program.shape, program.names)
-            assert_same_on_real_mesh(run or run_training_program, mesh, program, rtol=rtol, atol=atol)
+            r, a = (rtol, atol) if rtol is not None or atol is not None else program.tolerance
+            assert_same_on_real_mesh(run or run_training_program, mesh, program, rtol=r, atol=a)
             status = ("ok", "", False)
         except RealMeshMismatch as e:
             status = ("failed", str(e), e.raised)
@@ -139,8 +140,9 @@ def assert_programs_on_real_mesh(
     Args:
       programs: from ``fpar.testing.strategies.training_programs`` or built by hand.
       timeout: seconds one launch may run (every program in it together).
-      rtol: as for :func:`assert_same_on_real_mesh`.
-      atol: as for :func:`assert_same_on_real_mesh`.
+      rtol: as for :func:`assert_same_on_real_mesh`; by default each program's ``tolerance``
+        (float64's default, looser for bf16/fp16 compute).
+      atol: as ``rtol``.
       run: what each process runs for a program, ``run(mesh, program) -> pytree`` of global
         values (default ``program.run(mesh)``); a module-level function (the processes import
         it by name), e.g. one that also checks your own model on the drawn layout.

@@ -32,7 +32,7 @@ except ImportError as e:  # pragma: no cover - exercised by a subprocess test
 
 from .._mesh import Mesh, make_mesh
 from .._spec import PartitionSpec
-from ._program import DRIVERS, MODELS, TrainingProgram
+from ._program import CHUNKS, DRIVERS, MODELS, SCHEDULES, TrainingProgram
 
 __all__ = ["arrays", "meshes", "specs", "training_programs"]
 
@@ -123,21 +123,27 @@ def training_programs(
     drivers: Sequence[str] = DRIVERS,
     models: Sequence[str] = MODELS,
     max_steps: int = 3,
+    compile: bool = True,
 ) -> st.SearchStrategy[TrainingProgram]:
     """Whole training programs and their layouts (``fpar.testing.TrainingProgram``), for a real mesh.
 
     Drawn per program: the device count (from ``devices``); the mesh: ``"data"`` plus any of
     ``"tensor"`` and ``"pipe"``, in random order, sizes 1, 2 or 4 (axes of size 1 included:
-    ``(1, 2, 1)``, ``(2, 1, 2)``, ...); the model (Megatron MLP blocks, or ``fpar.ops.gpt_block``
-    where there is a tensor axis) and its depth; the driver: a hand-written step
+    ``(1, 2, 1)``, ``(2, 1, 2)``, ...; a pipe axis larger than 1 without a pipeline is an axis
+    the program never reduces); the model (Megatron MLP blocks, or where there is a tensor axis
+    ``fpar.ops.gpt_block``, its sequence-parallel form or a MoE block) and its depth, every
+    block under ``fpar.optim.remat`` or not; the driver: a hand-written step
     (``torch.func.grad`` or ``.backward()``, microbatches summed by a loop, a loop under
     ``fpar.defer_reduction()`` or ``fpar.optim.accumulate``), ZeRO stage 0-3 (``zero_step``, or
-    ``zero_grads`` + ``zero_update``) or a pipeline (GPipe with 1 or 2 chunks per stage, or
-    1F1B; always when the pipe axis is larger than 1, possibly when it has size 1); dropout
-    (``fpar.random`` keys) or none; SGD or AdamW, behind ``clip_by_global_norm`` or not, its
-    update donated (in place on a real mesh) or not; 1 to ``max_steps`` steps (so a second
-    step after the optimizer's sharded update, and the sharded functions' cached calls);
-    evaluation under ``torch.no_grad()`` between steps or not.
+    ``zero_grads`` + ``zero_update``; ``zero_step`` possibly in bf16 or fp16 with loss scaling by
+    ``fpar.optim.mixed_precision``, and compiled whole with ``fullgraph=True`` after its first
+    step) or a pipeline (every schedule of ``fpar.pipeline``; always when the pipe axis is larger
+    than 1 and the drivers allow it); dropout (``fpar.random`` keys) or none; SGD or AdamW,
+    behind ``clip_by_global_norm`` or not, its update donated (in place on a real mesh) or not;
+    1 to ``max_steps`` steps (so a second step after the optimizer's sharded update, and the
+    sharded functions' cached calls); a checkpoint saved after the first step and loaded onto
+    another layout or not; evaluation under ``torch.no_grad()`` between steps or not.  A drawn
+    program never holds a pair that is refused (``remat`` inside a compiled step).
     Hypothesis shrinks towards a 1-axis data-parallel MLP step.
 
     Draw on the parent and pass the programs to the processes (they are frozen, picklable
@@ -149,6 +155,8 @@ def training_programs(
       drivers: the step drivers to draw from (``"manual"``, ``"zero"``, ``"pipeline"``).
       models: the models to draw from (``"mlp"``, ``"gpt"``).
       max_steps: the most training steps.
+      compile: draw compiled steps too (a compile takes tens of seconds: leave them out of a
+        quick tier).
 
     Example:
       >>> from hypothesis import given, settings, strategies as st
@@ -203,12 +211,16 @@ def training_programs(
         names = draw(orders[tuple(draw(extra_axes))])
         size = dict.fromkeys(names, 1)
         for _ in range(n.bit_length() - 1):  # hand out the factors of 2
-            room = [a for a in names if size[a] < 4 and (a != "pipe" or "pipeline" in drivers)] or ["data"]
+            room = [
+                a for a in names if size[a] < 4 and (a != "pipe" or size[a] < 2 or "pipeline" in drivers)
+            ] or ["data"]
             size[draw(pick(*room))] *= 2
         shape = tuple(size[a] for a in names)
         feasible = [d for d in drivers if d != "pipeline" or "pipe" in size]
-        if size.get("pipe", 1) > 1:
-            feasible = ["pipeline"]
+        if size.get("pipe", 1) > 1 and "pipeline" in feasible and draw(pick(True, True, False)):
+            feasible = ["pipeline"]  # else the pipe axis is one the program never reduces
+        if not feasible:  # a pipe axis the drivers cannot pipeline: unreduced
+            feasible = list(drivers)
         driver = draw(pick(*feasible))
         model = draw(pick(*[m for m in models if m == "mlp" or "tensor" in size]))
         kw: dict[str, Any] = {}
@@ -222,11 +234,24 @@ def training_programs(
             kw["fused"] = draw(pick(True, False))
             kw["n_micro"] = draw(pick(1, 2))
             kw["layers"] = draw(pick(1, 2))
+            if kw["fused"]:
+                kw["precision"] = draw(pick("fp64", "bf16", "fp16"))
+                kw["compile"] = compile and draw(pick(False, True))
         else:
-            kw["schedule"] = draw(pick("gpipe", "1f1b"))
-            kw["chunks"] = draw(pick(1, 2)) if kw["schedule"] == "gpipe" else 1
-            kw["layers"] = size["pipe"] * kw["chunks"]
+            p = size["pipe"]
+            kw["schedule"] = draw(pick(*SCHEDULES))
+            kw["chunks"] = draw(pick(*CHUNKS[kw["schedule"]]))
+            kw["layers"] = p * kw["chunks"]
             kw["n_micro"] = draw(pick(2, 1, 4))
+            if kw["schedule"] == "interleaved_1f1b":
+                kw["n_micro"] = p * draw(pick(1, 2))
+            elif kw["schedule"] == "dualpipe_v":
+                kw["n_micro"] = max(kw["n_micro"], 2 * p)
+        steps_drawn = draw(steps)
+        kw["remat"] = draw(pick(False, True)) and not kw.get("compile")
+        kw["checkpoint"] = steps_drawn > 1 and draw(pick(False, True))
+        if kw.get("compile") and steps_drawn < 2:
+            kw["compile"] = False
         return TrainingProgram(
             shape=shape,
             names=tuple(names),
@@ -236,7 +261,7 @@ def training_programs(
             optimizer=draw(pick("sgd", "adamw")),
             clip=draw(pick(None, 0.05, 1.0)),
             donate=draw(pick(False, True)),
-            steps=draw(steps),
+            steps=steps_drawn,
             evaluate=draw(pick(False, True)),
             seed=draw(seeds),
             **kw,
