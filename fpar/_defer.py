@@ -25,12 +25,9 @@ What is *not* deferred (reduced at once, as without the context, which is always
 Failure modes are errors, never a wrong gradient: an input modified in place between the
 deferred calls and the final one (``ValueError``); a deferred call whose backward runs after the
 final call's reduction, or not at all before it (``RuntimeError``, in the backward); deferred
-a call outside the context that takes a gradient of the same sharded function on other input
-tensors or shapes than the deferred calls, which would reduce only its own gradient
-(``RuntimeError`` at that call, before it communicates); deferred sums that no final call
-reduced, reported when the next step enters a new ``defer_reduction()`` (``RuntimeError``; the
-stale buffers are dropped) and, in ``fpar.optim.accumulate`` and the pipeline executor, at the
-end of the step itself.
+sums that no final call reduced, reported when the next step enters a new
+``defer_reduction()`` (``RuntimeError``; the stale buffers are dropped) and, in
+``fpar.optim.accumulate`` and the pipeline executor, at the end of the step itself.
 
 Example:
   >>> with fpar.defer_reduction():
@@ -362,31 +359,6 @@ def claim(key: tuple) -> Deferred | None:
         d.check_unchanged()
         d.final = True
     return d
-
-
-def unmatched(fn, fname: str) -> None:
-    """Raise if ``fn``, called outside the context for a gradient, leaves its deferred sums unclaimed.
-
-    Such a call is the step's final call by position (after the deferred microbatches, outside
-    the context), but it passes other input tensors or shapes than the deferred calls (a cast made
-    inside the loop, a smaller last microbatch): reducing only its own gradient would leave the
-    step's gradient short with no error.  The sums are dropped on every rank alike (every rank
-    runs the same calls) and the error is raised before this call communicates.
-    """
-    stale = [d for d in _LIVE if d.key and d.key[0] is fn and not d.final]
-    if not stale:
-        return
-    for d in stale:
-        d.drop()
-    raise RuntimeError(
-        f"fpar.shard({fname}): this call, outside fpar.defer_reduction() and taking a gradient, "
-        f"comes after {sum(d.calls for d in stale)} deferred call(s) of the same sharded function "
-        f"whose gradients it does not reduce: it passes other input tensors or other argument shapes "
-        f"than they did, so the step's gradient would miss theirs (they have been dropped). The "
-        f"step's last microbatch must pass the same parameter tensors with the same shapes as the "
-        f"deferred ones (cast or copy parameters once, before the loop; pad a short last microbatch "
-        f"to the others' shape)."
-    )
 
 
 def _stale_message(stale: list[Deferred]) -> str:

@@ -33,35 +33,6 @@ def _loss(mesh):
     )
 
 
-def defer_unmatched(case):
-    """Deferred microbatches, then a final call on other tensors (or shapes): the error, or None."""
-    mesh = fpar.make_mesh((2,), ("data",))
-    loss = _loss(mesh)
-    g = torch.Generator().manual_seed(0)
-    w = fpar.device_put(torch.randn(4, 4, generator=g, dtype=F64), mesh, P()).requires_grad_()
-    x = fpar.device_put(torch.randn(8, 4, generator=g, dtype=F64), mesh, P("data"))
-    loss(w, x).backward()  # the signature's first (planned) call
-    loss(w, x).backward()  # a steady one
-    w.grad = None
-    with fpar.defer_reduction():
-        loss(w, x).backward()
-    if case == "matched":
-        last_w, last_x = w, x
-    elif case == "other_tensors":
-        last_w, last_x = w.detach().clone().requires_grad_(), x  # e.g. parameters cast inside the loop
-    else:  # a shorter last microbatch: a new signature, whose first call is traced
-        last_w, last_x = w, x[:2]
-    try:
-        loss(last_w, last_x).backward()
-    except RuntimeError as e:
-        return str(e)
-    return w.grad.clone() if case == "matched" else None
-
-
-def defer_cases():
-    return [defer_unmatched(c) for c in ("matched", "other_tensors", "shorter")]
-
-
 def compiled_shard():
     """``torch.compile(fpar.shard(f, ...), fullgraph=True)``: planned by an eager call, then compiled."""
     torch._dynamo.reset()

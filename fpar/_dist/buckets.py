@@ -395,8 +395,6 @@ def reduce_inputs(
                     out.update(zip(layout.slots, deferred))
                 return out, "deferred"
             held = _defer.claim(key)
-            if held is None and any(x.requires_grad or _tracked(x) for _, x, _ in sources):
-                _defer.unmatched(owner[0], fname)
     now, grads = _reduce_now(buckets, held, kept, rider)
     out.update(now)
     return out, grads

@@ -40,7 +40,6 @@ from typing import Any
 import torch
 from torch._C._functorch import maybe_current_level
 
-from .. import _defer
 from .._collectives import Frame, frames
 from .._compile import eager, signature_key
 from .._errors import ReplicationError, check_in_leaf, check_out_leaf, replication_message
@@ -174,16 +173,6 @@ class DistShard:
 
     def _run(self, plan: _Plan, leaves, treedef, specs, *, traced: bool, first: bool = False):
         mg = self.mg
-        if traced and _defer._LIVE and _defer.current() is None and torch.is_grad_enabled():
-            # a traced call reduces at once: after deferred calls it must be one of theirs
-            flows = any(
-                isinstance(x, Tensor)
-                and (x.requires_grad or _wrapped(x))
-                and (x.is_floating_point() or x.is_complex())
-                for x in leaves
-            )
-            if flows:
-                _defer.unmatched(self, self.fname)
         agree = _Agreement(self, plan, lazy=not traced)
         tracker = _Tracker(self, plan) if traced else None
         frame = Frame(mesh=self.mesh, fname=self.fname, exchange=None, backend="dist")
