@@ -71,6 +71,10 @@ class Frame:
     # its body in the backward, the counter of the recomputed collectives (from the body's first)
     calls: list | None = None
     recompute_at: list | None = None
+    # real mesh: a new tracker for a recompute of a plan whose sums sit at uses (None: a fast
+    # plan's sums need no typing), and the one typing the recompute running now
+    retrace: Callable | None = None
+    retracker: Any = None
 
     def release(self) -> None:
         """Drop the call's tensors once it returns (the frame may outlive it in a reference cycle)."""

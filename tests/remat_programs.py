@@ -53,6 +53,13 @@ def programs(names):
             (P(), P(data)),
             (r(4), r(8, 4)),
         ),
+        # w is used both inside the region (meeting x, so summed over 'data') and outside it
+        # (not summed): the plan keeps its sums at the uses, and the recompute must redo them
+        "mixed_uses": (
+            lambda w, x: fpar.pmean(fo.remat(_tanh_layer)(w, x).sum(), data) + (w**2).sum(),
+            (P(), P(data)),
+            (r(4, 4), r(8, 4)),
+        ),
         "gathered": (
             lambda w, x: fpar.pmean(fo.remat(_gathered)(w, x).sum(), data),
             (P(), P(data)),
@@ -122,6 +129,9 @@ def unsharded(shape, names):
         if name == "data_parallel":
             w, x = leaves
             value = torch.tanh(x @ w).sum() / sizes["data"]
+        elif name == "mixed_uses":
+            w, x = leaves
+            value = torch.tanh(x @ w).sum() / sizes["data"] + (w**2).sum()
         elif name == "gathered":
             w, x = leaves
             value = torch.tanh(x @ w).sum()

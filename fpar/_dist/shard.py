@@ -212,6 +212,7 @@ class DistShard:
 
         frame.collective = frame.direct = direct
         frame.tracker, frame.calls = tracker, calls
+        frame.retrace = lambda: None if plan.fast else _Tracker(self, plan)
         frame.varying = lambda x: self._varying(plan, tracker, done[0], x)
         local = list(leaves)
         if tracker is not None:
@@ -274,11 +275,19 @@ class DistShard:
     def _recompute(self, plan: _Plan, frame, kind: str, axes: tuple, params: tuple, x: Tensor) -> Tensor:
         """A collective of the function run again in the backward (``fpar.optim.remat``).
 
-        Right when every sum of the signature is placed once (a fast plan): at its inputs, which
-        the recomputed region does not touch, or at a collective's output, which the region's
-        collective ``k`` applies again (``frame.recompute_at`` counts from the region's first).
+        A fast plan places every sum once: at its inputs, which the recomputed region does not
+        touch, or at a collective's output, which the region's collective ``k`` applies again
+        (``frame.recompute_at`` counts from the region's first).  A plan whose sums sit at their
+        uses runs the region under a new tracker (``frame.retracker``, set by remat), which
+        inserts them again.
         """
         at = frame.recompute_at
+        if frame.retracker is not None and at is not None:
+            # a plan whose sums sit at their uses: the region runs typed again, each collective
+            # (and the implicit pvaries between them) as in the traced call
+            k = at[0]
+            at[0] += 1
+            return frame.retracker.collective(k, kind, axes, params, x)
         if not plan.fast or (at is None and any(r for _, _, r in plan.coll)):
             raise NotImplementedError(
                 f"fpar.shard({self.fname}) on a real mesh: a recomputation in the backward "

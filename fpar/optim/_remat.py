@@ -137,11 +137,16 @@ class _Call:
             # call its tracker types the body's ops, so that the outputs vary over the axes the
             # data flow gives them (the in-process mesh's rule), not over every axis.
             frame, tracker = self.frame, self.frame.tracker
-            typed = tracker is not None and self.in_types is not None and not self.levels
             # After the call returned (the recompute in the backward) count its collectives from
-            # the body's first, so that each gets the gradient sum the plan put at its output.
-            at = frame.recompute_at
+            # the body's first, so that each gets the gradient sum the plan put at its output; a
+            # plan whose sums sit at their uses types the recompute with a new tracker.
+            retracker = None
+            if tracker is None and self.in_types is not None and frame.retrace is not None:
+                tracker = retracker = frame.retrace()
+            typed = tracker is not None and self.in_types is not None and not self.levels
+            at, held = frame.recompute_at, frame.retracker
             frame.recompute_at = None if self.first_coll is None else [self.first_coll]
+            frame.retracker = retracker
             try:
                 with (
                     enter_frame(frame),
@@ -152,7 +157,7 @@ class _Call:
                         self.shared["out_types"] = [tracker.info(o) for o in outs]
                     return outs
             finally:
-                frame.recompute_at = at
+                frame.recompute_at, frame.retracker = at, held
         if not rebind:
             # A user's grad transform inside the sharded function stopped the peeling: the mesh
             # levels are live.  The recompute in backward runs inside torch.autograd.grad, with
