@@ -14,7 +14,7 @@ import torch
 from .. import _stats
 from .._dist import shard as _dist_shard
 from ..pipeline._timeline import replay
-from . import _cost, _optime
+from . import _cost, _optime, _repeat
 from ._hardware import Hardware
 from ._hardware import hardware as _hardware
 from ._paper import Simulation, Upstream
@@ -234,12 +234,16 @@ def _simulate(fn, args, kwargs, hw, known, shapes, coords, headers=None, *, firs
             for run in range(2):
                 planned = _dist_shard.PLANNED[0]
                 rec.start()
+                sim.repeated.clear()
                 _stats.reset_comm_stats()
                 out = _call(fn, args, kwargs)
                 del out
                 gc.collect()
                 if run == 0 and _dist_shard.PLANNED[0] == planned and not first:
                     break
+        for schedule, stage, keep in sim.repeated:  # the microbatches not simulated repeat a steady one
+            for c in _repeat.expand(rec.events, schedule, stage, keep):
+                _stats._add(c.kind, c.axes, c.nbytes, overlap=c.overlap, n=c.n)
         comm = _stats.comm_stats()
         mesh = sim.root
         if mesh is None:

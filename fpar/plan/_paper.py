@@ -20,10 +20,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .._dist import groups
 from .._mesh import Mesh, _check_names
+from ._repeat import kept_microbatches
 
 __all__ = ["abstract_mesh"]
 
@@ -123,6 +125,7 @@ class Simulation:
         self.schedules: list = []  # (schedule, axis) of every pipeline step run
         self.recorder = None  # the _record.Recorder of the run, for the pipeline's action marks
         self.hardware = None  # checked against the mesh when it starts
+        self.repeated: list = []  # (schedule, stage, microbatches simulated) of each pipeline run
 
     # -- what the pipeline executor tells the simulation (fpar/pipeline/_run_dist.py) ---------------
 
@@ -136,6 +139,31 @@ class Simulation:
         """The ops from here on belong to ``action`` (None: to no action)."""
         if self.recorder is not None:
             self.recorder.mark = action
+
+    def kept(self, schedule, stage: int):
+        """The microbatches this stage simulates (None: all); the others repeat a steady one's events."""
+        keep = kept_microbatches(schedule, stage)
+        if keep is not None:
+            self.repeated.append((schedule, stage, keep))
+        return keep
+
+    def held(self, sends: list) -> list:
+        """Sends of microbatches not simulated: their buffers, held until the step waits for its sends."""
+        out = []
+        for sent in sends:
+            if sent is None:
+                continue
+            shape, dtype, kind = sent
+            t = torch.empty(shape, dtype=dtype, device="meta")
+            if self.recorder is not None:
+                self.recorder._retag(t, kind)
+            out.append((groups._Done(), t))
+        return out
+
+    def origins(self, actions: list) -> None:
+        """The sends and receives counted next belong to ``actions``, in order."""
+        if self.recorder is not None:
+            self.recorder.origins = list(actions)
 
     def header(self, key: tuple) -> tuple:
         """The (shape, dtype) stage ``key[0]``'s chunk ``key[1]`` receives, sent by a stage simulated before."""
