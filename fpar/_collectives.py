@@ -64,6 +64,13 @@ class Frame:
     direct: Callable | None = None  # real mesh only (and marks one): its collective, all_to_all_v too
     inputs: dict[int, str] = dataclasses.field(default_factory=dict)  # in-process: storage -> "args[0]"
     varying: Callable | None = None  # real mesh: tensor -> the mesh axes it varies over (frozenset)
+    # real mesh, a traced call only: its ``_Tracker``, which types what a body it does not
+    # intercept computes (``fpar.optim.remat``'s forward, run below the call's functorch level)
+    tracker: Any = None
+    # real mesh: the call's collective counter ``[k]``, and while ``fpar.optim.remat`` recomputes
+    # its body in the backward, the counter of the recomputed collectives (from the body's first)
+    calls: list | None = None
+    recompute_at: list | None = None
 
     def release(self) -> None:
         """Drop the call's tensors once it returns (the frame may outlive it in a reference cycle)."""

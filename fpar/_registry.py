@@ -14,9 +14,12 @@ import torch
 
 from ._compile import untraced
 
-__all__ = ["INTERNAL", "NOT_OPS", "bound_once", "internal"]
+__all__ = ["INTERNAL", "NOT_OPS", "TRANSPARENT", "bound_once", "internal"]
 
 INTERNAL: set[type] = set()
+# fpar Functions whose outputs the real mesh's tracker types from the ops of their body, not from
+# the union of their operands (``fpar.optim.remat``: a body with a psum returns a replicated value)
+TRANSPARENT: set[type] = set()
 
 # torch functions whose tensor arguments both backends' interception (the in-process mode, the
 # real mesh's tracker) must pass through as they are: rewriting ``inputs`` of

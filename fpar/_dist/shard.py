@@ -186,7 +186,7 @@ class DistShard:
 
         def direct(kind: str, axes: tuple, params: tuple, x: Tensor) -> Tensor:
             if done[0]:
-                return self._recompute(plan, kind, axes, params, x)
+                return self._recompute(plan, frame, kind, axes, params, x)
             k = calls[0]
             calls[0] += 1
             if tracker is not None:
@@ -211,6 +211,7 @@ class DistShard:
             return y
 
         frame.collective = frame.direct = direct
+        frame.tracker, frame.calls = tracker, calls
         frame.varying = lambda x: self._varying(plan, tracker, done[0], x)
         local = list(leaves)
         if tracker is not None:
@@ -257,6 +258,7 @@ class DistShard:
         finally:
             frames().pop()
             done[0] = True
+            frame.tracker = None
             if not ok:
                 agree.settle()  # the function raised: tell the other ranks, keep its error
         agree.finish()
@@ -269,20 +271,35 @@ class DistShard:
             result.append(t)
         return tree_unflatten(plan.out_treedef, result)
 
-    def _recompute(self, plan: _Plan, kind: str, axes: tuple, params: tuple, x: Tensor) -> Tensor:
+    def _recompute(self, plan: _Plan, frame, kind: str, axes: tuple, params: tuple, x: Tensor) -> Tensor:
         """A collective of the function run again in the backward (``fpar.optim.remat``).
 
-        Right when every sum of the signature sits at its inputs (a fast plan without sums at
-        collective outputs): the recomputed region then needs none of its own.
+        Right when every sum of the signature is placed once (a fast plan): at its inputs, which
+        the recomputed region does not touch, or at a collective's output, which the region's
+        collective ``k`` applies again (``frame.recompute_at`` counts from the region's first).
         """
-        if not plan.fast or any(r for _, _, r in plan.coll):
+        at = frame.recompute_at
+        if not plan.fast or (at is None and any(r for _, _, r in plan.coll)):
             raise NotImplementedError(
                 f"fpar.shard({self.fname}) on a real mesh: a recomputation in the backward "
                 f"(fpar.optim.remat) of a function whose replicated values need gradient sums "
                 f"inside the recomputed region is not supported yet; move the remat boundary so "
                 f"replicated parameters enter it as inputs of the sharded function."
             )
-        return x.view_as(x) if kind == "pvary" else _Exchange.apply(x, kind, params, 0, axes, self.mg)
+        y = x.view_as(x) if kind == "pvary" else _Exchange.apply(x, kind, params, 0, axes, self.mg)
+        if at is None:
+            return y
+        k = at[0]
+        at[0] += 1
+        if k >= len(plan.coll) or plan.coll[k][:2] != (kind, axes):
+            raise RuntimeError(
+                f"fpar.shard({self.fname}): the recomputation in the backward (fpar.optim.remat) ran "
+                f"{kind} over {axes} as collective #{k}, but the forward ran "
+                + (f"{plan.coll[k][0]} over {plan.coll[k][1]}" if k < len(plan.coll) else "fewer")
+                + ": a remat function must run the same collectives every time (no value-dependent branches)."
+            )
+        reduce = plan.coll[k][2]
+        return _grad_sum(y, reduce, self.mg) if reduce else y
 
     def _varying(self, plan: _Plan, tracker: _Tracker | None, done: bool, x: Tensor) -> frozenset:
         """The mesh axes ``x`` varies over (``Frame.varying``; e.g. dropout's batch axes).

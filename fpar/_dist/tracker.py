@@ -10,14 +10,17 @@ Cotangent that flows through replicated computation only (a weight used after a 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch._C._functorch import maybe_current_level
-from torch.overrides import TorchFunctionMode
+from torch._functorch.autograd_function import custom_function_call
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from .. import _stats as stats
-from .._registry import NOT_OPS, bound_once
+from .._registry import NOT_OPS, TRANSPARENT, bound_once
 from .._spec import PartitionSpec
 from .._tree import tree_flatten, tree_unflatten
 from ..random._guard import RANDOM_OPS, check_random_op
@@ -164,6 +167,27 @@ class _Tracker(TorchFunctionMode):
         self.pvaried[key] = (t, out)
         return out
 
+    @contextlib.contextmanager
+    def body(self, tensors: list[Tensor], types: list[tuple[frozenset, frozenset]]) -> Iterator[None]:
+        """Type a body this mode does not intercept, op by op (``fpar.optim.remat``'s forward).
+
+        Its outputs then vary over the axes its data flow gives them (a psum inside returns a
+        replicated value), exactly as the in-process mesh's vmap levels say, not over the union
+        of its operands.  Under a torch.func transform the body runs below the call's functorch
+        level, inside this mode's handler for the Function (where torch pops the mode): push the
+        mode again, mark the body's inputs with the types of the values they were unwrapped
+        from, and take the body's level as the call's own (it is no user transform).
+        """
+        base, self.base = self.base, maybe_current_level()
+        for t, (v, d) in zip(tensors, types):
+            self._mark(t, v, d)
+        on = any(m is self for m in _get_current_function_mode_stack())
+        try:
+            with contextlib.nullcontext() if on else self:
+                yield
+        finally:
+            self.base = base
+
     # torch ops
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -173,6 +197,8 @@ class _Tracker(TorchFunctionMode):
         if func in NOT_OPS:
             self.inner = True
             return func(*args, **kwargs)
+        if func is custom_function_call and args and args[0] in TRANSPARENT:
+            return func(*args, **kwargs)  # its body types its outputs (``typing_body``)
         if self.base != maybe_current_level():
             self.inner = True  # an op under the user's own transform inside the function
         if getattr(func, "__name__", "").startswith("_foreach_"):

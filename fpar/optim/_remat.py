@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .._compile import TRACED
+from .._registry import TRANSPARENT
 from .._torch_api import is_batchedtensor, maybe_current_level, maybe_get_level
 from .._tree import tree_flatten, tree_unflatten
 from ._internal import ShardMode, current_frame, enter_frame, internal, shard_mode_active
@@ -68,7 +69,15 @@ def remat(f: Callable) -> Callable:
         frame = current_frame()
         extra = [] if frame is None else [frame.token, *frame.index.values()]
         call = _Call(f, treedef, leaves, slots, frame, tuple(frame.index) if frame else ())
+        tracker = getattr(frame, "tracker", None)
+        if getattr(frame, "calls", None) is not None:  # a real mesh: where the body's collectives start
+            call.first_coll = frame.calls[0]
+        if tracker is not None:  # a real mesh's traced call: its body types the outputs
+            call.in_types = [tracker.info(leaves[i]) for i in slots]
         outs = _Remat.apply(call, *(leaves[i] for i in slots), *extra)
+        if tracker is not None and "out_types" in call.shared:
+            for o, (v, d) in zip(outs, call.shared["out_types"]):
+                tracker._mark(o, v, d)
         return tree_unflatten(call.out_treedef, list(outs))
 
     return wrapped
@@ -105,6 +114,8 @@ class _Call:
     frame: Any
     axes: tuple[str, ...]
     levels: tuple[_Level, ...] = ()  # outermost first
+    in_types: list | None = None  # a real mesh's traced call: the tracker's types of the inputs
+    first_coll: int | None = None  # a real mesh: the call's count of collectives before the body
     shared: dict = dataclasses.field(default_factory=dict)  # the output treedef, set by run
 
     @property
@@ -122,9 +133,26 @@ class _Call:
             fn = self._level(fn, self.levels[i])
         if self.frame is not None and getattr(self.frame, "direct", None) is not None:
             # A real mesh (no vmap levels): rebind the shard call's frame, so the recomputation
-            # in the backward, after the call returned, reaches its collectives.
-            with enter_frame(self.frame):
-                return tuple(_unwrap(fn(*tensors)))
+            # in the backward, after the call returned, reaches its collectives.  In a traced
+            # call its tracker types the body's ops, so that the outputs vary over the axes the
+            # data flow gives them (the in-process mesh's rule), not over every axis.
+            frame, tracker = self.frame, self.frame.tracker
+            typed = tracker is not None and self.in_types is not None and not self.levels
+            # After the call returned (the recompute in the backward) count its collectives from
+            # the body's first, so that each gets the gradient sum the plan put at its output.
+            at = frame.recompute_at
+            frame.recompute_at = None if self.first_coll is None else [self.first_coll]
+            try:
+                with (
+                    enter_frame(frame),
+                    tracker.body(tensors, self.in_types) if typed else contextlib.nullcontext(),
+                ):
+                    outs = tuple(_unwrap(fn(*tensors)))
+                    if typed:
+                        self.shared["out_types"] = [tracker.info(o) for o in outs]
+                    return outs
+            finally:
+                frame.recompute_at = at
         if not rebind:
             # A user's grad transform inside the sharded function stopped the peeling: the mesh
             # levels are live.  The recompute in backward runs inside torch.autograd.grad, with
@@ -192,9 +220,16 @@ def _name(f) -> str:
     return getattr(f, "__name__", None) or type(f).__name__
 
 
+def transparent(cls: type) -> type:
+    """Register a Function whose outputs the real mesh's tracker types from its body's ops."""
+    TRANSPARENT.add(cls)
+    return cls
+
+
 # The autograd.Function -----------------------------------------------------------------------
 
 
+@transparent
 @internal
 class _Remat(torch.autograd.Function):
     generate_vmap_rule = False

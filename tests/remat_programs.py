@@ -1,0 +1,136 @@
+"""``fpar.optim.remat`` programs run on both meshes (``test_remat_dist.py``).
+
+``run(shape, names, form)`` builds the mesh (in-process without a process group, the real mesh in
+processes started by ``fpar.launch``), runs every program and returns global values and
+gradients, and for each program that must be refused the error's type and message.  Module
+level, so that ``fpar.launch`` can pickle it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import fpar
+import fpar.optim as fo
+from fpar import P
+
+F64 = torch.float64
+
+
+def _tanh_layer(w, x):
+    return torch.tanh(x @ w)
+
+
+def _row_parallel(w1, w2, x):
+    # Megatron MLP: column- then row-parallel, the output replicated over 'tensor' by the psum
+    return fpar.psum(torch.tanh(x @ w1) @ w2, "tensor")
+
+
+def _scaled_by_sum(w, x):
+    # w meets only a value already summed over 'data': its gradient needs no sum over 'data'
+    return w * fpar.psum(x.sum(0), "data")
+
+
+def _gathered(w, x):
+    # sequence-parallel style: the rows are gathered inside the recomputed region
+    return torch.tanh(fpar.all_gather(x, "data", tiled=True) @ w)
+
+
+def programs(names):
+    """``{name: (loss, in_specs, args)}``: each loss returns a value replicated over every axis."""
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=F64)  # noqa: E731
+    data = "data"
+    out = {
+        # the issue's program: a data-parallel step whose mesh has an axis it never reduces
+        "data_parallel": (
+            lambda w, x: fpar.pmean(fo.remat(_tanh_layer)(w, x).sum(), data),
+            (P(), P(data)),
+            (r(4, 4), r(8, 4)),
+        ),
+        "summed_inside": (
+            lambda w, x: fpar.pmean((fo.remat(_scaled_by_sum)(w, x) ** 2).sum(), data),
+            (P(), P(data)),
+            (r(4), r(8, 4)),
+        ),
+        "gathered": (
+            lambda w, x: fpar.pmean(fo.remat(_gathered)(w, x).sum(), data),
+            (P(), P(data)),
+            (r(4, 4), r(8, 4)),
+        ),
+    }
+    if "tensor" in names:
+        specs = (P(None, "tensor"), P("tensor", None), P(data))
+        out["tensor_parallel"] = (
+            lambda w1, w2, x: fpar.pmean((fo.remat(_row_parallel)(w1, w2, x) ** 2).mean(), data),
+            specs,
+            (r(4, 8), r(8, 4), r(8, 4)),
+        )
+    return out
+
+
+def refused(names):
+    """A remat output that varies over 'data', returned with an out_spec that leaves 'data' out."""
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(4, 4, generator=g, dtype=F64), torch.randn(8, 4, generator=g, dtype=F64)
+    return lambda w, x: fo.remat(_tanh_layer)(w, x).sum(), (P(), P("data")), (w, x)
+
+
+def run(shape, names, form):
+    """Values and gradients of every program, and the refusal's error, on this process's mesh."""
+    mesh = fpar.make_mesh(shape, names)
+    results = {}
+    for name, (loss, specs, args) in programs(names).items():
+        f = fpar.shard(loss, mesh, in_specs=specs, out_specs=P())
+        placed = [fpar.device_put(a, mesh, s) for a, s in zip(args, specs)]
+        argnums = tuple(range(len(args)))
+        for _ in range(2):  # the first (planned) call, then a steady one
+            if form == "grad":
+                value = f(*placed)
+                grads = torch.func.grad(f, argnums=argnums)(*placed)
+            else:
+                leaves = [a.detach().requires_grad_() for a in placed]
+                value = f(*leaves)
+                value.backward()
+                grads = [a.grad for a in leaves]
+        results[name] = (
+            fpar.gather(value, mesh, P()).detach().clone(),
+            [fpar.gather(gr, mesh, s).clone() for gr, s in zip(grads, specs)],
+        )
+    loss, specs, args = refused(names)
+    f = fpar.shard(loss, mesh, in_specs=specs, out_specs=P())
+    placed = [fpar.device_put(a, mesh, s) for a, s in zip(args, specs)]
+    try:
+        torch.func.grad(f)(*placed) if form == "grad" else f(*placed)
+        error = None
+    except Exception as e:  # noqa: BLE001 - the test compares what each mesh raised
+        error = (type(e).__name__, str(e))
+    return results, error
+
+
+def run_many(cases):
+    """``run`` for each ``(shape, names, form)``: one launch of processes checks them all."""
+    return [run(*case) for case in cases]
+
+
+def unsharded(shape, names):
+    """The same programs' values and gradients computed without fpar (the independent reference)."""
+    sizes = dict(zip(names, shape))
+    out = {}
+    for name, (_, _, args) in programs(names).items():
+        leaves = [a.clone().requires_grad_() for a in args]
+        if name == "data_parallel":
+            w, x = leaves
+            value = torch.tanh(x @ w).sum() / sizes["data"]
+        elif name == "gathered":
+            w, x = leaves
+            value = torch.tanh(x @ w).sum()
+        elif name == "summed_inside":
+            w, x = leaves
+            value = ((w * x.sum(0)) ** 2).sum()
+        else:
+            w1, w2, x = leaves
+            value = ((torch.tanh(x @ w1) @ w2) ** 2).mean()
+        value.backward()
+        out[name] = (value.detach(), [a.grad for a in leaves])
+    return out

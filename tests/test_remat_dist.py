@@ -1,0 +1,55 @@
+"""``fpar.optim.remat`` on the real mesh equals the in-process mesh and the unsharded program.
+
+The regression: on a real mesh remat's outputs varied over every mesh axis (the tracker typed the
+remat Function by the union of its operands, which include the mesh's axis indices), so any step
+whose output spec leaves an axis out was refused; a body with a psum was typed varying, and a
+replicated weight meeting only summed values would have had its gradient summed.  Now the body's
+ops are typed one by one on the real mesh, as the in-process mesh's vmap levels type them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import remat_programs as rp
+import torch
+
+import fpar
+
+pytestmark = pytest.mark.multiprocess
+
+CASES_2 = [
+    ((1, 2), ("pipeline", "data")),  # the issue's mesh: a size-1 axis the program never reduces
+    ((2, 1), ("pipeline", "data")),  # an axis of two devices the program never reduces
+    ((1, 2), ("data", "tensor")),
+]
+CASES_4 = [((2, 2), ("pipeline", "data")), ((2, 2), ("data", "tensor"))]
+FORMS = ("grad", "backward")
+
+
+def _check(cases, nprocs):
+    flat = [(shape, names, form) for shape, names in cases for form in FORMS]
+    real = fpar.launch(rp.run_many, nprocs, flat, timeout=240)[0]
+    for (shape, names, form), (got, error) in zip(flat, real):
+        where = f"{names}={shape} {form}"
+        want, want_error = rp.run(shape, names, form)  # the in-process mesh
+        ref = rp.unsharded(shape, names)
+        assert set(got) == set(want) == set(ref), where
+        for name in want:
+            for a, b, c in zip(
+                [want[name][0], *want[name][1]], [got[name][0], *got[name][1]], [ref[name][0], *ref[name][1]]
+            ):
+                torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12, msg=f"{where} {name}: in-process")
+                torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12, msg=f"{where} {name}: real mesh")
+        # a remat output that varies over 'data' is still refused, with the same error on both meshes
+        if shape[names.index("data")] > 1:
+            assert want_error is not None and want_error[0] == "ReplicationError", where
+            assert error == want_error, where
+            assert "varies over mesh axis 'data'" in error[1]
+
+
+def test_remat_real_mesh_two_processes():
+    _check(CASES_2, 2)
+
+
+def test_remat_real_mesh_four_processes():
+    _check(CASES_4, 4)
