@@ -224,7 +224,7 @@ class DistDriver:
                 if a.kind == "SEND_F" and a in self.header:
                     heads_out.append((_header(value), peer[0]))
                     if sim is not None:  # fpar.plan: what the peer's simulation will receive
-                        sim.headers[peer] = (tuple(value.shape), value.dtype)
+                        sim.headers[peer] = sim.sent[a.chunk] = (tuple(value.shape), value.dtype)
                 sends.append((value, peer[0]))
                 sent.append(a)
             elif a.kind in ("RECV_F", "RECV_B"):

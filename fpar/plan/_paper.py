@@ -121,6 +121,7 @@ class Simulation:
         self.root: Mesh | None = None
         self.real: dict[Any, groups.MeshGroups] = {}
         self.headers: dict[tuple, tuple] = {}  # (stage, chunk) -> (shape, dtype) it receives
+        self.sent: dict[int, tuple] = {}  # chunk -> (shape, dtype) this device's chunk sends on
         self.pipeline_axes: set[str] = set()
         self.schedules: list = []  # (schedule, axis) of every pipeline step run
         self.recorder = None  # the _record.Recorder of the run, for the pipeline's action marks
@@ -168,6 +169,10 @@ class Simulation:
     def header(self, key: tuple) -> tuple:
         """The (shape, dtype) stage ``key[0]``'s chunk ``key[1]`` receives, sent by a stage simulated before."""
         got = self.headers.get(key)
+        if got is None and key[1] > 0:
+            # interleaved: chunk c receives from the last stage's chunk c - 1, which runs the same
+            # stage function on the same shapes as this stage's chunk c - 1 (whose send is known)
+            got = self.sent.get(key[1] - 1)
         if got is None:
             raise Upstream(key)
         return got

@@ -19,14 +19,23 @@ def _estimate(layout, model=SMALL, hardware="h100-sxm", *, repeat=True):
         _repeat.ENABLED[0] = True
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
-def test_repeating_the_steady_microbatch_equals_simulating_every_one(schedule):
+GPT = plan.Model("gpt-small", 32, 4, 2, 2, 128, 64, 16, "gpt")
+
+
+@pytest.mark.parametrize(
+    "schedule, virtual, model",
+    [("1f1b", 1, SMALL), ("zb", 1, SMALL), ("1f1b", 2, GPT)],
+    ids=["1f1b", "zb", "interleaved-gpt"],
+)
+def test_repeating_the_steady_microbatch_equals_simulating_every_one(schedule, virtual, model):
     # every microbatch runs the same program: a stage simulates the first few and the last, and
     # the steady one's ops and messages stand for the others; nothing an estimate reports moves
-    layout = plan.Layout(pipeline=2, data=2, tensor=2, microbatches=6, batch=12, schedule=schedule)
+    layout = plan.Layout(
+        pipeline=2, data=2, tensor=2, microbatches=6, batch=12, schedule=schedule, virtual=virtual
+    )
     kept = [_repeat.kept_microbatches(_schedule(layout), s) for s in range(2)]
     assert all(k is not None and len(k) < 6 for k in kept), kept
-    fast, full = _estimate(layout), _estimate(layout, repeat=False)
+    fast, full = _estimate(layout, model), _estimate(layout, model, repeat=False)
     assert [c.peak_bytes for c in fast.devices] == [c.peak_bytes for c in full.devices]
     assert [c.comm for c in fast.devices] == [c.comm for c in full.devices]
     assert [c.flops for c in fast.devices] == [c.flops for c in full.devices]
@@ -38,6 +47,8 @@ def test_repeating_the_steady_microbatch_equals_simulating_every_one(schedule):
 def _schedule(layout):
     import fpar.pipeline as pp
 
+    if layout.virtual > 1:
+        return pp.interleaved_1f1b(layout.pipeline, layout.microbatches, layout.virtual)
     builders = {"1f1b": pp.one_f_one_b, "zb": pp.zb_h1, "gpipe": pp.gpipe}
     return builders[layout.schedule](layout.pipeline, layout.microbatches)
 
