@@ -22,6 +22,7 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse the command line, search the layouts, print the ranking; the exit status."""
     ap = argparse.ArgumentParser(prog="python -m fpar.plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-70b", choices=sorted(MODELS), help="the model's shape")
     ap.add_argument("--devices", type=int, default=1024, help="how many devices")

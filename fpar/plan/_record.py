@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from .. import _stats
+from ..optim import _remat
 
 __all__ = ["Comm", "Op", "Recorder"]
 
@@ -92,6 +93,7 @@ class Op:
     mark: Any = None  # the pipeline action it belongs to (pipelines only)
     seconds: float | None = None  # its kernel timed on this machine (hardware "this"), if it was
     origin: Any = None  # the pipeline action whose work it is (``_repeat``: what it repeats for)
+    recompute: bool = False  # run by a backward to recompute a remat body's forward
 
 
 @dataclasses.dataclass
@@ -218,7 +220,9 @@ class Recorder(TorchDispatchMode):
                 func, args, kwargs, sig, sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
             )
         # every op: a view or an empty tensor moves nothing, but costs its dispatch on a CPU
-        self.events.append(Op(name, flops, nbytes, dtype, phase, self.mark, seconds, self.mark))
+        self.events.append(
+            Op(name, flops, nbytes, dtype, phase, self.mark, seconds, self.mark, _remat.RECOMPUTING[0] > 0)
+        )
         return out
 
     # -- storages -------------------------------------------------------------------------------

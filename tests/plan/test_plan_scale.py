@@ -61,3 +61,46 @@ def test_the_kept_microbatches_reach_the_schedules_most_in_flight():
     assert [len(_repeat.kept_microbatches(sch, s)) for s in range(4)] == [6, 5, 4, 3]
     assert all(31 in _repeat.kept_microbatches(sch, s) for s in range(4))
     assert _repeat.kept_microbatches(pp.one_f_one_b(2, 3), 0) is None  # too few to save any
+
+
+def test_a_gpt_model_has_megatrons_parameter_count_and_its_head_is_the_embedding():
+    import torch
+
+    step, args = plan.model_step(GPT, plan.Layout())
+    held = sum(t.numel() for t in torch.utils._pytree.tree_leaves(args[0]) if isinstance(t, torch.Tensor))
+    assert held == GPT.n_params
+    h, n, v, s = 32, 4, 64, 16  # Megatron-LM: 12 l h^2 (1 + 13 / 12h + (V + s) / 12lh), 4h MLP
+    megatron = 12 * n * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * n * h))
+    assert GPT.n_params == round(megatron) + 2 * h  # and the final LayerNorm, which it leaves out
+    assert plan.MODELS["gpt-175b"].n_params == pytest.approx(175e9, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "layout, match",
+    [
+        (plan.Layout(pipeline=1, virtual=2), r"virtual=2 \(interleaved 1F1B\) needs pipeline > 1"),
+        (
+            plan.Layout(pipeline=2, microbatches=3, batch=3, virtual=2),
+            r"microbatches divisible by pipeline=2",
+        ),
+        (plan.Layout(data=2, zero=3, microbatches=2, batch=4), r"zero=3 with microbatches=2"),
+        (plan.Layout(pipeline=2, zero=2, microbatches=2, batch=2), r"a pipelined step takes ZeRO 0 or 1"),
+        (plan.Layout(pipeline=3, microbatches=3, batch=3), r"n_layers=4 by pipeline x virtual=3"),
+    ],
+)
+def test_a_layout_fpar_cannot_express_names_what_is_missing(layout, match):
+    with pytest.raises(ValueError, match=match):
+        plan.model_step(GPT, layout)
+    with pytest.raises(ValueError, match="kind='bert'"):
+        plan.Model("m", 8, 1, 1, 1, 8, 8, 8, "bert")
+
+
+def test_the_losses_say_where_the_step_goes_and_add_up_with_the_mfu():
+    layout = plan.Layout(pipeline=2, data=2, tensor=2, microbatches=2, batch=4, remat=True)
+    est = _estimate(layout, GPT)
+    assert est.model_flops < est.flops and est.mfu < est.hfu  # the recomputed forward is not MFU
+    assert est.mfu + sum(est.losses.values()) == pytest.approx(1.0)
+    assert {"matmul_efficiency", "recompute", "optimizer", "bubble", "other"} <= set(est.losses)
+    assert {"exposed_comm:tensor", "exposed_comm:data"} <= set(est.losses)
+    assert est.losses["recompute"] > 0 and est.losses["bubble"] > 0
+    assert "where the rest goes: matmul_efficiency" in str(est)
