@@ -473,9 +473,16 @@ def layout_choices(model: Model | None, devices: int, **choices: Any) -> list[La
     import itertools
 
     fields = {f.name: [f.default] for f in dataclasses.fields(Layout)}
+    micro = choices.pop("micro_batch", None)  # sequences per microbatch: sets microbatches
+    if micro is not None:
+        if "microbatches" in choices:
+            raise ValueError("fpar.plan.search: choose micro_batch or microbatches, not both.")
+        fields["micro_batch"] = list(micro) if isinstance(micro, (list, tuple, range)) else [micro]
     for name, values in choices.items():
         if name not in fields:
-            raise ValueError(f"fpar.plan.search: unknown choice {name!r}; choose from {sorted(fields)}.")
+            raise ValueError(
+                f"fpar.plan.search: unknown choice {name!r}; choose from {sorted([*fields, 'micro_batch'])}."
+            )
         fields[name] = list(values) if isinstance(values, (list, tuple, range)) else [values]
     out = []
     for combo in itertools.product(*fields.values()):
@@ -485,6 +492,11 @@ def layout_choices(model: Model | None, devices: int, **choices: Any) -> list[La
             if devices % pt:
                 continue
             kw["data"] = devices // pt
+        if "micro_batch" in kw:
+            mb = kw.pop("micro_batch")
+            if kw["batch"] % (kw["data"] * mb):
+                continue
+            kw["microbatches"] = kw["batch"] // (kw["data"] * mb)
         layout = Layout(**kw)
         if layout.devices != devices:
             continue

@@ -104,3 +104,28 @@ def test_the_losses_say_where_the_step_goes_and_add_up_with_the_mfu():
     assert {"exposed_comm:tensor", "exposed_comm:data"} <= set(est.losses)
     assert est.losses["recompute"] > 0 and est.losses["bubble"] > 0
     assert "where the rest goes: matmul_efficiency" in str(est)
+
+
+def test_search_choices_cover_interleaving_micro_batch_zero_and_recomputation():
+    from fpar.plan._models import layout_choices
+
+    got = layout_choices(
+        plan.MODELS["llama-70b"],
+        1024,
+        pipeline=[1, 4, 8],
+        tensor=[8],
+        virtual=[1, 2],
+        micro_batch=[1, 2],
+        zero=[0, 1, 3],
+        remat=[False, True],
+        batch=[256],
+    )
+    assert all(lay.devices == 1024 and lay.micro_batch * lay.microbatches * lay.data == 256 for lay in got)
+    assert {lay.virtual for lay in got if lay.pipeline > 1} == {1, 2}
+    assert all(lay.virtual == 1 for lay in got if lay.pipeline == 1)  # interleaving needs a pipeline
+    assert {(lay.zero, lay.remat) for lay in got if lay.pipeline == 1} == {
+        (z, r) for z in (0, 1, 3) for r in (False, True)
+    }
+    assert all(lay.zero <= 1 for lay in got if lay.pipeline > 1)
+    with pytest.raises(ValueError, match="choose micro_batch or microbatches, not both"):
+        layout_choices(None, 8, micro_batch=[1], microbatches=[2])
