@@ -230,6 +230,10 @@ class Simulation:
                 f"in all); use a smaller mesh or a Hardware with more nodes."
             )
         self.root = root
+        if hw is not None and hw.timed_ops:  # time the ops with the threads the job's processes get
+            from ._optime import timer
+
+            timer().threads = hw.threads or (1 if root.size > 1 else None)
         coords = [self.coords.get(a, 0) for a in root.axis_names]
         dist.init_process_group(
             "fake", store=FakeStore(), rank=groups._ravel(coords, root.axis_sizes), world_size=root.size

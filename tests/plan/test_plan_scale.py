@@ -129,3 +129,57 @@ def test_search_choices_cover_interleaving_micro_batch_zero_and_recomputation():
     assert all(lay.zero <= 1 for lay in got if lay.pipeline > 1)
     with pytest.raises(ValueError, match="choose micro_batch or microbatches, not both"):
         layout_choices(None, 8, micro_batch=[1], microbatches=[2])
+
+
+def test_the_published_runs_table_is_the_one_the_records_render():
+    # bench/plan.py published estimates every run (minutes each) into bench/plan_published.json
+    # and writes the table; the page must show exactly what those records render
+    import json
+    from pathlib import Path
+
+    from fpar.plan import _published
+
+    root = Path(__file__).resolve().parents[2]
+    records = json.loads((root / "bench" / "plan_published.json").read_text())
+    assert set(records) <= {r.name for r in _published.RUNS}
+    page = (root / "docs" / "plan.md").read_text()
+    shown = page.split(_published.BEGIN)[1].split(_published.END)[0].strip()
+    assert shown == _published.render(records), "python bench/plan.py published (never edit the table)"
+    for run in _published.RUNS:  # each row's layout is one model_step builds (checked before any work)
+        from fpar.plan._models import check_layout
+
+        check_layout(run.model, run.layout)
+        assert run.layout.devices in (32, 256, 512, 8192, 16384)
+
+
+def test_ops_are_timed_with_the_threads_the_jobs_processes_get():
+    import torch
+
+    from fpar.plan import _optime
+
+    seen = []
+
+    def op(x):
+        seen.append(torch.get_num_threads())
+        return x + 1
+
+    before = torch.get_num_threads()
+    timer = _optime.OpTimer(repeats=1, budget=0.0)
+    timer.threads = 1
+    assert timer._time(op, (torch.ones(2),), {}) is not None
+    assert set(seen) == {1} and torch.get_num_threads() == before
+    # on a mesh of several devices, a "this" estimate times with torchrun's one thread per process
+    hw = plan.Hardware("cpu", {"float32": 1e9}, 2**30, 1e9, 8, 1e9, 1e-5, 1e9, 1e-5, timed_ops=True)
+    mesh = plan.abstract_mesh((2,), ("data",))
+    import fpar
+    from fpar import P
+
+    f = fpar.shard(lambda x: fpar.psum(x * 2, "data"), mesh, P("data"), P())
+    plan.estimate(f, fpar.device_put(torch.ones(4), mesh, P("data")), hardware=hw)
+    assert _optime.timer().threads == 1 and any(k[1] == 1 for k in _optime.timer().table)
+    import dataclasses
+
+    plan.estimate(
+        f, fpar.device_put(torch.ones(4), mesh, P("data")), hardware=dataclasses.replace(hw, threads=2)
+    )
+    assert _optime.timer().threads == 2
