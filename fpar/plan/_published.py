@@ -72,13 +72,13 @@ RUNS = (
             microbatches=48,
             batch=1536,
             remat=True,
-            sequence_parallel=False,
         ),
         "a100-80g",
         138.0,
         "executed",
         _MEGATRON,
-        "microbatch size 1 assumed; 1F1B",
+        "microbatch size 1 assumed; 1F1B; sequence parallel on (the same bytes as Megatron's "
+        "all-reduces: fpar.optim.remat inside a pipeline cannot recompute them without it yet)",
     ),
     Run(
         "Llama 3 405B, 8,192 H100",

@@ -102,8 +102,8 @@ def _try(build, hw: Hardware, layout: Layout) -> Result:
     try:
         step, args = build(layout)
         est = estimate(step, *args, hardware=hw)
-    except ValueError as e:
-        return Result(layout, None, time.perf_counter() - start, str(e))
+    except (ValueError, NotImplementedError) as e:  # a layout fpar cannot build or run: dropped, named
+        return Result(layout, None, time.perf_counter() - start, str(e).splitlines()[0])
     r = Result(layout, est, time.perf_counter() - start)
     if not est.fits:
         r.dropped = f"does not fit: {est.peak_bytes / 2**30:.1f} GiB > {hw.memory_bytes / 2**30:.1f} GiB"
