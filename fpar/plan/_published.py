@@ -112,8 +112,8 @@ def predicted_tflops(est, counts: str) -> float:
 def render(records: dict) -> str:
     """The docs table from ``{run name: {"predicted_tflops", "step_time", ...}}``."""
     lines = [
-        "| run | layout | published TFLOP/s per GPU | fpar.plan | ratio | step (s) | source |",
-        "|---|---|---|---|---|---|---|",
+        "| run | layout | published TFLOP/s per GPU | fpar.plan | ratio | step (s) | fpar's peak GiB | source |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for run in RUNS:
         got = records.get(run.name)
@@ -122,7 +122,8 @@ def render(records: dict) -> str:
         pred = got["predicted_tflops"]
         lines.append(
             f"| {run.name} | {run.layout.describe()} | {run.published_tflops:g} ({run.counts}) | "
-            f"{pred:.0f} | {pred / run.published_tflops:.2f} | {got['step_time']:.2f} | {run.source}; "
+            f"{pred:.0f} | {pred / run.published_tflops:.2f} | {got['step_time']:.2f} | "
+            f"{got['peak_gib']:.0f}{'' if got['fits'] else ' (over 80)'} | {run.source}; "
             f"{run.note} |"
         )
     return "\n".join(lines)
