@@ -4,6 +4,7 @@
     python bench/plan.py llama    # Llama-70B-shaped on 1024 "h100-sxm": layouts, seconds per estimate
     python bench/plan.py search   # fpar.plan.search over >= 20 Llama-70B layouts: total seconds
     python bench/plan.py memory   # model states and activations against the published formulas
+    python bench/plan.py published  # the published runs of docs/plan.md's table (minutes each)
 
 ``time`` runs the same step (fpar.plan.model_step: a small Llama, TP+SP, ZeRO, pipeline; float32)
 on a real mesh of gloo processes and on an abstract mesh under ``estimate(hardware="this")``
@@ -122,6 +123,53 @@ def bench_llama() -> None:
         print(f"picture: {path}")
 
 
+def _published_one(name: str) -> dict:
+    from fpar.plan import _published
+
+    run = next(r for r in _published.RUNS if r.name == name)
+    t = time.perf_counter()
+    step, args = plan.model_step(run.model, run.layout)
+    est = plan.estimate(step, *args, hardware=run.hardware)
+    return {
+        "predicted_tflops": _published.predicted_tflops(est, run.counts),
+        "step_time": est.step_time,
+        "mfu": est.mfu,
+        "hfu": est.hfu,
+        "fits": est.fits,
+        "peak_gib": est.peak_bytes / 2**30,
+        "time_breakdown": est.time_breakdown,
+        "losses": est.losses,
+        "estimate_seconds": time.perf_counter() - t,
+    }
+
+
+def bench_published(names: list[str]) -> None:
+    """Estimate the published runs (docs/plan.md's table); store them in bench/plan_published.json."""
+    import json
+    from concurrent.futures import ProcessPoolExecutor
+
+    from fpar.plan import _published
+
+    path = os.path.join(os.path.dirname(__file__), "plan_published.json")
+    records = json.load(open(path)) if os.path.exists(path) else {}
+    names = names or [r.name for r in _published.RUNS]
+    with ProcessPoolExecutor(len(names)) as pool:
+        for name, got in zip(names, pool.map(_published_one, names)):
+            records[name] = got
+            print(f"{name}: {got['predicted_tflops']:.0f} TFLOP/s per GPU in {got['estimate_seconds']:.0f} s")
+    with open(path, "w") as f:
+        json.dump(records, f, indent=1, sort_keys=True)
+    table = _published.render(records)
+    doc = os.path.join(os.path.dirname(__file__), "..", "docs", "plan.md")
+    text = open(doc).read()
+    begin, end = _published.BEGIN, _published.END
+    if begin in text:
+        head, rest = text.split(begin)
+        text = head + begin + "\n" + table + "\n" + end + rest.split(end)[1]
+        open(doc, "w").write(text)
+    print(table)
+
+
 def bench_search() -> None:
     model = plan.MODELS["llama-70b"]
     t = time.perf_counter()
@@ -195,5 +243,8 @@ if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "time"
     if what == "time" and len(sys.argv) > 2:  # python bench/plan.py time ROUNDS
         bench_time(int(sys.argv[2]))
+        sys.exit()
+    if what == "published":  # python bench/plan.py published [RUN NAME ...]
+        bench_published(sys.argv[2:])
         sys.exit()
     {"time": bench_time, "llama": bench_llama, "search": bench_search, "memory": bench_memory}[what]()

@@ -407,11 +407,13 @@ def _generator_states() -> tuple:
     A fast call runs with no interception, so a torch random op that first appears after the
     traced call (a branch on ``model.training``) is caught by comparing these before and after.
     """
-    if maybe_current_level() is None:
-        cpu = torch.default_generator.get_state().numpy().tobytes()
-    else:  # under torch.func.grad/vmap: read the state as a plain tensor
-        with torch._C._DisableFuncTorch():
+    # no dispatch mode sees the state tensor (fpar.plan's memory count would take it for a buffer)
+    with torch._C._DisableTorchDispatch():
+        if maybe_current_level() is None:
             cpu = torch.default_generator.get_state().numpy().tobytes()
+        else:  # under torch.func.grad/vmap: read the state as a plain tensor
+            with torch._C._DisableFuncTorch():
+                cpu = torch.default_generator.get_state().numpy().tobytes()
     if torch.cuda.is_initialized():
         return cpu, torch.cuda.default_generators[torch.cuda.current_device()].get_offset()
     return (cpu,)

@@ -46,6 +46,9 @@ _COMPILED = (
 )
 
 
+RECOMPUTING = [0]  # > 0 while a backward recomputes a remat body's forward (fpar.plan reads it)
+
+
 def remat(f: Callable) -> Callable:
     """Return ``f`` with activation checkpointing: save only its inputs, recompute in backward.
 
@@ -264,8 +267,12 @@ class _Remat(torch.autograd.Function):
                 full[i] = t
             return call.run(full)
 
-        with torch.enable_grad():
-            outs, vjp_fn = torch.func.vjp(again, *(tensors[i] for i in diff))
+        RECOMPUTING[0] += 1  # fpar.plan counts the recomputed forward's ops apart
+        try:
+            with torch.enable_grad():
+                outs, vjp_fn = torch.func.vjp(again, *(tensors[i] for i in diff))
+        finally:
+            RECOMPUTING[0] -= 1
         cts = tuple(torch.zeros_like(o) if c is None else c for o, c in zip(outs, cts))
         grads = vjp_fn(cts)
         result: list = [None] * len(tensors)

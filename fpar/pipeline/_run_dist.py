@@ -87,9 +87,13 @@ class DistDriver:
         early: set = set()
         ahead = _dist.device_type() == "cpu"  # gloo: receives posted before the tick's compute
         sim = _dist.simulation()  # fpar.plan simulating this device, or None
+        ticks = self.ticks
         if sim is not None:
             sim.pipeline(sch, self.axis)
-        for actions in self.ticks:
+            keep = sim.kept(sch, self.me)  # fpar.plan: the microbatches it runs (the rest repeat them)
+            if keep is not None:
+                ticks = [[a for a in acts if a.microbatch in keep] for acts in ticks]
+        for full, actions in zip(self.ticks, ticks):
             st.send_early = self._early_sender(actions, sending, early)
             posted = self._post_receives(actions, st) if ahead else set()
             for a in actions:
@@ -100,6 +104,10 @@ class DistDriver:
             if sim is not None:
                 sim.mark(None)
             sending += self._exchange(actions, st, _dist, early, posted)
+            if len(full) > len(actions):  # fpar.plan: a send not simulated holds its bytes too
+                sending += sim.held(
+                    [self._sent(a, st) for a in full if a not in actions and a.kind[:4] == "SEND"]
+                )
             st.note_inbox()
         for work, _ in sending:
             work.wait()
@@ -159,6 +167,8 @@ class DistDriver:
             peer = None if a is None else prev_stage(a.stage, a.chunk, sch.p, sch.v, sch.layout)
             if peer is None or peer[0] == me:
                 return False
+            if _dist.simulation() is not None:  # fpar.plan: the action the message belongs to
+                _dist.simulation().origins([a])
             out, _ = _dist.p2p(self.mesh, self.axis, [(dx, peer[0])], [], wait=False)
             sending.extend(out)
             early.add(a)
@@ -188,6 +198,8 @@ class DistDriver:
         if not recvs:
             return set()
         bufs = [(*self._shape(a, st), self._peer(a)) for a in recvs]
+        if _dist.simulation() is not None:  # fpar.plan: the actions the messages belong to
+            _dist.simulation().origins(recvs)
         _, receiving = _dist.p2p(self.mesh, self.axis, [], bufs, wait=False)
         for a, incoming in zip(recvs, receiving):
             st.inbox[("F" if a.kind == "RECV_F" else "B", a.microbatch, a.chunk)] = incoming
@@ -198,7 +210,7 @@ class DistDriver:
     ) -> list:
         """Post this tick's sends and receives (after shape headers, if any); return the sends."""
         p, v, me, layout = self.schedule.p, self.schedule.v, self.me, self.schedule.layout
-        sends, recvs, heads_out, heads_in = [], [], [], []
+        sends, recvs, heads_out, heads_in, sent = [], [], [], [], []
         sim = _dist.simulation()
         for a in sorted(actions, key=_wire_order):
             if a in early:
@@ -212,8 +224,9 @@ class DistDriver:
                 if a.kind == "SEND_F" and a in self.header:
                     heads_out.append((_header(value), peer[0]))
                     if sim is not None:  # fpar.plan: what the peer's simulation will receive
-                        sim.headers[peer] = (tuple(value.shape), value.dtype)
+                        sim.headers[peer] = sim.sent[a.chunk] = (tuple(value.shape), value.dtype)
                 sends.append((value, peer[0]))
+                sent.append(a)
             elif a.kind in ("RECV_F", "RECV_B"):
                 peer = (prev_stage if a.kind == "RECV_F" else next_stage)(a.stage, a.chunk, p, v, layout)
                 if peer[0] == me or a in posted:
@@ -228,10 +241,22 @@ class DistDriver:
             for a, h in zip(heads_in, got):
                 self.shapes[a.chunk] = _unheader(h) if sim is None else sim.header((me, a.chunk))
         bufs = [(*self._shape(a, st), self._peer(a)) for a in recvs]
+        if sim is not None:  # fpar.plan: the actions the messages belong to
+            sim.origins(sent + recvs)
         sending, receiving = _dist.p2p(self.mesh, self.axis, sends, bufs, wait=False)
         for a, incoming in zip(recvs, receiving):
             st.inbox[("F" if a.kind == "RECV_F" else "B", a.microbatch, a.chunk)] = incoming
         return sending
+
+    def _sent(self, a: Action, st: Stage) -> tuple | None:
+        """(shape, dtype, kind) of what a SEND action sends to another stage (None: to itself or nowhere)."""
+        sch = self.schedule
+        peer = (next_stage if a.kind == "SEND_F" else prev_stage)(a.stage, a.chunk, sch.p, sch.v, sch.layout)
+        if peer is None or peer[0] == self.me:
+            return None
+        if a.kind == "SEND_F":
+            return (*st.out_shapes[a.chunk], "activations")
+        return (*self.shapes[a.chunk], "grads")  # the gradient of what the chunk received
 
     def _peer(self, a: Action) -> int:
         sch = self.schedule

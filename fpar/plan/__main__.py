@@ -22,6 +22,7 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse the command line, search the layouts, print the ranking; the exit status."""
     ap = argparse.ArgumentParser(prog="python -m fpar.plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-70b", choices=sorted(MODELS), help="the model's shape")
     ap.add_argument("--devices", type=int, default=1024, help="how many devices")
@@ -31,6 +32,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pipeline", type=_ints, default=[2, 4, 8], help="pipeline sizes to try")
     ap.add_argument("--zero", type=_ints, default=[0, 1], help="ZeRO stages to try")
     ap.add_argument("--microbatches", type=_ints, default=[8], help="microbatch counts to try")
+    ap.add_argument(
+        "--micro-batch",
+        type=_ints,
+        default=None,
+        help="sequences per microbatch to try (instead of --microbatches)",
+    )
+    ap.add_argument(
+        "--virtual", type=_ints, default=[1], help="model chunks per stage to try (interleaved 1F1B)"
+    )
     ap.add_argument("--remat", default="both", choices=["yes", "no", "both"], help="recompute activations")
     ap.add_argument("--schedule", default="1f1b", help="pipeline schedules to try, e.g. 1f1b,gpipe,zb")
     ap.add_argument("--top", type=int, default=10, help="rows of the ranking to print")
@@ -55,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
             pipeline=args.pipeline,
             tensor=args.tensor,
             zero=args.zero,
-            microbatches=args.microbatches,
+            **(
+                {"micro_batch": args.micro_batch} if args.micro_batch else {"microbatches": args.microbatches}
+            ),
+            virtual=args.virtual,
             remat=remat,
             schedule=args.schedule.split(","),
             batch=[args.batch],

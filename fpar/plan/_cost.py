@@ -61,6 +61,15 @@ class Timing:
     flops: float = 0.0
     ops: int = 0
     flops_by_dtype: dict = dataclasses.field(default_factory=dict)
+    # where the time goes (Estimate.losses): matmul seconds and their seconds at peak, the
+    # recomputed forwards' seconds and FLOPs, the optimizer's seconds (ops after the backward
+    # outside any pipeline action), the exposed seconds per message axes
+    matmul: float = 0.0
+    matmul_at_peak: float = 0.0
+    recompute: float = 0.0  # seconds of the recomputed forwards' ops
+    recompute_flops: float = 0.0
+    update: float = 0.0
+    exposed: dict = dataclasses.field(default_factory=dict)
 
 
 def op_seconds(op: Op, hw: Hardware, share: float) -> float:
@@ -107,9 +116,13 @@ def time_events(
     against the conditions α and β were measured in (CPU, more devices per core: below 1).
     """
     t = Timing()
+    last_backward = max(
+        (i for i, e in enumerate(events) if getattr(e, "phase", "") == "backward"), default=-1
+    )
+    last_overlapped = None
     now = free = 0.0  # compute stream's clock; when the message stream is next free
     synced = 0.0  # the compute clock at the last blocking message (the peers' drift grows from it)
-    for e in events:
+    for i, e in enumerate(events):
         if isinstance(e, Op):
             dt = op_seconds(e, hw, share)
             t.ops += 1
@@ -117,6 +130,14 @@ def time_events(
             t.flops += e.flops
             if e.flops:
                 t.flops_by_dtype[e.dtype] = t.flops_by_dtype.get(e.dtype, 0.0) + e.flops
+            if e.name in _MATMUL and not e.recompute:
+                t.matmul += dt
+                t.matmul_at_peak += e.flops / hw.peak(e.dtype)
+            if e.recompute:
+                t.recompute += dt
+                t.recompute_flops += e.flops
+            elif i > last_backward and e.mark is None:
+                t.update += dt
             now += dt
             _charge(t, e.mark, dt)
             continue
@@ -131,10 +152,15 @@ def time_events(
         free = start + dt
         if blocking:
             _charge(t, e.mark, free - now)
+            key = ",".join(e.axes)
+            t.exposed[key] = t.exposed.get(key, 0.0) + free - now
             now = synced = free
+        else:
+            last_overlapped = ",".join(e.axes)
     t.total = max(now, free)
     if free > now:  # the overlapped messages still in flight when the compute ends
         t.unmarked += free - now
+        t.exposed[last_overlapped] = t.exposed.get(last_overlapped, 0.0) + free - now
     return t
 
 

@@ -14,7 +14,7 @@ import torch
 from .. import _stats
 from .._dist import shard as _dist_shard
 from ..pipeline._timeline import replay
-from . import _cost, _optime
+from . import _cost, _optime, _repeat
 from ._hardware import Hardware
 from ._hardware import hardware as _hardware
 from ._paper import Simulation, Upstream
@@ -85,7 +85,13 @@ class Estimate:
         sends the most (each class's own is ``devices[i].comm``).
       step_time: predicted seconds per step (the slowest class), split in ``time_breakdown``
         (``compute``, ``exposed_comm``, ``bubble``).
-      mfu: model FLOPs (as executed) per second over the devices' peak.
+      mfu: model FLOPs per second over the devices' peak (recomputation not counted: the MFU
+        papers publish); ``hfu`` counts every FLOP executed.  ``flops``, ``model_flops``: per step,
+        over every device.
+      losses: where the step's time goes besides the model's FLOPs at peak, as fractions of the
+        step (``mfu`` plus these is 1): ``matmul_efficiency`` (matmuls slower than peak),
+        ``recompute`` (the recomputed forwards), ``optimizer``, ``exposed_comm:<axes>`` per
+        message axes, ``bubble``, ``other`` (the other ops, and devices waiting for slower ones).
       hardware: the ``Hardware`` used; ``mesh``: the mesh simulated.
       assumptions: every assumption of the estimate, printed with it; ``limits``: what it cannot
         see; ``not_costed``: ops it had no FLOP formula for (costed by their bytes).
@@ -102,6 +108,10 @@ class Estimate:
     assumptions: list
     limits: tuple = LIMITS
     not_costed: dict = dataclasses.field(default_factory=dict)
+    hfu: float = 0.0
+    flops: float = 0.0
+    model_flops: float = 0.0
+    losses: dict = dataclasses.field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -131,7 +141,8 @@ def estimate(fn: Callable, *args: Any, hardware: str | Hardware = "h100-sxm", **
 
     Args:
       fn: the step.
-      *args, **kwargs: its arguments.
+      *args: its positional arguments.
+      **kwargs: its keyword arguments.
       hardware: a preset name (``"h100-sxm"``, ``"a100-80g"``, ``"b200"``), ``"this"`` (measured
         here), or a ``fpar.plan.Hardware``.
 
@@ -195,8 +206,10 @@ def _estimate(fn, args, kwargs, hw, known, shapes) -> Estimate:
         cls0.count = mesh.size
     worst = max(classes, key=lambda c: c.step_time)
     flops = sum(c.flops * c.count for c in classes)
+    model_flops = flops - sum(c._timing.recompute_flops * c.count for c in classes)
     dtype = _main_dtype(classes)
-    mfu = flops / (worst.step_time * hw.peak(dtype) * mesh.size) if worst.step_time > 0 else 0.0
+    ideal = worst.step_time * hw.peak(dtype) * mesh.size
+    mfu = model_flops / ideal if worst.step_time > 0 else 0.0
     busiest = max(classes, key=lambda c: _total_bytes(c.comm))
     not_costed: dict = {}
     for c in classes:
@@ -211,11 +224,34 @@ def _estimate(fn, args, kwargs, hw, known, shapes) -> Estimate:
         step_time=worst.step_time,
         time_breakdown=dict(worst.time_breakdown),
         mfu=mfu,
+        hfu=flops / ideal if worst.step_time > 0 else 0.0,
+        flops=flops,
+        model_flops=model_flops,
+        losses=_losses(worst, mfu),
         assumptions=_assumptions(
             hw, mesh, dtype, _optime.timer().untimed - untimed if untimed is not None else None
         ),
         not_costed=not_costed,
     )
+
+
+def _losses(c: DeviceClass, mfu: float) -> dict:
+    """Fractions of the slowest class's step that are not the model's FLOPs at peak, by cause."""
+    t, total = c._timing, c.step_time
+    if total <= 0:
+        return {}
+    out = {
+        "matmul_efficiency": (t.matmul - t.matmul_at_peak) / total,
+        "recompute": t.recompute / total,
+        "optimizer": t.update / total,
+    }
+    exposed = c.time_breakdown.get("exposed_comm", 0.0)
+    charged = sum(t.exposed.values())
+    for axes, sec in sorted(t.exposed.items()):  # the class's exposed time, split as its messages were
+        out[f"exposed_comm:{axes}"] = exposed * sec / charged / total if charged else 0.0
+    out["bubble"] = c.time_breakdown.get("bubble", 0.0) / total
+    out["other"] = 1.0 - mfu - sum(out.values())
+    return out
 
 
 def _simulate(fn, args, kwargs, hw, known, shapes, coords, headers=None, *, first=False):
@@ -234,12 +270,16 @@ def _simulate(fn, args, kwargs, hw, known, shapes, coords, headers=None, *, firs
             for run in range(2):
                 planned = _dist_shard.PLANNED[0]
                 rec.start()
+                sim.repeated.clear()
                 _stats.reset_comm_stats()
                 out = _call(fn, args, kwargs)
                 del out
                 gc.collect()
                 if run == 0 and _dist_shard.PLANNED[0] == planned and not first:
                     break
+        for schedule, stage, keep in sim.repeated:  # the microbatches not simulated repeat a steady one
+            for c in _repeat.expand(rec.events, schedule, stage, keep):
+                _stats._add(c.kind, c.axes, c.nbytes, overlap=c.overlap, n=c.n)
         comm = _stats.comm_stats()
         mesh = sim.root
         if mesh is None:
@@ -392,7 +432,8 @@ def _assumptions(hw: Hardware, mesh, dtype, untimed: Counter | None = None) -> l
         else "on a CPU nothing overlaps: every message's copies, sums and TCP stack use the cores the compute needs",
         "an op takes max(FLOPs / (peak x efficiency), bytes / memory bandwidth) + per-op overhead; "
         "FLOPs as executed (recomputation included), from torch.utils.flop_counter",
-        f"MFU against {str(dtype).replace('torch.', '')} peak",
+        f"MFU against {str(dtype).replace('torch.', '')} peak, model FLOPs only (a recomputed forward "
+        "counts in HFU, not in MFU)",
         "memory: live tensor bytes over the measured (second) step, storages counted once; what "
         "the step touched that existed before it (parameters, optimizer state, kept buffers) counts "
         "for the whole step",
@@ -425,6 +466,7 @@ def _table(est: Estimate) -> str:
         "",
         f"step time {_s(est.step_time)}: compute {_s(tb.get('compute', 0))}, exposed communication "
         f"{_s(tb.get('exposed_comm', 0))}, bubble {_s(tb.get('bubble', 0))}; MFU {est.mfu:.1%}",
+        "  where the rest goes: " + ", ".join(f"{k} {v:.1%}" for k, v in est.losses.items()),
         "",
         "bytes sent per device per step (busiest class)",
     ]

@@ -61,6 +61,9 @@ class Hardware:
       skew: measured hardware only: the seconds a blocking message waits for its peers per second
         of compute since this device's last blocking message (processes that share noisy cores
         drift apart while they compute; a message waits out the drift).
+      threads: measured hardware only: the threads each device's process computes with, as the
+        ops of a step are timed (``None``: what torchrun gives its workers, ``OMP_NUM_THREADS=1``
+        on a mesh of more than one device, else this process's own).
       kind_latency: measured hardware only: ``(kind, α)`` pairs, a collective kind's own latency
         per step, where it differs from the all-reduce's (gloo's all-gather and reduce-scatter
         take more: their time is nearly the same at 64 KB as at 1 MB).
@@ -85,6 +88,7 @@ class Hardware:
     link_devices: int | None = None  # CPU: the processes α and β were measured between (below)
     kind_latency: tuple = ()  # measured: ((collective kind, its own α), ...); other kinds use α
     skew: float = 0.0  # measured: seconds a blocking message waits per second computed since the last
+    threads: int | None = None  # measured: threads per process the ops are timed with (None: torchrun's)
 
     def peak(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s for ``dtype``."""
@@ -130,7 +134,13 @@ class Hardware:
             )
         if self.timed_ops:
             lines.append(
-                "  each op's kernel timed on this machine once per signature (median of 5), plus the per-op overhead"
+                "  each op's kernel timed on this machine once per signature (median of 5), plus the per-op "
+                "overhead, with "
+                + (
+                    f"{self.threads} thread(s)"
+                    if self.threads
+                    else "torchrun's threads (1 per process on 2+ devices)"
+                )
             )
         if self.reduce_scatter_all_reduces:
             lines.append("  reduce-scatter runs as an all-reduce (gloo): twice the bytes, 2(n-1) steps")
@@ -144,7 +154,7 @@ PRESETS: dict[str, Hardware] = {
         memory_bytes=80 * 10**9,
         memory_bandwidth=2.0e12,
         devices_per_node=8,
-        intra_bandwidth=300e9,
+        intra_bandwidth=240e9,
         intra_latency=5e-6,
         inter_bandwidth=25e9,
         inter_latency=10e-6,

@@ -7,6 +7,10 @@ sequence parallelism over ``"tensor"``, ZeRO over ``"data"``, a pipeline over ``
 (``fpar.optim.remat``).  Parameters and optimizer state are float32 (master weights); every
 layer casts its weights to the compute dtype (bfloat16) as it uses them, as autocast does.
 Attention is the flash kernel (causal; no ``s x s`` matrix kept), GQA by repeating key/value heads.
+A ``Model(kind="gpt")`` is GPT-shaped instead (Megatron-LM's GPT): LayerNorm with biases, a
+GeLU MLP of two matrices with biases, learned positions and an output head tied to the token
+embedding (with a pipeline, the last stage computes with the first stage's table, and the two
+stages' gradients of it are summed; the executor already hands every stage both).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from .. import ops
 from .. import optim as fo
 from .. import pipeline as pp
 from .._collectives import all_gather, pmean, psum, psum_scatter
-from .._global import device_put, init, normal, ones
+from .._global import device_put, init, normal, ones, zeros
 from .._mesh import Mesh
 from .._shard import shard
 from .._spec import P
@@ -35,7 +39,12 @@ PIPE, DATA, TENSOR = "pipeline", "data", "tensor"
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """A decoder-only transformer's shape (Llama: RMSNorm, GQA, SwiGLU, rotary; untied head)."""
+    """A decoder-only transformer's shape.
+
+    ``kind="llama"``: RMSNorm, GQA, SwiGLU, rotary, untied head.  ``kind="gpt"``: LayerNorm and
+    biases, multi-head attention (``n_kv_heads == n_heads``), a GeLU MLP ``d -> d_ffn -> d``,
+    learned positions, head tied to the embedding (Megatron-LM's GPT).
+    """
 
     name: str
     d_model: int
@@ -45,14 +54,27 @@ class Model:
     d_ffn: int
     vocab: int
     seq: int
+    kind: str = "llama"
+
+    def __post_init__(self):
+        if self.kind not in ("llama", "gpt"):
+            raise ValueError(f"fpar.plan.Model: kind={self.kind!r}; choose 'llama' or 'gpt'.")
+        if self.kind == "gpt" and self.n_kv_heads != self.n_heads:
+            raise ValueError(
+                f"fpar.plan.Model: a GPT-shaped model has as many key/value heads as heads; got "
+                f"n_kv_heads={self.n_kv_heads}, n_heads={self.n_heads}."
+            )
 
     @property
     def n_params(self) -> int:
-        """Parameters: the blocks, the embedding and the head, the final norm."""
-        hd = self.d_model // self.n_heads
-        attn = self.d_model * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
-        block = attn + 3 * self.d_model * self.d_ffn + 2 * self.d_model
-        return self.n_layers * block + 2 * self.vocab * self.d_model + self.d_model
+        """Parameters: the blocks, the embedding (and positions) and the head, the final norm."""
+        d, hd = self.d_model, self.d_model // self.n_heads
+        attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
+        if self.kind == "gpt":  # Megatron-LM's 12 l h^2 (1 + 13 / 12h + (V + s) / 12lh)
+            block = attn + 2 * d * self.d_ffn + 4 * d + self.d_ffn + 5 * d
+            return self.n_layers * block + (self.vocab + self.seq) * d + 2 * d
+        block = attn + 3 * d * self.d_ffn + 2 * d
+        return self.n_layers * block + 2 * self.vocab * d + d
 
 
 MODELS = {
@@ -60,6 +82,11 @@ MODELS = {
     "llama-70b": Model("llama-70b", 8192, 80, 64, 8, 28672, 128256, 4096),
     "llama-405b": Model("llama-405b", 16384, 126, 128, 8, 53248, 128256, 8192),
     "tiny": Model("tiny", 64, 4, 4, 2, 128, 256, 32),
+    # Megatron-LM's GPT rows (Narayanan et al. 2021, Table 1): h, l, heads; vocab 51,200; seq 2,048
+    "gpt-1.7b": Model("gpt-1.7b", 2304, 24, 24, 24, 4 * 2304, 51200, 2048, "gpt"),
+    "gpt-18b": Model("gpt-18b", 6144, 40, 48, 48, 4 * 6144, 51200, 2048, "gpt"),
+    "gpt-39b": Model("gpt-39b", 8192, 48, 64, 64, 4 * 8192, 51200, 2048, "gpt"),
+    "gpt-175b": Model("gpt-175b", 12288, 96, 96, 96, 4 * 12288, 51200, 2048, "gpt"),
 }
 
 
@@ -68,7 +95,8 @@ class Layout:
     """How a step is laid out: axis sizes, ZeRO stage, microbatches, recomputation, schedule.
 
     ``batch`` is the global batch in sequences; each step runs it as ``microbatches`` microbatches
-    of ``batch / (data x microbatches)`` sequences per device.
+    of ``batch / (data x microbatches)`` sequences per device (``micro_batch``).  ``virtual``:
+    model chunks per pipeline stage (interleaved 1F1B, Megatron-LM's virtual stages, when above 1).
     """
 
     pipeline: int = 1
@@ -80,16 +108,24 @@ class Layout:
     remat: bool = False
     schedule: str = "1f1b"
     sequence_parallel: bool = True
+    virtual: int = 1
 
     @property
     def devices(self) -> int:
         return self.pipeline * self.data * self.tensor
 
+    @property
+    def micro_batch(self) -> int:
+        """Sequences per microbatch per device."""
+        return self.batch // (self.data * self.microbatches)
+
     def describe(self) -> str:
         return (
             f"pipeline={self.pipeline} data={self.data} tensor={self.tensor} zero={self.zero} "
-            f"microbatches={self.microbatches} remat={self.remat}"
+            f"microbatches={self.microbatches}x{self.micro_batch} remat={self.remat}"
+            + ("" if self.sequence_parallel or self.tensor == 1 else " sp=False")
             + (f" schedule={self.schedule}" if self.pipeline > 1 else "")
+            + (f" virtual={self.virtual}" if self.virtual > 1 else "")
         )
 
     def mesh(self) -> Mesh:
@@ -105,7 +141,7 @@ def check_layout(model: Model, layout: Layout) -> None:
         ("n_kv_heads", model.n_kv_heads, t, "tensor"),
         ("d_ffn", model.d_ffn, t, "tensor"),
         ("vocab", model.vocab, t, "tensor"),
-        ("n_layers", model.n_layers, p, "pipeline"),
+        ("n_layers", model.n_layers, p * layout.virtual, "pipeline x virtual"),
         ("batch", layout.batch, d * layout.microbatches, "data x microbatches"),
     ]
     if layout.sequence_parallel:
@@ -116,6 +152,17 @@ def check_layout(model: Model, layout: Layout) -> None:
                 f"fpar.plan: layout {layout.describe()} does not divide {model.name}'s {name}={size} "
                 f"by {axis}={n}; choose a {axis} size that divides {size}."
             )
+    if layout.zero == 3 and layout.microbatches > 1:
+        raise ValueError(
+            f"fpar.plan: zero=3 with microbatches={layout.microbatches}: fpar.optim.zero_step's ZeRO-3 "
+            "does not accumulate gradients over microbatches yet (its reduce-scatter hook finds no "
+            "gradient); use microbatches=1 (a larger micro batch) or zero<=2."
+        )
+    if layout.virtual != 1 and (p == 1 or layout.schedule != "1f1b" or layout.microbatches % p):
+        raise ValueError(
+            f"fpar.plan: virtual={layout.virtual} (interleaved 1F1B) needs pipeline > 1, schedule "
+            f"'1f1b' and microbatches divisible by pipeline={p}; got {layout.describe()}."
+        )
     if layout.zero not in (0, 1, 2, 3) or (p > 1 and layout.zero > 1):
         raise ValueError(
             f"fpar.plan: zero={layout.zero} with pipeline={p}; a pipelined step takes ZeRO 0 or 1 "
@@ -123,8 +170,14 @@ def check_layout(model: Model, layout: Layout) -> None:
         )
 
 
-def _block_specs() -> dict:
+def _block_specs(model: Model | None = None) -> dict:
     col, row = P(None, TENSOR), P(TENSOR, None)
+    if model is not None and model.kind == "gpt":
+        names = ("ln1", "ln1_b", "bo", "ln2", "ln2_b", "b2")
+        out = {k: P() for k in names}
+        out.update(wq=col, wk=col, wv=col, bq=P(TENSOR), bk=P(TENSOR), bv=P(TENSOR), wo=row)
+        out.update(w1=col, b1=P(TENSOR), w2=row)
+        return out
     return {
         "ln1": P(),
         "wq": col,
@@ -141,6 +194,15 @@ def _block_specs() -> dict:
 def _block_inits(model: Model, lead: tuple) -> dict:
     d, hd = model.d_model, model.d_model // model.n_heads
     std, out_std = 0.02, 0.02 / math.sqrt(2 * model.n_layers)
+    if model.kind == "gpt":
+        out = {k: normal((*lead, d, model.n_heads * hd), std=std) for k in ("wq", "wk", "wv")}
+        out.update({k: zeros((*lead, model.n_heads * hd)) for k in ("bq", "bk", "bv")})
+        out.update({k: ones((*lead, d)) for k in ("ln1", "ln2")})
+        out.update({k: zeros((*lead, d)) for k in ("ln1_b", "ln2_b", "bo", "b2")})
+        out.update(wo=normal((*lead, model.n_heads * hd, d), std=out_std))
+        out.update(w1=normal((*lead, d, model.d_ffn), std=std), b1=zeros((*lead, model.d_ffn)))
+        out.update(w2=normal((*lead, model.d_ffn, d), std=out_std))
+        return out
     return {
         "ln1": ones((*lead, d)),
         "wq": normal((*lead, d, model.n_heads * hd), std=std),
@@ -183,6 +245,23 @@ def _attention(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def _gpt_block(gathered, out, hq: int, hd: int):
+    """Megatron-LM's GPT layer: LayerNorm, attention with biases, a GeLU MLP with biases."""
+
+    def block(w, x):
+        h = gathered(F.layer_norm(x, x.shape[-1:], w["ln1"], w["ln1_b"]))
+        q, k, v = ((h @ w[n] + w[b]).unflatten(-1, (hq, hd)).transpose(1, 2) for n, b in _QKV)
+        o = _attention(q, k, v).transpose(1, 2).flatten(2)
+        x = x + out(o @ w["wo"]) + w["bo"]
+        h = gathered(F.layer_norm(x, x.shape[-1:], w["ln2"], w["ln2_b"]))
+        return x + out(F.gelu(h @ w["w1"] + w["b1"], approximate="tanh") @ w["w2"]) + w["b2"]
+
+    return block
+
+
+_QKV = (("wq", "bq"), ("wk", "bk"), ("wv", "bv"))
+
+
 def _block(model: Model, layout: Layout, dtype):
     t = layout.tensor
     hq, hkv, hd = model.n_heads // t, model.n_kv_heads // t, model.d_model // model.n_heads
@@ -194,10 +273,14 @@ def _block(model: Model, layout: Layout, dtype):
     def out(y):  # row-parallel's sum: reduce-scatter the sequence (SP) or all-reduce
         return psum_scatter(y, TENSOR, scatter_dimension=1, tiled=True) if sp else psum(y, TENSOR)
 
+    gpt = _gpt_block(gathered, out, hq, hd) if model.kind == "gpt" else None
+
     def block(w, x):
         w = {k: v.to(dtype) for k, v in w.items()}
+        if gpt is not None:
+            return gpt(w, x)
         h = gathered(_rms_norm(x, w["ln1"]))
-        b, s = h.shape[0], h.shape[1]
+        s = h.shape[1]
         q = (h @ w["wq"]).unflatten(-1, (hq, hd)).transpose(1, 2)
         k = (h @ w["wk"]).unflatten(-1, (hkv, hd)).transpose(1, 2)
         v = (h @ w["wv"]).unflatten(-1, (hkv, hd)).transpose(1, 2)
@@ -218,9 +301,14 @@ def _parts(model: Model, layout: Layout, dtype):
 
     def embed(w, ids):
         table = w["w_emb"].to(dtype)
-        if sp:
-            return ops.sp_vocab_embedding(ids, table, axis=TENSOR)
-        return ops.vocab_embedding(ids, table, axis=TENSOR)
+        x = (
+            ops.sp_vocab_embedding(ids, table, axis=TENSOR)
+            if sp
+            else ops.vocab_embedding(ids, table, axis=TENSOR)
+        )
+        if "w_pos" in w:  # learned positions: with SP each device holds its sequence block's rows
+            x = x + w["w_pos"].to(dtype)
+        return x
 
     def blocks(w, x):
         # unbind once: one stacked gradient at the end of the backward, not a stage-sized zero
@@ -231,11 +319,7 @@ def _parts(model: Model, layout: Layout, dtype):
         return x
 
     def head_loss(w, x, targets):
-        h = _rms_norm(x, w["ln_f"].to(dtype))
-        if sp:
-            h = all_gather(h, TENSOR, axis=1, tiled=True)
-        logits = ops.column_linear(h, w["w_head"].to(dtype), axis=TENSOR)
-        return pmean(ops.vocab_cross_entropy(logits, targets, axis=TENSOR).mean(), DATA)
+        return pmean(_local_loss(w, x, targets), DATA)
 
     return embed, blocks, head_loss
 
@@ -244,7 +328,7 @@ def model_step(model: Model | str, layout: Layout, mesh: Mesh | None = None, *, 
     """``(step, args)``: ``layout``'s whole training step of ``model`` on ``mesh`` (default: an abstract one).
 
     ``model``: a ``fpar.plan.Model`` or a name of ``fpar.plan.MODELS`` (``"llama-8b"``,
-    ``"llama-70b"``, ``"llama-405b"``, ``"tiny"``).
+    ``"llama-70b"``, ``"llama-405b"``, ``"tiny"``, Megatron-LM's ``"gpt-1.7b"`` ... ``"gpt-175b"``).
 
     Raises:
       ValueError: an unknown model name, or a layout that does not divide the model (the message
@@ -261,9 +345,8 @@ def model_step(model: Model | str, layout: Layout, mesh: Mesh | None = None, *, 
     p, m = layout.pipeline, layout.microbatches
     rows = layout.batch // (layout.data * m)  # sequences per microbatch per device
     embed, blocks, head_loss = _parts(model, layout, dtype)
-    d = model.d_model
-    first_specs = {"w_emb": P(TENSOR, None)}
-    last_specs = {"ln_f": P(), "w_head": P(None, TENSOR)}
+    first_specs, last_specs, first_init, last_init = _ends(model, layout)
+    gpt = model.kind == "gpt"
     opt = fo.adamw(3e-4, b2=0.95, weight_decay=0.1)
     if mesh.abstract:
         ids = torch.empty(m, rows * layout.data, model.seq, dtype=torch.long, device="meta")
@@ -273,18 +356,14 @@ def model_step(model: Model | str, layout: Layout, mesh: Mesh | None = None, *, 
         )
     act = P(DATA, TENSOR) if layout.sequence_parallel and layout.tensor > 1 else P(DATA)
     if p == 1:
-        specs = {"blocks": _stacked(_block_specs(), False), "first": first_specs, "last": last_specs}
-        inits = {
-            "blocks": _block_inits(model, (model.n_layers,)),
-            "first": {"w_emb": normal((model.vocab, d), std=0.02)},
-            "last": {"ln_f": ones((d,)), "w_head": normal((d, model.vocab), std=0.02)},
-        }
+        specs = {"blocks": _stacked(_block_specs(model), False), "first": first_specs, "last": last_specs}
+        inits = {"blocks": _block_inits(model, (model.n_layers,)), "first": first_init, "last": last_init}
         params = init(inits, mesh, specs)
 
         def loss_fn(w, batch):
             x_ids, y_ids = batch
             x = blocks(w["blocks"], embed(w["first"], x_ids))
-            return _local_loss(w["last"], x, y_ids)
+            return _local_loss(_tied(w), x, y_ids)
 
         layout_z = fo.zero_layout(params, mesh, specs, stage=layout.zero, data_axis=DATA)
         params, state = fo.zero_init(opt, params, layout_z)
@@ -297,24 +376,23 @@ def model_step(model: Model | str, layout: Layout, mesh: Mesh | None = None, *, 
 
         return step, (params, state, batch)
 
-    k = model.n_layers // p
-    specs = {"stages": _stacked(_block_specs(), True), "first": first_specs, "last": last_specs}
-    inits = {
-        "stages": _block_inits(model, (p, k)),
-        "first": {"w_emb": normal((model.vocab, d), std=0.02)},
-        "last": {"ln_f": ones((d,)), "w_head": normal((d, model.vocab), std=0.02)},
-    }
+    v = layout.virtual
+    k = model.n_layers // (p * v)
+    specs = {"stages": _stacked(_block_specs(model), True), "first": first_specs, "last": last_specs}
+    inits = {"stages": _block_inits(model, (p * v, k)), "first": first_init, "last": last_init}
     params = init(inits, mesh, specs)
     sub = mesh.submesh((DATA, TENSOR))
-    stage_k = shard(blocks, sub, (_stacked(_block_specs(), False), act), act)
+    stage_k = shard(blocks, sub, (_stacked(_block_specs(model), False), act), act)
     first_k = shard(embed, sub, (first_specs, P(DATA)), act)
-    loss_k = shard(head_loss, sub, (last_specs, act, P(DATA)), P())
+    tied_specs = {**last_specs, "w_tied": first_specs["w_emb"]} if gpt else last_specs
+    loss_k = shard(head_loss, sub, (tied_specs, act, P(DATA)), P())
     schedules = {"1f1b": pp.one_f_one_b, "gpipe": pp.gpipe, "zb": pp.zb_h1}
     if layout.schedule not in schedules:
         raise ValueError(
             f"fpar.plan: unknown schedule {layout.schedule!r}; choose one of {sorted(schedules)}."
         )
-    run = pp.pipeline(stage_k, schedules[layout.schedule](p, m), mesh, loss=loss_k, first=first_k, axis=PIPE)
+    schedule = pp.interleaved_1f1b(p, m, v) if v > 1 else schedules[layout.schedule](p, m)
+    run = pp.pipeline(stage_k, schedule, mesh, loss=loss_k, first=first_k, axis=PIPE)
     zl = fo.zero_layout(params, mesh, specs, stage=0 if layout.zero == 0 else 2, data_axis=DATA)
     params, state = fo.zero_init(opt, params, zl)
     update = fo.zero_update(opt, zl)
@@ -322,20 +400,58 @@ def model_step(model: Model | str, layout: Layout, mesh: Mesh | None = None, *, 
     xs = device_put(ids, mesh, P(None, DATA))
 
     def step(params, state, xs, ys):
-        res = run(params, xs, ys)
-        grads = res.grads if chunk is None else chunk(res.grads)
+        if not gpt:
+            res = run(params, xs, ys)
+            grads = res.grads
+        else:  # the last stage computes with the first's table: the two gradients are summed
+            res = run({**params, "last": _tied(params)}, xs, ys)
+            grads = dict(res.grads)
+            last = dict(grads["last"])
+            grads["first"] = {**grads["first"], "w_emb": grads["first"]["w_emb"] + last.pop("w_tied")}
+            grads["last"] = last
+        grads = grads if chunk is None else chunk(grads)
         return update(grads, state, params), res.loss
 
     return step, (params, state, xs, xs)
 
 
+def _ends(model: Model, layout: Layout) -> tuple:
+    """Specs and inits of the first stage's (embedding) and the last stage's (head) parameters."""
+    d = model.d_model
+    first_specs, first_init = {"w_emb": P(TENSOR, None)}, {"w_emb": normal((model.vocab, d), std=0.02)}
+    if model.kind != "gpt":
+        last_specs = {"ln_f": P(), "w_head": P(None, TENSOR)}
+        return (
+            first_specs,
+            last_specs,
+            first_init,
+            {"ln_f": ones((d,)), "w_head": normal((d, model.vocab), std=0.02)},
+        )
+    sp = layout.sequence_parallel and layout.tensor > 1
+    first_specs["w_pos"] = P(TENSOR, None) if sp else P()  # SP: each device its sequence block's rows
+    first_init["w_pos"] = normal((model.seq, d), std=0.02)
+    return first_specs, {"ln_f": P(), "ln_f_b": P()}, first_init, {"ln_f": ones((d,)), "ln_f_b": zeros((d,))}
+
+
+def _tied(w: dict) -> dict:
+    """The head's parameters, with the embedding table it is tied to (GPT) under ``w_tied``."""
+    if "w_pos" not in w["first"]:
+        return w["last"]
+    return {**w["last"], "w_tied": w["first"]["w_emb"]}
+
+
 def _local_loss(w, x, y):
     """The head's loss without the data mean (``zero_step`` averages over the data axis itself)."""
     dtype = x.dtype
-    h = _rms_norm(x, w["ln_f"].to(dtype))
+    if "ln_f_b" in w:  # GPT: LayerNorm, the head tied to the embedding table [V/t, d]
+        h = F.layer_norm(x, x.shape[-1:], w["ln_f"].to(dtype), w["ln_f_b"].to(dtype))
+        head = w["w_tied"].to(dtype).t()
+    else:
+        h = _rms_norm(x, w["ln_f"].to(dtype))
+        head = w["w_head"].to(dtype)
     if x.shape[1] != y.shape[1]:  # sequence parallel: the whole sequence for the head
         h = all_gather(h, TENSOR, axis=1, tiled=True)
-    logits = ops.column_linear(h, w["w_head"].to(dtype), axis=TENSOR)
+    logits = ops.column_linear(h, head, axis=TENSOR)
     return ops.vocab_cross_entropy(logits, y, axis=TENSOR).mean()
 
 
@@ -357,9 +473,16 @@ def layout_choices(model: Model | None, devices: int, **choices: Any) -> list[La
     import itertools
 
     fields = {f.name: [f.default] for f in dataclasses.fields(Layout)}
+    micro = choices.pop("micro_batch", None)  # sequences per microbatch: sets microbatches
+    if micro is not None:
+        if "microbatches" in choices:
+            raise ValueError("fpar.plan.search: choose micro_batch or microbatches, not both.")
+        fields["micro_batch"] = list(micro) if isinstance(micro, (list, tuple, range)) else [micro]
     for name, values in choices.items():
         if name not in fields:
-            raise ValueError(f"fpar.plan.search: unknown choice {name!r}; choose from {sorted(fields)}.")
+            raise ValueError(
+                f"fpar.plan.search: unknown choice {name!r}; choose from {sorted([*fields, 'micro_batch'])}."
+            )
         fields[name] = list(values) if isinstance(values, (list, tuple, range)) else [values]
     out = []
     for combo in itertools.product(*fields.values()):
@@ -369,6 +492,11 @@ def layout_choices(model: Model | None, devices: int, **choices: Any) -> list[La
             if devices % pt:
                 continue
             kw["data"] = devices // pt
+        if "micro_batch" in kw:
+            mb = kw.pop("micro_batch")
+            if kw["batch"] % (kw["data"] * mb):
+                continue
+            kw["microbatches"] = kw["batch"] // (kw["data"] * mb)
         layout = Layout(**kw)
         if layout.devices != devices:
             continue

@@ -37,6 +37,7 @@ class OpTimer:
         self.budget = budget  # seconds of timing per signature at most (beyond one call)
         self.table: dict = {}  # signature -> kernel seconds
         self.untimed: Counter = Counter()  # op name -> calls costed by the roofline instead
+        self.threads: int | None = None  # threads the ops are timed with (None: this process's)
         self._floor: float | None = None
 
     def seconds(self, func, args, kwargs, key, nbytes: int) -> float | None:
@@ -44,6 +45,7 @@ class OpTimer:
         if key is None or nbytes > self.max_bytes:
             self.untimed[str(func.overloadpacket)] += 1
             return None
+        key = (key, self.threads)  # an op's time depends on the threads it runs with
         got = self.table.get(key)
         if got is None and key not in self.table:
             got = self.table[key] = self._time(func, args, kwargs)
@@ -59,11 +61,16 @@ class OpTimer:
         return self._floor
 
     def _time(self, func, args, kwargs) -> float | None:
+        before = torch.get_num_threads()
         try:
+            if self.threads is not None:  # as the job's processes will run it
+                torch.set_num_threads(self.threads)
             real_args, real_kwargs = _materialize(args), _materialize(kwargs)
             t = _median_call(func, real_args, real_kwargs, self.repeats, self.budget)
         except Exception:  # noqa: BLE001 - an op this CPU cannot run with these arguments
             return None
+        finally:
+            torch.set_num_threads(before)
         return max(t - self.floor(), 0.0)
 
 

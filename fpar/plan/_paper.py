@@ -20,10 +20,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .._dist import groups
 from .._mesh import Mesh, _check_names
+from ._repeat import kept_microbatches
 
 __all__ = ["abstract_mesh"]
 
@@ -119,10 +121,12 @@ class Simulation:
         self.root: Mesh | None = None
         self.real: dict[Any, groups.MeshGroups] = {}
         self.headers: dict[tuple, tuple] = {}  # (stage, chunk) -> (shape, dtype) it receives
+        self.sent: dict[int, tuple] = {}  # chunk -> (shape, dtype) this device's chunk sends on
         self.pipeline_axes: set[str] = set()
         self.schedules: list = []  # (schedule, axis) of every pipeline step run
         self.recorder = None  # the _record.Recorder of the run, for the pipeline's action marks
         self.hardware = None  # checked against the mesh when it starts
+        self.repeated: list = []  # (schedule, stage, microbatches simulated) of each pipeline run
 
     # -- what the pipeline executor tells the simulation (fpar/pipeline/_run_dist.py) ---------------
 
@@ -137,9 +141,38 @@ class Simulation:
         if self.recorder is not None:
             self.recorder.mark = action
 
+    def kept(self, schedule, stage: int):
+        """The microbatches this stage simulates (None: all); the others repeat a steady one's events."""
+        keep = kept_microbatches(schedule, stage)
+        if keep is not None:
+            self.repeated.append((schedule, stage, keep))
+        return keep
+
+    def held(self, sends: list) -> list:
+        """Sends of microbatches not simulated: their buffers, held until the step waits for its sends."""
+        out = []
+        for sent in sends:
+            if sent is None:
+                continue
+            shape, dtype, kind = sent
+            t = torch.empty(shape, dtype=dtype, device="meta")
+            if self.recorder is not None:
+                self.recorder._retag(t, kind)
+            out.append((groups._Done(), t))
+        return out
+
+    def origins(self, actions: list) -> None:
+        """The sends and receives counted next belong to ``actions``, in order."""
+        if self.recorder is not None:
+            self.recorder.origins = list(actions)
+
     def header(self, key: tuple) -> tuple:
         """The (shape, dtype) stage ``key[0]``'s chunk ``key[1]`` receives, sent by a stage simulated before."""
         got = self.headers.get(key)
+        if got is None and key[1] > 0:
+            # interleaved: chunk c receives from the last stage's chunk c - 1, which runs the same
+            # stage function on the same shapes as this stage's chunk c - 1 (whose send is known)
+            got = self.sent.get(key[1] - 1)
         if got is None:
             raise Upstream(key)
         return got
@@ -197,6 +230,10 @@ class Simulation:
                 f"in all); use a smaller mesh or a Hardware with more nodes."
             )
         self.root = root
+        if hw is not None and hw.timed_ops:  # time the ops with the threads the job's processes get
+            from ._optime import timer
+
+            timer().threads = hw.threads or (1 if root.size > 1 else None)
         coords = [self.coords.get(a, 0) for a in root.axis_names]
         dist.init_process_group(
             "fake", store=FakeStore(), rank=groups._ravel(coords, root.axis_sizes), world_size=root.size

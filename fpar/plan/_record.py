@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from .. import _stats
+from ..optim import _remat
 
 __all__ = ["Comm", "Op", "Recorder"]
 
@@ -91,6 +92,8 @@ class Op:
     phase: str  # "forward", "backward" or "update"
     mark: Any = None  # the pipeline action it belongs to (pipelines only)
     seconds: float | None = None  # its kernel timed on this machine (hardware "this"), if it was
+    origin: Any = None  # the pipeline action whose work it is (``_repeat``: what it repeats for)
+    recompute: bool = False  # run by a backward to recompute a remat body's forward
 
 
 @dataclasses.dataclass
@@ -104,6 +107,7 @@ class Comm:
     overlap: bool  # issued asynchronously (gradient buckets, ZeRO's prefetch and reduce-scatter)
     phase: str
     mark: Any = None
+    origin: Any = None  # the pipeline action it belongs to (a send or receive: its own action)
 
 
 class Recorder(TorchDispatchMode):
@@ -129,6 +133,7 @@ class Recorder(TorchDispatchMode):
         self.update_kinds: dict[tuple, str] = {}
         self.events: list = []
         self.mark: Any = None
+        self.origins: list = []  # the actions of the sends and receives about to be counted, in order
         self.backward_done = False
         self.at_backward: dict = {}  # bytes per category alive at the first backward op (made in the step)
         self.unknown_ops: Counter = Counter()  # ops with FLOPs we have no formula for
@@ -151,7 +156,8 @@ class Recorder(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def _comm(self, kind: str, axes: tuple, nbytes: int, n: int | None, overlap: bool) -> None:
-        self.events.append(Comm(kind, axes, nbytes, n or 2, overlap, self._phase(), self.mark))
+        origin = self.origins.pop(0) if kind in ("send", "recv") and self.origins else self.mark
+        self.events.append(Comm(kind, axes, nbytes, n or 2, overlap, self._phase(), self.mark, origin))
 
     # -- ops ------------------------------------------------------------------------------------
 
@@ -214,7 +220,9 @@ class Recorder(TorchDispatchMode):
                 func, args, kwargs, sig, sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
             )
         # every op: a view or an empty tensor moves nothing, but costs its dispatch on a CPU
-        self.events.append(Op(name, flops, nbytes, dtype, phase, self.mark, seconds))
+        self.events.append(
+            Op(name, flops, nbytes, dtype, phase, self.mark, seconds, self.mark, _remat.RECOMPUTING[0] > 0)
+        )
         return out
 
     # -- storages -------------------------------------------------------------------------------

@@ -49,8 +49,9 @@ def search(
     ``build(layout) -> (step, args)`` turns a ``fpar.plan.Layout`` into the user's step over
     ``layout.mesh()`` (an abstract mesh of axes ``pipeline``, ``data``, ``tensor``) and its
     arguments; ``choices`` are lists of values per ``Layout`` field (``pipeline``, ``tensor``,
-    ``zero``, ``microbatches``, ``remat``, ``schedule``, ``batch``, ...); ``data`` is what the
-    devices leave.  With ``model`` (a ``fpar.plan.Model``), layouts that do not divide its
+    ``zero``, ``microbatches``, ``remat``, ``schedule``, ``virtual``, ``sequence_parallel``,
+    ``batch``, ...) or ``micro_batch`` (sequences per microbatch per device, instead of
+    ``microbatches``); ``data`` is what the devices leave.  With ``model`` (a ``fpar.plan.Model``), layouts that do not divide its
     dimensions are skipped before any work.  Layouts are estimated in ``workers`` forked
     processes at once (default: one per CPU; ``workers=1``, or a platform without ``fork``,
     estimates them one after another in this process).
@@ -101,8 +102,8 @@ def _try(build, hw: Hardware, layout: Layout) -> Result:
     try:
         step, args = build(layout)
         est = estimate(step, *args, hardware=hw)
-    except ValueError as e:
-        return Result(layout, None, time.perf_counter() - start, str(e))
+    except (ValueError, NotImplementedError) as e:  # a layout fpar cannot build or run: dropped, named
+        return Result(layout, None, time.perf_counter() - start, str(e).splitlines()[0])
     r = Result(layout, est, time.perf_counter() - start)
     if not est.fits:
         r.dropped = f"does not fit: {est.peak_bytes / 2**30:.1f} GiB > {hw.memory_bytes / 2**30:.1f} GiB"

@@ -1,0 +1,185 @@
+"""fpar.plan at scale: microbatches simulated once, the layouts published runs used, the time model."""
+
+from __future__ import annotations
+
+import pytest
+
+import fpar.plan as plan
+from fpar.plan import _repeat
+
+SMALL = plan.Model("small", 32, 2, 2, 2, 64, 64, 16)
+
+
+def _estimate(layout, model=SMALL, hardware="h100-sxm", *, repeat=True):
+    _repeat.ENABLED[0] = repeat
+    try:
+        step, args = plan.model_step(model, layout)
+        return plan.estimate(step, *args, hardware=hardware)
+    finally:
+        _repeat.ENABLED[0] = True
+
+
+GPT = plan.Model("gpt-small", 32, 4, 2, 2, 128, 64, 16, "gpt")
+
+
+@pytest.mark.parametrize(
+    "schedule, virtual, model",
+    [("1f1b", 1, SMALL), ("zb", 1, SMALL), ("1f1b", 2, GPT)],
+    ids=["1f1b", "zb", "interleaved-gpt"],
+)
+def test_repeating_the_steady_microbatch_equals_simulating_every_one(schedule, virtual, model):
+    # every microbatch runs the same program: a stage simulates the first few and the last, and
+    # the steady one's ops and messages stand for the others; nothing an estimate reports moves
+    layout = plan.Layout(
+        pipeline=2, data=2, tensor=2, microbatches=6, batch=12, schedule=schedule, virtual=virtual
+    )
+    kept = [_repeat.kept_microbatches(_schedule(layout), s) for s in range(2)]
+    assert all(k is not None and len(k) < 6 for k in kept), kept
+    fast, full = _estimate(layout, model), _estimate(layout, model, repeat=False)
+    assert [c.peak_bytes for c in fast.devices] == [c.peak_bytes for c in full.devices]
+    assert [c.comm for c in fast.devices] == [c.comm for c in full.devices]
+    assert [c.flops for c in fast.devices] == [c.flops for c in full.devices]
+    assert fast.step_time == pytest.approx(full.step_time, rel=1e-12)
+    for k in ("compute", "exposed_comm", "bubble"):
+        assert fast.time_breakdown[k] == pytest.approx(full.time_breakdown[k], rel=1e-9, abs=1e-15)
+
+
+def _schedule(layout):
+    import fpar.pipeline as pp
+
+    if layout.virtual > 1:
+        return pp.interleaved_1f1b(layout.pipeline, layout.microbatches, layout.virtual)
+    builders = {"1f1b": pp.one_f_one_b, "zb": pp.zb_h1, "gpipe": pp.gpipe}
+    return builders[layout.schedule](layout.pipeline, layout.microbatches)
+
+
+def test_the_kept_microbatches_reach_the_schedules_most_in_flight():
+    import fpar.pipeline as pp
+
+    sch = pp.one_f_one_b(4, 32)
+    # 1F1B: stage s holds p - s microbatches at most; it simulates that many, one steady, the last
+    assert [len(_repeat.kept_microbatches(sch, s)) for s in range(4)] == [6, 5, 4, 3]
+    assert all(31 in _repeat.kept_microbatches(sch, s) for s in range(4))
+    assert _repeat.kept_microbatches(pp.one_f_one_b(2, 3), 0) is None  # too few to save any
+
+
+def test_a_gpt_model_has_megatrons_parameter_count_and_its_head_is_the_embedding():
+    import torch
+
+    step, args = plan.model_step(GPT, plan.Layout())
+    held = sum(t.numel() for t in torch.utils._pytree.tree_leaves(args[0]) if isinstance(t, torch.Tensor))
+    assert held == GPT.n_params
+    h, n, v, s = 32, 4, 64, 16  # Megatron-LM: 12 l h^2 (1 + 13 / 12h + (V + s) / 12lh), 4h MLP
+    megatron = 12 * n * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * n * h))
+    assert GPT.n_params == round(megatron) + 2 * h  # and the final LayerNorm, which it leaves out
+    assert plan.MODELS["gpt-175b"].n_params == pytest.approx(175e9, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "layout, match",
+    [
+        (plan.Layout(pipeline=1, virtual=2), r"virtual=2 \(interleaved 1F1B\) needs pipeline > 1"),
+        (
+            plan.Layout(pipeline=2, microbatches=3, batch=3, virtual=2),
+            r"microbatches divisible by pipeline=2",
+        ),
+        (plan.Layout(data=2, zero=3, microbatches=2, batch=4), r"zero=3 with microbatches=2"),
+        (plan.Layout(pipeline=2, zero=2, microbatches=2, batch=2), r"a pipelined step takes ZeRO 0 or 1"),
+        (plan.Layout(pipeline=3, microbatches=3, batch=3), r"n_layers=4 by pipeline x virtual=3"),
+    ],
+)
+def test_a_layout_fpar_cannot_express_names_what_is_missing(layout, match):
+    with pytest.raises(ValueError, match=match):
+        plan.model_step(GPT, layout)
+    with pytest.raises(ValueError, match="kind='bert'"):
+        plan.Model("m", 8, 1, 1, 1, 8, 8, 8, "bert")
+
+
+def test_the_losses_say_where_the_step_goes_and_add_up_with_the_mfu():
+    layout = plan.Layout(pipeline=2, data=2, tensor=2, microbatches=2, batch=4, remat=True)
+    est = _estimate(layout, GPT)
+    assert est.model_flops < est.flops and est.mfu < est.hfu  # the recomputed forward is not MFU
+    assert est.mfu + sum(est.losses.values()) == pytest.approx(1.0)
+    assert {"matmul_efficiency", "recompute", "optimizer", "bubble", "other"} <= set(est.losses)
+    assert {"exposed_comm:tensor", "exposed_comm:data"} <= set(est.losses)
+    assert est.losses["recompute"] > 0 and est.losses["bubble"] > 0
+    assert "where the rest goes: matmul_efficiency" in str(est)
+
+
+def test_search_choices_cover_interleaving_micro_batch_zero_and_recomputation():
+    from fpar.plan._models import layout_choices
+
+    got = layout_choices(
+        plan.MODELS["llama-70b"],
+        1024,
+        pipeline=[1, 4, 8],
+        tensor=[8],
+        virtual=[1, 2],
+        micro_batch=[1, 2],
+        zero=[0, 1, 3],
+        remat=[False, True],
+        batch=[256],
+    )
+    assert all(lay.devices == 1024 and lay.micro_batch * lay.microbatches * lay.data == 256 for lay in got)
+    assert {lay.virtual for lay in got if lay.pipeline > 1} == {1, 2}
+    assert all(lay.virtual == 1 for lay in got if lay.pipeline == 1)  # interleaving needs a pipeline
+    assert {(lay.zero, lay.remat) for lay in got if lay.pipeline == 1} == {
+        (z, r) for z in (0, 1, 3) for r in (False, True)
+    }
+    assert all(lay.zero <= 1 for lay in got if lay.pipeline > 1)
+    with pytest.raises(ValueError, match="choose micro_batch or microbatches, not both"):
+        layout_choices(None, 8, micro_batch=[1], microbatches=[2])
+
+
+def test_the_published_runs_table_is_the_one_the_records_render():
+    # bench/plan.py published estimates every run (minutes each) into bench/plan_published.json
+    # and writes the table; the page must show exactly what those records render
+    import json
+    from pathlib import Path
+
+    from fpar.plan import _published
+
+    root = Path(__file__).resolve().parents[2]
+    records = json.loads((root / "bench" / "plan_published.json").read_text())
+    assert set(records) <= {r.name for r in _published.RUNS}
+    page = (root / "docs" / "plan.md").read_text()
+    shown = page.split(_published.BEGIN)[1].split(_published.END)[0].strip()
+    assert shown == _published.render(records), "python bench/plan.py published (never edit the table)"
+    for run in _published.RUNS:  # each row's layout is one model_step builds (checked before any work)
+        from fpar.plan._models import check_layout
+
+        check_layout(run.model, run.layout)
+        assert run.layout.devices in (32, 256, 512, 8192, 16384)
+
+
+def test_ops_are_timed_with_the_threads_the_jobs_processes_get():
+    import torch
+
+    from fpar.plan import _optime
+
+    seen = []
+
+    def op(x):
+        seen.append(torch.get_num_threads())
+        return x + 1
+
+    before = torch.get_num_threads()
+    timer = _optime.OpTimer(repeats=1, budget=0.0)
+    timer.threads = 1
+    assert timer._time(op, (torch.ones(2),), {}) is not None
+    assert set(seen) == {1} and torch.get_num_threads() == before
+    # on a mesh of several devices, a "this" estimate times with torchrun's one thread per process
+    hw = plan.Hardware("cpu", {"float32": 1e9}, 2**30, 1e9, 8, 1e9, 1e-5, 1e9, 1e-5, timed_ops=True)
+    mesh = plan.abstract_mesh((2,), ("data",))
+    import fpar
+    from fpar import P
+
+    f = fpar.shard(lambda x: fpar.psum(x * 2, "data"), mesh, P("data"), P())
+    plan.estimate(f, fpar.device_put(torch.ones(4), mesh, P("data")), hardware=hw)
+    assert _optime.timer().threads == 1 and any(k[1] == 1 for k in _optime.timer().table)
+    import dataclasses
+
+    plan.estimate(
+        f, fpar.device_put(torch.ones(4), mesh, P("data")), hardware=dataclasses.replace(hw, threads=2)
+    )
+    assert _optime.timer().threads == 2
