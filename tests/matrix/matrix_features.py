@@ -214,6 +214,9 @@ PUBLIC: dict[str, str] = {
     "checkpoint.latest_step": _NOT + "finds a step to resume from (tests/test_checkpoint*)",
     "checkpoint.CheckpointError": _NOT + "an error type",
     "checkpoint.merge": _NOT + "writes one file from a checkpoint (tests/test_checkpoint*)",
+    "checkpoint.wait": _NOT
+    + "waits for a background save (save(..., blocking=False)); its values: tests/train/test_checkpoint_async.py",
+    "checkpoint.PendingSave": _NOT + "the handle of a background save (tests/train/test_checkpoint_async.py)",
 }
 _LAYER = _NOT + "a layer (tests/ops checks it against its unsharded form); the model factor trains with "
 _LAYER += "the blocks built from it"
