@@ -61,15 +61,16 @@ def module_name(request):
 
 def test_page_has_the_blocks_this_test_runs():
     python = _blocks("python")
-    assert len(python) == 3, python
+    assert len(python) == 4, python
     assert "assert_equivalent(torch.matmul, row_parallel" in python[0]
     assert "def test_my_layout(data):" in python[1]
     assert "@fpar.testing.distributed(2, timeout=120)" in python[2]
+    assert "assert_programs_on_real_mesh(programs)" in python[3]  # whole programs (test_docs.py runs it)
     assert len(_blocks("")) == 1  # the failure message
 
 
 def test_page_example_and_property_test_run(tmp_path, module_name):
-    first, prop, _ = _blocks("python")
+    first, prop = _blocks("python")[:2]
     module = _load(tmp_path, module_name, first + "\n" + prop)  # the first block runs on import
     module.test_my_layout()
 
@@ -88,7 +89,7 @@ def test_page_failure_message_is_what_the_kit_says(tmp_path, module_name):
 
 @pytest.mark.multiprocess
 def test_page_distributed_example_runs(tmp_path, module_name):
-    first, _, dist_block = _blocks("python")
+    first, _, dist_block = _blocks("python")[:3]
     definitions = first[: first.index("\nmesh = ")]  # its imports and row_parallel, not the run
     module = _load(tmp_path, module_name, definitions + "\n\n" + dist_block)
     module.test_row_parallel_on_a_real_mesh()
