@@ -159,7 +159,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     ),
     PrivateApi(
         "torch._functorch.autograd_function.custom_function_call",
-        ("_local/mode.py",),
+        ("_local/mode.py", "_dist/tracker.py"),
         "recognise fpar's own autograd.Functions when torch.func dispatches them through the mode",
     ),
     PrivateApi(
@@ -170,8 +170,14 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     # torch-function and dispatch machinery
     PrivateApi(
         "torch.overrides._get_current_function_mode_stack",
-        ("optim/_internal.py",),
-        "whether fpar's own TorchFunctionMode is active (an optimizer called inside fpar.shard)",
+        ("optim/_internal.py", "_dist/tracker.py"),
+        "whether fpar's own TorchFunctionMode is active (an optimizer called inside fpar.shard; a remat "
+        "body typed by the real mesh's tracker)",
+    ),
+    PrivateApi(
+        "torch._C._DisableTorchDispatch",
+        ("_dist/shard.py",),
+        "read the generator state unseen by dispatch modes (fpar.plan's memory count would take it for a buffer)",
     ),
     PrivateApi(
         "torch._C.DisableTorchFunction",
