@@ -118,6 +118,19 @@ def accumulate_job() -> dict:
         g0 = torch.func.grad(f)(params, _micro(x, 0), _micro(y, 0))
     writable = all(t.add_(1).eq(1).all().item() for t in g0.values())
     gn = torch.func.grad(f)(params, _micro(x, 1), _micro(y, 1))
+    # A signature's first (traced) call inside the context defers like a steady call, so the step
+    # it starts adds the microbatches in the steady steps' order: bitwise equal (a resumed run's
+    # first step traces, the uninterrupted run's same step does not)
+    fresh = fpar.shard(mlp_loss, mesh, (P(), P("data"), P("data")), P())
+    first_steps = []
+    for _ in range(2):
+        for t in leaves.values():
+            t.grad = None
+        with fpar.defer_reduction():
+            for i in range(N_MICRO - 1):
+                fresh(leaves, _micro(x, i), _micro(y, i)).backward()
+        fresh(leaves, _micro(x, N_MICRO - 1), _micro(y, N_MICRO - 1)).backward()
+        first_steps.append({k: v.grad.clone() for k, v in leaves.items()})
     returned = steps[-1]["grads"]
     return {
         "unused": unused_grads,
@@ -129,6 +142,7 @@ def accumulate_job() -> dict:
         "plain_stats": plain_stats,
         "backward": {k: v.grad / N_MICRO for k, v in leaves.items()},
         "after_deferred": after_deferred,
+        "first_steps": first_steps,
     }
 
 

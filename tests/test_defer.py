@@ -3,7 +3,8 @@
 On a real mesh (one launch of 2 gloo processes): accumulating 4 microbatches gives the same
 gradients as reducing every microbatch and as the unsharded model, with exactly one all-reduce
 per gradient bucket per step (counted as issued by ``fpar.comm_stats``), through
-``torch.func.grad`` and ``.backward()``; each misuse raises a clear error and leaves the state
+``torch.func.grad`` and ``.backward()``, and a step whose calls trace (a signature's first) is
+bitwise the steady steps; each misuse raises a clear error and leaves the state
 clean.  In-process the context changes nothing.
 """
 
@@ -57,6 +58,13 @@ def test_accumulate_reduces_once_per_bucket_per_step(launched):
             _close(step["grads"], expected)
         # warm steps defer with tensor hooks, not the _Defer Function (~0.4 ms each under functorch)
         assert [step["functions"] for step in acc["steps"][1:]] == [[], []], acc["steps"]
+        # the step whose calls traced (each signature's first) is bitwise the warm steps, in both
+        # forms: accumulate's torch.func.grad and .backward() with the context by hand
+        for k in expected:
+            assert torch.equal(acc["steps"][0]["grads"][k], acc["steps"][1]["grads"][k]), (rank, k)
+            first, warm = (s[k] for s in acc["first_steps"])
+            assert torch.equal(first, warm), (rank, k)
+            _close({k: first / W.N_MICRO}, {k: expected[k]})
         for got in acc["unused"]:  # a parameter only an ignored output uses: zero, the others exact
             assert torch.equal(got.pop("u"), torch.zeros(5, dtype=torch.float64))
             _close(got, expected)

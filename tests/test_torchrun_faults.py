@@ -1,5 +1,6 @@
 """Under torchrun: a rank that raises fails the whole job promptly, naming the error; a killed rank
-is restarted by ``--max-restarts`` and the flagship's ``--resume`` continues with the same losses.
+is restarted by ``--max-restarts`` and the flagship's ``--resume`` continues with the same losses
+and ends with a final checkpoint bitwise equal to the uninterrupted run's.
 
 Every run is bounded in time, and its whole process group is killed if it overruns.
 """
@@ -15,6 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 from torchrun_util import children, free_port, kill_tree
 
 import fpar
@@ -151,3 +154,15 @@ def test_a_killed_rank_restarts_and_resume_gives_the_uninterrupted_losses(tmp_pa
         assert loss == want[int(line_step)], (
             f"step {line_step}: {loss} after the restart, {want[int(line_step)]} straight"
         )
+    # The final checkpoints (parameters, optimizer state) are bitwise equal, not just the printed
+    # losses: the restarted run's first step traces each signature, and a traced call must add
+    # its microbatches' gradients in the order the uninterrupted run's steady calls do.
+    straight_ckpt = load_file(fpar.checkpoint.merge(tmp_path / "a", tmp_path / "a.safetensors", step=steps))
+    resumed_ckpt = load_file(fpar.checkpoint.merge(ckpt, tmp_path / "b.safetensors", step=steps))
+    assert straight_ckpt.keys() == resumed_ckpt.keys()
+    differ = {
+        k: (straight_ckpt[k] - resumed_ckpt[k]).abs().max().item()
+        for k in straight_ckpt
+        if not torch.equal(straight_ckpt[k], resumed_ckpt[k])
+    }
+    assert not differ, f"the resumed run's final checkpoint differs from the uninterrupted run's: {differ}"

@@ -20,7 +20,9 @@ each such source wrapped once in an identity whose backward all-reduces over its
 data-parallel gradient all-reduce, bucketed like DDP, see ``buckets.py``), and no
 size-1 anything.  Under ``fpar.defer_reduction()`` those input-source sums are kept locally
 and reduced by the next call outside the context (``buckets.py``, ``fpar/_defer.py``); sums at
-collective outputs and traced calls reduce at once.  A signature for which some source is used
+collective outputs reduce at once.  A fast plan's first (traced) call does its input-source sums
+as a steady call would (``buckets.traced_sums``), so a step adds its microbatches' gradients in
+one order whichever of its calls traced (a resumed run is bitwise the uninterrupted one).  A signature for which some source is used
 both ways, a replicated tensor of unknown origin (a closure-captured parameter) meets a varying
 value, or the function differentiates inside itself (an inner ``torch.func.grad``) keeps running
 traced.
@@ -47,7 +49,7 @@ from .._spec import check_spec
 from .._tree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from .agree import digest
 from .agreement import _Agreement
-from .buckets import reduce_inputs
+from .buckets import reduce_inputs, traced_sums
 from .compiled import groups_of
 from .exchange import _Exchange, _TakeFirst, summed
 from .groups import _device, on_paper, simulated
@@ -265,6 +267,18 @@ class DistShard:
         agree.finish()
         if tracker is not None:
             tracker.finish()
+            if plan.fast and plan.in_reduce:
+                # inside fpar.defer_reduction(), the input-source sums go where a steady call's
+                # would: the same deferred buffers, added in the same order
+                tracker.late = traced_sums(
+                    [(i, leaves[i], plan.in_reduce[i]) for i in plan.in_order],
+                    mg,
+                    self.bucket_mb,
+                    owner=(self, plan),
+                    fname=self.fname,
+                    kept=plan.flats,
+                    layouts=plan.layouts,
+                )
         result = []
         for t, spec, broken in zip(outs, plan.out_specs, plan.out_broken):
             if spec is not None and broken:

@@ -84,8 +84,10 @@ class _Planned(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, ct):
-        axes = ctx.resolve()
-        return (_Exchange.apply(ct, "psum", (), 0, axes, ctx.mg) if axes else ct), None, None
+        how = ctx.resolve()
+        if callable(how):  # an input's sum deferred under fpar.defer_reduction() (buckets.traced_sums)
+            return how(ct), None, None
+        return (_Exchange.apply(ct, "psum", (), 0, how, ctx.mg) if how else ct), None, None
 
     @staticmethod
     def jvp(ctx, x_t, *_):
@@ -116,6 +118,7 @@ class _Tracker(TorchFunctionMode):
         self.base = maybe_current_level()
         self.coll: list = []
         self.carried: Tensor | None = None  # the sum the call's first message carried, until an op reads it
+        self.late: dict = {}  # input slot -> its cotangent's deferral (set after the forward: traced_sums)
 
     # bookkeeping
 
@@ -139,7 +142,9 @@ class _Tracker(TorchFunctionMode):
         deps = frozenset((("in", i), a) for a in rep) if _diff(leaf) else frozenset()
         if deps:
             plan = self.plan
-            leaf = _Planned.apply(leaf, lambda: plan.in_reduce.get(i, ()) if plan.fast else (), self.mg)
+            leaf = _Planned.apply(
+                leaf, lambda: self.late.get(i) or (plan.in_reduce.get(i, ()) if plan.fast else ()), self.mg
+            )
         self._mark(leaf, named, deps)
         return leaf
 
