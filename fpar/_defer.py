@@ -25,8 +25,10 @@ What is *not* deferred (reduced at once, as without the context, which is always
 
 Failure modes are errors, never a wrong gradient: an input modified in place between the
 deferred calls and the final one (``ValueError``); a deferred call whose backward runs after the
-final call's reduction, or not at all before it (``RuntimeError``, in the backward); deferred
-sums that no final call reduced, reported when the next step enters a new
+final call's reduction, or not at all before it (``RuntimeError``, in the backward); a final
+call outside the context whose input tensors or shapes differ from the deferred calls' (it would
+reduce only its own gradient: ``RuntimeError`` at the end of its backward, ``watch_unclaimed``);
+deferred sums that no final call reduced, reported when the next step enters a new
 ``defer_reduction()`` (``RuntimeError``; the stale buffers are dropped) and, in
 ``fpar.optim.accumulate`` and the pipeline executor, at the end of the step itself.
 
@@ -39,7 +41,10 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from torch.autograd import Variable
 
 from ._buffers import block
 from ._torch_api import get_unwrapped, is_functorch_wrapped_tensor, is_gradtrackingtensor
@@ -82,6 +87,10 @@ class defer_reduction:
     # ``torch.func`` a deferred input's gradient is then ``deferred_zeros`` (an expanded zero,
     # no memory written) instead of the zeros functorch would fill, and skipped in the sum.
     _expanded_zeros = False
+    # Set by ``fpar.optim.accumulate`` and the pipeline executor, which check at their step's end
+    # that every deferred sum was reduced (``_check_reduced``); a scope entered by hand is checked
+    # at the end of each final call's backward (``watch_unclaimed``).
+    _checks_itself = False
 
     def __enter__(self) -> defer_reduction:
         if not _ACTIVE:
@@ -360,6 +369,49 @@ def claim(key: tuple) -> Deferred | None:
         d.check_unchanged()
         d.final = True
     return d
+
+
+def watch_unclaimed(fn, fname: str) -> Callable[[], None] | None:
+    """For a call of ``fn`` outside the context that takes a gradient but claims no deferred sums.
+
+    Such a call is a step's final call by position (after the deferred microbatches, outside the
+    context) while ``fn`` still has unclaimed sums deferred under a scope entered by hand: either
+    a later call of ``fn`` on other tensors claims them (one sharded function over several
+    parameter sets, the layers of a stack), or this call passes other input tensors or shapes than
+    the deferred calls did (a cast made inside the loop, a short last microbatch) and the step's
+    gradient would miss theirs, with no error if no other scope is ever entered.  Every final
+    call's forward precedes the backward that reduces it, so at the end of this call's backward
+    the sums still unclaimed are never reduced: the returned function, called from that backward,
+    queues the check that raises then (on every rank alike: every rank runs the same calls).
+    ``None``: nothing to watch.
+    """
+    watched = [d for d in _LIVE if d.key[0] is fn and not d.final and not d.scope._checks_itself]
+    if not watched:
+        return None
+    queued = [False]
+
+    def check() -> None:
+        left = [d for d in watched if d in _LIVE and not d.final]
+        if not left:
+            return
+        for d in left:
+            d.drop()
+        raise RuntimeError(
+            f"fpar.shard({fname}): this backward reduced the gradient of a call outside "
+            f"fpar.defer_reduction(), but {sum(d.calls for d in left)} earlier deferred call(s) of the "
+            f"same sharded function were never reduced: no call outside the context passed their "
+            f"input tensors with their argument shapes, so the step's gradient would miss theirs "
+            f"(they have been dropped). The step's last microbatch must pass the same parameter "
+            f"tensors with the same shapes as the deferred ones (cast or copy parameters once, before "
+            f"the loop; pad a short last microbatch to the others' shape)."
+        )
+
+    def queue() -> None:
+        if not queued[0]:
+            queued[0] = True
+            Variable._execution_engine.queue_callback(check)
+
+    return queue
 
 
 def _stale_message(stale: list[Deferred]) -> str:

@@ -33,6 +33,47 @@ def _loss(mesh):
     )
 
 
+def defer_unmatched(case):
+    """Deferred microbatches, then the step's final call: its gradient, or the error it raised.
+
+    ``matched``: the same tensors and shapes; ``shared``: one sharded function over two parameter
+    sets (a stack's layers), each deferred then claimed by its own final call; ``other_tensors``
+    (parameters cast inside the loop) and ``shorter`` (a short last microbatch: a new signature,
+    traced) leave the deferred sums unreduced.
+    """
+    mesh = fpar.make_mesh((2,), ("data",))
+    loss = _loss(mesh)
+    g = torch.Generator().manual_seed(0)
+    w = fpar.device_put(torch.randn(4, 4, generator=g, dtype=F64), mesh, P()).requires_grad_()
+    v = fpar.device_put(torch.randn(4, 4, generator=g, dtype=F64), mesh, P()).requires_grad_()
+    x = fpar.device_put(torch.randn(8, 4, generator=g, dtype=F64), mesh, P("data"))
+    loss(w, x).backward()  # the signature's first (planned) call
+    loss(w, x).backward()  # a steady one
+    w.grad = v.grad = None
+    with fpar.defer_reduction():
+        loss(w, x).backward()
+        if case == "shared":
+            loss(v, x * 2).backward()
+    if case in ("matched", "shared"):
+        last_w, last_x = w, x
+    elif case == "other_tensors":
+        last_w, last_x = w.detach().clone().requires_grad_(), x  # e.g. parameters cast inside the loop
+    else:  # a shorter last microbatch: a new signature, whose first call is traced
+        last_w, last_x = w, x[:2]
+    try:
+        total = loss(last_w, last_x)
+        if case == "shared":
+            total = total + loss(v, x * 2)  # both layers' final calls, one backward
+        total.backward()
+    except RuntimeError as e:
+        return str(e)
+    return [w.grad.clone(), None if v.grad is None else v.grad.clone()]
+
+
+def defer_cases():
+    return [defer_unmatched(c) for c in ("matched", "shared", "other_tensors", "shorter")]
+
+
 def compiled_shard():
     """``torch.compile(fpar.shard(f, ...), fullgraph=True)``: planned by an eager call, then compiled."""
     torch._dynamo.reset()

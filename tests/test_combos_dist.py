@@ -1,7 +1,9 @@
 """Features that worked alone but not in combination on the real mesh (issue: every feature on both meshes).
 
 Each test failed before its fix: ``fpar.gather`` of a replicated block returned the block itself
-on a real mesh (a donated update then changed what the user had gathered);
+on a real mesh (a donated update then changed what the user had gathered); a final call after
+``fpar.defer_reduction()`` on other tensors or shapes reduced only its own gradient (the deferred
+ones were reported at the next scope, or never: now at the end of that call's backward);
 ``torch.compile(fpar.shard(f, ...), fullgraph=True)`` raised Dynamo's "found no compiled frames".
 ``fpar.optim.remat``: ``test_remat_dist.py``.
 """
@@ -22,6 +24,23 @@ def test_gather_returns_a_copy_on_both_meshes():
     for shared, kept in [local, *fpar.launch(cp.gather_is_a_copy, 2)]:
         assert shared == {"rep": False, "split": False}
         assert kept == {"rep": True, "split": True}  # the in-place update did not reach the gathered copy
+
+
+def test_defer_unmatched_final_call_is_an_error_at_the_end_of_its_backward():
+    results = fpar.launch(cp.defer_cases, 2, timeout=120)
+    local = [cp.defer_unmatched(c) for c in ("matched", "shared")]
+    for matched, shared, other, shorter in results:
+        for message in (other, shorter):
+            assert isinstance(message, str), f"no error: {message}"
+            assert "1 earlier deferred call(s) of the same sharded function were never reduced" in message
+            assert "same parameter tensors with the same shapes" in message
+        # the matched step (and each layer of the shared function): the sum of both microbatches,
+        # as in-process (where nothing is deferred)
+        torch.testing.assert_close(matched[0], local[0][0], rtol=1e-12, atol=1e-12)
+        for got, want in zip(shared, local[1]):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    # in-process nothing is deferred (no messages): every case runs, none has sums to lose
+    assert all(isinstance(cp.defer_unmatched(c), list) for c in ("other_tensors", "shorter"))
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")

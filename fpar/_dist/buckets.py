@@ -394,7 +394,21 @@ def reduce_inputs(
             held = _defer.claim(key)
     now, grads = _reduce_now(buckets, held, kept, rider)
     out.update(now)
+    if scope is None and held is None and _defer._LIVE:
+        _watch(now.values(), owner, fname)
     return out, grads
+
+
+def _watch(views, owner: tuple, fname: str) -> None:
+    """Watch a gradient-taking call outside the context that claimed no deferred sums.
+
+    At the end of its backward, ``owner``'s sums left unclaimed are an error
+    (``_defer.watch_unclaimed``).
+    """
+    queue = _defer.watch_unclaimed(owner[0], fname)
+    view = next((v for v in views if v.requires_grad), None)
+    if queue is not None and view is not None:
+        view.register_hook(lambda ct: queue())
 
 
 def _deferral_key(buckets: list, owner: tuple) -> tuple[tuple | None, list]:
@@ -429,6 +443,9 @@ def traced_sums(
 ) -> dict[int, Callable[[Tensor], Tensor | None]]:
     """A traced call's input-source sums inside ``fpar.defer_reduction()``: deferred, as a steady call's.
 
+    (Outside it, with deferred sums of the same sharded function open: summed at once, after
+    queueing the check of ``_defer.watch_unclaimed``; a new signature never claims them.)
+
     A signature's first call runs traced (``tracker.py``): each replicated input's cotangent is
     summed by the ``_Planned`` node it entered through, once the plan is known.  Summed at once
     inside the context, a step whose first microbatch traced would add its gradients in another
@@ -441,8 +458,13 @@ def traced_sums(
     sums: those were deferred by earlier calls of the same plan, so the plan had traced already.
     """
     scope = _defer.current()
-    if scope is None or not torch.is_grad_enabled():
+    if not torch.is_grad_enabled():
         return {}
+    if scope is None:  # a new signature's call cannot claim deferred sums: watch those of its function
+        queue = _defer.watch_unclaimed(owner[0], fname) if _defer._LIVE else None
+        if queue is None:
+            return {}
+        return {slot: functools.partial(_watched, queue, axes, mg) for slot, _, axes in sources}
     buckets = _buckets([s for s in sources if s[1].grad_fn is None], bucket_mb, mg, layouts)
     key, bases = _deferral_key(buckets, owner)
     if key is None:
@@ -462,6 +484,12 @@ def traced_sums(
         metas = [(x.shape, x.dtype, x.device) for x in xs]
         out.update((slot, functools.partial(deferred, b, i, metas)) for i, slot in enumerate(layout.slots))
     return out
+
+
+def _watched(queue: Callable[[], None], axes: tuple[str, ...], mg, ct: Tensor) -> Tensor:
+    """A traced call's input sum, at once, after queueing ``_defer.watch_unclaimed``'s check."""
+    queue()
+    return _Exchange.apply(ct, "psum", (), 0, axes, mg)
 
 
 def _reduce_now(buckets: list, held, kept: dict | None, rider) -> tuple[dict[int, Tensor], str]:

@@ -90,6 +90,7 @@ def accumulate(
 
         scope = defer_reduction()
         scope._expanded_zeros = True  # deferred gradients come back as expanded zeros: skipped
+        scope._checks_itself = True  # _check_reduced below, at the step's end
         try:
             for i in range(n_micro):
                 args = _fold_key(rest, key_arg, i)

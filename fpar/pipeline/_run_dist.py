@@ -81,6 +81,7 @@ class DistDriver:
         chunks = [tree_map(lambda t, c=c: t[c], stacked) for c in range(sch.v)]
         st = Stage(self.me, sch, self.fns, chunks, params.get("first"), params.get("last"), key)
         st.deferral, st.finals = defer_reduction(), self.finals  # DP gradients reduced once per step
+        st.deferral._checks_itself = True  # _check_reduced at the step's end
         bufs = _gradient_rows(st, stacked, self.kept_rows)
         start = time.perf_counter()
         sending: list = []
