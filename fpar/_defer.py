@@ -41,7 +41,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.autograd import Variable
@@ -150,6 +151,21 @@ def is_deferred_zero(t: Tensor) -> bool:
         return False
     zero = _ZERO.get((t.dtype, t.device))
     return zero is not None and t.data_ptr() == zero.data_ptr()
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Calls inside reduce at once, as outside any ``defer_reduction()``.
+
+    For inputs that are new tensors every microbatch, whose deferred sums no later call could
+    claim: ZeRO-3's parameters, gathered afresh for each microbatch's forward.
+    """
+    saved = _ACTIVE[:]
+    _ACTIVE.clear()
+    try:
+        yield
+    finally:
+        _ACTIVE[:] = saved
 
 
 def current() -> defer_reduction | None:

@@ -4,6 +4,7 @@ Each test failed before its fix: ``fpar.gather`` of a replicated block returned 
 on a real mesh (a donated update then changed what the user had gathered); a final call after
 ``fpar.defer_reduction()`` on other tensors or shapes reduced only its own gradient (the deferred
 ones were reported at the next scope, or never: now at the end of that call's backward);
+ZeRO-3 with microbatches over a tensor axis deferred sums of its per-microbatch gathered parameters;
 ``torch.compile(fpar.shard(f, ...), fullgraph=True)`` raised Dynamo's "found no compiled frames".
 ``fpar.optim.remat``: ``test_remat_dist.py``.
 """
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import fpar
+from fpar.testing import TrainingProgram, assert_programs_on_real_mesh
 
 pytestmark = pytest.mark.multiprocess
 
@@ -49,3 +51,13 @@ def test_compile_of_a_sharded_function_fullgraph_on_both_meshes():
         assert unplanned is not None and "no eager call with these argument shapes yet" in unplanned
         for a, b in zip(eager, compiled):
             torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
+def test_zero3_with_microbatches_over_a_tensor_axis():
+    """ZeRO-3 gathers its parameters afresh each microbatch: accumulate's deferral must not defer
+    their sums over the tensor axis (no later microbatch passes the same tensors); the feature
+    matrix found the second step raising in the reduce-scatter hook (``.grad`` None)."""
+    program = TrainingProgram(
+        (1, 2), ("data", "tensor"), driver="zero", zero_stage=3, n_micro=2, steps=2, seed=13
+    )
+    assert_programs_on_real_mesh([program], timeout=300)

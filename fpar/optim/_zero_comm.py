@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from torch._C._functorch import get_unwrapped, is_batchedtensor, maybe_current_level
 
-from .. import _stats
+from .. import _defer, _stats
 from .._tree import tree_flatten, tree_unflatten
 
 __all__ = ["Regather", "gathered_grad", "regather_supported", "scattered_grad"]
@@ -295,7 +295,10 @@ def gathered_grad(
         gathered.append(leaf)
     full = None
     try:
-        with torch.enable_grad(), rg.hooks():
+        # Not deferred under fpar.optim.accumulate's defer_reduction(): the gathered leaves are new
+        # tensors every microbatch, so a later microbatch could never claim their sums over the
+        # axes they are replicated on (a tensor axis); this gradient is reduce-scattered now anyway.
+        with torch.enable_grad(), rg.hooks(), _defer.suspended():
             scaled, loss = objective(tree_unflatten(treedef, gathered), batch, scale)
         for leaf in gathered:
             # Free the gathered parameter: autograd keeps the leaf, never its values (every
