@@ -12,6 +12,7 @@ __all__ = [
     "UnboundAxisError",
     "check_in_leaf",
     "check_out_leaf",
+    "remat_reads_message",
     "replication_message",
 ]
 
@@ -71,4 +72,15 @@ def replication_message(where: str, spec, broken: list[str]) -> str:
         f"every device along {'them' if len(broken) > 1 else 'it'}. Reduce it first (e.g. "
         f"fpar.psum or fpar.pmean over {first!r}), name {first!r} in the out_spec to return every "
         f"device's block, or pass check_rep=False to return the block at coordinate 0 unchecked."
+    )
+
+
+def remat_reads_message(name: str, what: str) -> str:
+    """The error for a value read inside ``fpar.optim.remat``'s function in a sharded call (both meshes)."""
+    return (
+        f"fpar.optim.remat({name}) inside fpar.shard: {name} reads a tensor's value ({what}), e.g. "
+        f"Python control flow on a tensor or .item(). A recomputed function must follow its data flow "
+        f"alone, as jax.checkpoint's: the in-process mesh runs it under vmap over devices, which has "
+        f"no per-device value to read, so both meshes refuse it. Compute both branches and select with "
+        f"torch.where, or move the read out of the sharded function."
     )

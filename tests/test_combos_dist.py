@@ -53,6 +53,17 @@ def test_compile_of_a_sharded_function_fullgraph_on_both_meshes():
             torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
 
 
+def test_dropout_inside_remat_when_two_values_of_one_shape_vary_differently():
+    """ZeRO-3's gathered parameters and the activations share a shape but not their varying axes,
+    so the plan stays traced; dropout inside remat asked the recomputation which axes a value varies
+    over and got "ambiguous" (the random real-mesh tier drew it): the recompute's tracker answers."""
+    program = TrainingProgram(
+        (1, 2, 1), ("pipe", "data", "tensor"), driver="zero", zero_stage=3, layers=2, dropout=0.25,
+        clip=0.05, remat=True, steps=1, seed=0,
+    )  # fmt: skip
+    assert_programs_on_real_mesh([program], timeout=300)
+
+
 def test_zero3_with_microbatches_over_a_tensor_axis():
     """ZeRO-3 gathers its parameters afresh each microbatch: accumulate's deferral must not defer
     their sums over the tensor axis (no later microbatch passes the same tensors); the feature

@@ -4,7 +4,8 @@ The regression: on a real mesh remat's outputs varied over every mesh axis (the 
 remat Function by the union of its operands, which include the mesh's axis indices), so any step
 whose output spec leaves an axis out was refused; a body with a psum was typed varying, and a
 replicated weight meeting only summed values would have had its gradient summed.  Now the body's
-ops are typed one by one on the real mesh, as the in-process mesh's vmap levels type them.
+ops are typed one by one on the real mesh, as the in-process mesh's vmap levels type them.  A remat
+function that reads a value (Python control flow on a tensor) is refused alike on both meshes.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ FORMS = ("grad", "backward")
 def _check(cases, nprocs):
     flat = [(shape, names, form) for shape, names in cases for form in FORMS]
     real = fpar.launch(rp.run_many, nprocs, flat, timeout=240)[0]
-    for (shape, names, form), (got, error) in zip(flat, real):
+    for (shape, names, form), (got, error, reads) in zip(flat, real):
         where = f"{names}={shape} {form}"
-        want, want_error = rp.run(shape, names, form)  # the in-process mesh
+        want, want_error, want_reads = rp.run(shape, names, form)  # the in-process mesh
         ref = rp.unsharded(shape, names)
         assert set(got) == set(want) == set(ref), where
         for name in want:
@@ -45,6 +46,15 @@ def _check(cases, nprocs):
             assert want_error is not None and want_error[0] == "ReplicationError", where
             assert error == want_error, where
             assert "varies over mesh axis 'data'" in error[1]
+        # a remat function that reads a value: the same ValueError on both meshes (the in-process
+        # mesh's vmap cannot read one; the real mesh could, but must not differ)
+        for raised in (reads, want_reads):
+            assert raised is not None and raised[0] == "ValueError", (where, raised)
+            assert (
+                "fpar.optim.remat(_reads_value) inside fpar.shard: _reads_value reads a tensor's value"
+                in raised[1]
+            )
+            assert "select with torch.where" in raised[1]
 
 
 def test_remat_real_mesh_two_processes():

@@ -215,7 +215,7 @@ class DistShard:
         frame.collective = frame.direct = direct
         frame.tracker, frame.calls = tracker, calls
         frame.retrace = lambda: None if plan.fast else _Tracker(self, plan)
-        frame.varying = lambda x: self._varying(plan, tracker, done[0], x)
+        frame.varying = lambda x: self._varying(plan, tracker if not done[0] else frame.retracker, done[0], x)
         local = list(leaves)
         if tracker is not None:
             for i, (leaf, spec) in enumerate(zip(leaves, specs)):
@@ -330,12 +330,15 @@ class DistShard:
         A traced call answers from its tracker and records the answer per (shape, dtype) of the
         queried value; a fast call, and a recomputation in the backward (``fpar.optim.remat``),
         answer from that record, which is exact because the data flow depends on shapes only.
-        Two values of one shape and dtype varying over different axes keep the signature traced.
+        Two values of one shape and dtype varying over different axes keep the signature traced,
+        and its recomputations are typed by a fresh tracker (``frame.retracker``), which answers.
         """
         if not isinstance(x, Tensor):
             raise TypeError(f"fpar.shard({self.fname}): expected a tensor, got {type(x).__name__}.")
         key = (tuple(x.shape), x.dtype)
-        if tracker is not None and not done:
+        if tracker is not None and done:  # a recomputation typed by a fresh tracker (a plan kept traced)
+            return frozenset(tracker.info(x)[0])
+        if tracker is not None:
             v = frozenset(tracker.info(x)[0])
             if plan.varying.setdefault(key, v) != v:
                 plan.varying[key] = None

@@ -11,6 +11,8 @@ Cotangent that flows through replicated computation only (a weight used after a 
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +22,7 @@ from torch._functorch.autograd_function import custom_function_call
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from .. import _stats as stats
+from .._errors import remat_reads_message
 from .._registry import NOT_OPS, TRANSPARENT, bound_once
 from .._spec import PartitionSpec
 from .._tree import tree_flatten, tree_unflatten
@@ -48,6 +51,32 @@ _VALUE_READS = {
     Tensor.data_ptr,
 }
 _SHAPE_LIKE = {torch.ones_like, torch.zeros_like, torch.empty_like}
+# Reads that steer Python control flow: refused inside a remat body (``_errors.remat_reads_message``)
+_CONTROL_READS = {
+    Tensor.item,
+    Tensor.tolist,
+    Tensor.numpy,
+    Tensor.__bool__,
+    Tensor.__float__,
+    Tensor.__int__,
+    Tensor.__index__,
+}
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_FPAR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _by_user() -> bool:
+    """Whether the op being intercepted was called by the user's code, not by fpar's own.
+
+    (fpar reads values of its own: a key's words in ``fpar.random``, a split's sizes in
+    ``fpar.ops.moe``.)  The first frame outside torch decides.
+    """
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+        frame = frame.f_back
+    return frame is None or not frame.f_code.co_filename.startswith(_FPAR_DIR)
 
 
 def _reads_value(func, result: Any) -> bool:
@@ -119,6 +148,7 @@ class _Tracker(TorchFunctionMode):
         self.coll: list = []
         self.carried: Tensor | None = None  # the sum the call's first message carried, until an op reads it
         self.late: dict = {}  # input slot -> its cotangent's deferral (set after the forward: traced_sums)
+        self.remat: str | None = None  # the name of the remat function whose body is being typed
 
     # bookkeeping
 
@@ -173,7 +203,9 @@ class _Tracker(TorchFunctionMode):
         return out
 
     @contextlib.contextmanager
-    def body(self, tensors: list[Tensor], types: list[tuple[frozenset, frozenset]]) -> Iterator[None]:
+    def body(
+        self, tensors: list[Tensor], types: list[tuple[frozenset, frozenset]], name: str
+    ) -> Iterator[None]:
         """Type a body this mode does not intercept, op by op (``fpar.optim.remat``'s forward).
 
         Its outputs then vary over the axes its data flow gives them (a psum inside returns a
@@ -184,6 +216,7 @@ class _Tracker(TorchFunctionMode):
         from, and take the body's level as the call's own (it is no user transform).
         """
         base, self.base = self.base, maybe_current_level()
+        remat, self.remat = self.remat, name
         for t, (v, d) in zip(tensors, types):
             self._mark(t, v, d)
         on = any(m is self for m in _get_current_function_mode_stack())
@@ -191,7 +224,7 @@ class _Tracker(TorchFunctionMode):
             with contextlib.nullcontext() if on else self:
                 yield
         finally:
-            self.base = base
+            self.base, self.remat = base, remat
 
     # torch ops
 
@@ -199,6 +232,9 @@ class _Tracker(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in RANDOM_OPS:
             check_random_op(func, args, kwargs, self.owner.fname)  # layout-dependent draws: use fpar.random
+        if self.remat is not None and func in _CONTROL_READS and _by_user():
+            # the in-process mesh (vmap) cannot read a value here: refuse it alike
+            raise ValueError(remat_reads_message(self.remat, f"Tensor.{func.__name__}"))
         if func in NOT_OPS:
             self.inner = True
             return func(*args, **kwargs)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .._compile import TRACED
+from .._errors import remat_reads_message
 from .._registry import TRANSPARENT
 from .._torch_api import is_batchedtensor, maybe_current_level, maybe_get_level
 from .._tree import tree_flatten, tree_unflatten
@@ -45,6 +46,9 @@ _COMPILED = (
     "the compiled step, or drop fullgraph=True to run the sharded call eagerly (remat included)."
 )
 
+
+# torch's vmap errors for a value read (data-dependent control flow, .item(), .tolist())
+_VMAP_READS = ("data-dependent control flow", "calling .item()", "calling .tolist()")
 
 RECOMPUTING = [0]  # > 0 while a backward recomputes a remat body's forward (fpar.plan reads it)
 
@@ -153,7 +157,9 @@ class _Call:
             try:
                 with (
                     enter_frame(frame),
-                    tracker.body(tensors, self.in_types) if typed else contextlib.nullcontext(),
+                    tracker.body(tensors, self.in_types, _name(self.f))
+                    if typed
+                    else contextlib.nullcontext(),
                 ):
                     outs = tuple(_unwrap(fn(*tensors)))
                     if typed:
@@ -170,7 +176,15 @@ class _Call:
             with ShardMode(self.frame) if live else contextlib.nullcontext():
                 return tuple(_unwrap(fn(*tensors)))
         with enter_frame(self.frame):
-            return tuple(_unwrap(fn(*tensors)))
+            try:
+                return tuple(_unwrap(fn(*tensors)))
+            except RuntimeError as e:
+                # vmap (the in-process mesh's devices) has no per-device value to read: fpar's message,
+                # the same as the real mesh's
+                read = next((w for w in _VMAP_READS if w in str(e)), None)
+                if read is None or self.frame is None or self.frame.token is None:
+                    raise
+                raise ValueError(remat_reads_message(_name(self.f), read)) from e
 
     def _innermost(self, rebind: bool) -> Callable:
         n = len(self.slots)
