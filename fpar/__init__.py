@@ -62,7 +62,7 @@ from . import testing as testing  # noqa: E402
 
 # isort: on
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "Init",

@@ -1,6 +1,6 @@
 """How fpar meets ``torch.compile``: where Dynamo may trace, and where it must not.
 
-fpar's collectives, implicit pvaries and gradient all-reduces are custom ``autograd.Function``\\ s
+fpar's collectives, implicit pvaries and gradient all-reduces are custom ``autograd.Function`` classes
 (in-process also with custom ``vmap`` rules), run under a ``TorchFunctionMode``.  Dynamo cannot
 trace the in-process machinery at all (functorch levels, custom vmap rules), and where it does
 trace a custom Function it can drop its backward: under ``torch.compile(torch.func.grad(f))`` a
@@ -10,7 +10,7 @@ what it traces is a separate, lean form of a sharded call whose signature an eag
 planned or checked (the whole step in one graph: ``_dist/compiled.py`` on a real mesh,
 ``_local/compiled.py`` in-process, while :data:`TRACED` is set).  Everywhere else:
 
-* a sharded function and every collective are ``torch.compiler.disable``\\ d: under
+* a sharded function and every collective are wrapped in ``torch.compiler.disable``: under
   ``torch.compile`` they are graph breaks that run eagerly, exactly as without compile, with
   their backward intact (``fullgraph=True`` raises Dynamo's error carrying :data:`REASON`);
 * per-device code *between* collectives compiles: ``fpar.shard(torch.compile(f), ...)`` on a real

@@ -230,7 +230,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         ("_dist/buckets.py",),
         "give a gradient bucket's hook node AccumulateGrad's priority, so its all-reduce starts as soon as "
         "its gradients are final (DDP's overlap)",
-        probe=lambda: torch.ones(1, requires_grad=True).view_as(torch.ones(1)).grad_fn._set_sequence_nr,
+        probe=lambda: torch.ones(1, requires_grad=True).view_as(torch.ones(1)).grad_fn._set_sequence_nr,  # type: ignore[union-attr]  # grad_fn is a Node: x requires grad
     ),
     PrivateApi("torch._C._current_graph_task_id", ("plan/_record.py",), "whether a backward is running"),
     PrivateApi(

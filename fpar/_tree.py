@@ -23,7 +23,7 @@ __all__ = [
     "tree_unflatten",
 ]
 
-_OPTS = {"none_is_leaf": True, "namespace": ""}
+_OPTS: dict[str, Any] = {"none_is_leaf": True, "namespace": ""}
 
 
 def tree_flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:

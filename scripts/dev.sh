@@ -16,7 +16,7 @@ setup() {
   if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
     .venv/bin/python -m pip install -q torch==2.13.0
   fi
-  .venv/bin/python -m pip install -q -e ".[test,examples,hf,docs]"
+  .venv/bin/python -m pip install -q -e ".[test,examples,hf,docs,lint]"
 }
 
 case "${1:-}" in

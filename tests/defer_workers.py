@@ -14,7 +14,7 @@ import fpar
 from fpar import P
 from fpar._dist import buckets
 
-D, H, O = 128, 1024, 128  # w1 and w2 are 1 MiB each in float64: two gradient buckets
+D, H, D_OUT = 128, 1024, 128  # w1 and w2 are 1 MiB each in float64: two gradient buckets
 ROWS = 16  # global batch rows (8 per rank, 2 per microbatch with n_micro=4)
 N_MICRO = 4
 
@@ -25,10 +25,10 @@ def problem() -> dict:
     params = {
         "w1": torch.randn(D, H, dtype=torch.float64, generator=g) / D**0.5,
         "b1": torch.randn(H, dtype=torch.float64, generator=g),
-        "w2": torch.randn(H, O, dtype=torch.float64, generator=g) / H**0.5,
+        "w2": torch.randn(H, D_OUT, dtype=torch.float64, generator=g) / H**0.5,
     }
     x = torch.randn(ROWS, D, dtype=torch.float64, generator=g)
-    y = torch.randn(ROWS, O, dtype=torch.float64, generator=g)
+    y = torch.randn(ROWS, D_OUT, dtype=torch.float64, generator=g)
     return {"params": params, "x": x, "y": y}
 
 

@@ -924,13 +924,13 @@ def jacobians():
         wb, xb = fpar.device_put(w, mesh, wspec), fpar.device_put(x, mesh, xspec)
         for call in range(2):
             out[f"{name} jacrev {call}"] = fpar.gather(
-                torch.func.jacrev(lambda w: sf(w, xb))(wb), mesh, wspec
+                torch.func.jacrev(lambda w, sf=sf, xb=xb: sf(w, xb))(wb), mesh, wspec
             )
             if name == "dp":  # replicated a: the whole Hessian on every rank
-                out[f"{name} hessian {call}"] = torch.func.hessian(lambda a: sf({"a": a, "b": wb["b"]}, xb))(
-                    wb["a"]
-                )
+                out[f"{name} hessian {call}"] = torch.func.hessian(
+                    lambda a, sf=sf, wb=wb, xb=xb: sf({"a": a, "b": wb["b"]}, xb)
+                )(wb["a"])
                 # forward over reverse without vmap: the bucket all-reduce's own jvp rule
-                grad_a = torch.func.grad(lambda a: sf({"a": a, "b": wb["b"]}, xb))
+                grad_a = torch.func.grad(lambda a, sf=sf, wb=wb, xb=xb: sf({"a": a, "b": wb["b"]}, xb))
                 out[f"{name} hvp {call}"] = torch.func.jvp(grad_a, (wb["a"],), (torch.ones_like(wb["a"]),))[1]
     return out

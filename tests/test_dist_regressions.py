@@ -83,7 +83,7 @@ def _deferred_over_size_one(backend: str) -> dict:
     f = fpar.shard(loss, mesh, (specs, P("data")), P())
     grad = torch.func.grad(f, argnums=(0, 1))  # the activation too, as a pipeline stage's
     total = None
-    for step in range(2):  # the second step runs the planned (fast) calls
+    for _step in range(2):  # the second step runs the planned (fast) calls
         with fpar.defer_reduction():
             (g0, dx0) = grad(w, xs[0])
         (g1, dx1) = grad(w, xs[1])
@@ -123,7 +123,7 @@ def _deferred_activation(backend: str) -> list:
 
     f = fpar.shard(loss, mesh, (specs, P("data")), P())
     out = []
-    for step in range(3):  # the first call of a signature is traced; later ones are planned
+    for _step in range(3):  # the first call of a signature is traced; later ones are planned
         with fpar.defer_reduction():
             f(w, xs[0] * s).backward()
         f(w, xs[1] * s).backward()

@@ -234,6 +234,28 @@ def test_pmax_of_replicated_input_gradient_is_one():
     torch.testing.assert_close(g, torch.ones(5, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("tiled", [False, True])
+@pytest.mark.parametrize(("axes", "ax"), [({"i": 2}, "i"), ({"x": 2, "y": 2}, ("x", "y"))])
+def test_grad_inside_shard_through_all_gather_invariant(axes, ax, tiled):
+    """The transpose of all_gather_invariant is this device's block of the replicated cotangent
+    (JAX: a dynamic_slice at axis_index, no communication), differentiated inside the shard."""
+    n = 1
+    for size in axes.values():
+        n *= size
+    x = rand(2 * n, 3, seed=5)
+    w = rand(*((2 * n, 3) if tiled else (n, 2, 3)), seed=6)
+
+    def loss(g):
+        return (torch.sin(g) * w).sum()
+
+    def per_device(a):
+        return torch.func.grad(lambda a: loss(fpar.all_gather_invariant(a, ax, tiled=tiled)))(a)
+
+    got = fpar.shard(per_device, mesh_of(axes), (P(ax),), P(ax))(x)
+    want = torch.func.grad(lambda x: loss(x if tiled else x.unflatten(0, (n, 2))))(x)
+    torch.testing.assert_close(got, want)
+
+
 # ----------------------------------------------------------------------------------------------
 # Higher order
 

@@ -506,16 +506,12 @@ def _ulysses_or_attention(axes: dict, ulysses: bool, rate: float):
     d, n_heads = 16, 4
     params = fpar.ops.init_attention(d, dtype=torch.float64)
     x = torch.randn(4, 8, d, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    if ulysses:
-        specs, x_spec = fpar.ops.attention_specs(None), P("data", "tensor")
-        layer = lambda p, x, key: fpar.ops.ulysses_attention(  # noqa: E731
-            p, x, axis="tensor", n_heads=n_heads, dropout=rate, key=key
-        )
-    else:
-        specs, x_spec = fpar.ops.attention_specs("tensor"), P("data")
-        layer = lambda p, x, key: fpar.ops.attention(
-            p, x, axis="tensor", n_heads=n_heads, dropout=rate, key=key
-        )  # noqa: E731
+    specs = fpar.ops.attention_specs(None if ulysses else "tensor")
+    x_spec = P("data", "tensor") if ulysses else P("data")
+    layer_fn = fpar.ops.ulysses_attention if ulysses else fpar.ops.attention
+
+    def layer(p, x, key):
+        return layer_fn(p, x, axis="tensor", n_heads=n_heads, dropout=rate, key=key)
 
     def loss(p, x, key):
         return fpar.psum(layer(p, x, key).square().sum(), "data" if not ulysses else ("data", "tensor"))

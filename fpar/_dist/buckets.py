@@ -544,8 +544,9 @@ def _defer_hooked(held, index: int, xs: list[Tensor]) -> list[Tensor]:
 
 
 def _several_levels(x: Tensor) -> bool:
-    """Whether ``x`` is differentiated at more than one level (nested ``torch.func`` transforms,
-    ``vmap``, a ``torch.func.grad`` inside plain autograd).
+    """Whether ``x`` is differentiated at more than one level.
+
+    Nested ``torch.func`` transforms, ``vmap``, a ``torch.func.grad`` inside plain autograd.
     """
     stack = _functorch.get_interpreter_stack() or ()
     if len(stack) > 1 or any(i.key() != _functorch.TransformType.Grad for i in stack):
@@ -594,8 +595,10 @@ _ASAP = 2**64 - 1  # AccumulateGrad's sequence number (UINT64_MAX)
 def _buckets(
     sources: list, bucket_mb: float, mg, cache: dict | None = None
 ) -> list[tuple[_Layout, list[Tensor]]]:
-    """Group the sources into buckets: ``(layout, tensors)``, the same layouts in every call of a plan
-    (kept in ``cache``, by which sources get a gradient and their devices).
+    """Group the sources into buckets: ``(layout, tensors)``.
+
+    The same layouts in every call of a plan (kept in ``cache``, by which sources get a gradient
+    and their devices).
     """
     flows = tuple((x.requires_grad or _tracked(x), x.device) for _, x, _ in sources)
     layouts = None if cache is None else cache.get(flows)

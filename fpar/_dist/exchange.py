@@ -188,8 +188,10 @@ class _Exchange(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, x: Tensor, kind: str, params: tuple, nb: int, axes: tuple, mg: MeshGroups):
-        """Under ``vmap`` (jacrev, hessian, per-example gradients): the batch is one more leading
-        dim of the block, which every collective carries along (``nb`` counts such dims).
+        """Run the collective under ``vmap`` (jacrev, hessian, per-example gradients).
+
+        The batch is one more leading dim of the block, which every collective carries along
+        (``nb`` counts such dims).
         """
         d = in_dims[0]
         if d is None:
@@ -288,8 +290,10 @@ def _first_order_level(ct: Tensor) -> int | None:
 
 
 def summed(x: Tensor, kind: str, params: tuple, axes: tuple, mg: MeshGroups) -> Tensor:
-    """A fast call's psum/pmean, as plain autograd ops where nothing but one ``torch.func.grad``
-    differentiates ``x``; otherwise the ``_Exchange`` Function.
+    """A fast call's psum/pmean.
+
+    As plain autograd ops where nothing but one ``torch.func.grad`` differentiates ``x``;
+    otherwise the ``_Exchange`` Function.
 
     Under ``torch.func.grad`` every custom Function goes through functorch's
     ``custom_function_call`` (~0.4 ms of Python per call, forward and backward).  When ``x`` is

@@ -37,8 +37,10 @@ ON_PAPER: list = [None]
 
 
 def on_paper(mesh):
-    """A context in which ``mesh``'s collectives can run: a simulation of device 0 for an abstract
-    mesh outside ``fpar.plan.estimate``, else nothing to do.
+    """A context in which ``mesh``'s collectives can run.
+
+    A simulation of device 0 for an abstract mesh outside ``fpar.plan.estimate``, else nothing
+    to do.
     """
     import contextlib
 

@@ -6,8 +6,8 @@ mesh axis, so a value is batched at an axis's level exactly when it varies over 
 rule, level by level, turns the levels of the axes it names into explicit leading dims and then
 performs the exchange on the stacked blocks (``exchange.py``).  Its ``backward``/``jvp`` (used
 only when the user differentiates *inside* the sharded function) are the transposes of DESIGN
-§3: psum <-> broadcast, all_gather <-> psum_scatter, ppermute(perm) <-> ppermute(inverse),
-all_to_all(s, c) <-> all_to_all(c, s).
+§3: psum <-> broadcast, all_gather <-> psum_scatter, all_gather_invariant -> this device's block,
+ppermute(perm) <-> ppermute(inverse), all_to_all(s, c) <-> all_to_all(c, s).
 
 Here too: ``collective``, what ``Frame.collective`` runs in-process (the public functions in
 ``_collectives.py`` dispatch to it), ``batched_levels`` (the mesh axes a value varies over), and
@@ -136,7 +136,11 @@ def _transpose(op: Op, token: Tensor, ct: Tensor, *saved: Tensor) -> Tensor:
     if kind == "pmean":
         return ct / _size(op)
     if kind in ("pmax", "pmin"):
-        return _extreme_share(op, token, *saved, ct, transpose=True)
+        x, y = saved
+        return _extreme_share(op, token, x, y, ct, transpose=True)
+    if kind == "all_gather_invariant":
+        axis, tiled = p
+        return _own_block(op, ct, axis, tiled)  # JAX: a dynamic_slice at axis_index, no communication
     if kind == "all_gather":
         axis, tiled = p
         return _Collective.apply(

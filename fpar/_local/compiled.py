@@ -110,7 +110,7 @@ def _(x, token, kind, axes, params, mesh_axes, mesh_sizes, explicit, nbatch):
 def _(info, in_dims, x, token, kind, axes, params, mesh_axes, mesh_sizes, explicit, nbatch):
     # The eager rule (collective._Collective.vmap), for a custom op, whose rule runs at the level
     # it peels.
-    level = maybe_current_level()
+    level = maybe_current_level() or 0  # inside a vmap rule there is a level
     axis = level - 1 if 1 <= level <= len(mesh_sizes) else None  # None: a user's vmap level
     xd = in_dims[0]
     if axis is not None and axis in axes:

@@ -213,8 +213,10 @@ class LocalBackend:
 
 
 def vmap_dims(axes: tuple, labels: list) -> list[tuple]:
-    """Each mesh level's vmap ``in_dims``: the views' split dims (``LocalBackend.split``'s labels),
-    then the token (batched at every level) and one coordinate per axis (batched at its own).
+    """Each mesh level's vmap ``in_dims``.
+
+    The views' split dims (``LocalBackend.split``'s labels), then the token (batched at every
+    level) and one coordinate per axis (batched at its own).
     """
     level_dims = []
     labels = [list(lab) for lab in labels]

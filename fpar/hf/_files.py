@@ -65,6 +65,7 @@ class Checkpoint:
         if not os.path.isfile(os.path.join(self.path, CONFIG)):
             raise CheckpointFormatError(f"{where} has no {CONFIG}; {fix}.")
         index = os.path.join(self.path, INDEX)
+        self.weight_map: dict[str, str] | None
         if os.path.isfile(index):
             self.weight_map = _read_index(index, where)
         elif os.path.isfile(os.path.join(self.path, SINGLE)):
@@ -79,7 +80,7 @@ class Checkpoint:
         for file in files:
             full = os.path.join(self.path, file)
             if not os.path.isfile(full):
-                names = sorted(k for k, f in self.weight_map.items() if f == file)
+                names = sorted(k for k, f in (self.weight_map or {}).items() if f == file)
                 shown = ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
                 raise CheckpointFormatError(
                     f"{where}: {INDEX} names the shard {file!r} (for {shown}), which is missing: copy "

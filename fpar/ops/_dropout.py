@@ -129,8 +129,10 @@ def site_dropout(
 
 
 def batch_axes_of(x: Tensor, axis, batch_axes=None) -> tuple:
-    """The mesh axes a layer's batch dim is split over: ``batch_axes`` as given, or (``None``)
-    the axes ``x`` varies over other than the layer's own ``axis``, in mesh order.
+    """The mesh axes a layer's batch dim is split over.
+
+    ``batch_axes`` as given, or (``None``) the axes ``x`` varies over other than the layer's own
+    ``axis``, in mesh order.
     """
     if batch_axes is not None:
         return (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)

@@ -173,8 +173,10 @@ def moe_block(
       axis: the tensor-parallel mesh axis.
       n_heads: total heads.
       moe: keyword arguments of ``fpar.ops.moe`` (``top_k``, ``axis``, ``token_axes``).
-      dropout, key, batch_axes: as for ``fpar.ops.gpt_block`` (attention probabilities and the
-        two residual branches; the router and the experts see no dropout).
+      dropout: as for ``fpar.ops.gpt_block`` (attention probabilities and the two residual
+        branches; the router and the experts see no dropout).
+      key: as for ``fpar.ops.gpt_block``.
+      batch_axes: as for ``fpar.ops.gpt_block``.
 
     Returns:
       ``(x, aux_loss)``.
@@ -374,6 +376,7 @@ def gpt_specs(
       moe: a MoE GPT (``init_gpt(..., n_experts=E)``): every other block (1, 3, ...) has a
         ``"moe"`` MLP, its experts split over ``expert_axis`` (``None``: replicated) and their
         hidden dim over ``axis``.
+      expert_axis: the mesh axis a MoE GPT's experts are split over (``None``: replicated).
     """
     _check_layers("gpt_specs", n_layers)
     specs = {

@@ -187,12 +187,11 @@ def heads_attention(
     b_flat = None if b_qkv is None else b_qkv.reshape(-1)
     qkv = column_linear(x_BTD, w_qkv.reshape(w_qkv.shape[0], -1), b_flat, axis=axis)  # B,T,3E
     q_BTHK, k_BTHK, v_BTHK = qkv.unflatten(-1, (3, h_local, k)).unbind(2)
-    drop = None
-    if dropout:
-        drop = lambda p_BHTS: site_dropout(
-            key, p_BHTS, dropout, axis=axis, split_dim=1, batch_axes=batch_axes
-        )  # noqa: E731
-    return attend(q_BTHK, k_BTHK, v_BTHK, causal=causal, drop=drop).flatten(2)
+
+    def drop(p_BHTS: Tensor) -> Tensor:
+        return site_dropout(key, p_BHTS, dropout, axis=axis, split_dim=1, batch_axes=batch_axes)
+
+    return attend(q_BTHK, k_BTHK, v_BTHK, causal=causal, drop=drop if dropout else None).flatten(2)
 
 
 def check_attention(api: str, params: dict, x_BTD: Tensor, *, axis, n_heads: int) -> tuple[int, int]:

@@ -79,9 +79,11 @@ def _axes(axis) -> tuple:
 
 
 def _dynamic_shapes_ok(x: Tensor) -> bool:
-    """Whether shapes may depend on the routing: no vmap (the in-process mesh, jacrev), no forward
-    AD, and real values to read, or ``fpar.plan``'s simulated device (meta tensors, where the
-    routing is taken to be balanced: ``_counts``).
+    """Whether shapes may depend on the routing.
+
+    No vmap (the in-process mesh, jacrev), no forward AD, and real values to read, or
+    ``fpar.plan``'s simulated device (meta tensors, where the routing is taken to be balanced:
+    ``_counts``).
     """
     if x.is_meta or is_fake(x):
         from .. import _dist
@@ -161,8 +163,10 @@ def _expert_parallel_exact(
 
 
 def _counts(counts_E: Tensor, pairs: int) -> list:
-    """Pairs per expert: read from ``counts_E``, or on ``fpar.plan``'s meta tensors (no values to
-    route by) balanced: ``pairs`` spread evenly over the experts, the first ones one more.
+    """Pairs per expert.
+
+    Read from ``counts_E``, or on ``fpar.plan``'s meta tensors (no values to route by) balanced:
+    ``pairs`` spread evenly over the experts, the first ones one more.
     """
     if not counts_E.is_meta:
         return counts_E.tolist()

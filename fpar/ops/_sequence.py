@@ -145,7 +145,9 @@ def sp_attention(
       axis: the tensor-parallel mesh axis.
       n_heads: total heads, divisible by the size of ``axis``.
       causal: mask attention to later positions (by global position).
-      dropout, key, batch_axes: attention-probability dropout, as for ``fpar.ops.attention``.
+      dropout: the attention-probability dropout rate, as for ``fpar.ops.attention``.
+      key: the dropout key, as for ``fpar.ops.attention``.
+      batch_axes: as for ``fpar.ops.attention``.
     """
     check_attention("sp_attention", params, x, axis=axis, n_heads=n_heads)  # before any communication
     check_dropout("sp_attention", dropout, key)
@@ -229,12 +231,11 @@ def ulysses_attention(
     qkv_BT3HK = _qkv(p, x).unflatten(-1, (3, n_heads, k))
     # seq -> heads: split the heads dim, concatenate the sequence blocks in device order.
     qkv_BT3HK = all_to_all(qkv_BT3HK, axis, split_axis=3, concat_axis=1, tiled=True)
-    drop = None
-    if dropout:
-        drop = lambda p_BHTS: site_dropout(
-            key, p_BHTS, dropout, axis=axis, split_dim=1, batch_axes=batch_axes
-        )  # noqa: E731
-    o_BTHK = attend(*qkv_BT3HK.unbind(2), causal=causal, drop=drop)
+
+    def drop(p_BHTS: Tensor) -> Tensor:
+        return site_dropout(key, p_BHTS, dropout, axis=axis, split_dim=1, batch_axes=batch_axes)
+
+    o_BTHK = attend(*qkv_BT3HK.unbind(2), causal=causal, drop=drop if dropout else None)
     # heads -> seq: split the sequence, concatenate the heads in device order.
     o_BTHK = all_to_all(o_BTHK, axis, split_axis=1, concat_axis=2, tiled=True)
     return _out_proj(p, o_BTHK.flatten(2))
@@ -371,7 +372,9 @@ def ring_self_attention(
       axis: the mesh axis the sequence is split over.
       n_heads: number of heads (any divisor of D; no constraint from the axis size).
       causal: mask attention to later global positions.
-      dropout, key, batch_axes: attention-probability dropout, as for ``ring_attention``.
+      dropout: the attention-probability dropout rate, as for ``ring_attention``.
+      key: the dropout key, as for ``ring_attention``.
+      batch_axes: as for ``ring_attention``.
     """
     api = "ring_self_attention"
     check_dropout(api, dropout, key)

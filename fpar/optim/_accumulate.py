@@ -58,8 +58,10 @@ def accumulate(
         owned: set[int] = set()  # ids of the running sums allocated here (alive in total_g)
 
         def add(total: Any, g: Any) -> Any:
-            """``total + g``, in place into a sum this call allocated (``grad_fn``'s own results
-            may be buffers it reuses: never written); deferred zeros are skipped.
+            """``total + g``, in place into a sum this call allocated.
+
+            ``grad_fn``'s own results may be buffers it reuses: never written; deferred zeros
+            are skipped.
             """
             if not isinstance(g, Tensor):
                 return total + g

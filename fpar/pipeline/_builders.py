@@ -150,7 +150,7 @@ def zb_v(p: int, m: int) -> Schedule:
         order: list[tuple[str, int, int]] = []
         f, b = [0, 0], [0, 0]
 
-        def add(kind: str, c: int, count: list) -> None:
+        def add(kind: str, c: int, count: list, order: list = order) -> None:
             order.append((kind, count[c], c))
             count[c] += 1
 
@@ -210,17 +210,17 @@ def dualpipe_v(p: int, m: int) -> Schedule:
         f, b = [0, 0], [0, 0]
         pending: list[tuple[int, int]] = []  # (chunk, microbatch) whose W is still to run
 
-        def fwd(c: int) -> None:
+        def fwd(c: int, order: list = order, f: list = f) -> None:
             order.append(("F", f[c], c))
             f[c] += 1
 
-        def bwd(c: int, split: bool) -> None:
+        def bwd(c: int, split: bool, order: list = order, b: list = b, pending: list = pending) -> None:
             order.append(("B" if split else "BW", b[c], c))
             if split:
                 pending.append((c, b[c]))
             b[c] += 1
 
-        def weight() -> None:
+        def weight(order: list = order, pending: list = pending) -> None:
             if pending:
                 c, j = pending.pop(0)
                 order.append(("W", j, c))

@@ -87,12 +87,12 @@ def gpipe_scan(stage_fn: Callable, stage_params: Any, xs: Tensor, *, axis: str =
         params = _chunk(stage_params, k.div(m, rounding_mode="floor").clamp(0, v - 1), v)
         params = tree_map(lambda w, keep=valid: _GradMask.apply(w, keep), params)
         y = torch.where(valid, stage_fn(params, h), zero)
-        j_last, c_last = _last_stage_slot(t, p, m, v)
-        if c_last == v - 1:
-            outs[j_last] = torch.where(stage == p - 1, y, zero)
+        slot = _last_stage_slot(t, p, m, v)
+        if slot is not None and slot[1] == v - 1:
+            outs[slot[0]] = torch.where(stage == p - 1, y, zero)
         state = ppermute(y, axis, perm) if p > 1 else y
-        if c_last is not None and c_last < v - 1:
-            circ[j_last] = state  # on stage 0: the last stage's output, for its next chunk
+        if slot is not None and slot[1] < v - 1:
+            circ[slot[0]] = state  # on stage 0: the last stage's output, for its next chunk
     return psum(torch.stack(outs), axis)
 
 
@@ -115,11 +115,11 @@ def _injected(t: int, m: int, v: int, xs: Tensor, circ: list, zero: Tensor) -> T
     return xs[j] if c == 0 else circ[j]
 
 
-def _last_stage_slot(t: int, p: int, m: int, v: int) -> tuple[int | None, int | None]:
-    """(microbatch, chunk) the last stage computes at tick ``t``, or (None, None) in its bubble."""
+def _last_stage_slot(t: int, p: int, m: int, v: int) -> tuple[int, int] | None:
+    """(microbatch, chunk) the last stage computes at tick ``t``, or None in its bubble."""
     k = t - (p - 1)
     if not 0 <= k < v * m:
-        return None, None
+        return None
     return k % m, k // m
 
 

@@ -31,13 +31,6 @@ __all__ = [
     "Action",
     "Schedule",
     "ScheduleError",
-    "gpipe",
-    "interleaved_1f1b",
-    "one_f_one_b",
-    "dualpipe_v",
-    "place",
-    "zb_h1",
-    "zb_v",
 ]
 
 COMPUTE = ("F", "B", "W", "BW")

@@ -154,7 +154,7 @@ def uniform(
     Returns:
       The block (inside shard with a spec) or the whole array.
     """
-    m = _float_bits("uniform", dtype)
+    _float_bits("uniform", dtype)  # checks the dtype before any words are drawn
     w = _words("uniform", key, shape, 2 if dtype == torch.float64 else 1, spec)
     if dtype == torch.float64:
         return ((w[0] >> 5) * 2**26 + (w[1] >> 6)).to(torch.float64) * 2.0**-53

@@ -72,7 +72,8 @@ def check_random_op(func, args: tuple, kwargs: dict, fname: str) -> None:
 
     Args:
       func: the function a ``TorchFunctionMode`` intercepted.
-      args, kwargs: its arguments.
+      args: its positional arguments.
+      kwargs: its keyword arguments.
       fname: the name of the sharded function, for the message.
 
     Raises:

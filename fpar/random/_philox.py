@@ -66,7 +66,8 @@ def block_words(k0, k1, shape, start, local, words: int, device) -> list[Tensor]
     """The ``words`` random words of each element of one block of a draw of global ``shape``.
 
     Args:
-      k0, k1: the key words (int64 0-d tensors, possibly batched).
+      k0: the first key word (an int64 0-d tensor, possibly batched).
+      k1: the second key word (as ``k0``).
       shape: the global shape (Python ints).
       start: per dim, the block's first global index (a Python int or an int64 0-d tensor,
         batched under ``vmap`` for a dim split over a mesh axis).

@@ -285,7 +285,11 @@ def test_grouped_mm_path_equals_per_expert_matmuls(monkeypatch):
         calls = []
         if moe_mod._GROUPED_MM:
             real = torch._grouped_mm
-            monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+            monkeypatch.setattr(
+                torch,
+                "_grouped_mm",
+                lambda *a, calls=calls, real=real, **kw: calls.append(1) or real(*a, **kw),
+            )
         fast[name] = run(fn)
         assert len(calls) == (2 if moe_mod._GROUPED_MM else 0), name
         monkeypatch.undo()
@@ -300,7 +304,7 @@ def test_grouped_mm_path_equals_per_expert_matmuls(monkeypatch):
     p64, x64 = optree.tree_map(torch.Tensor.double, (params, x))
     for cf, fn in ((0.75, layers["in-process EP"]), (None, layers["data x expert x tensor"])):
         want = torch.func.grad_and_value(
-            lambda p, x: (reference(p, x, 2, cf)[0] * ct.double()).sum(), argnums=(0, 1)
+            lambda p, x, cf=cf: (reference(p, x, 2, cf)[0] * ct.double()).sum(), argnums=(0, 1)
         )(p64, x64)
         got = next(fast[k] for k, v in layers.items() if v is fn)
         torch.testing.assert_close(optree.tree_map(torch.Tensor.double, got), want, rtol=1e-4, atol=1e-4)
