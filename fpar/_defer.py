@@ -15,7 +15,7 @@ What is *not* deferred (reduced at once, as without the context, which is always
 * sums that are not at inputs: a signature whose plan stays traced (see ``_dist/shard.py``) and
   sums at collective outputs, whose cotangent flows on through per-microbatch values (a fast
   plan's first, traced, call defers its input sums like the later calls:
-  ``_dist/buckets.traced_sums``);
+  ``_dist/traced_sums.py``);
 * inputs computed in the graph (non-leaf tensors: an activation, a pipeline stage's input): their
   cotangent flows on within the call's own backward, and each microbatch passes a new one; only
   leaves (parameters) are deferred;

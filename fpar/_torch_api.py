@@ -232,6 +232,12 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "its gradients are final (DDP's overlap)",
         probe=lambda: torch.ones(1, requires_grad=True).view_as(torch.ones(1)).grad_fn._set_sequence_nr,  # type: ignore[union-attr]  # grad_fn is a Node: x requires grad
     ),
+    PrivateApi(
+        "torch.autograd.Variable._execution_engine.queue_callback",
+        ("_defer.py",),
+        "run a check once the current backward ends (as DDP does): deferred gradient sums that the final "
+        "call outside fpar.defer_reduction() left unclaimed are an error then",
+    ),
     PrivateApi("torch._C._current_graph_task_id", ("plan/_record.py",), "whether a backward is running"),
     PrivateApi(
         "torch._C._storage_Use_Count",

@@ -21,7 +21,7 @@ data-parallel gradient all-reduce, bucketed like DDP, see ``buckets.py``), and n
 size-1 anything.  Under ``fpar.defer_reduction()`` those input-source sums are kept locally
 and reduced by the next call outside the context (``buckets.py``, ``fpar/_defer.py``); sums at
 collective outputs reduce at once.  A fast plan's first (traced) call does its input-source sums
-as a steady call would (``buckets.traced_sums``), so a step adds its microbatches' gradients in
+as a steady call would (``traced_sums.py``), so a step adds its microbatches' gradients in
 one order whichever of its calls traced (a resumed run is bitwise the uninterrupted one).  A signature for which some source is used
 both ways, a replicated tensor of unknown origin (a closure-captured parameter) meets a varying
 value, or the function differentiates inside itself (an inner ``torch.func.grad``) keeps running
@@ -49,10 +49,11 @@ from .._spec import check_spec
 from .._tree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from .agree import digest
 from .agreement import _Agreement
-from .buckets import reduce_inputs, traced_sums
+from .buckets import reduce_inputs
 from .compiled import groups_of
 from .exchange import _Exchange, _TakeFirst, summed
 from .groups import _device, on_paper, simulated
+from .traced_sums import traced_sums
 from .tracker import _Tracker
 
 __all__ = ["DistShard"]

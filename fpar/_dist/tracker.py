@@ -114,7 +114,7 @@ class _Planned(torch.autograd.Function):
     @staticmethod
     def backward(ctx, ct):
         how = ctx.resolve()
-        if callable(how):  # an input's sum deferred under fpar.defer_reduction() (buckets.traced_sums)
+        if callable(how):  # an input's sum deferred under fpar.defer_reduction() (traced_sums.py)
             return how(ct), None, None
         return (_Exchange.apply(ct, "psum", (), 0, how, ctx.mg) if how else ct), None, None
 
