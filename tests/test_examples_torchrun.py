@@ -41,7 +41,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchrun_util import free_port, kill_tree
+from torchrun_util import free_port, run
 
 pytestmark = pytest.mark.multiprocess
 
@@ -116,26 +116,7 @@ _DIST_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_AD
 def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """Run ``cmd`` in a session of its own; on timeout kill it and every process it started."""
     cwd.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(
-        cmd,
-        cwd=cwd,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        out, err = proc.communicate()
-        pytest.fail(f"timed out after {TIMEOUT_S} s: {' '.join(cmd)}\n{_tail(out, err)}")
-    finally:
-        if proc.poll() is None:  # interrupted in between: leave nothing running
-            kill_tree(proc.pid)
-            proc.wait()
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return run(cmd, timeout=TIMEOUT_S, cwd=cwd, env=_env())
 
 
 def _torchrun(case: Case, n: int, cwd: Path) -> subprocess.CompletedProcess:
