@@ -3,6 +3,7 @@
 #   bash scripts/dev.sh example   # set up (once), then run the main example
 #   bash scripts/dev.sh test      # set up (once), then run the whole test suite
 #   bash scripts/dev.sh setup     # only set up
+#   bash scripts/dev.sh wheel     # set up (once), then build the wheel and smoke-test it in a fresh venv
 # Set-up makes .venv with the CPU build of torch 2.13.0 *before* installing fpar: a bare `torch`
 # requirement with no torch present would pull the newest release with GBs of CUDA packages.
 set -euo pipefail
@@ -17,11 +18,13 @@ setup() {
     .venv/bin/python -m pip install -q torch==2.13.0
   fi
   .venv/bin/python -m pip install -q -e ".[test,examples,hf,docs,lint]"
+  .venv/bin/python -m pip install -q build==1.6.1  # python -m build, for scripts/wheel_smoke.sh
 }
 
 case "${1:-}" in
   setup) setup ;;
   example) setup; .venv/bin/python examples/train_gpt.py "${@:2}" ;;
   test) setup; .venv/bin/python -m pytest "${@:2}" ;;
-  *) echo "usage: bash scripts/dev.sh {setup|example|test} [args...]" >&2; exit 2 ;;
+  wheel) setup; bash scripts/wheel_smoke.sh ;;
+  *) echo "usage: bash scripts/dev.sh {setup|example|test|wheel} [args...]" >&2; exit 2 ;;
 esac

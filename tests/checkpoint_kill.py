@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -91,7 +90,7 @@ def kill_and_check(
     run: Path, kills: int, *, seed: int = 0, procs: int = 1, timeout: float = 120.0, verbose: bool = False
 ) -> dict:
     """SIGKILL the victim ``kills`` times at random points; check every load.  Returns counts."""
-    from torchrun_util import kill_tree
+    from torchrun_util import kill_tree, started
 
     rng = random.Random(seed)
     env = {
@@ -102,11 +101,8 @@ def kill_and_check(
     counts = {"kills": 0, "loads_checked": 0, "half_written_at_kill": 0, "newest_step": None}
     for _ in range(kills):
         cmd = [sys.executable, str(Path(__file__).resolve()), "victim", str(run), str(procs)]
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        )
         committed, deadline = [], time.monotonic() + timeout
-        try:
+        with started(cmd, merge=True, env=env) as proc:
             line = proc.stdout.readline()  # the first commit: the victim is in its save loop
             while line and not line.startswith("committed"):
                 line = proc.stdout.readline()
@@ -116,10 +112,6 @@ def kill_and_check(
             time.sleep(rng.uniform(0.0, 0.6))  # then die at a random point of a later save
             kill_tree(proc.pid)
             rest, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        finally:
-            if proc.poll() is None:
-                kill_tree(proc.pid)
-                proc.communicate()
         committed += [int(x.split()[1]) for x in rest.splitlines() if x.startswith("committed")]
         counts["kills"] += 1
         latest = fpar.checkpoint.latest_step(run)

@@ -22,6 +22,7 @@ The runs are bounded in time; every launcher and its workers are killed at the e
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -30,7 +31,7 @@ import time
 from pathlib import Path
 
 import pytest
-from torchrun_util import free_port, kill_tree
+from torchrun_util import finish, free_port, kill_tree, started
 
 import fpar
 
@@ -128,15 +129,8 @@ def _agent(
         "--ckpt-dir",
         str(ckpt),
     ]
-    return subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=_env(),
-        stdin=subprocess.PIPE if gated else subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    return started(
+        cmd, merge=True, cwd=ROOT, env=_env(), stdin=subprocess.PIPE if gated else subprocess.DEVNULL
     )
 
 
@@ -149,15 +143,9 @@ def store_port():
         f"s = d.TCPStore('127.0.0.1', {port}, is_master=True, timeout=datetime.timedelta(seconds=300)); "
         "print('ready', flush=True); time.sleep(3600)"
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code], env=_env(), stdout=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
+    with started([sys.executable, "-c", code], env=_env(), stderr=None) as proc:
         assert proc.stdout.readline().strip() == "ready"
         yield port
-    finally:
-        kill_tree(proc.pid)
-        proc.communicate()
 
 
 def _wait_for_step(ckpt: Path, step: int, procs: list, timeout: float) -> None:
@@ -177,30 +165,6 @@ def _wait_for_step(ckpt: Path, step: int, procs: list, timeout: float) -> None:
     pytest.fail(
         f"no checkpoint of step {step} within {timeout:g} s:\n" + "\n----\n".join(o[-3000:] for o in outs)
     )
-
-
-def _finish(procs: list, timeout: float) -> list[str]:
-    """Wait for every launcher (bounded), then kill whatever is left; return their outputs."""
-    outs = []
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            try:
-                out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                kill_tree(p.pid)
-                out, _ = p.communicate()
-                outs.append(out)
-                pytest.fail(
-                    f"a launcher did not finish in {timeout:g}s:\n" + "\n----\n".join(o[-3000:] for o in outs)
-                )
-            outs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                kill_tree(p.pid)
-                p.communicate()
-    return outs
 
 
 def _killed(*procs) -> str:
@@ -231,20 +195,13 @@ def _meshes(outs: list[str]) -> list[str]:
 def test_a_node_lost_mid_run_continues_on_fewer_processes_with_zero1_state(tmp_path, store_port):
     zero, want = "1", reference()
     port, ckpt = store_port, tmp_path / "run"
-    host = _agent(port, ckpt, "--zero", zero)
-    lost = _agent(port, ckpt, "--zero", zero)
-    try:
+    with _agent(port, ckpt, "--zero", zero) as host, _agent(port, ckpt, "--zero", zero) as lost:
         _wait_for_step(ckpt, K, [host, lost], timeout=240)
         if lost.poll() is not None or host.poll() is not None:
             pytest.fail("a launcher ended before the kill:\n" + _killed(host, lost))
         kill_tree(lost.pid)  # its agent and its workers, as a node that loses power
         lost_out, _ = lost.communicate()
-        (host_out,) = _finish([host], timeout=300)
-    finally:
-        for p in (host, lost):
-            if p.poll() is None:
-                kill_tree(p.pid)
-                p.communicate()
+        (host_out,) = finish([host], timeout=300)
     assert host.returncode == 0, host_out[-4000:]
     assert re.search(r"resumed from .* at step ([2-9])", host_out), host_out[-4000:]
     meshes = _meshes([host_out, lost_out])
@@ -258,20 +215,14 @@ def test_a_node_lost_mid_run_continues_on_fewer_processes_with_zero1_state(tmp_p
 def test_a_node_joining_grows_the_job_with_zero3_state(tmp_path, store_port):
     want = reference()
     port, ckpt = store_port, tmp_path / "run"
-    first = _agent(port, ckpt, "--zero", "3")
-    joined = _agent(port, ckpt, "--zero", "3", gated=True)  # imports now, joins on the signal
-    try:
+    # the second agent imports now and joins on the signal
+    with _agent(port, ckpt, "--zero", "3") as first, _agent(port, ckpt, "--zero", "3", gated=True) as joined:
         _wait_for_step(ckpt, K, [first], timeout=240)
         if first.poll() is not None or joined.poll() is not None:
             pytest.fail("a launcher ended before the join:\n" + _killed(first, joined))
         joined.stdin.write("go\n")
         joined.stdin.flush()
-        outs = _finish([first, joined], timeout=300)
-    finally:
-        for p in (first, joined):
-            if p.poll() is None:
-                kill_tree(p.pid)
-                p.communicate()
+        outs = finish([first, joined], timeout=300)
     assert first.returncode == 0 and joined.returncode == 0, outs[0][-3000:] + outs[1][-3000:]
     meshes = _meshes(outs)
     assert (
@@ -287,10 +238,14 @@ def test_two_node_launch_gives_the_in_process_losses(tmp_path, rendezvous):
     want = reference()
     port, ckpt = free_port(), tmp_path / "run"  # c10d: an agent hosts the store
     static = rendezvous == "static"
-    procs = [
-        _agent(port, ckpt, "--stop-after", "2", nnodes="2", static=(i if static else None)) for i in range(2)
-    ]
-    outs = _finish(procs, timeout=300)
+    with contextlib.ExitStack() as stack:
+        procs = [
+            stack.enter_context(
+                _agent(port, ckpt, "--stop-after", "2", nnodes="2", static=(i if static else None))
+            )
+            for i in range(2)
+        ]
+        outs = finish(procs, timeout=300)
     assert all(p.returncode == 0 for p in procs), "\n----\n".join(o[-3000:] for o in outs)
     assert _meshes(outs) == ["{'pipeline': 2, 'data': 2, 'tensor': 1}"]
     _check_losses(outs, want, steps=2)

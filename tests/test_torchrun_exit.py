@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from torchrun_util import free_port, kill_tree
+from torchrun_util import free_port, run
 
 pytestmark = pytest.mark.multiprocess
 
@@ -41,28 +41,10 @@ def _torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     for _ in range(2):  # another job may take the free port before the launcher binds it
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
         cmd += ["--master-port", str(free_port()), str(PROGRAM), *args]
-        proc = subprocess.Popen(
-            cmd,
-            cwd=cwd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            out, err = proc.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
-            out, err = proc.communicate()
-            pytest.fail(f"timed out after {TIMEOUT_S} s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}")
-        finally:
-            if proc.poll() is None:  # interrupted in between: leave nothing running
-                kill_tree(proc.pid)
-                proc.wait()
-        if proc.returncode == 0 or "address already in use" not in err.lower():
+        res = run(cmd, timeout=TIMEOUT_S, cwd=cwd, env=env)
+        if res.returncode == 0 or "address already in use" not in res.stderr.lower():
             break
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return res
 
 
 @pytest.mark.parametrize(

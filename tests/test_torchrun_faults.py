@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from torchrun_util import children, free_port, kill_tree
+from torchrun_util import children, free_port, run, started, wait
 
 import fpar
 
@@ -52,22 +51,8 @@ def _env() -> dict:
 
 def _run(cmd: list[str], timeout: float, cwd: Path = ROOT) -> tuple[int, str, float]:
     start = time.monotonic()
-    proc = subprocess.Popen(
-        cmd,
-        cwd=cwd,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout:g}s:\n{out[-4000:]}")
-    return proc.returncode, out, time.monotonic() - start
+    res = run(cmd, timeout=timeout, merge=True, cwd=cwd, env=_env())
+    return res.returncode, res.stdout, time.monotonic() - start
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
@@ -115,16 +100,7 @@ def test_a_killed_rank_restarts_and_resume_gives_the_uninterrupted_losses(tmp_pa
 
     ckpt = tmp_path / "b"
     cmd = _torchrun(2, script, *args, "--resume", "--ckpt-dir", str(ckpt), restarts=1)
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
+    with started(cmd, merge=True, cwd=ROOT, env=_env()) as proc:
         deadline = time.monotonic() + 180
         killed = None
         while killed is None and time.monotonic() < deadline and proc.poll() is None:
@@ -137,14 +113,7 @@ def test_a_killed_rank_restarts_and_resume_gives_the_uninterrupted_losses(tmp_pa
                     os.kill(killed, signal.SIGKILL)
                     break
             time.sleep(0.02)
-        out, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        out, _ = proc.communicate()
-        pytest.fail(f"the restarted run did not finish:\n{out[-4000:]}")
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc.pid)
+        out, _ = wait(proc, 240)  # the restarted run
     assert killed is not None, "the run ended before a rank could be killed: make it longer"
     assert proc.returncode == 0, out[-4000:]
     assert re.search(r"resumed from .* at step [2-9]", out), out[-4000:]

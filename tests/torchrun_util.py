@@ -2,14 +2,27 @@
 
 torchrun starts every worker in a session of its own, so killing the launcher's process group
 alone would leave the workers running: ``kill_tree`` kills each descendant's group too.
+
+``run`` is a command run to its end within a timeout; ``started`` a command the test talks to
+while it runs (kills a rank, waits for a checkpoint), ``wait`` its bounded end; ``finish`` waits
+for several. Each starts the
+command in a session of its own, and whatever way the test leaves (a timeout, a failed assertion,
+an interrupt), nothing it started is left running.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 
 def free_port() -> int:
@@ -43,6 +56,81 @@ def kill_tree(pid: int) -> None:
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def stop(*procs: subprocess.Popen) -> None:
+    """Kill the tree of each of ``procs`` that is still running, and reap it (its output is dropped)."""
+    for p in procs:
+        if p.poll() is None:
+            kill_tree(p.pid)
+            p.communicate()
+
+
+@contextlib.contextmanager
+def started(cmd: Sequence[str], *, merge: bool = False, **popen: Any) -> Iterator[subprocess.Popen]:
+    """``cmd`` started in a session of its own, text output piped (stderr into stdout if ``merge``).
+
+    Leaving the block stops whatever of its tree still runs (``stop``).
+    """
+    popen.setdefault("stdout", subprocess.PIPE)
+    popen.setdefault("stderr", subprocess.STDOUT if merge else subprocess.PIPE)
+    proc = subprocess.Popen(list(cmd), text=True, start_new_session=True, **popen)
+    try:
+        yield proc
+    finally:
+        stop(proc)
+
+
+def wait(proc: subprocess.Popen, timeout: float) -> tuple[str, str | None]:
+    """``proc``'s (stdout, stderr) once it ends; past ``timeout`` seconds kill its tree and fail the test.
+
+    The failure names the command and shows the tail of its output.
+    """
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        pytest.fail(
+            f"did not finish in {timeout:g} s: {' '.join(map(str, proc.args))}\n--- stdout (end) ---\n"
+            f"{out[-4000:]}" + (f"\n--- stderr (end) ---\n{err[-4000:]}" if err else "")
+        )
+
+
+def run(
+    cmd: Sequence[str], *, timeout: float, merge: bool = False, **popen: Any
+) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (``started``) to its end within ``timeout`` seconds (``wait``).
+
+    ``merge`` puts stderr into the result's ``stdout`` (its ``stderr`` is then ``None``).
+    """
+    with started(cmd, merge=merge, **popen) as proc:
+        out, err = wait(proc, timeout)
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
+
+
+def finish(procs: Sequence[subprocess.Popen], timeout: float) -> list[str]:
+    """Wait for every one of ``procs`` (their stdout merged), ``timeout`` seconds for all; their outputs.
+
+    Past the timeout the test fails with the outputs so far; every process still running is
+    stopped either way.
+    """
+    outs: list[str] = []
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            try:
+                out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                kill_tree(p.pid)
+                outs.append(p.communicate()[0])
+                pytest.fail(
+                    f"a launcher did not finish in {timeout:g}s:\n" + "\n----\n".join(o[-3000:] for o in outs)
+                )
+            outs.append(out)
+    finally:
+        stop(*procs)
+    return outs
 
 
 def _parents() -> dict[int, int]:

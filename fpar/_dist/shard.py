@@ -37,6 +37,7 @@ cotangents are summed) and ``agreement.py`` (the per-call signature check).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from typing import Any
 
 import torch
@@ -419,6 +420,11 @@ def _wrapped(t: Tensor) -> bool:
     return torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
+def _bytes(state: torch.Tensor) -> bytes:
+    """A generator state's bytes (a contiguous CPU uint8 tensor), without numpy: fpar does not need it."""
+    return ctypes.string_at(state.data_ptr(), state.numel())
+
+
 def _generator_states() -> tuple:
     """The state of torch's default generators (CPU, and the current CUDA device's if in use).
 
@@ -428,10 +434,10 @@ def _generator_states() -> tuple:
     # no dispatch mode sees the state tensor (fpar.plan's memory count would take it for a buffer)
     with torch._C._DisableTorchDispatch():
         if maybe_current_level() is None:
-            cpu = torch.default_generator.get_state().numpy().tobytes()
+            cpu = _bytes(torch.default_generator.get_state())
         else:  # under torch.func.grad/vmap: read the state as a plain tensor
             with torch._C._DisableFuncTorch():
-                cpu = torch.default_generator.get_state().numpy().tobytes()
+                cpu = _bytes(torch.default_generator.get_state())
     if torch.cuda.is_initialized():
         return cpu, torch.cuda.default_generators[torch.cuda.current_device()].get_offset()
     return (cpu,)
