@@ -24,7 +24,9 @@ setup() {
 case "${1:-}" in
   setup) setup ;;
   example) setup; .venv/bin/python examples/train_gpt.py "${@:2}" ;;
-  test) setup; .venv/bin/python -m pytest "${@:2}" ;;
+  # two pytest workers (pytest-xdist; FPAR_TEST_WORKERS=0 runs in one process): much of the suite waits
+  # on process start-up, rendezvous and gloo, which the other worker's tests fill
+  test) setup; .venv/bin/python -m pytest -n "${FPAR_TEST_WORKERS:-2}" --dist worksteal "${@:2}" ;;
   wheel) setup; bash scripts/wheel_smoke.sh ;;
   *) echo "usage: bash scripts/dev.sh {setup|example|test|wheel} [args...]" >&2; exit 2 ;;
 esac
