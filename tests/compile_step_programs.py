@@ -275,20 +275,26 @@ def run_block_steps(cases=("moe", "gpt_dropout"), backend: str = "aot_eager") ->
     rate = 0.25
     out = {}
     for case in cases:
-        inits = ops.init_gpt_block(D, dtype=F64)
-        specs = ops.gpt_block_specs("tensor")
+        block = ops.init_gpt_block(D, dtype=F64)
+        block_specs = ops.gpt_block_specs("tensor")
         if case == "moe":
-            del inits["mlp"], specs["mlp"]
-            inits["moe"] = ops.init_moe(D, 2 * D, 4, std=0.3, dtype=F64)
-            specs["moe"] = ops.moe_specs(None, tensor_axis="tensor")
+            del block["mlp"], block_specs["mlp"]
+            block["moe"] = ops.init_moe(D, 2 * D, 4, std=0.3, dtype=F64)
+            block_specs["moe"] = ops.moe_specs(None, tensor_axis="tensor")
+        # a column-parallel head, its squared outputs summed over "tensor" (a vocab-parallel loss's
+        # form: a real mesh plans the call fast, its input's uses all summed the same way)
+        inits = {"block": block, "head": fpar.normal((D, D), std=D**-0.5, dtype=F64)}
+        specs = {"block": block_specs, "head": P(None, "tensor")}
 
         def per_device(params, x, key, case=case):
+            w = params["block"]
             if case == "moe":
-                h = ops.moe_block(params, x, axis="tensor", n_heads=HEADS, moe=dict(top_k=2))[0]
+                h = ops.moe_block(w, x, axis="tensor", n_heads=HEADS, moe=dict(top_k=2))[0]
             else:
                 h = ops.dropout(fold_in(key, 0), x, rate, spec=P("data"))
-                h = ops.gpt_block(params, h, axis="tensor", n_heads=HEADS, dropout=rate, key=fold_in(key, 1))
-            return fpar.pmean((h**2).mean(), "data")
+                h = ops.gpt_block(w, h, axis="tensor", n_heads=HEADS, dropout=rate, key=fold_in(key, 1))
+            sq = fpar.psum(((h @ params["head"]) ** 2).sum(), "tensor")
+            return fpar.pmean(sq / h.numel() / D, "data")
 
         loss_fn = fpar.shard(per_device, mesh, (specs, P("data"), P()), P())
         init = fpar.init(inits, mesh, specs, seed=3)
