@@ -13,6 +13,8 @@ that Dynamo and AOTAutograd trace:
   the levels exactly as the eager ``_Collective`` does, then runs the same exchange on the
   stacked blocks (``exchange.py``): plain differentiable ops, so the backward AOTAutograd derives
   is the exact gradient of the global function, as it is eagerly;
+* which mesh axes a value varies over (dropout's batch axes), which eagerly is vmap's batching
+  of it, is the eager call's answer to the same query (``LocalPlan.varying``, in query order);
 * no ``TorchFunctionMode``: what it does eagerly is counting traffic, checks the eager call has
   already made for this signature (replication, random ops, writes to inputs), inner-transform
   pvaries (refused under compile anyway), and folding matmuls, which Inductor does itself.
