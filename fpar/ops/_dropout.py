@@ -58,9 +58,9 @@ def dropout(key: Tensor, x: Tensor, rate: float, *, spec: PartitionSpec | None =
 def varying_axes(frame, x: Tensor) -> set[str]:
     """The mesh axes ``x`` varies over in the running shard call ``frame``.
 
-    In-process: the mesh vmap levels ``x`` is batched at.  On a real mesh (plain local tensors),
-    and in a compiled in-process call: the frame's ``varying`` query, answered by the traced call's
-    tracker (the eager in-process call's levels) and by its plan later.
+    In-process: the mesh vmap levels ``x`` is batched at.  On a real mesh (plain local tensors):
+    the frame's ``varying`` query, answered by the traced call's tracker and by its plan later;
+    in a compiled in-process call, by the eager call's answer to the same query.
     """
     if frame.levels:
         return set(varying_of(frame, x))
