@@ -64,6 +64,9 @@ class Frame:
     direct: Callable | None = None  # real mesh only (and marks one): its collective, all_to_all_v too
     inputs: dict[int, str] = dataclasses.field(default_factory=dict)  # in-process: storage -> "args[0]"
     varying: Callable | None = None  # real mesh: tensor -> the mesh axes it varies over (frozenset)
+    # in-process, an eager call: (shape, dtype, mesh axes) of each value queried for the axes it
+    # varies over, in order; a compiled call of the signature answers its queries from them
+    queried: list | None = None
     # real mesh, a traced call only: its ``_Tracker``, which types what a body it does not
     # intercept computes (``fpar.optim.remat``'s forward, run below the call's functorch level)
     tracker: Any = None

@@ -178,10 +178,11 @@ def shard(
             return compiled_local(g, fname, mesh, plan, call_args)
 
         return entry(trace_local)
-    from ._dist.compiled import NOT_FAST, UNPLANNED, compiled_call
+    from ._dist.compiled import EXACT_COUNTS, NOT_FAST, UNPLANNED, compiled_call
 
     unplanned = graph_break(sharded, UNPLANNED.format(fname=fname))
     not_fast = graph_break(sharded, NOT_FAST.format(fname=fname))
+    exact_counts = graph_break(sharded, EXACT_COUNTS.format(fname=fname))
 
     def trace_real(args: tuple, kwargs: dict) -> Any:  # ``_dist/compiled.py``
         shard_, call_args = real_call(args, kwargs, make=False)
@@ -189,6 +190,8 @@ def shard(
         if plan is None or not plan.fast:  # unplanned: the eager call plans it, and Dynamo
             # recompiles at the next call (its guards on compiled_plans)
             return (unplanned if plan is None else not_fast)(*args, **kwargs)
+        if any(kind == "all_to_all_v" for kind, _, _ in plan.coll):  # counts as data: no static graph
+            return exact_counts(*args, **kwargs)
         return compiled_call(shard_, plan, call_args)
 
     return entry(trace_real)

@@ -173,8 +173,11 @@ def run_refusals(backend: str = "aot_eager") -> dict:
     return out
 
 
-def run_zero_steps(stages=(0, 1, 2, 3)) -> dict:
+def run_zero_steps(stages=(0, 1, 2, 3), n_micro: dict | None = None) -> dict:
     """ZeRO ``zero_step`` trained eagerly and compiled whole (after one eager step), per stage.
+
+    ``n_micro``: microbatches per step by stage (default 1; ``zero_step`` accumulates them inside
+    the compiled graph).
 
     On a real mesh (data=2 x tensor=1: this process's rows) or in-process (data=2 x tensor=2).
     Per stage: the largest |eager - compiled| of the losses and of the whole parameters, how far
@@ -206,7 +209,9 @@ def run_zero_steps(stages=(0, 1, 2, 3)) -> dict:
     out = {}
     for stage in stages:
         layout = fo.zero_layout(init, mesh, specs, stage=stage)
-        step = fo.zero_step(loss_fn, opt, layout, batch_specs=P("data"))
+        step = fo.zero_step(
+            loss_fn, opt, layout, batch_specs=P("data"), n_micro=(n_micro or {}).get(stage, 1)
+        )
         runs, ops = [], set()
 
         def record(gm, _inputs, ops=ops):
@@ -244,4 +249,122 @@ def run_zero_steps(stages=(0, 1, 2, 3)) -> dict:
             out["unplanned"] = ("ok",)
         except Exception as e:  # noqa: BLE001 - the test reads the error
             out["unplanned"] = ("error", type(e).__name__, str(e))
+    return out
+
+
+def run_block_steps(cases=("moe", "gpt_dropout"), backend: str = "aot_eager") -> dict:
+    """A transformer block of ``fpar.ops`` in a sharded loss, trained eagerly and compiled whole.
+
+    The mesh is data=2 x tensor=2 in-process, data=1 x tensor=2 on 2 processes.  Cases:
+    ``"moe"``: ``fpar.ops.moe_block`` with every expert on every device (``axis=None``), each
+    expert's hidden dim split over ``"tensor"`` (a real mesh routes with exact counts eagerly,
+    static slots compiled); ``"gpt_dropout"``: ``fpar.ops.dropout`` with a spec, then
+    ``fpar.ops.gpt_block``'s dropout with no ``batch_axes`` (inferred from what the input varies
+    over).  Per case: the largest |eager - compiled| of the losses and of the parameters, and how
+    far the steps moved the parameters.  Every step draws new dropout masks (its own key).
+    """
+    import torch._dynamo
+
+    from fpar.random import fold_in
+    from fpar.random import key as random_key
+
+    torch._dynamo.config.trace_autograd_ops = True
+    real = dist.is_initialized()
+    shape = (1, 2) if real else (2, 2)
+    mesh = fpar.make_mesh(shape, ("data", "tensor"))
+    rate = 0.25
+    out = {}
+    for case in cases:
+        block = ops.init_gpt_block(D, dtype=F64)
+        block_specs = ops.gpt_block_specs("tensor")
+        if case == "moe":
+            del block["mlp"], block_specs["mlp"]
+            block["moe"] = ops.init_moe(D, 2 * D, 4, std=0.3, dtype=F64)
+            block_specs["moe"] = ops.moe_specs(None, tensor_axis="tensor")
+        # a column-parallel head, its squared outputs summed over "tensor" (a vocab-parallel loss's
+        # form: a real mesh plans the call fast, its input's uses all summed the same way)
+        inits = {"block": block, "head": fpar.normal((D, D), std=D**-0.5, dtype=F64)}
+        specs = {"block": block_specs, "head": P(None, "tensor")}
+
+        def per_device(params, x, key, case=case):
+            w = params["block"]
+            if case == "moe":
+                h = ops.moe_block(w, x, axis="tensor", n_heads=HEADS, moe=dict(top_k=2))[0]
+            else:
+                h = ops.dropout(fold_in(key, 0), x, rate, spec=P("data"))
+                h = ops.gpt_block(w, h, axis="tensor", n_heads=HEADS, dropout=rate, key=fold_in(key, 1))
+            sq = fpar.psum(((h @ params["head"]) ** 2).sum(), "tensor")
+            return fpar.pmean(sq / h.numel() / D, "data")
+
+        loss_fn = fpar.shard(per_device, mesh, (specs, P("data"), P()), P())
+        init = fpar.init(inits, mesh, specs, seed=3)
+        g = torch.Generator().manual_seed(2)
+        x = torch.randn(2 * shape[0], T, D, generator=g, dtype=F64)
+        if real:
+            x = x.chunk(shape[0])[mesh._dist.coords["data"]]
+
+        def step(params, x, key, loss_fn=loss_fn):
+            leaves = torch.utils._pytree.tree_leaves(params)
+            loss = loss_fn(params, x, key)
+            loss.backward()
+            with torch.no_grad():
+                for p in leaves:
+                    p.sub_(0.5 * p.grad)
+                    p.grad = None
+            return loss.detach()
+
+        runs = []
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            params = torch.utils._pytree.tree_map(lambda t: t.detach().clone().requires_grad_(), init)
+            fn, losses = step, []
+            for i in range(STEPS):
+                if compiled and i == 1:  # step 0 eager: it plans (checks) the sharded call
+                    fn = torch.compile(step, backend=backend, fullgraph=True)
+                losses.append(fn(params, x, fold_in(random_key(7), i)))
+            runs.append((losses, params))
+        (le, pe), (lc, pc) = runs
+        out[case] = (_diff(le, lc), _diff(pe, pc), _diff(pe, init))
+    return out
+
+
+def run_expert_parallel_refusal(backend: str = "aot_eager") -> dict:
+    """A real mesh's expert-parallel ``fpar.ops.moe`` (exact counts) under ``torch.compile``: the
+    fullgraph error, and without ``fullgraph`` the largest |compiled - eager| of the gradient
+    (the call runs eagerly at a graph break)."""
+    import torch._dynamo
+
+    mesh = fpar.make_mesh((dist.get_world_size(),), ("expert",))
+    g = torch.Generator().manual_seed(0)
+    params = {
+        "router": torch.randn(D, 4, generator=g, dtype=F64),
+        "w_in": torch.randn(4, D, 2 * D, generator=g, dtype=F64) * 0.3,
+        "w_out": torch.randn(4, 2 * D, D, generator=g, dtype=F64) * 0.3,
+    }
+    x = torch.randn(4 * dist.get_world_size(), D, generator=g, dtype=F64)
+    params = fpar.device_put(params, mesh, ops.moe_specs("expert"))
+    x = fpar.device_put(x, mesh, P("expert"))
+
+    def f(params, x):
+        y, aux = ops.moe(params, x, top_k=2, axis="expert")
+        return fpar.psum((y**2).sum(), "expert") + aux
+
+    loss = fpar.shard(f, mesh, (ops.moe_specs("expert"), P("expert")), P())
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+
+    def grad_step(leaves, x):
+        return torch.autograd.grad(loss(leaves, x), list(leaves.values()))
+
+    want = grad_step(leaves, x)  # eager: plans the signature
+    out = {}
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        try:
+            torch.compile(grad_step, backend=backend, fullgraph=True)(leaves, x)
+            out["fullgraph"] = ("ok",)
+        except Exception as e:  # noqa: BLE001 - the test reads the error
+            out["fullgraph"] = ("error", type(e).__name__, str(e))
+    torch._dynamo.reset()
+    got = torch.compile(grad_step, backend=backend)(leaves, x)
+    out["graph_break"] = _diff(want, got)
     return out

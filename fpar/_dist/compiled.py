@@ -36,7 +36,7 @@ from .._registry import internal
 from .._tree import tree_flatten, tree_unflatten
 from .groups import MeshGroups
 
-__all__ = ["NOT_FAST", "UNPLANNED", "compiled_call", "groups_of"]
+__all__ = ["EXACT_COUNTS", "NOT_FAST", "UNPLANNED", "compiled_call", "groups_of"]
 
 Tensor = torch.Tensor
 
@@ -77,11 +77,8 @@ def compiled_call(shard, plan, args: tuple) -> Any:
                 f"but the eager call with these shapes ran a different sequence of collectives. "
                 f"A function whose collectives depend on values, not shapes, cannot be planned."
             )
-        if kind == "all_to_all_v":
-            raise NotImplementedError(
-                f"fpar.shard({fname}) under torch.compile: fpar.ops.moe's exact-count exchange has "
-                f"data-dependent sizes; use capacity_factor= (static slots) in a compiled step."
-            )
+        if kind == "all_to_all_v":  # _shard.py's trace_real runs such a call eagerly first
+            raise NotImplementedError(EXACT_COUNTS.format(fname=fname))
         y = x.view_as(x) if kind == "pvary" else _Traced.apply(x, kind, params, axes, mg)
         reduce = plan.coll[k][2]
         if reduce:
@@ -124,6 +121,14 @@ UNPLANNED = (
     "runs eagerly and checks the signature across ranks; a compiled step then traces that plan into "
     "its graph. Run the step once without torch.compile (e.g. the first step), then call the "
     "compiled one; without fullgraph=True the first compiled call runs the sharded call eagerly."
+)
+
+EXACT_COUNTS = (
+    "fpar.shard({fname}) under torch.compile: fpar.ops.moe's expert-parallel exchange on a real mesh "
+    "sends exactly the rows routed to each device, whose counts are data (read on the host every "
+    "step), so the call cannot be traced into one graph. Run the step eagerly, or drop "
+    "fullgraph=True: the call then runs eagerly at a graph break (MoE with axis=None, every expert "
+    "on every device, compiles whole)."
 )
 
 NOT_FAST = (

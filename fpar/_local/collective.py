@@ -177,7 +177,7 @@ def _extreme_share(op: Op, token: Tensor, x: Tensor, y: Tensor, t: Tensor, *, tr
 
 def _size(op: Op) -> int:
     shape = frames()[-1].mesh.shape
-    return math.prod(shape[a] for a in op.axes)
+    return math.prod([shape[a] for a in op.axes])
 
 
 # Dispatch from the public API ----------------------------------------------------------------
@@ -220,6 +220,21 @@ def batched_levels(t: Tensor, ours: dict[int, str]) -> set[int]:
             t = get_unwrapped(t)
         else:  # a user's grad transform inside the sharded function
             t = _unwrap_for_grad(t, level)
+
+
+def varying_of(frame: Frame, t: Tensor) -> frozenset[str]:
+    """The mesh axes ``t`` varies over in an in-process call: the mesh levels it is batched at.
+
+    For a query of the per-device function (dropout's batch axes, ``clip_by_global_norm``'s
+    groups).  An eager call records each answer, in order, in ``frame.queried``: a compiled call
+    of the same signature, which cannot read vmap's batching, answers its queries from that record
+    (``compiled.py``): the per-device function runs the same code on the same shapes, so it asks
+    the same questions in the same order, as it runs the same collectives.
+    """
+    axes = frozenset(frame.levels[lv] for lv in batched_levels(t, frame.levels))
+    if frame.queried is not None:
+        frame.queried.append((tuple(t.shape), t.dtype, axes))
+    return axes
 
 
 def _count_implicit_pvary(frame: Frame, leaf: Tensor, axes: tuple[str, ...]) -> None:

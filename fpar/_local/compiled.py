@@ -13,6 +13,8 @@ that Dynamo and AOTAutograd trace:
   the levels exactly as the eager ``_Collective`` does, then runs the same exchange on the
   stacked blocks (``exchange.py``): plain differentiable ops, so the backward AOTAutograd derives
   is the exact gradient of the global function, as it is eagerly;
+* which mesh axes a value varies over (dropout's batch axes), which eagerly is vmap's batching
+  of it, is the eager call's answer to the same query (``LocalPlan.varying``, in query order);
 * no ``TorchFunctionMode``: what it does eagerly is counting traffic, checks the eager call has
   already made for this signature (replication, random ops, writes to inputs), inner-transform
   pvaries (refused under compile anyway), and folding matmuls, which Inductor does itself.
@@ -48,6 +50,9 @@ class LocalPlan:
 
     in_specs: tuple  # per argument leaf: its PartitionSpec, or None (passed through)
     out_specs: tuple  # per output leaf: its PartitionSpec, or None (not a tensor)
+    # (shape, dtype, the mesh axes it varies over) of each value the per-device function queried,
+    # in order (``collective.varying_of``: dropout's batch axes, ...)
+    varying: tuple = ()
 
 
 # The collective as a custom op whose vmap rule Dynamo and AOTAutograd run -----------------------
@@ -188,12 +193,26 @@ def compiled_call(f, fname: str, mesh, plan: LocalPlan, args: tuple) -> Any:
             0,
         )
 
-    def varying(x: Tensor):
-        raise NotImplementedError(
-            f"fpar.shard({fname}) under torch.compile: the mesh axes a value varies over are not "
-            f"known in a compiled in-process step; pass the layout explicitly (fpar.ops.dropout's "
-            f"spec=)."
-        )
+    asked = [0]
+
+    def varying(x: Tensor) -> frozenset:
+        # vmap's batching, which Dynamo cannot read: the eager call's answer to the same query
+        k = asked[0]
+        asked[0] += 1
+        if k >= len(plan.varying) or plan.varying[k][:2] != (tuple(x.shape), x.dtype):
+            raise RuntimeError(
+                f"fpar.shard({fname}) under torch.compile: query #{k} for the mesh axes a value "
+                f"varies over (e.g. by dropout) is of a value of shape {tuple(x.shape)} and dtype "
+                f"{x.dtype}, but the eager call with these argument shapes asked "
+                + (
+                    f"of shape {plan.varying[k][0]} and dtype {plan.varying[k][1]}"
+                    if k < len(plan.varying)
+                    else "fewer"
+                )
+                + ". A function whose queries depend on values, not shapes, cannot be compiled; "
+                "pass the layout explicitly (fpar.ops.dropout's spec=, the layers' batch_axes=)."
+            )
+        return plan.varying[k][2]
 
     frame.collective = collective
     frame.varying = varying

@@ -82,6 +82,7 @@ class LocalCall:
             exchange=backend.exchange,
             backend=backend.name,
             inputs=self.inputs,
+            queried=[],
         )
         frame.collective = functools.partial(collective, frame)
         fn = self._innermost(frame, len(views))
@@ -106,7 +107,8 @@ class LocalCall:
             frame.release()
         if self.axes:
             outs = _merge(outs, [self.axes[0] in p for p in self.present])
-        self.plan = LocalPlan(self.leaf_specs, tuple(self.out_leaf_specs))  # checked: compilable
+        # checked: compilable, with the answers of its varying-axes queries
+        self.plan = LocalPlan(self.leaf_specs, tuple(self.out_leaf_specs), tuple(frame.queried))
         return self._assemble(backend, outs)
 
     def _innermost(self, frame: Frame, nviews: int) -> Callable:

@@ -15,7 +15,7 @@ import torch
 from .. import random as _random
 from .._collectives import frames
 from .._errors import SpecError
-from .._local.collective import batched_levels
+from .._local.collective import varying_of
 from .._spec import PartitionSpec, check_spec, global_shape
 
 __all__ = ["dropout"]
@@ -59,10 +59,11 @@ def varying_axes(frame, x: Tensor) -> set[str]:
     """The mesh axes ``x`` varies over in the running shard call ``frame``.
 
     In-process: the mesh vmap levels ``x`` is batched at.  On a real mesh (plain local tensors):
-    the frame's ``varying`` query, answered by the traced call's tracker and by its plan later.
+    the frame's ``varying`` query, answered by the traced call's tracker and by its plan later;
+    in a compiled in-process call, by the eager call's answer to the same query.
     """
     if frame.levels:
-        return {frame.levels[lv] for lv in batched_levels(x, frame.levels)}
+        return set(varying_of(frame, x))
     if frame.varying is not None:
         return set(frame.varying(x))
     return set()

@@ -83,8 +83,11 @@ def _dynamic_shapes_ok(x: Tensor) -> bool:
 
     No vmap (the in-process mesh, jacrev), no forward AD, and real values to read, or
     ``fpar.plan``'s simulated device (meta tensors, where the routing is taken to be balanced:
-    ``_counts``).
+    ``_counts``).  Not under ``torch.compile``: a compiled graph has static shapes (no host read
+    of the counts), so a traced call takes the fixed-shape path.
     """
+    if torch.compiler.is_compiling():
+        return False
     if x.is_meta or is_fake(x):
         from .. import _dist
 

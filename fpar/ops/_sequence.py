@@ -336,7 +336,7 @@ def _ring_dropout(q_BHTK: Tensor, rate: float, key: Tensor, axis, n: int, batch_
     """
     b, h, t, _ = q_BHTK.shape
     batch = batch_axes_of(q_BHTK, axis, batch_axes)
-    n_batch = math.prod(axis_size(a) for a in batch)
+    n_batch = math.prod([axis_size(a) for a in batch])
     b0 = axis_index(batch) * b if batch else 0
     me = axis_index(axis)
     shape, local = [b * n_batch, h, n * t, n * t], [b, h, t, t]

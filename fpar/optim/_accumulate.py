@@ -141,7 +141,7 @@ def _microbatch(batch: Any, i: int, n_micro: int, mesh: Mesh, batch_specs: Any) 
             out.append(x)
             continue
         d = dims[0]
-        parts = 1 if mesh.backend == "dist" else math.prod(mesh.shape[a] for a in entries[d])
+        parts = 1 if mesh.backend == "dist" else math.prod([mesh.shape[a] for a in entries[d]])
         local = x.shape[d] // parts
         if local % n_micro:
             raise ValueError(

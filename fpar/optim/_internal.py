@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .._collectives import Frame, frames
-from .._local.collective import batched_levels
+from .._local.collective import varying_of
 from .._local.mode import ShardMode
 from .._registry import internal as internal
 from .._spec import block_shape as block_shape
@@ -64,9 +64,9 @@ def varying_axes(t: Tensor) -> tuple[str, ...]:
     if frame is None:
         return ()
     if frame.levels:  # in-process: the mesh vmap levels t is batched at
-        levels = batched_levels(t, frame.levels)
-        return tuple(a for a in frame.mesh.axis_names if any(frame.levels[lv] == a for lv in levels))
-    if frame.varying is not None:  # a real mesh: the plan's typing of the plain local tensor
+        axes = varying_of(frame, t)
+        return tuple(a for a in frame.mesh.axis_names if a in axes)
+    if frame.varying is not None:  # a real mesh (or a compiled in-process call): the plan's record
         axes = frame.varying(t)
         return tuple(a for a in frame.mesh.axis_names if a in axes)
     return ()

@@ -234,7 +234,7 @@ def _block(api: str, shape: list[int], spec) -> tuple[list, list[int]]:
     check_spec(spec, tuple(shape), mesh.shape, where=f"fpar.random.{api}: shape {tuple(shape)} with spec")
     for d, entry in enumerate(spec.normalized()):
         if entry:
-            local[d] = shape[d] // math.prod(mesh.shape[a] for a in entry)
+            local[d] = shape[d] // math.prod([mesh.shape[a] for a in entry])
             start[d] = axis_index(entry) * local[d]
     return start, local
 

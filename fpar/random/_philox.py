@@ -123,6 +123,8 @@ def set_compiled(enabled: bool = True) -> None:
 
 def words4(counter: Tensor, k0, k1) -> Tensor:
     """The four Philox words of each counter (int64 >= 0), stacked last: ``(*counter.shape, 4)``."""
+    if torch.compiler.is_compiling():  # a step traced whole (Dynamo reads no functorch wrapper)
+        return _functional_words4(counter, k0, k1)
     if compiled_ok(counter, k0, k1):
         flat = counter.reshape(-1)
         if flat._base is not None:  # a view: its base's rank would be a guard (a compile per rank)
@@ -130,6 +132,11 @@ def words4(counter: Tensor, k0, k1) -> Tensor:
         return fused(_words4_fused, flat, k0, k1).reshape(*counter.shape, 4)
     if not any(is_functorch_wrapped_tensor(t) for t in (counter, k0, k1)):
         return _words4_in_place(counter.reshape(-1), int(k0), int(k1)).t().reshape(*counter.shape, 4)
+    return _functional_words4(counter, k0, k1)
+
+
+def _functional_words4(counter: Tensor, k0, k1) -> Tensor:
+    """``words4`` by the functional rounds (any tensors: batched, tracked, traced), in chunks."""
     flat = counter.reshape(-1)
     parts = [torch.stack(_draw_words(c, k0, k1), -1) for c in flat.split(CHUNK)] if flat.numel() else []
     out = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else flat.new_zeros((0, 4))
