@@ -78,6 +78,10 @@ class Frame:
     # plan's sums need no typing), and the one typing the recompute running now
     retrace: Callable | None = None
     retracker: Any = None
+    # real mesh: the call's count of varying-axes queries ``[k]`` (answered in order from the plan's
+    # record), and while remat recomputes its body, the count from the body's first query
+    asked: list | None = None
+    query_at: list | None = None
 
     def release(self) -> None:
         """Drop the call's tensors once it returns (the frame may outlive it in a reference cycle)."""

@@ -85,15 +85,21 @@ def compiled_call(shard, plan, args: tuple) -> Any:
             y = _Traced.apply(y, "pvary", (), reduce, mg)
         return y
 
+    asked = [0]
+
     def varying(x: Tensor) -> frozenset:
-        v = plan.varying.get((tuple(x.shape), x.dtype))
-        if v is None:
+        # the eager call's answer to the same query, in order
+        k = asked[0]
+        asked[0] += 1
+        if k >= len(plan.varying) or plan.varying[k][:2] != (tuple(x.shape), x.dtype):
             raise RuntimeError(
-                f"fpar.shard({fname}) under torch.compile: a value of shape {tuple(x.shape)} is "
-                f"queried for the mesh axes it varies over, and the eager call gives no single "
-                f"answer; pass the layout explicitly (fpar.ops.dropout's spec=)."
+                f"fpar.shard({fname}) under torch.compile: query #{k} for the mesh axes a value "
+                f"varies over (e.g. by dropout) is of a value of shape {tuple(x.shape)} and dtype "
+                f"{x.dtype}, but the eager call with these argument shapes asked otherwise. A "
+                f"function whose queries depend on values, not shapes, cannot be compiled; pass the "
+                f"layout explicitly (fpar.ops.dropout's spec=, the layers' batch_axes=)."
             )
-        return v
+        return plan.varying[k][2]
 
     frame.collective = frame.direct = direct
     frame.varying = varying

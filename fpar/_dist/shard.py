@@ -102,7 +102,7 @@ class _Plan:
         # not a loss it returns): planned calls wait for it there and go on with a plain tensor
         # (nothing to gain from a Pending, and Dynamo traces none: a compiled f goes on compiled)
         self.read_inside = False
-        self.varying: dict = {}  # (shape, dtype) -> axes a queried value varies over (None: ambiguous)
+        self.varying: list = []  # (shape, dtype, axes) of each value queried for the axes it varies over, in order
         self.groups = None  # compiled.groups_of: the process groups a compiled call uses
 
 
@@ -217,7 +217,8 @@ class DistShard:
         frame.collective = frame.direct = direct
         frame.tracker, frame.calls = tracker, calls
         frame.retrace = lambda: None if plan.fast else _Tracker(self, plan)
-        frame.varying = lambda x: self._varying(plan, tracker if not done[0] else frame.retracker, done[0], x)
+        frame.asked = [0]
+        frame.varying = lambda x: self._varying(plan, frame, tracker, done[0], first, x)
         local = list(leaves)
         if tracker is not None:
             for i, (leaf, spec) in enumerate(zip(leaves, specs)):
@@ -326,41 +327,45 @@ class DistShard:
         reduce = plan.coll[k][2]
         return _grad_sum(y, reduce, self.mg) if reduce else y
 
-    def _varying(self, plan: _Plan, tracker: _Tracker | None, done: bool, x: Tensor) -> frozenset:
+    def _varying(self, plan: _Plan, frame, tracker, done: bool, first: bool, x: Tensor) -> frozenset:
         """The mesh axes ``x`` varies over (``Frame.varying``; e.g. dropout's batch axes).
 
-        A traced call answers from its tracker and records the answer per (shape, dtype) of the
-        queried value; a fast call, and a recomputation in the backward (``fpar.optim.remat``),
-        answer from that record, which is exact because the data flow depends on shapes only.
-        Two values of one shape and dtype varying over different axes keep the signature traced,
-        and its recomputations are typed by a fresh tracker (``frame.retracker``), which answers.
+        A traced call answers from its tracker, and the signature's first records each answer in
+        query order (with the queried value's shape and dtype); a fast call answers its ``k``-th
+        query from the record's ``k``-th, and a recomputation in the backward
+        (``fpar.optim.remat``) counts from its body's first query.  The data flow depends on shapes
+        only, so the answers are exact, however many values of one shape vary differently.  A
+        recomputation of a plan kept traced is typed by a fresh tracker (``frame.retracker``).
         """
         if not isinstance(x, Tensor):
             raise TypeError(f"fpar.shard({self.fname}): expected a tensor, got {type(x).__name__}.")
         key = (tuple(x.shape), x.dtype)
-        if tracker is not None and done:  # a recomputation typed by a fresh tracker (a plan kept traced)
-            return frozenset(tracker.info(x)[0])
-        if tracker is not None:
+        if done and frame.retracker is not None:
+            return frozenset(frame.retracker.info(x)[0])
+        counter = frame.query_at if done else frame.asked
+        k = -1 if counter is None else counter[0]
+        if counter is not None:
+            counter[0] += 1
+        if tracker is not None and not done:
             v = frozenset(tracker.info(x)[0])
-            if plan.varying.setdefault(key, v) != v:
-                plan.varying[key] = None
+            if first:
+                plan.varying.append((*key, v))
             return v
-        v = plan.varying.get(key, _UNSEEN)
-        if v is None or v is _UNSEEN:
-            raise RuntimeError(
-                f"fpar.shard({self.fname}) on a real mesh: a value of shape {key[0]} and dtype {key[1]} "
-                + (
-                    "is queried for the mesh axes it varies over (e.g. by dropout) in a recomputation "
-                    "in the backward (fpar.optim.remat), but values of that shape and dtype vary over "
-                    "different axes in this function, so the answer is ambiguous; pass the layout "
-                    "explicitly (fpar.ops.dropout's spec=, the layers' batch_axes=)."
-                    if v is None
-                    else "is queried for the mesh axes it varies over (e.g. by dropout), but the first "
-                    "call with these shapes queried none such. The real mesh plans a call once per "
-                    "signature; a function whose data flow depends on values, not shapes, is not supported."
-                )
+        if 0 <= k < len(plan.varying) and plan.varying[k][:2] == key:
+            return plan.varying[k][2]
+        raise RuntimeError(
+            f"fpar.shard({self.fname}) on a real mesh: query #{k} for the mesh axes a value varies over "
+            f"(e.g. by dropout) is of a value of shape {key[0]} and dtype {key[1]}, but the first call "
+            f"with these argument shapes asked "
+            + (
+                f"of shape {plan.varying[k][0]} and dtype {plan.varying[k][1]}"
+                if 0 <= k < len(plan.varying)
+                else "fewer"
             )
-        return v
+            + ". The real mesh plans a call once per signature; a function whose data flow depends on "
+            "values, not shapes, is not supported (or pass the layout explicitly: fpar.ops.dropout's "
+            "spec=, the layers' batch_axes=)."
+        )
 
     def _outputs(self, plan: _Plan, tracker: _Tracker, out: Any, first: bool) -> list:
         """Check the outputs against out_specs (first call) and pvary replicated named ones."""
@@ -404,7 +409,6 @@ class DistShard:
 
 _TOKEN = torch.zeros(())  # any non-None token: marks the frame as a running shard call
 PLANNED = [0]  # signatures planned so far in this process (fpar.plan: was a call a steady one?)
-_UNSEEN = object()
 
 
 def _static_key(leaf: Any) -> Any:

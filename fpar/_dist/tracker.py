@@ -71,10 +71,12 @@ def _by_user() -> bool:
     """Whether the op being intercepted was called by the user's code, not by fpar's own.
 
     (fpar reads values of its own: a key's words in ``fpar.random``, a split's sizes in
-    ``fpar.ops.moe``.)  The first frame outside torch decides.
+    ``fpar.ops.moe``.)  The first frame outside torch and the modes' handlers decides.
     """
     frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code.co_name == "__torch_function__"
+    ):  # torch's dispatch, and other modes handing the op on (fpar's ShardMode)
         frame = frame.f_back
     return frame is None or not frame.f_code.co_filename.startswith(_FPAR_DIR)
 
@@ -356,14 +358,10 @@ class _Tracker(TorchFunctionMode):
         return t
 
     def finish(self) -> None:
-        """Decide the plan: fast unless a source is used both ways or of unknown origin.
-
-        (Or a varying-axes query is ambiguous, see ``DistShard._varying``.)
-        """
+        """Decide the plan: fast unless a source is used both ways or of unknown origin."""
         plan = self.plan
         mixed = self.pvary_use & self.plain_use
-        ambiguous = any(v is None for v in plan.varying.values())
-        plan.fast = not (mixed or self.unknown or self.inner or ambiguous)
+        plan.fast = not (mixed or self.unknown or self.inner)
         reduce: dict = {}
         for src, a in self.pvary_use:
             reduce.setdefault(src, []).append(a)

@@ -79,6 +79,8 @@ def remat(f: Callable) -> Callable:
         tracker = getattr(frame, "tracker", None)
         if getattr(frame, "calls", None) is not None:  # a real mesh: where the body's collectives start
             call.first_coll = frame.calls[0]
+        if getattr(frame, "asked", None) is not None:  # and its varying-axes queries
+            call.first_query = frame.asked[0]
         if tracker is not None:  # a real mesh's traced call: its body types the outputs
             call.in_types = [tracker.info(leaves[i]) for i in slots]
         outs = _Remat.apply(call, *(leaves[i] for i in slots), *extra)
@@ -123,6 +125,7 @@ class _Call:
     levels: tuple[_Level, ...] = ()  # outermost first
     in_types: list | None = None  # a real mesh's traced call: the tracker's types of the inputs
     first_coll: int | None = None  # a real mesh: the call's count of collectives before the body
+    first_query: int | None = None  # a real mesh: the call's count of varying-axes queries before the body
     shared: dict = dataclasses.field(default_factory=dict)  # the output treedef, set by run
 
     @property
@@ -151,8 +154,9 @@ class _Call:
             if tracker is None and self.in_types is not None and frame.retrace is not None:
                 tracker = retracker = frame.retrace()
             typed = tracker is not None and self.in_types is not None and not self.levels
-            at, held = frame.recompute_at, frame.retracker
+            at, held, query_at = frame.recompute_at, frame.retracker, frame.query_at
             frame.recompute_at = None if self.first_coll is None else [self.first_coll]
+            frame.query_at = None if self.first_query is None else [self.first_query]
             frame.retracker = retracker
             try:
                 with (
@@ -166,7 +170,7 @@ class _Call:
                         self.shared["out_types"] = [tracker.info(o) for o in outs]
                     return outs
             finally:
-                frame.recompute_at, frame.retracker = at, held
+                frame.recompute_at, frame.retracker, frame.query_at = at, held, query_at
         if not rebind:
             # A user's grad transform inside the sharded function stopped the peeling: the mesh
             # levels are live.  The recompute in backward runs inside torch.autograd.grad, with
