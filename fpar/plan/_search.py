@@ -118,7 +118,11 @@ def _worker_init() -> None:
 
 
 def _try_in_worker(layout: Layout) -> Result:
-    return _try(_JOB[0], _JOB[1], layout)  # its mesh pickles without the process-group proxy
+    r = _try(_JOB[0], _JOB[1], layout)  # its mesh pickles without the process-group proxy
+    if r.estimate is not None:
+        for c in r.estimate.devices:
+            c._events = None  # every op and message: too much to send back (retime needs them)
+    return r
 
 
 def ranking(results: list, *, tokens_per_step: int | None = None) -> str:
