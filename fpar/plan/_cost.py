@@ -158,6 +158,7 @@ def time_events(
     last_overlapped = None
     now = free = 0.0  # compute stream's clock; when the message stream is next free
     synced = 0.0  # the compute clock at the last blocking message (the peers' drift grows from it)
+    gathers: dict = {}  # axes -> the compute clock when the last prefetched gather was used
     for i, e in enumerate(events):
         if isinstance(e, Op):
             dt = op_seconds(e, hw, share)
@@ -185,6 +186,18 @@ def time_events(
             dt += hw.skew * max(now - synced, 0.0)
         t.comm += dt
         start = max(now, free)
+        if e.overlap and e.kind == "all_gather" and not hw.cores:
+            # ZeRO-3's gathers are prefetched one ahead: each started when the previous one was
+            # used (its event: fpar counts a gather where it is waited for), and waited for now
+            key = ",".join(e.axes)
+            start = max(gathers.get(key, now), free)
+            free = start + dt
+            if free > now:
+                t.exposed[key] = t.exposed.get(key, 0.0) + free - now
+                _charge(t, e.mark, free - now)
+                now = free
+            gathers[key] = now  # the next one starts once this one is in use
+            continue
         free = start + dt
         if blocking:
             _charge(t, e.mark, free - now)

@@ -138,3 +138,43 @@ def test_a_later_microbatchs_forward_is_a_forward_not_the_update():
             # the update comes after the last backward and only there
             last = max(i for i, e in enumerate(events) if e.phase == "backward")
             assert all(i > last for i, e in enumerate(events) if e.phase == "update")
+
+
+def test_the_ranking_keeps_its_columns_with_interleaved_layouts():
+    from types import SimpleNamespace
+
+    est = SimpleNamespace(
+        peak_bytes=40 * 2**30,
+        step_time=4.0,
+        time_breakdown={"compute": 3.0, "exposed_comm": 0.5, "bubble": 0.5},
+        mfu=0.4,
+    )
+    layouts = [
+        plan.Layout(pipeline=8, data=16, tensor=8, microbatches=16, batch=256, remat=True, virtual=2),
+        plan.Layout(data=128, tensor=8, zero=3, microbatches=1, batch=256),
+    ]
+    table = plan.ranking([plan.Result(lay, est, 1.0) for lay in layouts]).splitlines()
+    end = table[0].index("peak GiB") + len("peak GiB")
+    assert all(row[end - 4 : end] == "40.0" for row in table[1:]), table
+    assert "virtual=2" in table[1]
+
+
+def test_zero3_gathers_are_prefetched_one_ahead_and_gradient_sums_overlap_to_the_end():
+    op = Op("aten.mm", 1e13, 0, torch.bfloat16, "forward")  # no dims: peak x MAMF
+    compute = _cost.op_seconds(op, H100, 1.0)
+    gather = Comm("all_gather", ("data",), 10**9, 8, True, "forward")
+    g = _cost.comm_seconds(gather, H100, (1, 8))
+    assert g < compute
+    # the first gather is waited for; the second travels during the first layer's compute
+    t = _cost.time_events([gather, op, gather, op], H100, {("data",): (1, 8)}, 1.0)
+    assert t.total == pytest.approx(g + 2 * compute)
+    # gathers slower than the compute: each waits for the previous one's use before it starts
+    slow = dataclasses.replace(gather, nbytes=gather.nbytes * 8)
+    gs = _cost.comm_seconds(slow, H100, (1, 8))
+    t = _cost.time_events([slow, op, slow, op], H100, {("data",): (1, 8)}, 1.0)
+    assert t.total == pytest.approx(2 * gs + compute)
+    # a gradient reduce-scatter overlaps everything after it, waited for at the end of the step
+    rs = Comm("psum_scatter", ("data",), 10**9, 8, True, "backward")
+    r = _cost.comm_seconds(rs, H100, (1, 8))
+    t = _cost.time_events([rs, op], H100, {("data",): (1, 8)}, 1.0)
+    assert t.total == pytest.approx(max(r, compute))
