@@ -2,7 +2,7 @@
 
     python bench/plan.py time     # hardware="this": predicted vs measured step time, 2 and 4 gloo processes
     python bench/plan.py llama    # Llama-70B-shaped on 1024 "h100-sxm": layouts, seconds per estimate
-    python bench/plan.py search   # fpar.plan.search over >= 20 Llama-70B layouts: total seconds
+    python bench/plan.py search   # fpar.plan.search over Llama-70B's layouts on 1,024 GPUs: wall time, layouts/min
     python bench/plan.py memory   # model states and activations against the published formulas
     python bench/plan.py published  # the published runs of docs/plan.md's table (minutes each)
     python bench/plan.py published --retime  # the same from their stored traces (seconds)
@@ -212,7 +212,21 @@ def _sixteen_bit_sums(trace: dict) -> dict:
     return trace
 
 
+SEARCH = (
+    dict(  # Llama-70B on 1,024 H100s: pipeline x tensor x data x interleaving x microbatch x ZeRO x remat
+        pipeline=[1, 4, 8],
+        tensor=[8],
+        virtual=[1, 2],
+        micro_batch=[1, 2],
+        zero=[0, 1, 3],
+        remat=[False, True],
+        batch=[256],
+    )
+)
+
+
 def bench_search() -> None:
+    """fpar.plan.search over SEARCH: the ranking, its wall time and layouts per minute."""
     model = plan.MODELS["llama-70b"]
     t = time.perf_counter()
     results = plan.search(
@@ -221,16 +235,19 @@ def bench_search() -> None:
         "h100-sxm",
         model=model,
         keep_dropped=True,
-        pipeline=[2, 4, 8],
-        tensor=[4, 8],
-        zero=[0, 1],
-        microbatches=[4, 8],
-        remat=[False, True],
-        batch=[256],
+        **SEARCH,
     )
     seconds = time.perf_counter() - t
     print(plan.ranking(results, tokens_per_step=256 * model.seq))
-    print(f"\n{len(results)} layouts in {seconds:.0f} s ({seconds / max(len(results), 1):.1f} s each)")
+    print(
+        f"\n{len(results)} layouts in {seconds:.0f} s on {os.cpu_count()} CPUs: "
+        f"{len(results) / seconds * 60:.1f} layouts per minute ({seconds / max(len(results), 1):.1f} s each)"
+    )
+    path = os.environ.get("PLAN_PNG")
+    kept = [r for r in results if r.dropped is None]
+    if path and kept:
+        kept[0].estimate.plot(path)
+        print(f"picture of the best: {path}")
 
 
 def bench_memory() -> None:
