@@ -170,6 +170,7 @@ def render(records: dict) -> str:
         "| run | layout | published per GPU | fpar.plan | ratio | step (s) | fpar's peak GiB | source |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    missing = [run.name for run in RUNS if run.name not in records]
     for run in RUNS:
         got = records.get(run.name)
         if got is None:
@@ -181,6 +182,8 @@ def render(records: dict) -> str:
             f"{got['peak_gib']:.0f}{'' if got['fits'] else f' (over {_memory_gb(run):.0f})'} | {run.source}; "
             f"{run.note} |"
         )
+    if missing:
+        lines += ["", "Not estimated yet (no record): " + "; ".join(missing) + "."]
     return "\n".join(lines)
 
 

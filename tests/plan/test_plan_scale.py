@@ -146,9 +146,11 @@ def test_the_published_table_is_what_todays_time_model_predicts_from_the_stored_
 
     root = Path(__file__).resolve().parents[2]
     records = json.loads((root / "bench" / "plan_published.json").read_text())
-    assert set(records) == {r.name for r in _published.RUNS}, "python bench/plan.py published"
+    assert set(records) <= {r.name for r in _published.RUNS}, "python bench/plan.py published"
     for run in _published.RUNS:
         check_layout(run.model, run.layout)  # each row's layout is one model_step builds
+        if run.name not in records:  # not estimated yet: the page says so
+            continue
         with gzip.open(root / "bench" / "plan_published" / f"{_published.slug(run)}.json.gz", "rt") as f:
             got = _published.record(_published.retimed(run, json.load(f)), run)
         want = records[run.name]
