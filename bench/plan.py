@@ -167,6 +167,7 @@ def bench_published(names: list[str], retime: bool = False) -> None:
                 print(
                     f"{run.name}: no trace; estimate it first (python bench/plan.py published '{run.name}')"
                 )
+                records.pop(run.name, None)  # a record no trace re-derives is not shown
                 continue
             with gzip.open(trace, "rt") as f:
                 est = _published.retimed(run, json.load(f))
