@@ -29,9 +29,9 @@ LIMITS = (
     "allocator caching and fragmentation: PyTorch's caching allocator reserves more than is live "
     "(typically 5-15% on a long run; set expandable_segments to keep it low)",
     "NCCL's own buffers and the CUDA context: about 0.5-1.5 GB per GPU outside PyTorch's count",
-    "kernel-level effects: achieved matmul efficiency varies with shapes (one efficiency for all); "
-    "attention and fused kernels are costed by their FLOPs and bytes",
-    "network contention between jobs and non-ring collective algorithms (NCCL's trees, NVLS)",
+    "kernel-level effects beyond a GEMM's tile and wave quantization and fused attention's one "
+    "efficiency: other kernels are costed by their FLOPs and bytes at peak",
+    "network contention between jobs and NCCL's other algorithms (NVLS, CollNet)",
 )
 
 
@@ -479,10 +479,11 @@ def _assumptions(hw: Hardware, mesh, dtype, untimed: Counter | None = None) -> l
     lines += [
         f"mesh {mesh}: row-major ranks, {min(mesh.size, hw.devices_per_node)} devices per node, "
         f"{nodes} node(s); an axis group inside one node uses the node's links, else the network's",
-        "collectives are rings: all-reduce 2(n-1) steps, all-gather/reduce-scatter/all-to-all n-1; "
-        "time = steps x alpha + bytes / beta (bytes as fpar.comm_stats counts them)",
+        "collectives inside a node are rings: all-reduce 2(n-1) steps, all-gather/reduce-scatter/all-to-all "
+        "n-1; time = steps x alpha + bytes / beta (bytes as fpar.comm_stats counts them); a group over "
+        "nodes crosses them on its members' NICs (g per node: min(NVLink, g x NIC)), NCCL's tree latency",
         "compute and messages on two streams: blocking collectives wait, gradient buckets and "
-        "ZeRO's prefetch/reduce-scatter overlap the compute that follows"
+        "ZeRO's reduce-scatters overlap the compute that follows, ZeRO-3's gathers are prefetched one ahead"
         if not hw.cores
         else "on a CPU nothing overlaps: every message's copies, sums and TCP stack use the cores the compute needs",
         "an op takes max(FLOPs / (peak x efficiency), bytes / memory bandwidth) + per-op overhead; "
