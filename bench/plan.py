@@ -2,9 +2,10 @@
 
     python bench/plan.py time     # hardware="this": predicted vs measured step time, 2 and 4 gloo processes
     python bench/plan.py llama    # Llama-70B-shaped on 1024 "h100-sxm": layouts, seconds per estimate
-    python bench/plan.py search   # fpar.plan.search over >= 20 Llama-70B layouts: total seconds
+    python bench/plan.py search   # fpar.plan.search over Llama-70B's layouts on 1,024 GPUs: wall time, layouts/min
     python bench/plan.py memory   # model states and activations against the published formulas
     python bench/plan.py published  # the published runs of docs/plan.md's table (minutes each)
+    python bench/plan.py published --retime  # the same from their stored traces (seconds)
 
 ``time`` runs the same step (fpar.plan.model_step: a small Llama, TP+SP, ZeRO, pipeline; float32)
 on a real mesh of gloo processes and on an abstract mesh under ``estimate(hardware="this")``
@@ -123,28 +124,34 @@ def bench_llama() -> None:
         print(f"picture: {path}")
 
 
+TRACES = os.path.join(os.path.dirname(__file__), "plan_published")  # each run's recorded ops and messages
+
+
 def _published_one(name: str) -> dict:
-    from fpar.plan import _published
+    """Estimate one published run (minutes); store its trace; return its record."""
+    import gzip
+    import json
+
+    from fpar.plan import _published, _trace
 
     run = next(r for r in _published.RUNS if r.name == name)
     t = time.perf_counter()
     step, args = plan.model_step(run.model, run.layout)
     est = plan.estimate(step, *args, hardware=run.hardware)
-    return {
-        "predicted_tflops": _published.predicted_tflops(est, run.counts),
-        "step_time": est.step_time,
-        "mfu": est.mfu,
-        "hfu": est.hfu,
-        "fits": est.fits,
-        "peak_gib": est.peak_bytes / 2**30,
-        "time_breakdown": est.time_breakdown,
-        "losses": est.losses,
-        "estimate_seconds": time.perf_counter() - t,
-    }
+    seconds = time.perf_counter() - t
+    os.makedirs(TRACES, exist_ok=True)
+    with gzip.open(os.path.join(TRACES, _published.slug(run) + ".json.gz"), "wt") as f:
+        json.dump(_trace.dump(est), f, separators=(",", ":"))
+    return {**_published.record(est, run), "estimate_seconds": seconds}
 
 
-def bench_published(names: list[str]) -> None:
-    """Estimate the published runs (docs/plan.md's table); store them in bench/plan_published.json."""
+def bench_published(names: list[str], retime: bool = False) -> None:
+    """The published runs (docs/plan.md's table) into bench/plan_published.json and the page.
+
+    Estimates each run (minutes; its trace stored in bench/plan_published/), or with
+    ``--retime`` times the stored traces again with today's time model (seconds).
+    """
+    import gzip
     import json
     from concurrent.futures import ProcessPoolExecutor
 
@@ -152,13 +159,28 @@ def bench_published(names: list[str]) -> None:
 
     path = os.path.join(os.path.dirname(__file__), "plan_published.json")
     records = json.load(open(path)) if os.path.exists(path) else {}
-    names = names or [r.name for r in _published.RUNS]
-    with ProcessPoolExecutor(len(names)) as pool:
-        for name, got in zip(names, pool.map(_published_one, names)):
-            records[name] = got
-            print(f"{name}: {got['predicted_tflops']:.0f} TFLOP/s per GPU in {got['estimate_seconds']:.0f} s")
+    runs = [r for r in _published.RUNS if not names or r.name in names]
+    if retime:
+        for run in runs:
+            trace = os.path.join(TRACES, _published.slug(run) + ".json.gz")
+            if not os.path.exists(trace):
+                print(
+                    f"{run.name}: no trace; estimate it first (python bench/plan.py published '{run.name}')"
+                )
+                records.pop(run.name, None)  # a record no trace re-derives is not shown
+                continue
+            with gzip.open(trace, "rt") as f:
+                est = _published.retimed(run, json.load(f))
+            seconds = records.get(run.name, {}).get("estimate_seconds")
+            records[run.name] = {**_published.record(est, run), "estimate_seconds": seconds}
+    else:
+        with ProcessPoolExecutor(min(len(runs), os.cpu_count() or 1)) as pool:
+            for run, got in zip(runs, pool.map(_published_one, [r.name for r in runs])):
+                records[run.name] = got
+                print(f"{run.name}: estimated in {got['estimate_seconds']:.0f} s", flush=True)
     with open(path, "w") as f:
         json.dump(records, f, indent=1, sort_keys=True)
+        f.write("\n")
     table = _published.render(records)
     doc = os.path.join(os.path.dirname(__file__), "..", "docs", "plan.md")
     text = open(doc).read()
@@ -168,9 +190,44 @@ def bench_published(names: list[str]) -> None:
         text = head + begin + "\n" + table + "\n" + end + rest.split(end)[1]
         open(doc, "w").write(text)
     print(table)
+    for run in runs:
+        got = records.get(run.name)
+        if got:
+            losses = ", ".join(f"{k} {v:.1%}" for k, v in got["losses"].items())
+            print(f"\n{run.name}: MFU {got['mfu']:.1%}, HFU {got['hfu']:.1%}; {losses}")
+        trace = os.path.join(TRACES, _published.slug(run) + ".json.gz")
+        if got and run.layout.tensor > 1 and os.path.exists(trace):
+            with gzip.open(trace, "rt") as f:
+                est = _published.retimed(run, _sixteen_bit_sums(json.load(f)))
+            pred = _published.record(est, run)["predicted_tflops"]
+            print(
+                f"  with its tensor-parallel sums in 16 bits (Megatron's): {pred:.0f} ({pred / run.published_tflops:.2f})"
+            )
+
+
+def _sixteen_bit_sums(trace: dict) -> dict:
+    """A trace whose tensor-axis sums carry half their bytes: fpar sums bf16 in float32, Megatron in bf16."""
+    for k in trace["kinds"]:
+        if k[0] == "comm" and k[1] in ("psum", "psum_scatter") and k[2] == ["tensor"]:
+            k[3] //= 2
+    return trace
+
+
+SEARCH = (
+    dict(  # Llama-70B on 1,024 H100s: pipeline x tensor x data x interleaving x microbatch x ZeRO x remat
+        pipeline=[1, 4, 8],
+        tensor=[8],
+        virtual=[1, 2],
+        micro_batch=[1, 2],
+        zero=[0, 1, 3],
+        remat=[False, True],
+        batch=[256],
+    )
+)
 
 
 def bench_search() -> None:
+    """fpar.plan.search over SEARCH: the ranking, its wall time and layouts per minute."""
     model = plan.MODELS["llama-70b"]
     t = time.perf_counter()
     results = plan.search(
@@ -179,16 +236,19 @@ def bench_search() -> None:
         "h100-sxm",
         model=model,
         keep_dropped=True,
-        pipeline=[2, 4, 8],
-        tensor=[4, 8],
-        zero=[0, 1],
-        microbatches=[4, 8],
-        remat=[False, True],
-        batch=[256],
+        **SEARCH,
     )
     seconds = time.perf_counter() - t
     print(plan.ranking(results, tokens_per_step=256 * model.seq))
-    print(f"\n{len(results)} layouts in {seconds:.0f} s ({seconds / max(len(results), 1):.1f} s each)")
+    print(
+        f"\n{len(results)} layouts in {seconds:.0f} s on {os.cpu_count()} CPUs: "
+        f"{len(results) / seconds * 60:.1f} layouts per minute ({seconds / max(len(results), 1):.1f} s each)"
+    )
+    path = os.environ.get("PLAN_PNG")
+    kept = [r for r in results if r.dropped is None]
+    if path and kept:
+        kept[0].estimate.plot(path)
+        print(f"picture of the best: {path}")
 
 
 def bench_memory() -> None:
@@ -244,7 +304,8 @@ if __name__ == "__main__":
     if what == "time" and len(sys.argv) > 2:  # python bench/plan.py time ROUNDS
         bench_time(int(sys.argv[2]))
         sys.exit()
-    if what == "published":  # python bench/plan.py published [RUN NAME ...]
-        bench_published(sys.argv[2:])
+    if what == "published":  # python bench/plan.py published [--retime] [RUN NAME ...]
+        rest = sys.argv[2:]
+        bench_published([n for n in rest if n != "--retime"], retime="--retime" in rest)
         sys.exit()
     {"time": bench_time, "llama": bench_llama, "search": bench_search, "memory": bench_memory}[what]()

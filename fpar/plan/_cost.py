@@ -1,14 +1,17 @@
 """Time of a simulated step: ops from the hardware's peak, messages from α–β, overlap, bubble.
 
 * An op takes ``max(FLOPs / (peak(dtype) × efficiency), bytes / memory bandwidth)`` plus the
-  hardware's per-op overhead (a roofline; matmul-class ops reach ``matmul_efficiency`` of peak).
+  hardware's per-op overhead (a roofline; matmul-class ops reach ``matmul_efficiency`` of peak,
+  the best a large GEMM reaches, times the GEMM's tile and wave quantization on the device's
+  SMs: ``Hardware.matmul_rate``); a fused attention kernel reaches ``attention_efficiency``.
   On hardware measured here (``"this"``) an op's kernel is timed on this machine instead
   (``Op.seconds``); the overhead is then fpar's measured cost per op of a real step.
 * A message of ``S`` bytes sent per device (``fpar.comm_stats``' count, which already holds the
   ring's ``(n-1)/n`` factors) over an axis group takes ``steps × α + S / β``: ``2(n-1)`` steps for
   an all-reduce, ``n-1`` for all-gather, reduce-scatter and all-to-all, one for a
   point-to-point send.  β and α are the node's links when every device of the group shares this
-  device's node (the mesh's last axes are inside a node), the network's otherwise.
+  device's node (the mesh's last axes are inside a node); a group over several nodes crosses
+  them over its members' NICs (``comm_seconds``).
 * Compute runs in order on one stream, messages on another: a blocking collective (fpar's
   collectives in the forward and backward) makes compute wait for it; one issued to overlap
   (gradient buckets, ZeRO's prefetches and reduce-scatters) runs beside the compute that follows
@@ -23,6 +26,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from ._hardware import Hardware
@@ -47,6 +51,9 @@ _MATMUL = {
     "aten._scaled_dot_product_efficient_attention_backward",
     "aten.convolution_backward",
 }
+
+
+_ATTENTION = {n for n in _MATMUL if "attention" in n}
 
 
 @dataclasses.dataclass
@@ -76,7 +83,12 @@ def op_seconds(op: Op, hw: Hardware, share: float) -> float:
     """Seconds of one op on ``hw``; ``share`` is the fraction of a core each device gets (CPU)."""
     if op.seconds is not None:  # its kernel timed on this machine
         return (op.seconds + hw.op_overhead) / share
-    rate = hw.matmul_rate(op.flops, op.dtype) if op.name in _MATMUL else hw.peak(op.dtype)
+    if op.name in _ATTENTION and hw.attention_efficiency:
+        rate = hw.peak(op.dtype) * hw.attention_efficiency
+    elif op.name in _MATMUL:
+        rate = hw.matmul_rate(op.flops, op.dtype, op.dims)
+    else:
+        rate = hw.peak(op.dtype)
     compute = op.flops / (rate * share) if op.flops else 0.0
     memory = op.nbytes / (hw.memory_bandwidth * share) if op.nbytes else 0.0
     if not (op.flops or op.nbytes) and not hw.cores:
@@ -84,8 +96,16 @@ def op_seconds(op: Op, hw: Hardware, share: float) -> float:
     return max(compute, memory) + hw.op_overhead / share
 
 
-def comm_seconds(c: Comm, hw: Hardware, inter: bool, link_share: float = 1.0) -> float:
+def comm_seconds(c: Comm, hw: Hardware, span: Any, link_share: float = 1.0) -> float:
     """Seconds of one message of ``c.nbytes`` bytes over a group of ``c.n`` devices.
+
+    ``span``: how the group lies on the nodes, ``(nodes, members per node)``; ``False`` is one
+    node, ``True`` one member on each of ``c.n`` nodes.  Inside a node a collective is a ring over
+    the node's links: ``steps × α + S / β``.  A group over several nodes (NCCL): its bytes cross
+    the nodes over the NICs of its members on each node (one NIC per device, as on DGX/HGX), so
+    its bus bandwidth is ``min(β inside the node, members per node × β of one NIC)``; its latency
+    is NCCL's tree across the nodes (``⌈log2 nodes⌉`` steps of the network's α, twice for an
+    all-reduce) plus the ring inside each node.
 
     ``link_share`` (CPU, more devices per core than when β was measured): the bytes' copies, sums
     and TCP stack are work for the shared cores, so ``S / β`` grows by its inverse; the latency
@@ -93,25 +113,41 @@ def comm_seconds(c: Comm, hw: Hardware, inter: bool, link_share: float = 1.0) ->
     """
     if c.kind == "recv":
         return 0.0  # the peer's send carries it
-    if c.kind == "send":
-        steps = 1
-    else:
-        steps = _STEPS.get(c.kind, 1) * max(c.n - 1, 0)
-    alpha, beta = (hw.inter_latency, hw.inter_bandwidth) if inter else (hw.intra_latency, hw.intra_bandwidth)
+    nodes, per_node = _span(span, c.n)
+    twice = _STEPS.get(c.kind, 1)
     nbytes = c.nbytes
     if c.kind == "psum_scatter" and hw.reduce_scatter_all_reduces:
-        steps, nbytes = 2 * max(c.n - 1, 0), 2 * nbytes
-    for kind, latency in hw.kind_latency:  # measured hardware: this kind's own latency
-        if c.kind in (kind, kind + "_invariant"):
-            alpha = latency
-    return steps * alpha + nbytes / (beta * link_share)
+        twice, nbytes = 2, 2 * nbytes
+    if nodes <= 1:
+        steps = 1 if c.kind == "send" else twice * max(c.n - 1, 0)
+        alpha, beta = hw.intra_latency, hw.intra_bandwidth
+        for kind, latency in hw.kind_latency:  # measured hardware: this kind's own latency
+            if c.kind in (kind, kind + "_invariant"):
+                alpha = latency
+        return steps * alpha + nbytes / (beta * link_share)
+    if c.kind == "send":
+        return hw.inter_latency + nbytes / (hw.inter_bandwidth * link_share)
+    latency = twice * (math.ceil(math.log2(nodes)) * hw.inter_latency + (per_node - 1) * hw.intra_latency)
+    beta = per_node * hw.inter_bandwidth
+    if per_node > 1:
+        beta = min(beta, hw.intra_bandwidth)
+    return latency + nbytes / (beta * link_share)
+
+
+def _span(span: Any, n: int) -> tuple[int, int]:
+    if span is True:
+        return n, 1
+    if not span:
+        return 1, n
+    return span
 
 
 def time_events(
-    events: list, hw: Hardware, inter_axes: dict[tuple, bool], share: float, link_share: float = 1.0
+    events: list, hw: Hardware, inter_axes: dict[tuple, Any], share: float, link_share: float = 1.0
 ) -> Timing:
     """Replay one device's ops and messages on a compute stream and a message stream.
 
+    ``inter_axes``: per message axes, how its group lies on the nodes (``comm_seconds``' span).
     ``share``: the fraction of a core each device gets (CPU); ``link_share``: the speed of messages
     against the conditions α and β were measured in (CPU, more devices per core: below 1).
     """
@@ -122,6 +158,7 @@ def time_events(
     last_overlapped = None
     now = free = 0.0  # compute stream's clock; when the message stream is next free
     synced = 0.0  # the compute clock at the last blocking message (the peers' drift grows from it)
+    gathers: dict = {}  # axes -> the compute clock when the last prefetched gather was used
     for i, e in enumerate(events):
         if isinstance(e, Op):
             dt = op_seconds(e, hw, share)
@@ -149,6 +186,18 @@ def time_events(
             dt += hw.skew * max(now - synced, 0.0)
         t.comm += dt
         start = max(now, free)
+        if e.overlap and e.kind == "all_gather" and not hw.cores:
+            # ZeRO-3's gathers are prefetched one ahead: each started when the previous one was
+            # used (its event: fpar counts a gather where it is waited for), and waited for now
+            key = ",".join(e.axes)
+            start = max(gathers.get(key, now), free)
+            free = start + dt
+            if free > now:
+                t.exposed[key] = t.exposed.get(key, 0.0) + free - now
+                _charge(t, e.mark, free - now)
+                now = free
+            gathers[key] = now  # the next one starts once this one is in use
+            continue
         free = start + dt
         if blocking:
             _charge(t, e.mark, free - now)

@@ -18,7 +18,7 @@ from . import _cost, _optime, _repeat
 from ._hardware import Hardware
 from ._hardware import hardware as _hardware
 from ._paper import Simulation, Upstream
-from ._record import CATEGORIES, Recorder
+from ._record import Recorder
 
 __all__ = ["DeviceClass", "Estimate", "PlanError", "estimate"]
 
@@ -29,9 +29,9 @@ LIMITS = (
     "allocator caching and fragmentation: PyTorch's caching allocator reserves more than is live "
     "(typically 5-15% on a long run; set expandable_segments to keep it low)",
     "NCCL's own buffers and the CUDA context: about 0.5-1.5 GB per GPU outside PyTorch's count",
-    "kernel-level effects: achieved matmul efficiency varies with shapes (one efficiency for all); "
-    "attention and fused kernels are costed by their FLOPs and bytes",
-    "network contention between jobs and non-ring collective algorithms (NCCL's trees, NVLS)",
+    "kernel-level effects beyond a GEMM's tile and wave quantization and fused attention's one "
+    "efficiency: other kernels are costed by their FLOPs and bytes at peak",
+    "network contention between jobs and NCCL's other algorithms (NVLS, CollNet)",
 )
 
 
@@ -72,6 +72,7 @@ class DeviceClass:
     saved_activations: int = 0
     _timing: Any = None
     _replay: Any = None  # CPU pipelines: (events, inter-node axes) to time again with a new core share
+    _events: Any = None  # (events, each message axes' group ranks): what ``retime`` costs again
 
 
 @dataclasses.dataclass
@@ -112,6 +113,7 @@ class Estimate:
     flops: float = 0.0
     model_flops: float = 0.0
     losses: dict = dataclasses.field(default_factory=dict)
+    _schedules: Any = None  # (pipeline schedules, pipeline axis or None): for ``retime``
 
     @property
     def fits(self) -> bool:
@@ -119,7 +121,9 @@ class Estimate:
         return self.peak_bytes <= self.hardware.memory_bytes
 
     def __str__(self) -> str:
-        return _table(self)
+        from ._report import table
+
+        return table(self)
 
     def plot(self, path: str) -> str:
         """Draw memory per device class (stacked by kind) and the step's time split; save to ``path``."""
@@ -199,11 +203,18 @@ def _estimate(fn, args, kwargs, hw, known, shapes) -> Estimate:
         classes.sort(key=lambda c: c.coords[axis])
         for c in classes:
             c.count = mesh.size // p
-        _pipeline_times(classes, sim.schedules, axis)
-        if hw.cores:
-            _share_idle_cores(classes, sim.schedules, axis, hw, mesh)
     else:
+        axis = None
         cls0.count = mesh.size
+    return _finish(mesh, classes, hw, sim.schedules, axis, untimed)
+
+
+def _finish(mesh, classes: list, hw: Hardware, schedules: list, axis, untimed=None) -> Estimate:
+    """The estimate from each class's timed events: the pipeline's replay, MFU, the losses."""
+    if axis is not None:
+        _pipeline_times(classes, schedules, axis)
+        if hw.cores:
+            _share_idle_cores(classes, schedules, axis, hw, mesh)
     worst = max(classes, key=lambda c: c.step_time)
     flops = sum(c.flops * c.count for c in classes)
     model_flops = flops - sum(c._timing.recompute_flops * c.count for c in classes)
@@ -215,7 +226,7 @@ def _estimate(fn, args, kwargs, hw, known, shapes) -> Estimate:
     for c in classes:
         for k, v in c.unknown_ops.items():
             not_costed[k] = not_costed.get(k, 0) + v
-    return Estimate(
+    est = Estimate(
         mesh=mesh,
         hardware=hw,
         devices=classes,
@@ -233,6 +244,41 @@ def _estimate(fn, args, kwargs, hw, known, shapes) -> Estimate:
         ),
         not_costed=not_costed,
     )
+    est._schedules = (schedules, axis)
+    return est
+
+
+def retime(est: Estimate, hardware: str | Hardware) -> Estimate:
+    """``est`` timed again on other hardware from its recorded ops and messages (no new simulation).
+
+    Memory and traffic do not depend on the hardware; the step time, MFU and losses do.  Not for
+    ``"this"``: its ops' kernels are timed when the step runs.
+    """
+    hw = _hardware(hardware)
+    if hw.timed_ops or est.hardware.timed_ops:
+        raise ValueError("fpar.plan: retime takes datasheet hardware; estimate again for hardware 'this'.")
+    share = _core_share(hw, est.mesh)
+    classes = []
+    for c in est.devices:
+        events, groups = c._events
+        inter = _spans(groups, hw)
+        timing = _cost.time_events(events, hw, inter, share, _link_share(hw, share))
+        classes.append(
+            dataclasses.replace(
+                c,
+                step_time=timing.total,
+                time_breakdown={
+                    "compute": timing.compute,
+                    "exposed_comm": timing.total - timing.compute,
+                    "bubble": 0.0,
+                },
+                flops=timing.flops,
+                _timing=timing,
+                _replay=(events, inter) if hw.cores and est._schedules[1] is not None else None,
+            )
+        )
+    schedules, axis = est._schedules
+    return _finish(est.mesh, classes, hw, schedules, axis)
 
 
 def _losses(c: DeviceClass, mfu: float) -> dict:
@@ -287,7 +333,8 @@ def _simulate(fn, args, kwargs, hw, known, shapes, coords, headers=None, *, firs
                 "fpar.plan.estimate: the step ran nothing on an abstract mesh (no fpar.shard, "
                 "pipeline or ZeRO call over one); build it over fpar.plan.abstract_mesh(...)."
             )
-        inter = _inter_node(mesh, rec.events, sim.real[None], hw)
+        groups = _groups(mesh, rec.events, sim.real[None])
+        inter = _spans(groups, hw)
     share = _core_share(hw, mesh)
     timing = _cost.time_events(rec.events, hw, inter, share, _link_share(hw, share))
     cls = DeviceClass(
@@ -308,6 +355,7 @@ def _simulate(fn, args, kwargs, hw, known, shapes, coords, headers=None, *, firs
         saved_activations=rec.at_backward.get("activations", 0),
         _timing=timing,
         _replay=(rec.events, inter) if hw.cores and sim.pipeline_axes else None,
+        _events=(rec.events, groups),
     )
     return mesh, sim, cls
 
@@ -373,15 +421,22 @@ def _share_idle_cores(classes: list, schedules: list, axis: str, hw: Hardware, m
         c._replay = None
 
 
-def _inter_node(mesh, events, mg, hw: Hardware) -> dict[tuple, bool]:
-    """Per axes tuple: whether its group (this device's) spans nodes."""
+def _groups(mesh, events, mg) -> dict[tuple, tuple]:
+    """Per message axes tuple: the ranks of this device's group."""
     out = {}
     for e in events:
         if hasattr(e, "axes") and e.axes not in out:
             axes = tuple(a for a in e.axes if a in mesh.shape)
-            members = mg.members(axes) if axes else [mg.rank]
-            nodes = {r // hw.devices_per_node for r in members}
-            out[e.axes] = len(nodes) > 1
+            out[e.axes] = tuple(mg.members(axes)) if axes else (mg.rank,)
+    return out
+
+
+def _spans(groups: dict, hw: Hardware) -> dict[tuple, tuple[int, int]]:
+    """Per message axes: how its group lies on ``hw``'s nodes, (nodes, most members on one node)."""
+    out = {}
+    for axes, members in groups.items():
+        per = Counter(r // hw.devices_per_node for r in members)
+        out[axes] = (len(per), max(per.values()))
     return out
 
 
@@ -424,10 +479,11 @@ def _assumptions(hw: Hardware, mesh, dtype, untimed: Counter | None = None) -> l
     lines += [
         f"mesh {mesh}: row-major ranks, {min(mesh.size, hw.devices_per_node)} devices per node, "
         f"{nodes} node(s); an axis group inside one node uses the node's links, else the network's",
-        "collectives are rings: all-reduce 2(n-1) steps, all-gather/reduce-scatter/all-to-all n-1; "
-        "time = steps x alpha + bytes / beta (bytes as fpar.comm_stats counts them)",
+        "collectives inside a node are rings: all-reduce 2(n-1) steps, all-gather/reduce-scatter/all-to-all "
+        "n-1; time = steps x alpha + bytes / beta (bytes as fpar.comm_stats counts them); a group over "
+        "nodes crosses them on its members' NICs (g per node: min(NVLink, g x NIC)), NCCL's tree latency",
         "compute and messages on two streams: blocking collectives wait, gradient buckets and "
-        "ZeRO's prefetch/reduce-scatter overlap the compute that follows"
+        "ZeRO's reduce-scatters overlap the compute that follows, ZeRO-3's gathers are prefetched one ahead"
         if not hw.cores
         else "on a CPU nothing overlaps: every message's copies, sums and TCP stack use the cores the compute needs",
         "an op takes max(FLOPs / (peak x efficiency), bytes / memory bandwidth) + per-op overhead; "
@@ -439,50 +495,6 @@ def _assumptions(hw: Hardware, mesh, dtype, untimed: Counter | None = None) -> l
         "for the whole step",
     ]
     return lines
-
-
-def _table(est: Estimate) -> str:
-    hw = est.hardware
-    gib, unit = next(
-        (u, n)
-        for u, n in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
-        if est.peak_bytes >= u or n == "KiB"
-    )
-    lines = [
-        f"fpar.plan estimate: {est.mesh} on {hw.name} ({est.mesh.size} devices)",
-        "",
-        f"memory per device ({unit})"
-        + ("" if est.fits else f"  -- DOES NOT FIT in {hw.memory_bytes / 2**30:.1f} GiB"),
-        f"  {'class':<16}{'count':>7}{'peak':>9}" + "".join(f"{c[:11]:>12}" for c in CATEGORIES),
-    ]
-    for c in est.devices:
-        name = ",".join(f"{a}={v}" for a, v in c.coords.items()) or "every device"
-        lines.append(
-            f"  {name:<16}{c.count:>7}{c.peak_bytes / gib:>9.3f}"
-            + "".join(f"{c.breakdown.get(k, 0) / gib:>12.3f}" for k in CATEGORIES)
-        )
-    tb = est.time_breakdown
-    lines += [
-        "",
-        f"step time {_s(est.step_time)}: compute {_s(tb.get('compute', 0))}, exposed communication "
-        f"{_s(tb.get('exposed_comm', 0))}, bubble {_s(tb.get('bubble', 0))}; MFU {est.mfu:.1%}",
-        "  where the rest goes: " + ", ".join(f"{k} {v:.1%}" for k, v in est.losses.items()),
-        "",
-        "bytes sent per device per step (busiest class)",
-    ]
-    for axes, kinds in sorted(est.comm.items()):
-        for kind, v in sorted(kinds.items()):
-            lines.append(f"  {axes:<20}{kind:<22}{v['calls']:>6} calls {v['bytes'] / 2**20:>14.2f} MiB")
-    lines += ["", "assumptions:"] + [f"  {a}" for a in est.assumptions]
-    lines += ["", "not seen (keep a margin for them):"] + [f"  {x}" for x in est.limits]
-    if est.not_costed:
-        ops = ", ".join(f"{k} x{v}" for k, v in sorted(est.not_costed.items()))
-        lines.append(f"  ops with no FLOP formula, costed by their bytes only: {ops}")
-    return "\n".join(lines)
-
-
-def _s(t: float) -> str:
-    return f"{t * 1e3:.2f} ms" if t < 1 else f"{t:.3f} s"
 
 
 # -- arguments ------------------------------------------------------------------------------------

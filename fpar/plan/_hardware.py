@@ -42,14 +42,19 @@ class Hardware:
       name: what it is called in tables.
       flops: peak dense FLOP/s per dtype name (``"bfloat16"``, ``"float16"``, ``"float32"``,
         ``"float64"``); a dtype not listed uses ``"float32"``'s.
-      matmul_efficiency: the fraction of peak a large matmul reaches (a datasheet preset: the
-        0.7 that good large runs' kernels reach; measured presets: 1.0, their FLOP/s are achieved).
+      matmul_efficiency: the fraction of peak the best-shaped large matmul reaches (datasheet
+        presets: the Maximum Achievable Matmul FLOPS measured by Bekman's mamf-finder, BF16;
+        measured presets: 1.0, their FLOP/s are achieved).  Other shapes lose their tile and wave
+        quantization on ``sms`` (``gemm_quantization``).
+      attention_efficiency: the fraction of peak a fused attention kernel (torch's SDPA:
+        FlashAttention-2) reaches, forward and backward; 0: costed as a large matmul.
       memory_bytes: memory per device.
       memory_bandwidth: bytes per second per device (elementwise ops are costed by it).
       op_overhead: seconds every op costs besides its FLOPs and bytes (a kernel launch).
       devices_per_node: devices that share the fast links; mesh order puts the last axes inside a node.
       intra_bandwidth, intra_latency: one direction's bytes/s and the per-step latency α inside a node.
-      inter_bandwidth, inter_latency: the same across nodes (per device).
+      inter_bandwidth, inter_latency: the same across nodes: one NIC's bytes/s (each device has
+        its own, as on DGX/HGX: a group with g devices on each node crosses on g NICs).
       nodes: how many nodes exist (``None``: as many as asked for).
       cores: CPU hardware only: the cores' worth of compute the devices of a node share (each
         device a process; measured: the cores times what a process reaches while another
@@ -89,26 +94,55 @@ class Hardware:
     kind_latency: tuple = ()  # measured: ((collective kind, its own α), ...); other kinds use α
     skew: float = 0.0  # measured: seconds a blocking message waits per second computed since the last
     threads: int | None = None  # measured: threads per process the ops are timed with (None: torchrun's)
+    attention_efficiency: float = 0.0  # fused attention's fraction of peak (0: as a matmul)
+    sms: int = 0  # streaming multiprocessors: a GEMM's tiles run in waves over them (0: not modelled)
+    gemm_tiles: tuple = ((256, 128), (128, 256))  # cuBLAS's most efficient output tiles (m, n)
 
     def peak(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s for ``dtype``."""
         name = str(dtype).replace("torch.", "")
         return float(self.flops.get(name, self.flops["float32"]))
 
-    def matmul_rate(self, flops: float, dtype: torch.dtype) -> float:
-        """FLOP/s a matmul of ``flops`` reaches: the measured curve where there is one, else peak x efficiency."""
+    def matmul_rate(self, flops: float, dtype: torch.dtype, dims: tuple | None = None) -> float:
+        """FLOP/s a matmul of ``flops`` reaches.
+
+        Measured hardware: its curve by size.  A datasheet device: peak × ``matmul_efficiency``
+        (the best a large GEMM reaches) × ``gemm_quantization(dims)`` (its tiles and waves on
+        the SMs; 1 without ``sms`` or a GEMM shape).
+        """
         if self.matmul_curve and dtype == torch.float32:
             for f, rate in self.matmul_curve:
                 if flops <= f:
                     return rate
             return self.matmul_curve[-1][1]
-        return self.peak(dtype) * self.matmul_efficiency
+        return self.peak(dtype) * self.matmul_efficiency * self.gemm_quantization(dims)
+
+    def gemm_quantization(self, dims: tuple | None) -> float:
+        """The useful fraction of the tiles a GEMM ``(batch, m, k, n)`` runs on the SMs.
+
+        cuBLAS splits the ``m × n`` output into tiles, one per SM at a time (NVIDIA, *Matrix
+        Multiplication Background User's Guide*, "Dimension quantization effects"): a dimension
+        that is not a multiple of the tile wastes part of its last tile (tile quantization), and
+        a tile count that is not a multiple of the SMs leaves SMs idle in the last wave (wave
+        quantization).  The best of ``gemm_tiles`` (cuBLAS picks its kernel per shape).
+        """
+        if not self.sms or dims is None:
+            return 1.0
+        b, m, _, n = dims
+        best = 0.0
+        for tm, tn in self.gemm_tiles:
+            tiles = b * -(-m // tm) * -(-n // tn)
+            waves = -(-tiles // self.sms)
+            best = max(best, b * m * n / (waves * self.sms * tm * tn))
+        return best
 
     def describe(self) -> list[str]:
         """The assumptions this hardware makes, one line each."""
         tf = ", ".join(f"{k} {v / 1e12:.4g} TFLOP/s" for k, v in self.flops.items())
         lines = [
-            f"hardware {self.name}: {tf}; matmul efficiency {self.matmul_efficiency:g}",
+            f"hardware {self.name}: {tf}; matmul efficiency {self.matmul_efficiency:.3g}"
+            + (f" x tile/wave quantization on {self.sms} SMs" if self.sms else "")
+            + (f"; attention {self.attention_efficiency:.3g}" if self.attention_efficiency else ""),
             f"  memory {self.memory_bytes / 2**30:.4g} GiB at {self.memory_bandwidth / 1e9:.4g} GB/s; "
             f"{self.op_overhead * 1e6:.3g} us per op",
             f"  {self.devices_per_node} devices per node: {self.intra_bandwidth / 1e9:.4g} GB/s, "
@@ -158,6 +192,9 @@ PRESETS: dict[str, Hardware] = {
         intra_latency=5e-6,
         inter_bandwidth=25e9,
         inter_latency=10e-6,
+        matmul_efficiency=267.9 / 312,
+        attention_efficiency=0.5,
+        sms=108,
     ),
     "h100-sxm": Hardware(
         "h100-sxm",
@@ -169,6 +206,9 @@ PRESETS: dict[str, Hardware] = {
         intra_latency=5e-6,
         inter_bandwidth=50e9,
         inter_latency=10e-6,
+        matmul_efficiency=792.1 / 989,
+        attention_efficiency=0.3,
+        sms=132,
     ),
     "b200": Hardware(
         "b200",
@@ -180,6 +220,9 @@ PRESETS: dict[str, Hardware] = {
         intra_latency=5e-6,
         inter_bandwidth=50e9,
         inter_latency=10e-6,
+        matmul_efficiency=792.1 / 989,  # not measured in the sources: the H100's fractions
+        attention_efficiency=0.3,
+        sms=148,
     ),
 }
 

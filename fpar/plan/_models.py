@@ -386,12 +386,7 @@ def model_step(model: Model | str, layout: Layout, mesh: Mesh | None = None, *, 
     first_k = shard(embed, sub, (first_specs, P(DATA)), act)
     tied_specs = {**last_specs, "w_tied": first_specs["w_emb"]} if gpt else last_specs
     loss_k = shard(head_loss, sub, (tied_specs, act, P(DATA)), P())
-    schedules = {"1f1b": pp.one_f_one_b, "gpipe": pp.gpipe, "zb": pp.zb_h1}
-    if layout.schedule not in schedules:
-        raise ValueError(
-            f"fpar.plan: unknown schedule {layout.schedule!r}; choose one of {sorted(schedules)}."
-        )
-    schedule = pp.interleaved_1f1b(p, m, v) if v > 1 else schedules[layout.schedule](p, m)
+    schedule = pipeline_schedule(layout)
     run = pp.pipeline(stage_k, schedule, mesh, loss=loss_k, first=first_k, axis=PIPE)
     zl = fo.zero_layout(params, mesh, specs, stage=0 if layout.zero == 0 else 2, data_axis=DATA)
     params, state = fo.zero_init(opt, params, zl)
@@ -413,6 +408,17 @@ def model_step(model: Model | str, layout: Layout, mesh: Mesh | None = None, *, 
         return update(grads, state, params), res.loss
 
     return step, (params, state, xs, xs)
+
+
+def pipeline_schedule(layout: Layout):
+    """The ``fpar.pipeline`` schedule ``model_step`` runs a pipelined layout with."""
+    schedules = {"1f1b": pp.one_f_one_b, "gpipe": pp.gpipe, "zb": pp.zb_h1}
+    if layout.schedule not in schedules:
+        raise ValueError(
+            f"fpar.plan: unknown schedule {layout.schedule!r}; choose one of {sorted(schedules)}."
+        )
+    p, m, v = layout.pipeline, layout.microbatches, layout.virtual
+    return pp.interleaved_1f1b(p, m, v) if v > 1 else schedules[layout.schedule](p, m)
 
 
 def _ends(model: Model, layout: Layout) -> tuple:

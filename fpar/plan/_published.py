@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 
+from ._hardware import PRESETS, Hardware
 from ._models import MODELS, Layout, Model
 
-__all__ = ["BEGIN", "END", "RUNS", "Run", "predicted_tflops", "render"]
+__all__ = ["BEGIN", "END", "RUNS", "Run", "predicted_tflops", "record", "render", "retimed"]
 
 BEGIN, END = "<!-- plan-published:begin -->", "<!-- plan-published:end -->"
 
 _MEGATRON = "Narayanan et al. 2021 (Megatron-LM), Table 1"
 _LLAMA3 = "Llama 3 paper (Dubey et al. 2024), Table 4"
+_TITAN = "torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, Table 3 (FSDP, no torch.compile)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,9 +31,9 @@ class Run:
     name: str
     model: Model
     layout: Layout
-    hardware: str
-    published_tflops: float  # per GPU, as the paper counts it
-    counts: str  # "executed": recomputation's FLOPs included (Megatron); "model": not (MFU)
+    hardware: str | Hardware
+    published_tflops: float  # per GPU, as the paper counts it (tokens per second for "tokens")
+    counts: str  # "executed": recomputation's FLOPs included (Megatron); "model": not (MFU); "tokens"
     source: str
     note: str = ""
 
@@ -39,6 +41,16 @@ class Run:
 # Llama 3 405B has 126 layers; Meta balanced its 16 stages by taking one layer from the first and
 # the last.  model_step puts the same number of layers on every stage, so the rows use 128.
 _LLAMA_405B_128 = dataclasses.replace(MODELS["llama-405b"], name="llama-405b (128 layers)", n_layers=128)
+
+# torchtitan's H100s, as its benchmark states them: 96 GB HBM2e at 2.4 TB/s, a 500 W power limit,
+# a peak "between SXM and NVL" (989 and 835 TFLOP/s BF16 dense, NVIDIA's datasheets): the midpoint
+_TITAN_H100 = dataclasses.replace(
+    PRESETS["h100-sxm"],
+    name="h100 96GB HBM2e 500W",
+    flops={**PRESETS["h100-sxm"].flops, "bfloat16": 912e12, "float16": 912e12},
+    memory_bytes=96 * 10**9,
+    memory_bandwidth=2.4e12,
+)
 
 RUNS = (
     Run(
@@ -100,30 +112,88 @@ RUNS = (
         _LLAMA3,
         "as above",
     ),
+    Run(
+        "torchtitan Llama 3.1 8B FSDP, 128 H100",
+        MODELS["llama-8b"],
+        Layout(data=128, zero=3, microbatches=1, batch=256, remat=False),
+        _TITAN_H100,
+        5605.0,
+        "tokens",
+        _TITAN,
+        "FSDP = ZeRO-3; selective activation checkpointing not expressible (remat off: its recomputed "
+        "ops not costed); H100 96 GB HBM2e at 500 W as stated (peak between SXM and NVL: 912 assumed)",
+    ),
 )
 
 
-def predicted_tflops(est, counts: str) -> float:
-    """TFLOP/s per device of an estimate, counted as the paper counts them."""
+def predicted_tflops(est, counts: str, tokens_per_step: int = 0) -> float:
+    """TFLOP/s per device of an estimate, counted as the paper counts them (tokens/s for "tokens")."""
+    if counts == "tokens":
+        return tokens_per_step / est.step_time / est.mesh.size
     flops = est.flops if counts == "executed" else est.model_flops
     return flops / est.step_time / est.mesh.size / 1e12
+
+
+def record(est, run: Run) -> dict:
+    """What the table and ``bench/plan_published.json`` keep of a run's estimate."""
+    tokens = run.layout.batch * run.model.seq
+    return {
+        "predicted_tflops": predicted_tflops(est, run.counts, tokens),
+        "step_time": est.step_time,
+        "mfu": est.mfu,
+        "hfu": est.hfu,
+        "fits": est.fits,
+        "peak_gib": est.peak_bytes / 2**30,
+        "time_breakdown": est.time_breakdown,
+        "losses": est.losses,
+    }
+
+
+def retimed(run: Run, trace: dict):
+    """The run's estimate from its stored trace (``fpar.plan._trace``), timed by today's time model."""
+    from ._hardware import hardware
+    from ._models import pipeline_schedule
+    from ._trace import load
+
+    schedule = pipeline_schedule(run.layout) if run.layout.pipeline > 1 else None
+    return load(trace, hardware(run.hardware), schedule)
+
+
+def slug(run: Run) -> str:
+    """The run's file name stem (its stored trace)."""
+    return "".join(ch if ch.isalnum() or ch == "." else "_" for ch in run.name).strip("_")
 
 
 def render(records: dict) -> str:
     """The docs table from ``{run name: {"predicted_tflops", "step_time", ...}}``."""
     lines = [
-        "| run | layout | published TFLOP/s per GPU | fpar.plan | ratio | step (s) | fpar's peak GiB | source |",
+        "| run | layout | published per GPU | fpar.plan | ratio | step (s) | fpar's peak GiB | source |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    missing = [run.name for run in RUNS if run.name not in records]
     for run in RUNS:
         got = records.get(run.name)
         if got is None:
             continue
         pred = got["predicted_tflops"]
         lines.append(
-            f"| {run.name} | {run.layout.describe()} | {run.published_tflops:g} ({run.counts}) | "
+            f"| {run.name} | {run.layout.describe()} | {_figure(run)} | "
             f"{pred:.0f} | {pred / run.published_tflops:.2f} | {got['step_time']:.2f} | "
-            f"{got['peak_gib']:.0f}{'' if got['fits'] else ' (over 80)'} | {run.source}; "
+            f"{got['peak_gib']:.0f}{'' if got['fits'] else f' (over {_memory_gb(run):.0f})'} | {run.source}; "
             f"{run.note} |"
         )
+    if missing:
+        lines += ["", "Not estimated yet (no record): " + "; ".join(missing) + "."]
     return "\n".join(lines)
+
+
+def _figure(run: Run) -> str:
+    if run.counts == "tokens":
+        return f"{run.published_tflops:g} tokens/s"
+    return f"{run.published_tflops:g} TFLOP/s ({run.counts})"
+
+
+def _memory_gb(run: Run) -> float:
+    from ._hardware import hardware
+
+    return hardware(run.hardware).memory_bytes / 1e9

@@ -94,6 +94,7 @@ class Op:
     seconds: float | None = None  # its kernel timed on this machine (hardware "this"), if it was
     origin: Any = None  # the pipeline action whose work it is (``_repeat``: what it repeats for)
     recompute: bool = False  # run by a backward to recompute a remat body's forward
+    dims: tuple | None = None  # a matmul's (batch, m, k, n): its GEMM shape (the time model's efficiency)
 
 
 @dataclasses.dataclass
@@ -135,6 +136,8 @@ class Recorder(TorchDispatchMode):
         self.mark: Any = None
         self.origins: list = []  # the actions of the sends and receives about to be counted, in order
         self.backward_done = False
+        self._pending: list = []  # events labelled "update" since the last backward (a forward if one follows)
+        self._pending_made: list = []  # the storages they made
         self.at_backward: dict = {}  # bytes per category alive at the first backward op (made in the step)
         self.unknown_ops: Counter = Counter()  # ops with FLOPs we have no formula for
         self._refs: dict[int, Any] = {}
@@ -157,7 +160,10 @@ class Recorder(TorchDispatchMode):
 
     def _comm(self, kind: str, axes: tuple, nbytes: int, n: int | None, overlap: bool) -> None:
         origin = self.origins.pop(0) if kind in ("send", "recv") and self.origins else self.mark
-        self.events.append(Comm(kind, axes, nbytes, n or 2, overlap, self._phase(), self.mark, origin))
+        phase = self._phase()
+        if phase == "update":
+            self._pending.append(len(self.events))
+        self.events.append(Comm(kind, axes, nbytes, n or 2, overlap, phase, self.mark, origin))
 
     # -- ops ------------------------------------------------------------------------------------
 
@@ -166,8 +172,25 @@ class Recorder(TorchDispatchMode):
             if not self.backward_done:  # the first backward op: what the forward left for it
                 self.at_backward = dict(self.dyn)
             self.backward_done = True
+            if self._pending:
+                self._forward_after_all()
             return "backward"
+        kind = getattr(self.mark, "kind", None)  # a pipeline's action: its own phase (1F1B's steady state)
+        if kind is not None:
+            return "forward" if kind in ("F", "SEND_F", "RECV_F") else "backward"
         return "update" if self.backward_done else "forward"
+
+    def _forward_after_all(self) -> None:
+        """What ran between two backwards was a later microbatch's forward, not the update."""
+        for i in self._pending:
+            self.events[i].phase = "forward"
+        for key in self._pending_made:
+            if key in self.live and self.live[key][1] != "comm_buffers":
+                nbytes, old = self.live[key]
+                self.dyn[old] -= nbytes
+                self.dyn["activations"] += nbytes
+                self.live[key] = (nbytes, "activations")
+        self._pending, self._pending_made = [], []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -201,6 +224,8 @@ class Recorder(TorchDispatchMode):
         phase = self._phase()
         for t in outs:
             self._made(t, "comm_buffers" if c10d else _CATEGORY[phase])
+            if phase == "update" and (st := _storage(t)) is not None:
+                self._pending_made.append(st._cdata)
         if c10d:
             for t in ins:  # a buffer made to be sent (a gradient bucket, a gather's output)
                 self._retag(t, "comm_buffers")
@@ -220,8 +245,21 @@ class Recorder(TorchDispatchMode):
                 func, args, kwargs, sig, sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
             )
         # every op: a view or an empty tensor moves nothing, but costs its dispatch on a CPU
+        if phase == "update":
+            self._pending.append(len(self.events))
         self.events.append(
-            Op(name, flops, nbytes, dtype, phase, self.mark, seconds, self.mark, _remat.RECOMPUTING[0] > 0)
+            Op(
+                name,
+                flops,
+                nbytes,
+                dtype,
+                phase,
+                self.mark,
+                seconds,
+                self.mark,
+                _remat.RECOMPUTING[0] > 0,
+                _gemm_dims(name, args) if flops else None,
+            )
         )
         return out
 
@@ -288,6 +326,7 @@ class Recorder(TorchDispatchMode):
         self.peak_dyn_by_cat = {}
         self.events = []
         self.backward_done = False
+        self._pending, self._pending_made = [], []
         self.at_backward: dict = {}
 
     def _base_add(self, key: int, nbytes: int, category: str, st) -> None:
@@ -326,6 +365,20 @@ def _op_info(func) -> tuple:
         or name in ("aten._local_scalar_dense", "aten.item")
     )
     return name, c10d, cacheable, func._overloadpacket in flop_registry
+
+
+_GEMM_ARGS = {"aten.mm": 0, "aten.bmm": 0, "aten.addmm": 1, "aten.baddbmm": 1}
+
+
+def _gemm_dims(name: str, args) -> tuple | None:
+    """A matmul's ``(batch, m, k, n)`` from its operands; None for other ops."""
+    at = _GEMM_ARGS.get(name)
+    if at is None:
+        return None
+    a, b = args[at], args[at + 1]
+    if a.dim() == 2:
+        return (1, a.shape[0], a.shape[1], b.shape[-1])
+    return (a.shape[0], a.shape[1], a.shape[2], b.shape[-1])
 
 
 def _key(func, args, kwargs):

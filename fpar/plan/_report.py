@@ -1,4 +1,4 @@
-"""``Estimate.plot``: memory per device class, stacked by kind, and the step's time split."""
+"""``Estimate``'s table (``print(est)``) and picture (``est.plot``): memory, time, traffic."""
 
 from __future__ import annotations
 
@@ -54,3 +54,48 @@ def plot(est, path: str) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def table(est) -> str:
+    """``print(estimate)``: memory per class, the step's time and losses, traffic, assumptions."""
+    hw = est.hardware
+    gib, unit = next(
+        (u, n)
+        for u, n in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
+        if est.peak_bytes >= u or n == "KiB"
+    )
+    lines = [
+        f"fpar.plan estimate: {est.mesh} on {hw.name} ({est.mesh.size} devices)",
+        "",
+        f"memory per device ({unit})"
+        + ("" if est.fits else f"  -- DOES NOT FIT in {hw.memory_bytes / 2**30:.1f} GiB"),
+        f"  {'class':<16}{'count':>7}{'peak':>9}" + "".join(f"{c[:11]:>12}" for c in CATEGORIES),
+    ]
+    for c in est.devices:
+        name = ",".join(f"{a}={v}" for a, v in c.coords.items()) or "every device"
+        lines.append(
+            f"  {name:<16}{c.count:>7}{c.peak_bytes / gib:>9.3f}"
+            + "".join(f"{c.breakdown.get(k, 0) / gib:>12.3f}" for k in CATEGORIES)
+        )
+    tb = est.time_breakdown
+    lines += [
+        "",
+        f"step time {_s(est.step_time)}: compute {_s(tb.get('compute', 0))}, exposed communication "
+        f"{_s(tb.get('exposed_comm', 0))}, bubble {_s(tb.get('bubble', 0))}; MFU {est.mfu:.1%}",
+        "  where the rest goes: " + ", ".join(f"{k} {v:.1%}" for k, v in est.losses.items()),
+        "",
+        "bytes sent per device per step (busiest class)",
+    ]
+    for axes, kinds in sorted(est.comm.items()):
+        for kind, v in sorted(kinds.items()):
+            lines.append(f"  {axes:<20}{kind:<22}{v['calls']:>6} calls {v['bytes'] / 2**20:>14.2f} MiB")
+    lines += ["", "assumptions:"] + [f"  {a}" for a in est.assumptions]
+    lines += ["", "not seen (keep a margin for them):"] + [f"  {x}" for x in est.limits]
+    if est.not_costed:
+        ops = ", ".join(f"{k} x{v}" for k, v in sorted(est.not_costed.items()))
+        lines.append(f"  ops with no FLOP formula, costed by their bytes only: {ops}")
+    return "\n".join(lines)
+
+
+def _s(t: float) -> str:
+    return f"{t * 1e3:.2f} ms" if t < 1 else f"{t:.3f} s"

@@ -118,23 +118,28 @@ def _worker_init() -> None:
 
 
 def _try_in_worker(layout: Layout) -> Result:
-    return _try(_JOB[0], _JOB[1], layout)  # its mesh pickles without the process-group proxy
+    r = _try(_JOB[0], _JOB[1], layout)  # its mesh pickles without the process-group proxy
+    if r.estimate is not None:
+        for c in r.estimate.devices:
+            c._events = None  # every op and message: too much to send back (retime needs them)
+    return r
 
 
 def ranking(results: list, *, tokens_per_step: int | None = None) -> str:
     """A table of ``search``'s results: layout, peak memory, step time and its split, MFU."""
+    w = max([66] + [len(r.layout.describe()) + 1 for r in results])  # interleaved layouts run longer
     lines = [
-        f"{'#':>3}  {'layout':<66}{'peak GiB':>9}{'step s':>9}{'compute':>9}{'comm':>8}{'bubble':>8}{'MFU':>7}"
+        f"{'#':>3}  {'layout':<{w}}{'peak GiB':>9}{'step s':>9}{'compute':>9}{'comm':>8}{'bubble':>8}{'MFU':>7}"
         + ("  tokens/s" if tokens_per_step else "")
     ]
     for i, r in enumerate(results, 1):
         layout, est = r.layout, r.estimate
         if est is None:
-            lines.append(f"{'-':>3}  {layout.describe():<66}  dropped: {r.dropped}")
+            lines.append(f"{'-':>3}  {layout.describe():<{w}}  dropped: {r.dropped}")
             continue
         tb = est.time_breakdown
         row = (
-            f"{i if r.dropped is None else '-':>3}  {layout.describe():<66}{est.peak_bytes / 2**30:>9.1f}"
+            f"{i if r.dropped is None else '-':>3}  {layout.describe():<{w}}{est.peak_bytes / 2**30:>9.1f}"
             f"{est.step_time:>9.3f}{tb['compute']:>9.3f}{tb['exposed_comm']:>8.3f}{tb['bubble']:>8.3f}"
             f"{est.mfu:>7.1%}"
         )
