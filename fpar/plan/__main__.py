@@ -3,6 +3,7 @@
 Example::
 
     python -m fpar.plan --model llama-70b --devices 1024 --hardware h100-sxm --batch 256
+    python -m fpar.plan --model tiny            # 4 devices of h100-sxm, batch 8
     python -m fpar.plan --model tiny --devices 8 --hardware this --batch 16
 """
 
@@ -16,6 +17,13 @@ from ._hardware import PRESETS
 from ._models import MODELS, model_step
 from ._search import ranking, search
 
+# Where the command line leaves them out: a cluster-sized search for the large models; for ``tiny``
+# (4 layers, 2 kv heads) a search of a few devices that its heads and layers divide.
+_DEFAULTS: dict[str | None, dict] = {
+    None: {"devices": 1024, "batch": 256, "tensor": [4, 8], "pipeline": [2, 4, 8]},
+    "tiny": {"devices": 4, "batch": 8, "tensor": [1, 2], "pipeline": [1, 2]},
+}
+
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
@@ -25,11 +33,17 @@ def main(argv: list[str] | None = None) -> int:
     """Parse the command line, search the layouts, print the ranking; the exit status."""
     ap = argparse.ArgumentParser(prog="python -m fpar.plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-70b", choices=sorted(MODELS), help="the model's shape")
-    ap.add_argument("--devices", type=int, default=1024, help="how many devices")
+    ap.add_argument("--devices", type=int, default=None, help="how many devices (default: the model's)")
     ap.add_argument("--hardware", default="h100-sxm", help=f"one of {sorted(PRESETS) + ['this']}")
-    ap.add_argument("--batch", type=int, default=256, help="global batch, in sequences")
-    ap.add_argument("--tensor", type=_ints, default=[4, 8], help="tensor sizes to try, e.g. 4,8")
-    ap.add_argument("--pipeline", type=_ints, default=[2, 4, 8], help="pipeline sizes to try")
+    ap.add_argument(
+        "--batch", type=int, default=None, help="global batch, in sequences (default: the model's)"
+    )
+    ap.add_argument(
+        "--tensor", type=_ints, default=None, help="tensor sizes to try, e.g. 4,8 (default: the model's)"
+    )
+    ap.add_argument(
+        "--pipeline", type=_ints, default=None, help="pipeline sizes to try (default: the model's)"
+    )
     ap.add_argument("--zero", type=_ints, default=[0, 1], help="ZeRO stages to try")
     ap.add_argument("--microbatches", type=_ints, default=[8], help="microbatch counts to try")
     ap.add_argument(
@@ -47,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all", action="store_true", help="also list the layouts dropped, and why")
     args = ap.parse_args(argv)
     model = MODELS[args.model]
+    for name, value in _DEFAULTS.get(args.model, _DEFAULTS[None]).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     remat = {"yes": [True], "no": [False], "both": [False, True]}[args.remat]
     print(
         f"{model.name}: d={model.d_model} layers={model.n_layers} heads={model.n_heads} kv_heads={model.n_kv_heads} "

@@ -14,9 +14,13 @@ each pipeline action once (``marks``), and a class's events as index pairs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from ._estimate import DeviceClass, Estimate, retime
+from ._hardware import Hardware
 from ._record import Comm, Op
 
 __all__ = ["dump", "load"]
@@ -55,13 +59,15 @@ def dump(est: Estimate) -> dict:
         )
     return {
         "mesh": {"shape": list(est.mesh.shape.values()), "names": list(est.mesh.shape)},
-        "kinds": [[list(x) if isinstance(x, tuple) else x for x in k] for k in sorted(kinds, key=kinds.get)],
-        "marks": [m for m in sorted(marks, key=marks.get)],
+        "kinds": [
+            [list(x) if isinstance(x, tuple) else x for x in k] for k in sorted(kinds, key=kinds.__getitem__)
+        ],
+        "marks": sorted(marks, key=marks.__getitem__),
         "classes": classes,
     }
 
 
-def load(data: dict, hardware, schedule=None) -> Estimate:
+def load(data: dict, hardware: Hardware, schedule: Any = None) -> Estimate:
     """The ``Estimate`` ``data`` (from ``dump``) describes, timed on ``hardware``.
 
     ``schedule``: the pipeline schedule the step ran (``fpar.plan.pipeline_schedule(layout)``).
@@ -102,18 +108,18 @@ def load(data: dict, hardware, schedule=None) -> Estimate:
     return retime(shell, hardware)
 
 
-def _kind(e) -> tuple:
+def _kind(e: Op | Comm) -> tuple:
     if isinstance(e, Op):
         dims = tuple(e.dims) if e.dims else None
         return ("op", e.name, e.flops, e.nbytes, str(e.dtype), e.phase, e.recompute, dims)
     return ("comm", e.kind, tuple(e.axes), e.nbytes, e.n, e.overlap, e.phase)
 
 
-def _mark(a) -> tuple | None:
+def _mark(a: Any) -> tuple | None:
     return None if a is None else (a.tick, a.stage, a.kind, a.microbatch, a.chunk)
 
 
-def _event(k: list):
+def _event(k: list) -> Callable[[Any], Op | Comm]:
     if k[0] == "op":
         _, name, flops, nbytes, dtype, phase, recompute, dims = k
         dt, dims = _DTYPES[dtype], tuple(dims) if dims else None

@@ -277,3 +277,15 @@ def test_the_planning_example_runs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert len(results) == 4 and (tmp_path / "p.png").exists()
     assert "ranking" not in out and "pipeline=2 data=2 tensor=2 zero=1" in out and "assumptions:" in out
+
+
+def test_command_line_tiny_runs_on_its_defaults(capsys):
+    """``python -m fpar.plan --model tiny`` alone (the wheel's smoke test) finds layouts: its defaults
+    for ``tiny`` are a few devices its 4 layers and 2 kv heads divide (the cluster-sized defaults
+    refused it: no layout of 1024 devices divides tiny)."""
+    from fpar.plan.__main__ import main
+
+    assert main(["--model", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "batch 8 sequences on 4 x h100-sxm" in out
+    assert "layouts estimated" in out and "the fastest layout in full" in out
