@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import torch
@@ -57,6 +57,7 @@ __all__ = [
     "untraced",
     "WHOLE_STEP",
     "TOO_OLD",
+    "answered_in_order",
 ]
 
 REASON = (
@@ -219,3 +220,29 @@ def _codes(obj) -> Iterator[types.CodeType]:
         code = stack.pop()
         yield code
         stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+
+
+def answered_in_order(record: Sequence, fname: str) -> Callable[[torch.Tensor], frozenset]:
+    """A compiled call's ``Frame.varying``: query ``k`` answered by the eager call's ``k``-th answer.
+
+    ``record``: ``(shape, dtype, mesh axes)`` of each value the eager call with the same argument
+    shapes queried for the axes it varies over (dropout's batch axes, clip's groups), in order.
+    Neither vmap's batching (in-process) nor the tracker (real mesh) runs under Dynamo.
+    """
+    asked = [0]
+
+    def varying(x: torch.Tensor) -> frozenset:
+        k = asked[0]
+        asked[0] += 1
+        if k >= len(record) or record[k][:2] != (tuple(x.shape), x.dtype):
+            raise RuntimeError(
+                f"fpar.shard({fname}) under torch.compile: query #{k} for the mesh axes a value "
+                f"varies over (e.g. by dropout) is of a value of shape {tuple(x.shape)} and dtype "
+                f"{x.dtype}, but the eager call with these argument shapes asked "
+                + (f"of shape {record[k][0]} and dtype {record[k][1]}" if k < len(record) else "fewer")
+                + ". A function whose queries depend on values, not shapes, cannot be compiled; "
+                "pass the layout explicitly (fpar.ops.dropout's spec=, the layers' batch_axes=)."
+            )
+        return record[k][2]
+
+    return varying

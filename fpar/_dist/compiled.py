@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 
 from .._collectives import Frame, frames
-from .._compile import TRACED
+from .._compile import TRACED, answered_in_order
 from .._registry import internal
 from .._tree import tree_flatten, tree_unflatten
 from .groups import MeshGroups
@@ -85,24 +85,8 @@ def compiled_call(shard, plan, args: tuple) -> Any:
             y = _Traced.apply(y, "pvary", (), reduce, mg)
         return y
 
-    asked = [0]
-
-    def varying(x: Tensor) -> frozenset:
-        # the eager call's answer to the same query, in order
-        k = asked[0]
-        asked[0] += 1
-        if k >= len(plan.varying) or plan.varying[k][:2] != (tuple(x.shape), x.dtype):
-            raise RuntimeError(
-                f"fpar.shard({fname}) under torch.compile: query #{k} for the mesh axes a value "
-                f"varies over (e.g. by dropout) is of a value of shape {tuple(x.shape)} and dtype "
-                f"{x.dtype}, but the eager call with these argument shapes asked otherwise. A "
-                f"function whose queries depend on values, not shapes, cannot be compiled; pass the "
-                f"layout explicitly (fpar.ops.dropout's spec=, the layers' batch_axes=)."
-            )
-        return plan.varying[k][2]
-
     frame.collective = frame.direct = direct
-    frame.varying = varying
+    frame.varying = answered_in_order(plan.varying, fname)
     stack = frames()
     stack.append(frame)
     TRACED[0] += 1

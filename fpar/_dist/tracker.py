@@ -36,21 +36,6 @@ Tensor = torch.Tensor
 _REDUCING = {"psum", "pmean", "pmax", "pmin", "all_gather_invariant"}
 
 
-# What reads a tensor's value without returning a tensor (as the ops that make a ``Pending`` wait)
-_VALUE_READS = {
-    Tensor.item,
-    Tensor.tolist,
-    Tensor.numpy,
-    Tensor.__bool__,
-    Tensor.__float__,
-    Tensor.__int__,
-    Tensor.__index__,
-    Tensor.__format__,
-    Tensor.__repr__,
-    Tensor.__array__,
-    Tensor.data_ptr,
-}
-_SHAPE_LIKE = {torch.ones_like, torch.zeros_like, torch.empty_like}
 # Reads that steer Python control flow: refused inside a remat body (``_errors.remat_reads_message``)
 _CONTROL_READS = {
     Tensor.item,
@@ -61,6 +46,9 @@ _CONTROL_READS = {
     Tensor.__int__,
     Tensor.__index__,
 }
+# What reads a tensor's value without returning a tensor (as the ops that make a ``Pending`` wait)
+_VALUE_READS = _CONTROL_READS | {Tensor.__format__, Tensor.__repr__, Tensor.__array__, Tensor.data_ptr}
+_SHAPE_LIKE = {torch.ones_like, torch.zeros_like, torch.empty_like}
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep

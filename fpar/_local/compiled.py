@@ -34,7 +34,7 @@ import torch
 from torch._C._functorch import maybe_current_level
 
 from .._collectives import Frame, frames
-from .._compile import TRACED
+from .._compile import TRACED, answered_in_order
 from .._tree import tree_flatten, tree_unflatten
 from .collective import VARYING, Op
 from .exchange import LocalBackend, make_exchange, vmap_dims
@@ -193,29 +193,8 @@ def compiled_call(f, fname: str, mesh, plan: LocalPlan, args: tuple) -> Any:
             0,
         )
 
-    asked = [0]
-
-    def varying(x: Tensor) -> frozenset:
-        # vmap's batching, which Dynamo cannot read: the eager call's answer to the same query
-        k = asked[0]
-        asked[0] += 1
-        if k >= len(plan.varying) or plan.varying[k][:2] != (tuple(x.shape), x.dtype):
-            raise RuntimeError(
-                f"fpar.shard({fname}) under torch.compile: query #{k} for the mesh axes a value "
-                f"varies over (e.g. by dropout) is of a value of shape {tuple(x.shape)} and dtype "
-                f"{x.dtype}, but the eager call with these argument shapes asked "
-                + (
-                    f"of shape {plan.varying[k][0]} and dtype {plan.varying[k][1]}"
-                    if k < len(plan.varying)
-                    else "fewer"
-                )
-                + ". A function whose queries depend on values, not shapes, cannot be compiled; "
-                "pass the layout explicitly (fpar.ops.dropout's spec=, the layers' batch_axes=)."
-            )
-        return plan.varying[k][2]
-
     frame.collective = collective
-    frame.varying = varying
+    frame.varying = answered_in_order(plan.varying, fname)
     nviews = len(views)
     out_tree: list = []
 
