@@ -24,9 +24,11 @@ setup() {
 case "${1:-}" in
   setup) setup ;;
   example) setup; .venv/bin/python examples/train_gpt.py "${@:2}" ;;
-  # two pytest workers (pytest-xdist; FPAR_TEST_WORKERS=0 runs in one process): much of the suite waits
-  # on process start-up, rendezvous and gloo, which the other worker's tests fill
-  test) setup; .venv/bin/python -m pytest -n "${FPAR_TEST_WORKERS:-2}" --dist worksteal "${@:2}" ;;
+  # FPAR_TEST_WORKERS=2: two pytest-xdist workers (opt-in: the elastic node-join test failed once in two
+  # such runs, its first rendezvous already holding both agents; one process is what CI runs)
+  test) setup
+    workers=(); [ "${FPAR_TEST_WORKERS:-0}" != 0 ] && workers=(-n "$FPAR_TEST_WORKERS" --dist worksteal)
+    .venv/bin/python -m pytest ${workers[@]+"${workers[@]}"} "${@:2}" ;;
   wheel) setup; bash scripts/wheel_smoke.sh ;;
   *) echo "usage: bash scripts/dev.sh {setup|example|test|wheel} [args...]" >&2; exit 2 ;;
 esac
