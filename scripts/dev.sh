@@ -24,10 +24,10 @@ setup() {
 case "${1:-}" in
   setup) setup ;;
   example) setup; .venv/bin/python examples/train_gpt.py "${@:2}" ;;
-  # FPAR_TEST_WORKERS=2: two pytest-xdist workers (opt-in: the elastic node-join test failed once in two
-  # such runs, its first rendezvous already holding both agents; one process is what CI runs)
+  # two pytest-xdist workers by default (FPAR_TEST_WORKERS=0: one process, where docs/plan.md's page failed once,
+  # not yet understood; under xdist the elastic node-join test failed once in two runs)
   test) setup
-    workers=(); [ "${FPAR_TEST_WORKERS:-0}" != 0 ] && workers=(-n "$FPAR_TEST_WORKERS" --dist worksteal)
+    workers=(); [ "${FPAR_TEST_WORKERS:-2}" != 0 ] && workers=(-n "${FPAR_TEST_WORKERS:-2}" --dist worksteal)
     .venv/bin/python -m pytest ${workers[@]+"${workers[@]}"} "${@:2}" ;;
   wheel) setup; bash scripts/wheel_smoke.sh ;;
   *) echo "usage: bash scripts/dev.sh {setup|example|test|wheel} [args...]" >&2; exit 2 ;;
