@@ -60,11 +60,44 @@ def entry(main) -> None:
     """Run ``main()`` as a script: under torchrun, a raised error goes to torchrun's error file.
 
     torch's ``record`` writes it there, so the job's summary names the first failing rank's
-    exception instead of only its exit code.
+    exception instead of only its exit code. The file is written whole or not at all (see
+    ``_whole_error_file``).
     """
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    record(main)()
+    record(main, error_handler=_whole_error_file())()
+
+
+def _whole_error_file():
+    """torch's error handler, writing its file under another name and renaming it into place.
+
+    torch's own handler opens the file for writing and then dumps the JSON. When one rank is
+    killed, its peer fails on the lost connection and starts writing its file, and torchrun's
+    agent, seeing the killed rank, sends the peer SIGTERM: killed between the open and the
+    dump, it leaves an empty file, and the agent itself crashes reading it
+    (``JSONDecodeError``) instead of restarting the job. A rename is atomic: the agent reads the
+    whole report or finds none.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    class WholeErrorFile(ErrorHandler):
+        writing: str | None = None
+
+        def _get_error_file_path(self) -> str | None:
+            return self.writing or super()._get_error_file_path()
+
+        def record_exception(self, e: BaseException) -> None:
+            final = super()._get_error_file_path()
+            if not final:
+                return super().record_exception(e)
+            self.writing = f"{final}.{os.getpid()}.partial"
+            try:
+                super().record_exception(e)
+            finally:
+                self.writing = None
+            os.replace(f"{final}.{os.getpid()}.partial", final)
+
+    return WholeErrorFile()
 
 
 def rank() -> int:

@@ -9,6 +9,8 @@ call's signature.  It returns the largest differences of the losses and paramete
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -19,6 +21,21 @@ from fpar import P
 
 F64 = torch.float64
 V, D, L, T, B, HEADS, STEPS = 32, 16, 1, 8, 4, 4, 3
+
+
+def _autograd_ops_traced(program):
+    """Run ``program`` with Dynamo's ``trace_autograd_ops`` on (``loss.backward()`` inside a
+    compiled step), restoring it after: left on, it changed how later tests' eager ZeRO steps ran
+    in the same pytest process."""
+
+    @functools.wraps(program)
+    def run(*args, **kwargs):
+        import torch._dynamo
+
+        with torch._dynamo.config.patch(trace_autograd_ops=True):
+            return program(*args, **kwargs)
+
+    return run
 
 
 def _setup(shape):
@@ -81,6 +98,7 @@ def _diff(a, b) -> float:
     return max(float((x.detach() - y.detach()).abs().max()) for x, y in zip(la, lb))
 
 
+@_autograd_ops_traced
 def run_gpt_steps(
     cases=(((2, 1), "backward"), ((1, 2), "autograd_grad")), backend: str = "aot_eager"
 ) -> dict:
@@ -88,7 +106,6 @@ def run_gpt_steps(
     and how far the steps moved the parameters."""
     import torch._dynamo
 
-    torch._dynamo.config.trace_autograd_ops = True  # loss.backward() inside the compiled step
     out = {}
     for shape, form in cases:
         params, loss_fn, ids, targets = _setup(shape)
@@ -99,11 +116,11 @@ def run_gpt_steps(
     return out
 
 
+@_autograd_ops_traced
 def run_refusals(backend: str = "aot_eager") -> dict:
     """What a compiled step does where it cannot be one graph: the error, or the right answer."""
     import torch._dynamo
 
-    torch._dynamo.config.trace_autograd_ops = True
     out = {}
     n = dist.get_world_size() if dist.is_initialized() else 2
     mesh = fpar.make_mesh((n,), ("data",))
@@ -173,6 +190,7 @@ def run_refusals(backend: str = "aot_eager") -> dict:
     return out
 
 
+@_autograd_ops_traced
 def run_zero_steps(stages=(0, 1, 2, 3), n_micro: dict | None = None) -> dict:
     """ZeRO ``zero_step`` trained eagerly and compiled whole (after one eager step), per stage.
 
@@ -187,7 +205,6 @@ def run_zero_steps(stages=(0, 1, 2, 3), n_micro: dict | None = None) -> dict:
     import torch._dynamo
     from torch._dynamo.backends.common import aot_autograd
 
-    torch._dynamo.config.trace_autograd_ops = True
     real = dist.is_initialized()
     mesh = fpar.make_mesh((2, 1) if real else (2, 2), ("data", "tensor"))
     specs = {"w1": P(None, "tensor"), "w2": P("tensor", None)}
@@ -252,6 +269,7 @@ def run_zero_steps(stages=(0, 1, 2, 3), n_micro: dict | None = None) -> dict:
     return out
 
 
+@_autograd_ops_traced
 def run_block_steps(cases=("moe", "gpt_dropout"), backend: str = "aot_eager") -> dict:
     """A transformer block of ``fpar.ops`` in a sharded loss, trained eagerly and compiled whole.
 
@@ -268,7 +286,6 @@ def run_block_steps(cases=("moe", "gpt_dropout"), backend: str = "aot_eager") ->
     from fpar.random import fold_in
     from fpar.random import key as random_key
 
-    torch._dynamo.config.trace_autograd_ops = True
     real = dist.is_initialized()
     shape = (1, 2) if real else (2, 2)
     mesh = fpar.make_mesh(shape, ("data", "tensor"))

@@ -23,15 +23,17 @@ The runs are bounded in time; every launcher and its workers are killed at the e
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from torchrun_util import finish, free_port, kill_tree, started
+from torchrun_util import children, finish, free_port, kill_tree, started
 
 import fpar
 
@@ -109,7 +111,19 @@ def _agent(
     rdzv = (
         ["--node-rank", str(static), "--master-addr", "127.0.0.1", "--master-port", str(port)]
         if static is not None
-        else ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", conf]
+        else [
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-conf",
+            conf,
+            # One job id per test: free_port() can hand two tests that run at once (pytest-xdist)
+            # the same port, and with torchrun's default id ("none") their agents then joined one
+            # rendezvous (seen: a job's first round held the other test's agent too).
+            "--rdzv-id",
+            hashlib.sha1(str(ckpt).encode()).hexdigest()[:16],
+        ]
     )
     cmd = [
         sys.executable,
@@ -167,6 +181,22 @@ def _wait_for_step(ckpt: Path, step: int, procs: list, timeout: float) -> None:
     )
 
 
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _told_to_stop(pid: int) -> bool:
+    """Whether a stopped ``pid`` has a SIGTERM pending (its agent is restarting the workers)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    pending = {k: int(v, 16) for k, v in re.findall(r"^(SigPnd|ShdPnd):\s*([0-9a-f]+)$", status, re.M)}
+    return any(mask >> (signal.SIGTERM - 1) & 1 for mask in pending.values())
+
+
 def _killed(*procs) -> str:
     """Kill every launcher still running; their exit codes and the tails of their output."""
     outs = []
@@ -220,15 +250,22 @@ def test_a_node_joining_grows_the_job_with_zero3_state(tmp_path, store_port):
         _wait_for_step(ckpt, K, [first], timeout=240)
         if first.poll() is not None or joined.poll() is not None:
             pytest.fail("a launcher ended before the join:\n" + _killed(first, joined))
+        # Hold the job still until the first agent has seen the new node: on a loaded machine its
+        # remaining steps could otherwise end before the joining agent registers.
+        workers = children(first.pid)
+        _signal(workers, signal.SIGSTOP)
         joined.stdin.write("go\n")
         joined.stdin.flush()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not all(map(_told_to_stop, workers)):
+            time.sleep(0.05)
+        _signal(workers, signal.SIGCONT)
         outs = finish([first, joined], timeout=300)
-    assert first.returncode == 0 and joined.returncode == 0, outs[0][-3000:] + outs[1][-3000:]
+    both = "\n----\n".join(o[-3000:] for o in outs)
+    assert first.returncode == 0 and joined.returncode == 0, both
     meshes = _meshes(outs)
-    assert (
-        meshes[0] == "{'pipeline': 1, 'data': 2, 'tensor': 1}"
-        and meshes[-1] == "{'pipeline': 2, 'data': 2, 'tensor': 1}"
-    )
+    assert meshes[0] == "{'pipeline': 1, 'data': 2, 'tensor': 1}", both
+    assert meshes[-1] == "{'pipeline': 2, 'data': 2, 'tensor': 1}", both
     assert re.search(r"resumed from .* at step ([2-9])", "\n".join(outs))
     _check_losses(outs, want)
 

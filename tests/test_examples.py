@@ -126,3 +126,37 @@ def test_verbose_run_prints_meters_and_writes_the_plot(tmp_path, capsys):
         assert text in out
     assert png.stat().st_size > 0
     assert train_vit.main(argv[:-2] + ["--ckpt-dir", str(tmp_path / "vit"), "--plot", "none"]).accuracy > 0
+
+
+def test_the_error_file_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A rank killed while it writes torchrun's error file must not leave a torn file.
+
+    torchrun's agent parses every failed rank's file; an empty one crashed it with a
+    JSONDecodeError instead of restarting the job (seen in CI's kill-and-resume test).
+    """
+    import json
+
+    import _common
+
+    final = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(final))
+    handler = _common._whole_error_file()
+
+    def killed(data, fp):  # the process dies after open(), before the JSON is out
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(json, "dump", killed)
+        with pytest.raises(KeyboardInterrupt):
+            try:
+                raise ValueError("lost a peer")
+            except ValueError as e:
+                handler.record_exception(e)
+    assert not final.exists()
+
+    try:
+        raise ValueError("lost a peer")
+    except ValueError as e:
+        handler.record_exception(e)
+    assert json.loads(final.read_text())["message"]["message"] == "ValueError: lost a peer"
+    assert [p.name for p in tmp_path.iterdir()] == ["error.json"]

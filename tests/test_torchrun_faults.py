@@ -12,6 +12,7 @@ import re
 import signal
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,8 @@ def _torchrun(n: int, *args: str, restarts: int = 0) -> list[str]:
         "c10d",
         "--rdzv-endpoint",
         f"127.0.0.1:{free_port()}",
+        "--rdzv-id",  # not torchrun's default ("none"): tests that run at once never share a job
+        uuid.uuid4().hex,
         *args,
     ]
 

@@ -150,7 +150,9 @@ def zero_grads(
     grad = torch.func.grad(objective, has_aux=True)
     reduce = _reducer(layout, bucket_bytes) if layout.stage == 2 else None
 
-    planned: set = set()  # real mesh: signatures whose first eager call ran (so planned) ``traced``
+    planned: set = set()  # real mesh: signatures whose first eager step ran (so planned) ``traced``
+    planning: set = set()  # ... and those this step is planning: every microbatch of a step takes
+    # one form, or the last microbatch would not claim the gradients the others deferred
 
     def one(params, batch, scale):
         if torch.compiler.is_compiling() and WHOLE_STEP:  # the whole step in one graph: torch.autograd
@@ -160,8 +162,8 @@ def zero_grads(
             return (reduce(g) if reduce is not None else g), loss
         if mesh.backend == "dist" and maybe_current_level() is None and _compiling_next():
             key = signature_key((params, batch, scale))
-            if key not in planned:  # the first call of a signature: as a compiled step runs it, so
-                planned.add(key)  # that a compiled step finds its sharded calls planned
+            if key not in planned:  # the first step of a signature: as a compiled step runs it, so
+                planning.add(key)  # that a compiled step finds its sharded calls planned
                 g, loss = _autograd_grad(traced, wrt(params), batch, scale)
                 return (reduce(g) if reduce is not None else g), loss
         if layout.stage == 3 and regather and regather_supported():
@@ -183,7 +185,10 @@ def zero_grads(
             scale = torch.ones((), dtype=torch.float32, device=leaves[0].device if leaves else None)
         else:
             scale = loss_scale
-        return acc(params, batch, scale)
+        planning.clear()
+        out = acc(params, batch, scale)
+        planned.update(planning)
+        return out
 
     return grads
 

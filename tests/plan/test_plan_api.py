@@ -156,6 +156,27 @@ def test_llama_70b_state_bytes_equal_the_sharded_parameter_count(zero):
     assert sum(c.count for c in est.devices) == 64
 
 
+def test_an_estimate_with_dynamos_trace_autograd_ops_on_equals_one_with_it_off():
+    # What a user who compiles their step turns on (docs/compile.md). The first step of a
+    # signature then runs the compiled step's form; in 2 microbatches it once ran it in the first
+    # only, whose deferred gradients the last never claimed (a RuntimeError).
+    import torch._dynamo
+
+    model = plan.MODELS["tiny"]
+    layout = plan.Layout(pipeline=1, data=2, tensor=2, zero=1, microbatches=2, batch=8)
+    off = plan.estimate(*_flat(plan.model_step(model, layout)))
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        on = plan.estimate(*_flat(plan.model_step(model, layout)))
+    # the same traffic; the compiled form's memory differs a little (torch.autograd keeps what
+    # torch.func.grad frees)
+    assert on.comm == off.comm and abs(on.peak_bytes - off.peak_bytes) <= 0.01 * off.peak_bytes
+
+
+def _flat(step_args):
+    step, args = step_args
+    return (step, *args)
+
+
 # -- search and the command line ------------------------------------------------------------------------
 
 
