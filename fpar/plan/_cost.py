@@ -12,12 +12,18 @@
   point-to-point send.  β and α are the node's links when every device of the group shares this
   device's node (the mesh's last axes are inside a node); a group over several nodes crosses
   them over its members' NICs (``comm_seconds``).
-* Compute runs in order on one stream, messages on another: a blocking collective (fpar's
-  collectives in the forward and backward) makes compute wait for it; one issued to overlap
-  (gradient buckets, ZeRO's prefetches and reduce-scatters) runs beside the compute that follows
-  and is waited for at the end of the step, as fpar runs them.  On CPU hardware (``cores``)
-  nothing overlaps: a message's copies, its sums and the TCP stack run on the cores the compute
-  needs, so every message's time adds to the step.
+* Compute runs in order on one stream, each process group's messages in order on a stream of
+  their own (NCCL runs every communicator on its own CUDA stream; PyTorch's ``ProcessGroupNCCL``
+  makes one per group and device): a blocking collective (fpar's collectives in the forward and
+  backward) makes compute wait for it; one issued to overlap (gradient buckets, ZeRO's
+  prefetches and reduce-scatters) runs beside the compute that follows and is waited for at the
+  end of the step, as fpar runs them.  So a tensor-parallel all-gather waits for the
+  tensor-parallel messages before it, never behind a data-parallel bucket in flight over the
+  NICs (it did, with one message stream: Llama 3 405B's pipeline drain then waited for every
+  stage's gradient all-reduce in turn).  Groups that share a link are not slowed by each other:
+  the model leaves that contention out.  On CPU hardware (``cores``) nothing overlaps: a
+  message's copies, its sums and the TCP stack run on the cores the compute needs, so every
+  message's time adds to the step.
 * A pipeline's stages: each compute action's time is the time of its ops and blocking messages;
   the schedule replays with those times (``fpar.pipeline``'s dependency rules) and the idle
   time inside the makespan is the bubble.
@@ -145,7 +151,7 @@ def _span(span: Any, n: int) -> tuple[int, int]:
 def time_events(
     events: list, hw: Hardware, inter_axes: dict[tuple, Any], share: float, link_share: float = 1.0
 ) -> Timing:
-    """Replay one device's ops and messages on a compute stream and a message stream.
+    """Replay one device's ops and messages on a compute stream and a message stream per group.
 
     ``inter_axes``: per message axes, how its group lies on the nodes (``comm_seconds``' span).
     ``share``: the fraction of a core each device gets (CPU); ``link_share``: the speed of messages
@@ -155,8 +161,9 @@ def time_events(
     last_backward = max(
         (i for i, e in enumerate(events) if getattr(e, "phase", "") == "backward"), default=-1
     )
-    last_overlapped = None
-    now = free = 0.0  # compute stream's clock; when the message stream is next free
+    overlapped: dict[str, str] = {}  # stream -> the axes of the last overlapped message on it
+    now = 0.0  # the compute stream's clock
+    free: dict[str, float] = {}  # per group's axes: when its message stream is next free (CPU: one)
     synced = 0.0  # the compute clock at the last blocking message (the peers' drift grows from it)
     gathers: dict = {}  # axes -> the compute clock when the last prefetched gather was used
     for i, e in enumerate(events):
@@ -185,31 +192,32 @@ def time_events(
         if blocking and hw.skew:  # measured hardware: wait out the peers' drift since the last one
             dt += hw.skew * max(now - synced, 0.0)
         t.comm += dt
-        start = max(now, free)
+        key = ",".join(e.axes)
+        stream = "" if hw.cores else key
         if e.overlap and e.kind == "all_gather" and not hw.cores:
             # ZeRO-3's gathers are prefetched one ahead: each started when the previous one was
             # used (its event: fpar counts a gather where it is waited for), and waited for now
-            key = ",".join(e.axes)
-            start = max(gathers.get(key, now), free)
-            free = start + dt
-            if free > now:
-                t.exposed[key] = t.exposed.get(key, 0.0) + free - now
-                _charge(t, e.mark, free - now)
-                now = free
+            start = max(gathers.get(key, now), free.get(stream, 0.0))
+            free[stream] = done = start + dt
+            if done > now:
+                t.exposed[key] = t.exposed.get(key, 0.0) + done - now
+                _charge(t, e.mark, done - now)
+                now = done
             gathers[key] = now  # the next one starts once this one is in use
             continue
-        free = start + dt
+        free[stream] = done = max(now, free.get(stream, 0.0)) + dt
         if blocking:
-            _charge(t, e.mark, free - now)
-            key = ",".join(e.axes)
-            t.exposed[key] = t.exposed.get(key, 0.0) + free - now
-            now = synced = free
+            _charge(t, e.mark, done - now)
+            t.exposed[key] = t.exposed.get(key, 0.0) + done - now
+            now = synced = done
         else:
-            last_overlapped = ",".join(e.axes)
-    t.total = max(now, free)
-    if free > now:  # the overlapped messages still in flight when the compute ends
-        t.unmarked += free - now
-        t.exposed[last_overlapped] = t.exposed.get(last_overlapped, 0.0) + free - now
+            overlapped[stream] = key
+    end = max(free.values(), default=0.0)
+    t.total = max(now, end)
+    if end > now:  # the overlapped messages still in flight when the compute ends
+        t.unmarked += end - now
+        last = max(overlapped, key=lambda k: free[k])
+        t.exposed[overlapped[last]] = t.exposed.get(overlapped[last], 0.0) + end - now
     return t
 
 

@@ -189,12 +189,12 @@ def test_search_ranks_the_layouts_that_fit_by_step_time():
         model=model,
         pipeline=[1, 2],
         tensor=[1, 2],
-        zero=[0, 1],
+        zero=[1],
         batch=[8],
         microbatches=[2],
     )
     times = [est.step_time for _, est in results]
-    assert len(results) >= 6 and times == sorted(times)
+    assert len(results) == 4 and times == sorted(times)
     assert {(lay.pipeline, lay.tensor) for lay, _ in results} == {(1, 1), (1, 2), (2, 1), (2, 2)}
     table = plan.ranking(results)
     assert table.count("\n") == len(results)

@@ -140,6 +140,32 @@ def test_an_overlapped_message_is_hidden_on_a_gpu_and_charged_on_a_cpu():
     assert on_cpu.total == pytest.approx(on_cpu.compute + msg)
 
 
+def test_each_group_sends_on_its_own_stream_and_waits_only_for_its_own_messages():
+    # A GPU: a data-parallel bucket in flight (overlapped), then a blocking tensor-parallel sum.
+    # The sum waits for its own group's stream only, as NCCL runs each communicator on its own
+    # stream; a second data-parallel bucket queues behind the first.
+    gpu = dataclasses.replace(_cpu(), cores=None, skew=0.0)
+    op = _cost.Op("aten.mm", 1e8, 0, torch.float32, "backward")
+    bucket = Comm("psum", ("data",), 10**8, 2, True, "backward")
+    tp = Comm("psum", ("tensor",), 10**3, 2, False, "backward")
+    t_op, t_bucket, t_tp = (
+        _cost.op_seconds(op, gpu, 1.0),
+        _cost.comm_seconds(bucket, gpu, False),
+        _cost.comm_seconds(tp, gpu, False),
+    )
+    assert t_bucket > 10 * (t_op + t_tp)  # the bucket outlasts what follows it
+    got = _cost.time_events([op, bucket, tp, op, bucket], gpu, {}, 1.0)
+    compute_end = 2 * t_op + t_tp  # the sum's wait is its own time, not the bucket's
+    assert got.exposed["tensor"] == pytest.approx(t_tp)
+    assert got.total == pytest.approx(t_op + 2 * t_bucket)  # the buckets one after the other
+    assert got.exposed["data"] == pytest.approx(t_op + 2 * t_bucket - compute_end)
+    # on a CPU every message is blocking and they all take the cores in turn
+    cpu = _cost.time_events([op, bucket, tp, op, bucket], _cpu(skew=0.0), {}, 1.0)
+    assert cpu.total == pytest.approx(
+        cpu.compute + 2 * _cost.comm_seconds(bucket, _cpu(), False) + _cost.comm_seconds(tp, _cpu(), False)
+    )
+
+
 def test_a_cpu_pipeline_gives_the_cores_of_idle_stages_to_the_busy_ones(monkeypatch):
     layout = plan.Layout(pipeline=2, data=1, zero=0, microbatches=2, batch=2)
     hw = _cpu(cores=1.0)
