@@ -24,8 +24,8 @@ setup() {
 case "${1:-}" in
   setup) setup ;;
   example) setup; .venv/bin/python examples/train_gpt.py "${@:2}" ;;
-  # two pytest-xdist workers by default (on 2 cores the multi-process tests wait on each other's
-  # processes, so two workers take ~0.6x one's time); FPAR_TEST_WORKERS=0: one process
+  # two pytest-xdist workers by default, one per core of the CI machine (four were no faster on it);
+  # FPAR_TEST_WORKERS=0: one process
   test) setup
     workers=(); [ "${FPAR_TEST_WORKERS:-2}" != 0 ] && workers=(-n "${FPAR_TEST_WORKERS:-2}" --dist worksteal)
     .venv/bin/python -m pytest ${workers[@]+"${workers[@]}"} "${@:2}" ;;
