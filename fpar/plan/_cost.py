@@ -161,7 +161,6 @@ def time_events(
     last_backward = max(
         (i for i, e in enumerate(events) if getattr(e, "phase", "") == "backward"), default=-1
     )
-    overlapped: dict[str, str] = {}  # stream -> the axes of the last overlapped message on it
     now = 0.0  # the compute stream's clock
     free: dict[str, float] = {}  # per group's axes: when its message stream is next free (CPU: one)
     synced = 0.0  # the compute clock at the last blocking message (the peers' drift grows from it)
@@ -210,14 +209,12 @@ def time_events(
             _charge(t, e.mark, done - now)
             t.exposed[key] = t.exposed.get(key, 0.0) + done - now
             now = synced = done
-        else:
-            overlapped[stream] = key
     end = max(free.values(), default=0.0)
     t.total = max(now, end)
     if end > now:  # the overlapped messages still in flight when the compute ends
         t.unmarked += end - now
-        last = max(overlapped, key=lambda k: free[k])
-        t.exposed[overlapped[last]] = t.exposed.get(overlapped[last], 0.0) + end - now
+        last = max(free, key=free.__getitem__)  # a GPU's stream, named by its axes (a CPU blocks)
+        t.exposed[last] = t.exposed.get(last, 0.0) + end - now
     return t
 
 
