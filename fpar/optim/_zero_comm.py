@@ -89,6 +89,9 @@ class _Param:
 
     chunk: Tensor  # this device's chunk (physical, flattened; in-process: every device's)
     block: Tensor  # one device's chunk as a meta tensor (what comm_stats counts)
+    left: int = 0  # its saved views the backward has not unpacked yet
+    storage: Tensor | None = None  # re-gathered, while ``left`` views still need it
+    live: bool = False  # in-process: counted as re-gathered, while ``left`` views still need it
 
 
 @dataclasses.dataclass(eq=False)
@@ -101,6 +104,7 @@ class _Saved:
     stride: tuple[int, ...]
     offset: int
     kept: Tensor | None  # in-process: the tensor itself
+    unpacked: bool = False
 
 
 class Regather:
@@ -117,7 +121,8 @@ class Regather:
         self.groups = mesh._dist if mesh.backend == "dist" else None
         self._params: dict[int, _Param] = {}
         self._saved: list[_Saved] = []
-        self._inflight: dict[int, _Pending] = {}  # saved index -> its prefetched gather
+        self._inflight: dict[int, _Pending] = {}  # id of a _Param -> its prefetched gather
+        self._todo: set[_Param] = set()  # saved parameters the backward has not gathered yet
 
     def track(self, chunk: Tensor, full: Tensor) -> None:
         """Remember that ``full`` (inside shard) was all-gathered from ``chunk`` over the axis."""
@@ -140,6 +145,9 @@ class Regather:
         param = self._params.get(key) if key is not None else None
         if param is None:
             return t
+        param.left += 1
+        if param.left == 1:
+            self._todo.add(param)
         saved = _Saved(
             param,
             len(self._saved),
@@ -154,21 +162,43 @@ class Regather:
     def _unpack(self, x: Any) -> Tensor:
         if not isinstance(x, _Saved):
             return x
-        # Counted as the all-gather it is on a real mesh (the forward's own gather is counted by
-        # fpar.all_gather): (N-1) x one device's chunk.
-        _stats.record("all_gather", (self.axis,), self.n, x.param.block, overlap=True)
+        param = x.param
+        param.left -= 1
+        x.unpacked = True
         if self.groups is None:
+            if not param.live:  # the same count as a real mesh's (below)
+                _stats.record("all_gather", (self.axis,), self.n, param.block, overlap=True)
+            param.live = param.left > 0
             return x.kept
-        pending = self._inflight.pop(x.index, None)
-        storage = (pending or self._start(x.param)).wait()
+        storage = param.storage
+        if storage is None:
+            self._todo.discard(param)
+            # Counted as the all-gather it is (the forward's own gather is counted by
+            # fpar.all_gather): (N-1) x one device's chunk.
+            _stats.record("all_gather", (self.axis,), self.n, param.block, overlap=True)
+            pending = self._inflight.pop(id(param), None)
+            storage = (pending or self._start(param)).wait()
+        # One re-gather a parameter a backward: it stays gathered until its last saved view is
+        # unpacked.  A parameter saved by several nodes (a stacked leaf, each layer saving its
+        # slice, as remat saves its inputs) would otherwise be gathered whole once a node.
+        param.storage = storage if param.left > 0 else None
         self._prefetch(x.index)
         return storage.as_strided(x.size, x.stride, x.offset)
 
     def _prefetch(self, index: int) -> None:
-        """Start gathering the parameter saved just before ``index``, unless one is in flight."""
-        if self._inflight or index == 0:
+        """Start gathering the next parameter the backward will need, unless one is in flight.
+
+        That is the parameter of the nearest view saved before ``index`` (the backward unpacks
+        them in about reverse order) that is neither unpacked nor gathered already.
+        """
+        if self._inflight or not self._todo:
             return
-        self._inflight[index - 1] = self._start(self._saved[index - 1].param)
+        for j in range(index - 1, -1, -1):
+            saved = self._saved[j]
+            if not saved.unpacked and saved.param in self._todo:
+                self._todo.discard(saved.param)
+                self._inflight[id(saved.param)] = self._start(saved.param)
+                return
 
     def _start(self, param: _Param) -> _Pending:
         return _Pending.start(param, self.groups, self.axis)
@@ -178,6 +208,8 @@ class Regather:
         for pending in self._inflight.values():
             pending.wait()
         self._inflight.clear()
+        for saved in self._saved:  # views the backward never unpacked (a gradient not asked for)
+            saved.param.storage = None
 
 
 class _Pending:

@@ -30,6 +30,7 @@ MESHES = {
     "zero1": ((2,), ("data",)),
     "zero2": ((2,), ("data",)),
     "zero3": ((2,), ("data",)),
+    "zero3_remat": ((2,), ("data",)),
     "tp": ((2, 2), ("data", "tensor")),
     "sp": ((1, 2), ("data", "tensor")),
     "pipeline": ((2, 1, 2), ("pipeline", "data", "tensor")),
@@ -57,6 +58,15 @@ def _tp_loss(params, batch):
     return ((out - y) ** 2).mean()
 
 
+def _stacked_remat_loss(params, batch):
+    """A residual MLP whose layers are stacked leaves, each layer checkpointed (model_step's form)."""
+    x, y = batch
+    layer = fo.remat(lambda w, b, h: h + torch.relu(h @ w + b))
+    for w, b in zip(params["w"].unbind(0), params["b"].unbind(0)):
+        x = layer(w, b, x)
+    return ((x - y) ** 2).mean()
+
+
 def build(name: str, mesh: fpar.Mesh):
     """``(step, args)`` of program ``name`` on ``mesh``."""
     g = torch.Generator().manual_seed(0)
@@ -68,6 +78,21 @@ def build(name: str, mesh: fpar.Mesh):
         opt = fo.adamw(1e-3)
         params, state = fo.zero_init(opt, params, layout)
         step = fo.zero_step(_mlp_loss, opt, layout)
+        batch = fpar.device_put(
+            (torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)), mesh, P("data")
+        )
+        return step, (params, state, batch)
+    if name == "zero3_remat":  # ZeRO-3 with recomputation: each stacked leaf re-gathered once
+        layers = 4
+        params = {
+            "w": torch.randn(layers, D, D, generator=g) * 0.05,
+            "b": torch.randn(layers, D, generator=g) * 0.05,
+        }
+        params = fpar.device_put(params, mesh, P())
+        layout = fo.zero_layout(params, mesh, stage=3, data_axis="data")
+        opt = fo.adamw(1e-3)
+        params, state = fo.zero_init(opt, params, layout)
+        step = fo.zero_step(_stacked_remat_loss, opt, layout)
         batch = fpar.device_put(
             (torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)), mesh, P("data")
         )
@@ -181,7 +206,7 @@ def real_worker(name: str) -> dict:
     return {"comm": comm, "peaks": peaks, "coords": dict(mesh._dist.coords)}
 
 
-BY_SIZE = {2: ("dp", "zero1", "zero2", "zero3", "sp", "moe"), 4: ("tp", "pipeline")}
+BY_SIZE = {2: ("dp", "zero1", "zero2", "zero3", "zero3_remat", "sp", "moe"), 4: ("tp", "pipeline")}
 
 
 def real_programs(size: int) -> dict:

@@ -109,10 +109,30 @@ def deep_loss(params, batch):
     return ((h - y) ** 2).mean()
 
 
+def stacked_problem(d=4, layers=3, batch=8, dtype=F64, seed=0):
+    """``(params, (x, y))`` of ``deep_problem``'s model with its layers stacked: one ``[layers, ...]``
+    leaf a weight, as ``fpar.plan.model_step`` and scanned models hold them."""
+    params, batch = deep_problem(d, layers, batch, dtype, seed)
+    stacked = {k: torch.stack([params[f"{k}{i}"] for i in range(layers)]) for k in ("w", "b")}
+    return stacked, batch
+
+
+def stacked_remat_loss(params, batch):
+    """``deep_loss`` over stacked leaves, each layer checkpointed: remat saves each layer's slice
+    of every stacked leaf, so ZeRO-3's backward unpacks ``layers`` views of each gathered leaf."""
+    x, y = batch
+    layer = fo.remat(lambda w, b, h: h + torch.tanh(h @ w + b))
+    h = x
+    for w, b in zip(params["w"].unbind(0), params["b"].unbind(0)):
+        h = layer(w, b, h)
+    return ((h - y) ** 2).mean()
+
+
 _LOSSES = {
     "mlp": (mlp_problem, mlp_loss),
     "remat": (mlp_problem, remat_mlp_loss),
     "deep": (deep_problem, deep_loss),
+    "stacked": (stacked_problem, stacked_remat_loss),
     "odd": (lambda: mlp_problem(hidden=5), mlp_loss),  # blocks of odd sizes: padded chunks
 }
 

@@ -116,7 +116,7 @@ def test_bucketed_collectives_follow_adamw_and_count_one_call_per_bucket(stage, 
     assert buckets == ([[i] for i in range(6)] if bucket_bytes == 0 else [[0], [1], [2], [3], [4, 5]])
 
 
-@pytest.mark.parametrize("loss", ["remat", "deep"])
+@pytest.mark.parametrize("loss", ["remat", "deep", "stacked"])
 def test_stage3_regather_follows_adamw_with_remat_and_deep_models(loss):
     problem, loss_fn = W._LOSSES[loss]
     params, batch = problem()
@@ -138,6 +138,23 @@ def test_stage3_regather_traffic_is_the_saved_parameters():
     ring = (N - 1) * sum(v.numel() * 4 for v in params.values()) // N
     saved = 2 * (N - 1) * (4 * 4 * 4) // N
     assert fpar.comm_stats()["data"]["all_gather"] == {"calls": 6 + 2, "bytes": ring + saved}
+
+
+def test_stage3_regather_gathers_a_stacked_leaf_once_however_many_layers_save_it():
+    # Each checkpointed layer saves its slice of both stacked leaves (remat keeps its inputs):
+    # 2 x layers saved views, of 2 gathered leaves.  The backward re-gathers each leaf once, when
+    # its first view is unpacked, and keeps it until its last: the forward's traffic again, not
+    # `layers` times it (FSDP re-gathers each parameter once a backward too).
+    layers = 5
+    params, batch = W.stacked_problem(layers=layers, dtype=torch.float32)
+    mesh = _mesh(data=4)
+    layout = fo.zero_layout(params, mesh, P(), stage=3)
+    stored, state = fo.zero_init(fo.adamw(1e-2), params, layout)
+    step = fo.zero_step(W.stacked_remat_loss, fo.adamw(1e-2), layout)
+    fpar.reset_comm_stats()
+    step(stored, state, batch)
+    ring = (N - 1) * sum(v.numel() * 4 for v in params.values()) // N
+    assert fpar.comm_stats()["data"]["all_gather"] == {"calls": 2 + 2, "bytes": 2 * ring}
 
 
 def test_stage3_regather_under_a_torch_func_transform_falls_back_to_remat():
@@ -349,6 +366,7 @@ def test_real_mesh_zero_equals_in_process():
     # (updated in place on the real mesh, functional in-process) follow the same trajectory:
     # AdamW on stages 3 and 0, SGD with momentum on stage 2.
     jobs = [(2, 3, "mlp"), (3, 2, "mlp"), (3, 2, "remat"), (3, 2, "deep"), (0, 2, "remat"), (3, 2, "odd")]
+    jobs += [(3, 2, "stacked")]  # stacked leaves, a remat'd layer each: one re-gather a leaf
     jobs += [(2, 2, "odd"), (2, 2, "remat")]
     jobs += [
         (3, 3, "deep", True),
