@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .._tree import tree_flatten
 from ._estimate import Estimate, estimate
 from ._hardware import Hardware
 from ._hardware import hardware as _hardware
@@ -59,7 +60,9 @@ def search(
     Returns:
       ``[(layout, estimate), ...]`` fastest first, for the layouts whose peak memory fits the
       hardware (each item is a ``fpar.plan.Result``; ``keep_dropped=True`` appends the others,
-      with ``estimate=None`` or over memory and the reason in ``.dropped``).
+      with ``estimate=None`` or over memory and the reason in ``.dropped``).  A layout whose
+      arguments alone (one device's parameters, optimizer state and batch) exceed the memory is
+      dropped without an estimate: it cannot fit whatever its step does.
 
     Raises:
       ValueError: an unknown hardware or choice, or no layout of ``devices`` left to try.
@@ -101,6 +104,15 @@ def _try(build, hw: Hardware, layout: Layout) -> Result:
     start = time.perf_counter()
     try:
         step, args = build(layout)
+        held = _argument_bytes(args)
+        if held > hw.memory_bytes:  # a device holds its arguments all step: no need to simulate it
+            return Result(
+                layout,
+                None,
+                time.perf_counter() - start,
+                f"does not fit: its arguments alone (parameters, optimizer state, batch) are "
+                f"{held / 2**30:.1f} GiB > {hw.memory_bytes / 2**30:.1f} GiB",
+            )
         est = estimate(step, *args, hardware=hw)
     except (ValueError, NotImplementedError) as e:  # a layout fpar cannot build or run: dropped, named
         return Result(layout, None, time.perf_counter() - start, str(e).splitlines()[0])
@@ -108,6 +120,18 @@ def _try(build, hw: Hardware, layout: Layout) -> Result:
     if not est.fits:
         r.dropped = f"does not fit: {est.peak_bytes / 2**30:.1f} GiB > {hw.memory_bytes / 2**30:.1f} GiB"
     return r
+
+
+def _argument_bytes(args) -> int:
+    """Bytes of one device's arguments (each storage once): a floor under the step's peak."""
+    seen, total = set(), 0
+    for t in tree_flatten(args)[0]:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            if st._cdata not in seen:
+                seen.add(st._cdata)
+                total += st.nbytes()
+    return total
 
 
 _JOB: list = []  # (build, hardware) of the search running now, for its forked workers

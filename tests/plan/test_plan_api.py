@@ -11,6 +11,7 @@ import torch
 import fpar
 import fpar.plan as plan
 from fpar import P
+from fpar.plan._search import _argument_bytes
 
 # -- bad input: a clear error before any work --------------------------------------------------------
 
@@ -224,6 +225,40 @@ def test_search_ranks_the_layouts_that_fit_by_step_time():
         )
         == []
     )
+
+
+def test_search_drops_a_layout_whose_arguments_alone_exceed_memory_without_simulating_it():
+    # A device holds its parameters and optimizer state all step: more than its memory cannot fit,
+    # whatever the step does.  Memory between ZeRO-1's arguments and ZeRO-0's (AdamW's state
+    # replicated): ZeRO-0 is dropped before its estimate, ZeRO-1 is estimated.
+    model = plan.MODELS["tiny"]
+    build = lambda layout: plan.model_step(model, layout)  # noqa: E731
+    layouts = {z: plan.Layout(data=4, zero=z, batch=8, microbatches=2) for z in (0, 1)}
+    held = {z: _argument_bytes(build(lay)[1]) for z, lay in layouts.items()}
+    assert held[1] < held[0]
+    hw = dataclasses.replace(plan.PRESETS["h100-sxm"], memory_bytes=(held[0] + held[1]) // 2)
+    results = plan.search(
+        build,
+        4,
+        hw,
+        model=model,
+        keep_dropped=True,
+        workers=1,
+        pipeline=[1],
+        tensor=[1],
+        zero=[0, 1],
+        batch=[8],
+        microbatches=[2],
+    )
+    by_zero = {r.layout.zero: r for r in results}
+    assert by_zero[0].estimate is None
+    assert by_zero[0].dropped == (
+        f"does not fit: its arguments alone (parameters, optimizer state, batch) are "
+        f"{held[0] / 2**30:.1f} GiB > {hw.memory_bytes / 2**30:.1f} GiB"
+    )
+    assert by_zero[1].estimate is not None
+    # the simulation agrees: the dropped layout's peak is over the memory too
+    assert plan.estimate(*_flat(build(layouts[0])), hardware=hw).peak_bytes > hw.memory_bytes
 
 
 def test_search_in_forked_workers_equals_the_search_in_this_process():
