@@ -12,8 +12,7 @@ from typing import Any
 
 import torch
 
-from .._tree import tree_flatten
-from ._estimate import Estimate, estimate
+from ._estimate import Estimate, _state_bytes, estimate
 from ._hardware import Hardware
 from ._hardware import hardware as _hardware
 from ._models import Layout, layout_choices
@@ -124,14 +123,7 @@ def _try(build, hw: Hardware, layout: Layout) -> Result:
 
 def _argument_bytes(args) -> int:
     """Bytes of one device's arguments (each storage once): a floor under the step's peak."""
-    seen, total = set(), 0
-    for t in tree_flatten(args)[0]:
-        if isinstance(t, torch.Tensor):
-            st = t.untyped_storage()
-            if st._cdata not in seen:
-                seen.add(st._cdata)
-                total += st.nbytes()
-    return total
+    return sum(_state_bytes(args, {}).values())
 
 
 _JOB: list = []  # (build, hardware) of the search running now, for its forked workers

@@ -70,29 +70,25 @@ def _stacked_remat_loss(params, batch):
 def build(name: str, mesh: fpar.Mesh):
     """``(step, args)`` of program ``name`` on ``mesh``."""
     g = torch.Generator().manual_seed(0)
-    if name in ("dp", "zero1", "zero2", "zero3"):
-        stage = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[name]
-        params = {"w1": torch.randn(D, H, generator=g) * 0.05, "w2": torch.randn(H, D, generator=g) * 0.05}
+    if name in ("dp", "zero1", "zero2", "zero3", "zero3_remat"):
+        stage = {"dp": 0, "zero1": 1, "zero2": 2}.get(name, 3)
+        if name == "zero3_remat":  # ZeRO-3 with recomputation: each stacked leaf re-gathered once
+            layers, loss = 4, _stacked_remat_loss
+            params = {
+                "w": torch.randn(layers, D, D, generator=g) * 0.05,
+                "b": torch.randn(layers, D, generator=g) * 0.05,
+            }
+        else:
+            loss = _mlp_loss
+            params = {
+                "w1": torch.randn(D, H, generator=g) * 0.05,
+                "w2": torch.randn(H, D, generator=g) * 0.05,
+            }
         params = fpar.device_put(params, mesh, P())
         layout = fo.zero_layout(params, mesh, stage=stage, data_axis="data")
         opt = fo.adamw(1e-3)
         params, state = fo.zero_init(opt, params, layout)
-        step = fo.zero_step(_mlp_loss, opt, layout)
-        batch = fpar.device_put(
-            (torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)), mesh, P("data")
-        )
-        return step, (params, state, batch)
-    if name == "zero3_remat":  # ZeRO-3 with recomputation: each stacked leaf re-gathered once
-        layers = 4
-        params = {
-            "w": torch.randn(layers, D, D, generator=g) * 0.05,
-            "b": torch.randn(layers, D, generator=g) * 0.05,
-        }
-        params = fpar.device_put(params, mesh, P())
-        layout = fo.zero_layout(params, mesh, stage=3, data_axis="data")
-        opt = fo.adamw(1e-3)
-        params, state = fo.zero_init(opt, params, layout)
-        step = fo.zero_step(_stacked_remat_loss, opt, layout)
+        step = fo.zero_step(loss, opt, layout)
         batch = fpar.device_put(
             (torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)), mesh, P("data")
         )

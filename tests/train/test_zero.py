@@ -125,19 +125,23 @@ def test_stage3_regather_follows_adamw_with_remat_and_deep_models(loss):
     _assert_same(traj, ref)
 
 
+def _stage3_all_gathers(params, loss_fn, batch) -> dict:
+    """One stage-3 step on data=N: its all-gathers (the forward's and the backward's re-gathers)."""
+    layout = fo.zero_layout(params, _mesh(data=N), P(), stage=3)
+    stored, state = fo.zero_init(fo.adamw(1e-2), params, layout)
+    step = fo.zero_step(loss_fn, fo.adamw(1e-2), layout)
+    fpar.reset_comm_stats()
+    step(stored, state, batch)
+    return fpar.comm_stats()["data"]["all_gather"]
+
+
 def test_stage3_regather_traffic_is_the_saved_parameters():
     # deep_loss saves w1 and w2 (w0's input x needs no gradient) and no bias: the backward
     # re-gathers exactly those two, (N-1)/N of their bytes each.
     params, batch = W.deep_problem(dtype=torch.float32)
-    mesh = _mesh(data=4)
-    layout = fo.zero_layout(params, mesh, P(), stage=3)
-    stored, state = fo.zero_init(fo.adamw(1e-2), params, layout)
-    step = fo.zero_step(W.deep_loss, fo.adamw(1e-2), layout)
-    fpar.reset_comm_stats()
-    step(stored, state, batch)
     ring = (N - 1) * sum(v.numel() * 4 for v in params.values()) // N
     saved = 2 * (N - 1) * (4 * 4 * 4) // N
-    assert fpar.comm_stats()["data"]["all_gather"] == {"calls": 6 + 2, "bytes": ring + saved}
+    assert _stage3_all_gathers(params, W.deep_loss, batch) == {"calls": 6 + 2, "bytes": ring + saved}
 
 
 def test_stage3_regather_gathers_a_stacked_leaf_once_however_many_layers_save_it():
@@ -145,16 +149,9 @@ def test_stage3_regather_gathers_a_stacked_leaf_once_however_many_layers_save_it
     # 2 x layers saved views, of 2 gathered leaves.  The backward re-gathers each leaf once, when
     # its first view is unpacked, and keeps it until its last: the forward's traffic again, not
     # `layers` times it (FSDP re-gathers each parameter once a backward too).
-    layers = 5
-    params, batch = W.stacked_problem(layers=layers, dtype=torch.float32)
-    mesh = _mesh(data=4)
-    layout = fo.zero_layout(params, mesh, P(), stage=3)
-    stored, state = fo.zero_init(fo.adamw(1e-2), params, layout)
-    step = fo.zero_step(W.stacked_remat_loss, fo.adamw(1e-2), layout)
-    fpar.reset_comm_stats()
-    step(stored, state, batch)
+    params, batch = W.stacked_problem(layers=5, dtype=torch.float32)
     ring = (N - 1) * sum(v.numel() * 4 for v in params.values()) // N
-    assert fpar.comm_stats()["data"]["all_gather"] == {"calls": 2 + 2, "bytes": 2 * ring}
+    assert _stage3_all_gathers(params, W.stacked_remat_loss, batch) == {"calls": 2 + 2, "bytes": 2 * ring}
 
 
 def test_stage3_regather_under_a_torch_func_transform_falls_back_to_remat():
