@@ -18,7 +18,7 @@ from the schedule), the peak inbox, and measured seconds.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -41,7 +41,7 @@ PARAM_KEYS = ("stages", "first", "last")
 
 
 def pipeline(
-    stage: Callable,
+    stage: Callable | Sequence[Callable],
     schedule: Schedule,
     mesh: Mesh,
     *,
@@ -58,7 +58,9 @@ def pipeline(
     ``mesh.submesh(other_axes)``.
 
     Args:
-      stage: ``(chunk_params, h) -> h``: one model chunk.
+      stage: ``(chunk_params, h) -> h``: one model chunk; or a list of ``p v`` such functions,
+        chunk ``k``'s (in model order) at ``k``, where chunks differ in what they compute (e.g.
+        the first and last chunks hold fewer layers, beside the embedding and the head).
       schedule: from ``gpipe``, ``one_f_one_b``, ``interleaved_1f1b``, ``zb_h1`` or ``place``;
         validated here.
       mesh: the mesh; ``mesh.shape[axis]`` must be ``schedule.p``.
@@ -89,6 +91,7 @@ def pipeline(
       >>> loss, grads, stats = step({"stages": w_stacked}, xs, ys)
     """
     validate(schedule)
+    _check_stage(stage, schedule)
     if axis not in mesh.shape:
         raise ValueError(
             f"fpar.pipeline.pipeline: {axis!r} is not an axis of the mesh {mesh.axis_names}; pass "
@@ -116,6 +119,20 @@ def pipeline(
 
 
 # Error checking and messages ---------------------------------------------------------------
+
+
+def _check_stage(stage: Any, schedule: Schedule) -> None:
+    if callable(stage):
+        return
+    n = schedule.p * schedule.v
+    if not isinstance(stage, (list, tuple)) or len(stage) != n or not all(callable(f) for f in stage):
+        got = f"a {type(stage).__name__}"
+        if isinstance(stage, (list, tuple)):
+            got += f" of {len(stage)}" + ("" if all(callable(f) for f in stage) else " with a non-callable")
+        raise TypeError(
+            f"fpar.pipeline.pipeline: stage must be a function (one model chunk) or a list of p * v = "
+            f"{n} functions (chunk k's at k, in model order), got {got}."
+        )
 
 
 def _check_key(key: Any) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -51,9 +51,13 @@ class Fns:
     stage, in model order) with ``fold_in(key_j, k)`` as a last argument (``loss`` gets none).
     """
 
-    stage: Callable
+    stage: Callable | Sequence[Callable]  # one function for every chunk, or chunk k's at k
     loss: Callable
     first: Callable | None
+
+    def chunk(self, k: int) -> Callable:
+        """The function of chunk ``k`` (the virtual stage, in model order)."""
+        return self.stage if callable(self.stage) else self.stage[k]
 
 
 @dataclasses.dataclass
@@ -154,7 +158,9 @@ class Stage:
                 # a non-leaf, as an activation is: fpar.defer_reduction() defers the gradient
                 # sums of leaves (parameters) only, never those of a value that flows on
                 h = x.view_as(x)
-            y = self.fns.stage(args["stages"], h, *(() if key_j is None else (_random.fold_in(key_j[0], k),)))
+            y = self.fns.chunk(k)(
+                args["stages"], h, *(() if key_j is None else (_random.fold_in(key_j[0], k),))
+            )
             last = k == self.last_k
             out = self.fns.loss(args["last"], y, None if targets is None else targets[j]) if last else y
         self.stash[(j, c)] = Stashed(x, out, leaves, records)

@@ -179,6 +179,53 @@ def test_step_without_first_and_last():
     assert set(res.grads) == {"stages"}
 
 
+def test_each_chunk_can_run_its_own_function():
+    # interleaved 2 x 2: chunk 0 (beside the embedding) and chunk 3 (beside the head) compute
+    # less than the middle chunks, as uneven stages do; chunk 0 uses none of its parameters
+    p, m, v = 2, 4, 2
+    mesh = fpar.make_mesh((p,), ("pipe",))
+    prob = M.problem(p, m, v)
+    fns = M.make_fns()
+    block = fns["stage"]
+    chunks = [lambda w, h: h, block, block, lambda w, h: h + torch.tanh(h @ w["a"]) @ w["b"] * 0.5]
+    step = pp.pipeline(chunks, pp.interleaved_1f1b(p, m, v), mesh, loss=fns["loss"], first=fns["first"])
+    params = {"stages": pp.stage_major(prob["stages"], p, v), "first": prob["first"], "last": prob["last"]}
+    res = step(params, prob["xs"], prob["ts"])
+
+    def ref(stages, first, last):
+        total = 0.0
+        for j in range(m):
+            x = fns["first"](first, prob["xs"][j])
+            for k in range(p * v):
+                x = chunks[k]({"a": stages["a"][k], "b": stages["b"][k]}, x)
+            total = total + fns["loss"](last, x, prob["ts"][j])
+        return total / m
+
+    args = (prob["stages"], prob["first"], prob["last"])
+    torch.testing.assert_close(res.loss, ref(*args))
+    grads = torch.func.grad(ref, argnums=(0, 1, 2))(*args)
+    torch.testing.assert_close(pp.model_major(res.grads["stages"], p, v), grads[0])
+    torch.testing.assert_close(res.grads["first"], grads[1])
+    torch.testing.assert_close(res.grads["last"], grads[2])
+    assert not pp.model_major(res.grads["stages"], p, v)["a"][0].any()  # chunk 0's: zeros
+
+
+@pytest.mark.parametrize(
+    "stage, got",
+    [
+        ([lambda w, h: h] * 3, "a list of 3"),
+        ([lambda w, h: h, None], "a list of 2 with a non-callable"),
+        (7, "a int"),
+    ],
+)
+def test_a_list_of_chunk_functions_must_have_one_per_chunk(stage, got):
+    with pytest.raises(TypeError) as info:
+        pp.pipeline(
+            stage, pp.one_f_one_b(2, 2), fpar.make_mesh((2,), ("pipe",)), loss=lambda w, h, t: h.sum()
+        )
+    assert "a list of p * v = 2 functions (chunk k's at k, in model order), got " + got in str(info.value)
+
+
 # ----------------------------------------------------------------------------------------------
 # Errors
 
