@@ -72,10 +72,22 @@ def programs(names):
             (r(4, 4), r(8, 4)),
         ),
     }
+    # selective recomputation: the recompute reuses the matmuls' outputs the forward kept
+    out["gathered_dots"] = (
+        lambda w, x: fpar.pmean(fo.remat(_gathered, policy=fo.save_dots)(w, x).sum(), data),
+        (P(), P(data)),
+        (r(4, 4), r(8, 4)),
+    )
     if "tensor" in names:
         specs = (P(None, "tensor"), P("tensor", None), P(data))
         out["tensor_parallel"] = (
             lambda w1, w2, x: fpar.pmean((fo.remat(_row_parallel)(w1, w2, x) ** 2).mean(), data),
+            specs,
+            (r(4, 8), r(8, 4), r(8, 4)),
+        )
+        alternate = fo.remat(_row_parallel, policy=fo.save_alternate_dots)
+        out["tensor_parallel_alternate_dots"] = (
+            lambda w1, w2, x: fpar.pmean((alternate(w1, w2, x) ** 2).mean(), data),
             specs,
             (r(4, 8), r(8, 4), r(8, 4)),
         )
@@ -141,7 +153,7 @@ def unsharded(shape, names):
         elif name == "mixed_uses":
             w, x = leaves
             value = torch.tanh(x @ w).sum() / sizes["data"] + (w**2).sum()
-        elif name == "gathered":
+        elif name in ("gathered", "gathered_dots"):
             w, x = leaves
             value = torch.tanh(x @ w).sum()
         elif name == "summed_inside":

@@ -14,7 +14,8 @@ Everything is a pure function over pytrees of tensors (optax's design, see ``STY
   microbatches; ``bytes_per_device`` measures what a device holds.
 * ``mixed_precision(optimizer, compute_dtype=..., loss_scale=...)``: bf16/fp16 compute over fp32
   master weights, dynamic loss scaling with overflow skips agreed by every device.
-* ``remat(f)``: activation checkpointing that composes with ``torch.func`` and ``fpar.shard``.
+* ``remat(f, policy=None)``: activation checkpointing that composes with ``torch.func`` and
+  ``fpar.shard``; a ``policy`` (``save_dots``, ``save_alternate_dots``) keeps chosen ops' outputs.
 
 Example:
   >>> import fpar, fpar.optim as fo
@@ -37,6 +38,8 @@ from ._precision import all_finite as all_finite
 from ._precision import cast_floating as cast_floating
 from ._precision import mixed_precision as mixed_precision
 from ._remat import remat as remat
+from ._remat import save_alternate_dots as save_alternate_dots
+from ._remat import save_dots as save_dots
 from ._schedules import constant as constant
 from ._schedules import linear_warmup as linear_warmup
 from ._schedules import warmup_cosine as warmup_cosine
@@ -88,6 +91,8 @@ __all__ = [
     "linear_warmup",
     "mixed_precision",
     "remat",
+    "save_alternate_dots",
+    "save_dots",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",

@@ -21,6 +21,7 @@ mesh levels still live), and ``f`` simply runs there.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._compile import TRACED
 from .._errors import remat_reads_message
@@ -36,7 +38,7 @@ from .._torch_api import is_batchedtensor, maybe_current_level, maybe_get_level
 from .._tree import tree_flatten, tree_unflatten
 from ._internal import ShardMode, current_frame, enter_frame, internal, shard_mode_active
 
-__all__ = ["remat"]
+__all__ = ["remat", "save_alternate_dots", "save_dots"]
 
 Tensor = torch.Tensor
 
@@ -53,7 +55,7 @@ _VMAP_READS = ("data-dependent control flow", "calling .item()", "calling .tolis
 RECOMPUTING = [0]  # > 0 while a backward recomputes a remat body's forward (fpar.plan reads it)
 
 
-def remat(f: Callable) -> Callable:
+def remat(f: Callable, policy: Callable[[str, int], bool] | None = None) -> Callable:
     """Return ``f`` with activation checkpointing: save only its inputs, recompute in backward.
 
     Works in plain PyTorch, under ``torch.func.grad``/``vjp``/``vmap``, inside ``fpar.shard``
@@ -62,10 +64,24 @@ def remat(f: Callable) -> Callable:
     arguments are passed through as constants) returning a pytree of tensors; its forward runs
     twice when differentiated.
 
+    ``policy`` (selective recomputation, as ``jax.checkpoint``'s ``policy=``): called as
+    ``policy(op, i)`` for each op the forward runs (``op`` its name, ``"aten.mm"``; ``i`` how many
+    ops of that name ran before it in this call); where it returns True the op's output is kept
+    and the recompute uses it instead of running the op again.  ``save_dots`` keeps every matmul's
+    and attention kernel's output; ``save_alternate_dots`` keeps attention's and every other
+    matmul's (torchtitan's "op" selective checkpointing).  None (the default) keeps nothing.  The
+    recompute must run the same ops as the forward; if it does not, the backward raises.
+
     Example:
       >>> block = fpar.optim.remat(lambda p, x: torch.relu(x @ p["w1"]) @ p["w2"])
       >>> h = block(params, x)   # backward recomputes x @ w1 and the relu instead of storing them
+      >>> block = fpar.optim.remat(layer, policy=fpar.optim.save_dots)   # recomputes the relu only
     """
+    if policy is not None and not callable(policy):
+        raise TypeError(
+            f"fpar.optim.remat: policy must be a function (op name, index) -> bool, such as "
+            f"fpar.optim.save_dots, or None; got {type(policy).__name__}."
+        )
 
     @functools.wraps(f)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -75,7 +91,7 @@ def remat(f: Callable) -> Callable:
         slots = [i for i, v in enumerate(leaves) if isinstance(v, Tensor)]
         frame = current_frame()
         extra = [] if frame is None else [frame.token, *frame.index.values()]
-        call = _Call(f, treedef, leaves, slots, frame, tuple(frame.index) if frame else ())
+        call = _Call(f, treedef, leaves, slots, frame, tuple(frame.index) if frame else (), policy=policy)
         tracker = getattr(frame, "tracker", None)
         if getattr(frame, "calls", None) is not None:  # a real mesh: where the body's collectives start
             call.first_coll = frame.calls[0]
@@ -127,6 +143,7 @@ class _Call:
     first_coll: int | None = None  # a real mesh: the call's count of collectives before the body
     first_query: int | None = None  # a real mesh: the call's count of varying-axes queries before the body
     shared: dict = dataclasses.field(default_factory=dict)  # the output treedef, set by run
+    policy: Callable[[str, int], bool] | None = None  # which ops' outputs the forward keeps
 
     @property
     def out_treedef(self):
@@ -262,8 +279,12 @@ class _Remat(torch.autograd.Function):
 
     @staticmethod
     def forward(call: _Call, *tensors: Tensor):
-        with torch.no_grad():  # nothing in here is differentiated: backward recomputes
-            return call.run([t.detach() for t in tensors])
+        keep = _Keep(call.policy) if call.policy is not None else contextlib.nullcontext()
+        with torch.no_grad(), keep:  # nothing in here is differentiated: backward recomputes
+            outs = call.run([t.detach() for t in tensors])
+        if call.policy is not None:
+            call.shared["kept"] = keep.kept  # type: ignore[union-attr]
+        return outs
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -285,12 +306,16 @@ class _Remat(torch.autograd.Function):
                 full[i] = t
             return call.run(full)
 
+        kept = call.shared.pop("kept", None)  # the policy's outputs, used once and freed
+        reuse = _Reuse(call.policy, kept, _name(call.f)) if kept is not None else contextlib.nullcontext()
         RECOMPUTING[0] += 1  # fpar.plan counts the recomputed forward's ops apart
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), reuse:
                 outs, vjp_fn = torch.func.vjp(again, *(tensors[i] for i in diff))
         finally:
             RECOMPUTING[0] -= 1
+        if kept is not None:
+            reuse.done()  # type: ignore[union-attr]
         cts = tuple(torch.zeros_like(o) if c is None else c for o, c in zip(outs, cts))
         grads = vjp_fn(cts)
         result: list = [None] * len(tensors)
@@ -308,3 +333,91 @@ class _Remat(torch.autograd.Function):
         rec = _Level(axis, tuple(d is not None for d in dims), info.randomness)
         outs = _Remat.apply(call.with_level(rec), *moved)
         return outs, tuple(0 if b else None for b in rec.out_batched)
+
+
+# Selective recomputation: the forward keeps the outputs a policy names, the recompute reuses them
+
+_DOTS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"})
+_ATTENTION = frozenset(
+    {
+        "aten._scaled_dot_product_flash_attention",
+        "aten._scaled_dot_product_efficient_attention",
+        "aten._scaled_dot_product_cudnn_attention",
+        "aten._scaled_dot_product_flash_attention_for_cpu",
+    }
+)
+
+
+def save_dots(op: str, index: int) -> bool:
+    """A ``remat`` policy: keep every matmul's and attention kernel's output (JAX's ``dots_saveable``)."""
+    return op in _DOTS or op in _ATTENTION
+
+
+def save_alternate_dots(op: str, index: int) -> bool:
+    """A ``remat`` policy: keep attention's output and every other ``aten.mm``'s, from the first.
+
+    torchtitan's "op" selective activation checkpointing: it saves the outputs of ``mm`` and the
+    attention kernels except every second ``mm``, so the recompute runs half the linear layers'
+    matmuls and the element-wise ops between them.  ``aten.bmm`` counts the same way (the
+    in-process mesh runs a device-batched matmul as one).
+    """
+    return op in _ATTENTION or (op in ("aten.mm", "aten.bmm") and index % 2 == 0)
+
+
+def _op_name(func) -> str:
+    return str(func._overloadpacket)
+
+
+class _Keep(TorchDispatchMode):
+    """The forward: run every op; keep (detached) the outputs the policy names, in order."""
+
+    def __init__(self, policy: Callable[[str, int], bool]):
+        super().__init__()
+        self.policy, self.kept, self.seen = policy, [], collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = _op_name(func)
+        i, self.seen[name] = self.seen[name], self.seen[name] + 1
+        if self.policy(name, i):
+            self.kept.append((name, _detach(out)))
+        return out
+
+
+class _Reuse(TorchDispatchMode):
+    """The recompute: an op the policy names returns the forward's output instead of running."""
+
+    def __init__(self, policy: Callable[[str, int], bool], kept: list, fname: str):
+        super().__init__()
+        self.policy, self.kept, self.fname = policy, collections.deque(kept), fname
+        self.seen: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = _op_name(func)
+        i, self.seen[name] = self.seen[name], self.seen[name] + 1
+        if not self.policy(name, i):
+            return func(*args, **(kwargs or {}))
+        if not self.kept or self.kept[0][0] != name:
+            got = self.kept[0][0] if self.kept else "nothing"
+            raise RuntimeError(
+                f"fpar.optim.remat({self.fname}): the recompute ran {name} (its #{i}) where the "
+                f"forward kept {got}: the function ran different ops the second time. A remat'd "
+                f"function must be deterministic in the ops it runs."
+            )
+        return self.kept.popleft()[1]
+
+    def done(self) -> None:
+        if self.kept:
+            raise RuntimeError(
+                f"fpar.optim.remat({self.fname}): the recompute did not run {len(self.kept)} op(s) "
+                f"the forward kept (the first: {self.kept[0][0]}): the function ran different ops "
+                f"the second time. A remat'd function must be deterministic in the ops it runs."
+            )
+
+
+def _detach(out: Any) -> Any:
+    if isinstance(out, Tensor):
+        return out.detach()
+    if isinstance(out, (tuple, list)):
+        return type(out)(_detach(o) for o in out)
+    return out

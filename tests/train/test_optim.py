@@ -424,6 +424,69 @@ def test_remat_saved_activations_and_recompute_count():
     torch.testing.assert_close(measured["plain"][3], measured["remat"][3], rtol=1e-6, atol=1e-7)
 
 
+def _matmuls_in_backward(f, w1, w2, x):
+    """How many matmuls the backward of ``f``'s loss runs (the recompute's included), and the grads."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func._overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    w1, w2 = w1.detach().requires_grad_(), w2.detach().requires_grad_()
+    loss = (f(w1, w2, x) ** 2).sum()
+    with Count() as counted:
+        loss.backward()
+    return counted.ops["aten.mm"], (w1.grad, w2.grad)
+
+
+def test_remat_policy_keeps_the_chosen_outputs_and_the_recompute_reuses_them():
+    w1, w2, x = _tensors()
+
+    def block(w1, w2, x):  # two matmuls: x W1, then tanh(.) W2
+        return torch.tanh(torch.tanh(x @ w1) @ w2)
+
+    plain, want = _matmuls_in_backward(block, w1, w2, x)
+    assert plain == 3  # dW2, d(hidden), dW1 (x needs no gradient)
+    for policy, recomputed in ((None, 2), (fo.save_dots, 0), (fo.save_alternate_dots, 1)):
+        got, grads = _matmuls_in_backward(fo.remat(block, policy=policy), w1, w2, x)
+        assert got == plain + recomputed, policy
+        for g, w in zip(grads, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    # the policy sees each op's name and its index among that name's ops in the call
+    seen = []
+    keep_second = lambda op, i: seen.append((op, i)) or (op == "aten.mm" and i == 1)  # noqa: E731
+    got, grads = _matmuls_in_backward(fo.remat(block, policy=keep_second), w1, w2, x)
+    assert got == plain + 1 and [s for s in seen if s[0] == "aten.mm"] == [("aten.mm", 0), ("aten.mm", 1)] * 2
+    with pytest.raises(TypeError, match="policy must be a function"):
+        fo.remat(block, policy="dots")
+
+
+@pytest.mark.parametrize("second", ["bmm", "none"])
+def test_remat_policy_refuses_a_recompute_that_runs_other_ops(second):
+    w, x = torch.randn(4, 4, requires_grad=True), torch.randn(3, 4)
+    calls = []
+
+    def flaky(w, x):  # the recompute (the second call) multiplies another way
+        calls.append(1)
+        if len(calls) == 1:
+            return torch.tanh(x @ w)
+        if second == "bmm":
+            return torch.tanh(torch.bmm(x[None], w[None])[0])
+        return torch.tanh((x[:, :, None] * w[None]).sum(1))
+
+    out = fo.remat(flaky, policy=fo.save_dots)(w, x).sum()
+    match = "ran aten.bmm \\(its #0\\) where the forward kept aten.mm" if second == "bmm" else "did not run 1 op"
+    with pytest.raises(RuntimeError, match=match):
+        out.backward()
+
+
 def test_remat_returns_pytrees_and_passes_constants():
     f = fo.remat(lambda d, k, scale=1.0: {"y": d["a"] * k * scale, "z": (d["a"].sum(),)})
     out = f({"a": torch.ones(3)}, 2, scale=3.0)
