@@ -89,13 +89,17 @@ def op_seconds(op: Op, hw: Hardware, share: float) -> float:
     """Seconds of one op on ``hw``; ``share`` is the fraction of a core each device gets (CPU)."""
     if op.seconds is not None:  # its kernel timed on this machine
         return (op.seconds + hw.op_overhead) / share
+    # torch counts a causal attention kernel's whole s x s; the kernel skips the masked half, and
+    # its efficiency is measured on the half it computes (flash-attention's benchmarks count FLOPs so)
+    causal = op.dims == ("causal",)
+    work = op.flops / 2 if causal else op.flops
     if op.name in _ATTENTION and hw.attention_efficiency:
         rate = hw.peak(op.dtype) * hw.attention_efficiency
     elif op.name in _MATMUL:
-        rate = hw.matmul_rate(op.flops, op.dtype, op.dims)
+        rate = hw.matmul_rate(work, op.dtype, None if causal else op.dims)
     else:
         rate = hw.peak(op.dtype)
-    compute = op.flops / (rate * share) if op.flops else 0.0
+    compute = work / (rate * share) if work else 0.0
     memory = op.nbytes / (hw.memory_bandwidth * share) if op.nbytes else 0.0
     if not (op.flops or op.nbytes) and not hw.cores:
         return 0.0  # a view on an accelerator: no kernel (its CPU dispatch overlaps the device's work)

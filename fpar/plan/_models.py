@@ -6,7 +6,8 @@ sequence parallelism over ``"tensor"``, ZeRO over ``"data"``, a pipeline over ``
 (fpar.pipeline's executor and schedules), per-layer activation recomputation
 (``fpar.optim.remat``).  Parameters and optimizer state are float32 (master weights); every
 layer casts its weights to the compute dtype (bfloat16) as it uses them, as autocast does.
-Attention is the flash kernel (causal; no ``s x s`` matrix kept), GQA by repeating key/value heads.
+Attention is the flash kernel (causal; no ``s x s`` matrix kept), or with ``Model(attention="eager")``
+the scores materialised; GQA by repeating key/value heads.
 A ``Model(kind="gpt")`` is GPT-shaped instead (Megatron-LM's GPT): LayerNorm with biases, a
 GeLU MLP of two matrices with biases, learned positions and an output head tied to the token
 embedding (with a pipeline, the last stage computes with the first stage's table, and the two
@@ -35,6 +36,7 @@ from ._paper import abstract_mesh
 __all__ = ["MODELS", "Layout", "Model", "model_step"]
 
 PIPE, DATA, TENSOR = "pipeline", "data", "tensor"
+REMAT_POLICIES = {"dots": fo.save_dots, "alternate_dots": fo.save_alternate_dots}  # Layout(remat=...)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +45,10 @@ class Model:
 
     ``kind="llama"``: RMSNorm, GQA, SwiGLU, rotary, untied head.  ``kind="gpt"``: LayerNorm and
     biases, multi-head attention (``n_kv_heads == n_heads``), a GeLU MLP ``d -> d_ffn -> d``,
-    learned positions, head tied to the embedding (Megatron-LM's GPT).
+    learned positions, head tied to the embedding (Megatron-LM's GPT).  ``attention="flash"``:
+    the fused causal kernel (torch's SDPA); ``"eager"``: the ``s x s`` scores materialised, masked
+    and soft-maxed between two batched matmuls (Megatron-LM before FlashAttention, Hugging Face's
+    ``attn_implementation="eager"``).
     """
 
     name: str
@@ -55,10 +60,13 @@ class Model:
     vocab: int
     seq: int
     kind: str = "llama"
+    attention: str = "flash"
 
     def __post_init__(self):
         if self.kind not in ("llama", "gpt"):
             raise ValueError(f"fpar.plan.Model: kind={self.kind!r}; choose 'llama' or 'gpt'.")
+        if self.attention not in ("flash", "eager"):
+            raise ValueError(f"fpar.plan.Model: attention={self.attention!r}; choose 'flash' or 'eager'.")
         if self.kind == "gpt" and self.n_kv_heads != self.n_heads:
             raise ValueError(
                 f"fpar.plan.Model: a GPT-shaped model has as many key/value heads as heads; got "
@@ -97,6 +105,9 @@ class Layout:
     ``batch`` is the global batch in sequences; each step runs it as ``microbatches`` microbatches
     of ``batch / (data x microbatches)`` sequences per device (``micro_batch``).  ``virtual``:
     model chunks per pipeline stage (interleaved 1F1B, Megatron-LM's virtual stages, when above 1).
+    ``remat``: recompute each layer in the backward (True), or selectively (``"dots"``: keep the
+    matmuls' and attention's outputs, ``fpar.optim.save_dots``; ``"alternate_dots"``: keep
+    attention's and every other matmul's, torchtitan's "op" policy, ``fpar.optim.save_alternate_dots``).
     """
 
     pipeline: int = 1
@@ -105,7 +116,7 @@ class Layout:
     zero: int = 1
     microbatches: int = 1
     batch: int = 1
-    remat: bool = False
+    remat: bool | str = False
     schedule: str = "1f1b"
     sequence_parallel: bool = True
     virtual: int = 1
@@ -135,13 +146,17 @@ class Layout:
 
 def check_layout(model: Model, layout: Layout) -> None:
     """Raise ``ValueError`` naming the dimension a layout does not divide, before any work."""
+    if not isinstance(layout.remat, bool) and layout.remat not in REMAT_POLICIES:
+        raise ValueError(
+            f"fpar.plan: remat={layout.remat!r}; choose True, False or a selective policy: "
+            f"{', '.join(repr(k) for k in REMAT_POLICIES)}."
+        )
     t, p, d = layout.tensor, layout.pipeline, layout.data
     rules = [
         ("n_heads", model.n_heads, t, "tensor"),
         ("n_kv_heads", model.n_kv_heads, t, "tensor"),
         ("d_ffn", model.d_ffn, t, "tensor"),
         ("vocab", model.vocab, t, "tensor"),
-        ("n_layers", model.n_layers, p * layout.virtual, "pipeline x virtual"),
         ("batch", layout.batch, d * layout.microbatches, "data x microbatches"),
     ]
     if layout.sequence_parallel:
@@ -152,6 +167,7 @@ def check_layout(model: Model, layout: Layout) -> None:
                 f"fpar.plan: layout {layout.describe()} does not divide {model.name}'s {name}={size} "
                 f"by {axis}={n}; choose a {axis} size that divides {size}."
             )
+    chunk_layers(model, layout)
     if layout.zero == 3 and layout.microbatches > 1:
         raise ValueError(
             f"fpar.plan: zero=3 with microbatches={layout.microbatches}: fpar.optim.zero_step's ZeRO-3 "
@@ -168,6 +184,34 @@ def check_layout(model: Model, layout: Layout) -> None:
             f"fpar.plan: zero={layout.zero} with pipeline={p}; a pipelined step takes ZeRO 0 or 1 "
             f"(stages 2 and 3 reduce inside fpar.optim.zero_step, which runs unpipelined steps)."
         )
+
+
+def chunk_layers(model: Model, layout: Layout) -> list[int]:
+    """Layers per model chunk (virtual stage, in model order) of a pipelined layout.
+
+    Every chunk holds ``k = ceil(n_layers / (pipeline x virtual))`` layers, except the first and
+    the last, which also hold the embedding and the head: when the chunks' ``k`` slots outnumber
+    the layers, they give up the difference, the last chunk the larger half (Llama 3's 126 layers
+    on 16 stages: one fewer on the first and on the last stage).  Raises ``ValueError`` when the
+    two end chunks cannot absorb it.
+    """
+    n = layout.pipeline * layout.virtual
+    k = -(-model.n_layers // n)
+    empty = n * k - model.n_layers
+    first, last = empty // 2, empty - empty // 2
+    if last > k:
+        raise ValueError(
+            f"fpar.plan: layout {layout.describe()} does not divide {model.name}'s n_layers="
+            f"{model.n_layers} by pipeline x virtual={n}: with {k} a chunk, {empty} of the {n * k} layer "
+            f"slots would be empty, and only the first and the last chunk may hold fewer layers (at "
+            f"most {2 * k} empty slots); "
+            f"choose a pipeline x virtual that divides {model.n_layers}, or one that leaves at most "
+            f"{2 * k} slots empty."
+        )
+    out = [k] * n
+    out[0] -= first
+    out[-1] -= last
+    return out
 
 
 def _block_specs(model: Model | None = None) -> dict:
@@ -238,20 +282,31 @@ def _rotary(x, seq: int):
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).flatten(-2)
 
 
-def _attention(q, k, v):
-    """Causal attention ``[b, h, s, hd]``: the flash kernel (no ``s x s`` matrix is kept)."""
+_MASKS: dict = {}  # (seq, device) -> the causal mask above the diagonal, made once as models keep it
+
+
+def _attention(q, k, v, eager: bool = False):
+    """Causal attention ``[b, h, s, hd]``: the flash kernel (no ``s x s`` matrix is kept), or eager."""
+    if eager:  # the scores materialised: a batched matmul, the mask, a softmax, a batched matmul
+        s = q.shape[-2]
+        key = (s, str(q.device))
+        if key not in _MASKS:
+            with torch.no_grad():
+                _MASKS[key] = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+        scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+        return torch.softmax(scores.masked_fill(_MASKS[key], float("-inf")), dim=-1) @ v
     if q.device.type == "meta":
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def _gpt_block(gathered, out, hq: int, hd: int):
+def _gpt_block(gathered, out, hq: int, hd: int, eager: bool):
     """Megatron-LM's GPT layer: LayerNorm, attention with biases, a GeLU MLP with biases."""
 
     def block(w, x):
         h = gathered(F.layer_norm(x, x.shape[-1:], w["ln1"], w["ln1_b"]))
         q, k, v = ((h @ w[n] + w[b]).unflatten(-1, (hq, hd)).transpose(1, 2) for n, b in _QKV)
-        o = _attention(q, k, v).transpose(1, 2).flatten(2)
+        o = _attention(q, k, v, eager).transpose(1, 2).flatten(2)
         x = x + out(o @ w["wo"]) + w["bo"]
         h = gathered(F.layer_norm(x, x.shape[-1:], w["ln2"], w["ln2_b"]))
         return x + out(F.gelu(h @ w["w1"] + w["b1"], approximate="tanh") @ w["w2"]) + w["b2"]
@@ -273,7 +328,8 @@ def _block(model: Model, layout: Layout, dtype):
     def out(y):  # row-parallel's sum: reduce-scatter the sequence (SP) or all-reduce
         return psum_scatter(y, TENSOR, scatter_dimension=1, tiled=True) if sp else psum(y, TENSOR)
 
-    gpt = _gpt_block(gathered, out, hq, hd) if model.kind == "gpt" else None
+    eager = model.attention == "eager"
+    gpt = _gpt_block(gathered, out, hq, hd, eager) if model.kind == "gpt" else None
 
     def block(w, x):
         w = {k: v.to(dtype) for k, v in w.items()}
@@ -286,12 +342,14 @@ def _block(model: Model, layout: Layout, dtype):
         v = (h @ w["wv"]).unflatten(-1, (hkv, hd)).transpose(1, 2)
         q, k = _rotary(q, s), _rotary(k, s)
         k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
-        o = _attention(q, k, v).transpose(1, 2).flatten(2)
+        o = _attention(q, k, v, eager).transpose(1, 2).flatten(2)
         x = x + out(o @ w["wo"])
         h = gathered(_rms_norm(x, w["ln2"]))
         return x + out((F.silu(h @ w["w1"]) * (h @ w["w3"])) @ w["w2"])
 
-    return fo.remat(block) if layout.remat else block
+    if not layout.remat:
+        return block
+    return fo.remat(block, policy=REMAT_POLICIES[layout.remat] if isinstance(layout.remat, str) else None)
 
 
 def _parts(model: Model, layout: Layout, dtype):
@@ -310,11 +368,12 @@ def _parts(model: Model, layout: Layout, dtype):
             x = x + w["w_pos"].to(dtype)
         return x
 
-    def blocks(w, x):
+    def blocks(w, x, n_layers: int | None = None):
         # unbind once: one stacked gradient at the end of the backward, not a stage-sized zero
         # gradient per layer (what indexing w[i] costs: select_backward per layer)
         names = list(w)
-        for layer in zip(*(w[n].unbind(0) for n in names)):
+        layers = list(zip(*(w[n].unbind(0) for n in names)))
+        for layer in layers[:n_layers]:  # a chunk with fewer layers uses its first n_layers slots
             x = block(dict(zip(names, layer)), x)
         return x
 
@@ -377,12 +436,19 @@ def model_step(model: Model | str, layout: Layout, mesh: Mesh | None = None, *, 
         return step, (params, state, batch)
 
     v = layout.virtual
-    k = model.n_layers // (p * v)
+    counts = chunk_layers(model, layout)
+    k = max(counts)
     specs = {"stages": _stacked(_block_specs(model), True), "first": first_specs, "last": last_specs}
     inits = {"stages": _block_inits(model, (p * v, k)), "first": first_init, "last": last_init}
     params = init(inits, mesh, specs)
     sub = mesh.submesh((DATA, TENSOR))
-    stage_k = shard(blocks, sub, (_stacked(_block_specs(model), False), act), act)
+    chunk_specs = (_stacked(_block_specs(model), False), act)
+    stage_k: Any
+    if min(counts) == k:
+        stage_k = shard(blocks, sub, chunk_specs, act)
+    else:  # the end chunks hold fewer layers; their unused slots get zero gradients
+        fns = {n: _chunk_fn(blocks, n, sub, chunk_specs, act) for n in set(counts)}
+        stage_k = [fns[n] for n in counts]
     first_k = shard(embed, sub, (first_specs, P(DATA)), act)
     tied_specs = {**last_specs, "w_tied": first_specs["w_emb"]} if gpt else last_specs
     loss_k = shard(head_loss, sub, (tied_specs, act, P(DATA)), P())
@@ -408,6 +474,13 @@ def model_step(model: Model | str, layout: Layout, mesh: Mesh | None = None, *, 
         return update(grads, state, params), res.loss
 
     return step, (params, state, xs, xs)
+
+
+def _chunk_fn(blocks, n: int, sub: Mesh, in_specs: tuple, out_spec):
+    """A chunk of ``n`` layers (of its stacked slots); none: the activation passes through."""
+    if n == 0:
+        return lambda w, h: h
+    return shard(lambda w, x: blocks(w, x, n), sub, in_specs, out_spec)
 
 
 def pipeline_schedule(layout: Layout):

@@ -94,7 +94,9 @@ class Op:
     seconds: float | None = None  # its kernel timed on this machine (hardware "this"), if it was
     origin: Any = None  # the pipeline action whose work it is (``_repeat``: what it repeats for)
     recompute: bool = False  # run by a backward to recompute a remat body's forward
-    dims: tuple | None = None  # a matmul's (batch, m, k, n): its GEMM shape (the time model's efficiency)
+    # a matmul's (batch, m, k, n): its GEMM shape (the time model's efficiency); ("causal",) for a
+    # causal attention kernel, which computes half the s x s scores its FLOPs count
+    dims: tuple | None = None
 
 
 @dataclasses.dataclass
@@ -258,7 +260,7 @@ class Recorder(TorchDispatchMode):
                 seconds,
                 self.mark,
                 _remat.RECOMPUTING[0] > 0,
-                _gemm_dims(name, args) if flops else None,
+                _dims(func, name, args, kwargs) if flops else None,
             )
         )
         return out
@@ -370,10 +372,17 @@ def _op_info(func) -> tuple:
 _GEMM_ARGS = {"aten.mm": 0, "aten.bmm": 0, "aten.addmm": 1, "aten.baddbmm": 1}
 
 
-def _gemm_dims(name: str, args) -> tuple | None:
-    """A matmul's ``(batch, m, k, n)`` from its operands; None for other ops."""
+def _dims(func, name: str, args, kwargs) -> tuple | None:
+    """A matmul's ``(batch, m, k, n)``, a causal attention kernel's ``("causal",)``, else None.
+
+    A causal kernel computes half the ``s x s`` scores torch's FLOP formula counts.
+    """
     at = _GEMM_ARGS.get(name)
     if at is None:
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.name == "is_causal":
+                causal = kwargs.get("is_causal", args[i] if i < len(args) else arg.default_value)
+                return ("causal",) if causal else None
         return None
     a, b = args[at], args[at + 1]
     if a.dim() == 2:

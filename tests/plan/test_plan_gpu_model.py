@@ -48,6 +48,26 @@ def test_a_fused_attention_kernel_runs_at_its_own_efficiency():
     op = Op("aten._scaled_dot_product_flash_attention", 1e12, 0, torch.bfloat16, "forward")
     assert _cost.op_seconds(op, H100, 1.0) == pytest.approx(1e12 / (989e12 * 0.3) + H100.op_overhead)
     assert _cost.op_seconds(op, A100, 1.0) == pytest.approx(1e12 / (312e12 * 0.5) + A100.op_overhead)
+    # causal: torch counts the whole s x s, the kernel computes half of it (at that efficiency),
+    # and so it does without a fused-attention efficiency (costed as a large matmul)
+    causal = dataclasses.replace(op, dims=("causal",))
+    assert _cost.op_seconds(causal, H100, 1.0) == pytest.approx(0.5e12 / (989e12 * 0.3) + H100.op_overhead)
+    plain = dataclasses.replace(H100, attention_efficiency=0.0)
+    assert _cost.op_seconds(causal, plain, 1.0) == pytest.approx(0.5e12 / 792.1e12 + H100.op_overhead)
+
+
+def test_a_causal_attention_kernel_is_recorded_causal_forward_backward_and_recomputed():
+    from collections import Counter
+
+    step, args = plan.model_step(GPT, plan.Layout(remat=True))
+    events = plan.estimate(step, *args, hardware="h100-sxm").devices[0]._events[0]
+    got = Counter((e.name, e.dims, e.recompute) for e in events if "attention" in getattr(e, "name", ""))
+    flash = "aten._scaled_dot_product_flash_attention"
+    assert got == {
+        (flash, ("causal",), False): 4,
+        (flash, ("causal",), True): 4,
+        (flash + "_backward", ("causal",), False): 4,
+    }
 
 
 def test_a_collective_over_nodes_crosses_them_on_its_members_nics():

@@ -84,8 +84,12 @@ def test_a_gpt_model_has_megatrons_parameter_count_and_its_head_is_the_embedding
             r"microbatches divisible by pipeline=2",
         ),
         (plan.Layout(data=2, zero=3, microbatches=2, batch=4), r"zero=3 with microbatches=2"),
+        (plan.Layout(remat="selective"), r"remat='selective'; choose True, False or a selective policy: 'dots'"),
         (plan.Layout(pipeline=2, zero=2, microbatches=2, batch=2), r"a pipelined step takes ZeRO 0 or 1"),
-        (plan.Layout(pipeline=3, microbatches=3, batch=3), r"n_layers=4 by pipeline x virtual=3"),
+        (
+            plan.Layout(pipeline=4, microbatches=4, batch=4, virtual=2),
+            r"n_layers=4 by pipeline x virtual=8: with 1 a chunk, 4 of the 8 layer slots would be empty",
+        ),
     ],
 )
 def test_a_layout_fpar_cannot_express_names_what_is_missing(layout, match):
@@ -93,6 +97,97 @@ def test_a_layout_fpar_cannot_express_names_what_is_missing(layout, match):
         plan.model_step(GPT, layout)
     with pytest.raises(ValueError, match="kind='bert'"):
         plan.Model("m", 8, 1, 1, 1, 8, 8, 8, "bert")
+    with pytest.raises(ValueError, match="attention='sparse'; choose 'flash' or 'eager'"):
+        plan.Model("m", 8, 1, 1, 1, 8, 8, 8, attention="sparse")
+
+
+def test_eager_attention_equals_the_flash_kernel_and_materialises_the_scores():
+    import dataclasses
+    from collections import Counter
+
+    import torch
+
+    from fpar.plan._models import _attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 16, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    torch.testing.assert_close(_attention(q, k, v, eager=True), _attention(q, k, v))
+    eager = dataclasses.replace(GPT, attention="eager", seq=32)  # 4 layers, 2 heads of 16
+    step, args = plan.model_step(eager, plan.Layout(batch=2))
+    events = plan.estimate(step, *args, hardware="a100-80g").devices[0]._events[0]
+    names = Counter(getattr(e, "name", None) for e in events)
+    assert not [n for n in names if n and "attention" in n]
+    assert names["aten._softmax"] == 4 and names["aten._softmax_backward_data"] == 4
+    # the scores and the context: [b h, s, hd] x [b h, hd, s] and [b h, s, s] x [b h, s, hd], per layer
+    dims = Counter(e.dims for e in events if getattr(e, "name", None) == "aten.bmm" and e.phase == "forward")
+    assert dims == {(4, 32, 16, 32): 4, (4, 32, 32, 16): 4}
+
+
+# the in-process mesh vmaps the stages' shard over their devices; torch runs the CPU flash kernel
+# under vmap by its per-sample fallback (a loop: slower, the same values) and warns so
+@pytest.mark.filterwarnings(
+    "ignore:There is a performance drop because we have not yet implemented:UserWarning"
+)
+def test_uneven_stages_give_the_end_chunks_fewer_layers_and_equal_the_unpipelined_model():
+    import dataclasses
+
+    import torch
+
+    import fpar
+    from fpar.pipeline._schedule import locate
+    from fpar.plan._models import chunk_layers
+
+    # 6 layers over 2 stages x 2 chunks: 8 slots, the first and the last chunk hold one layer
+    model = dataclasses.replace(plan.MODELS["tiny"], name="tiny-6", n_layers=6)
+    layout = plan.Layout(pipeline=2, virtual=2, microbatches=2, batch=2, zero=0)
+    counts = chunk_layers(model, layout)
+    assert counts == [1, 2, 2, 1]
+    assert chunk_layers(plan.MODELS["llama-405b"], dataclasses.replace(layout, pipeline=16, virtual=8)) == (
+        [0] + [1] * 126 + [0]  # Llama 3: the first chunk only the embedding, the last only the head
+    )
+    mesh = fpar.make_mesh((2, 1, 1), ("pipeline", "data", "tensor"), backend="local")
+    step, (params, state, xs, ys) = plan.model_step(model, layout, mesh, dtype=torch.float32)
+    rows = [(locate(k, 2, 2), counts[k]) for k in range(4)]
+
+    def model_order(stacked):  # the layers the chunks use, in model order
+        return torch.cat([stacked[s * 2 + c, :n] for (s, c), n in rows])
+
+    (new, _), loss = step(params, state, xs, ys)
+    flat = plan.Layout(microbatches=2, batch=2, zero=0)
+    mesh1 = fpar.make_mesh((1, 1, 1), ("pipeline", "data", "tensor"), backend="local")
+    step1, (_, state1, batch1) = plan.model_step(model, flat, mesh1, dtype=torch.float32)
+    blocks = {n: model_order(t) for n, t in params["stages"].items()}
+    new1, _, out1 = step1(
+        {"blocks": blocks, "first": params["first"], "last": params["last"]}, state1, batch1
+    )
+    torch.testing.assert_close(loss, out1["loss"])
+    for n, t in new["stages"].items():  # AdamW's first update moves each weight by ~3e-4
+        torch.testing.assert_close(model_order(t), new1["blocks"][n], atol=2e-5, rtol=0)
+    for g in ("first", "last"):
+        torch.testing.assert_close(new[g], new1[g], atol=2e-5, rtol=0)
+
+
+def test_selective_recomputation_recomputes_what_its_policy_does_not_keep():
+    import dataclasses
+
+    # GPT-small: per layer 6 matmuls in the forward (q, k, v, o, the MLP's two) and the attention
+    ests = {remat: _estimate(plan.Layout(batch=2, remat=remat), GPT) for remat in (False, True, "alternate_dots", "dots")}
+    tokens, d, hd = 2 * GPT.seq, GPT.d_model, GPT.d_model // GPT.n_heads
+    matmuls = 2 * tokens * d * 4 * d + 2 * 2 * tokens * d * GPT.d_ffn  # q, k, v, o; the MLP's two
+    attention = 2 * 2 * (2 * GPT.n_heads) * GPT.seq * GPT.seq * hd  # its two batched products
+    recomputed = {k: e.flops - e.model_flops for k, e in ests.items()}
+    assert recomputed[False] == 0
+    assert recomputed[True] == GPT.n_layers * (matmuls + attention)  # every layer's forward again
+    assert recomputed["dots"] == 0  # matmuls and attention kept: only element-wise ops run again
+    # every other matmul of each layer's 6 (k and o; the MLP's second): 2 of d x d and one of d x ffn
+    assert recomputed["alternate_dots"] == GPT.n_layers * 2 * tokens * d * (2 * d + GPT.d_ffn)
+    # what the forward keeps at the peak: a longer sequence, so that activations dominate it
+    longer = dataclasses.replace(GPT, seq=128)
+    kept = {
+        k: _estimate(plan.Layout(batch=8, remat=k), longer).devices[0].breakdown["activations"]
+        for k in (False, True, "alternate_dots", "dots")
+    }
+    assert kept[True] < kept["alternate_dots"] < kept["dots"] < kept[False]
 
 
 def test_the_losses_say_where_the_step_goes_and_add_up_with_the_mfu():
