@@ -38,10 +38,6 @@ class Run:
     note: str = ""
 
 
-# Llama 3 405B has 126 layers; Meta balanced its 16 stages by taking one layer from the first and
-# the last.  model_step puts the same number of layers on every stage, so the rows use 128.
-_LLAMA_405B_128 = dataclasses.replace(MODELS["llama-405b"], name="llama-405b (128 layers)", n_layers=128)
-
 # torchtitan's H100s, as its benchmark states them: 96 GB HBM2e at 2.4 TB/s, a 500 W power limit,
 # a peak "between SXM and NVL" (989 and 835 TFLOP/s BF16 dense, NVIDIA's datasheets): the midpoint
 _TITAN_H100 = dataclasses.replace(
@@ -52,30 +48,38 @@ _TITAN_H100 = dataclasses.replace(
     memory_bandwidth=2.4e12,
 )
 
+
+# Megatron-LM in 2021 materialised the attention scores: "two custom kernels to enable the fusion of
+# scale, mask, and softmax (reduction) operations" (Narayanan et al. 2021, section 4.2), between two
+# batched matmuls; FlashAttention came a year later.  The rows run eager attention, as it did.
+def _megatron_2021(name: str) -> Model:
+    return dataclasses.replace(MODELS[name], attention="eager")
+
+
 RUNS = (
     Run(
         "Megatron GPT 1.7B, 32 A100",
-        MODELS["gpt-1.7b"],
+        _megatron_2021("gpt-1.7b"),
         Layout(data=32, zero=0, microbatches=4, batch=512, remat=True, sequence_parallel=False),
         "a100-80g",
         137.0,
         "executed",
         _MEGATRON,
-        "microbatch size not published: 4 assumed",
+        "microbatch size not published: 4 assumed; eager attention (section 4.2)",
     ),
     Run(
         "Megatron GPT 18B, 256 A100",
-        MODELS["gpt-18b"],
+        _megatron_2021("gpt-18b"),
         Layout(data=32, tensor=8, zero=0, microbatches=4, batch=1024, remat=True, sequence_parallel=False),
         "a100-80g",
         135.0,
         "executed",
         _MEGATRON,
-        "microbatch size not published: 8 assumed",
+        "microbatch size not published: 8 assumed; eager attention (section 4.2)",
     ),
     Run(
         "Megatron GPT 39B, 512 A100",
-        MODELS["gpt-39b"],
+        _megatron_2021("gpt-39b"),
         Layout(
             pipeline=2,
             data=32,
@@ -89,23 +93,28 @@ RUNS = (
         138.0,
         "executed",
         _MEGATRON,
-        "microbatch size 1 assumed; 1F1B; sequence parallel on (the same bytes as Megatron's "
+        "microbatch size 1 assumed; 1F1B; eager attention (section 4.2); sequence parallel on (the same bytes as Megatron's "
         "all-reduces: fpar.optim.remat inside a pipeline cannot recompute them without it yet)",
     ),
+    # Section 3.3.2 of the paper: no activation checkpointing at 8K tokens; one layer fewer on the
+    # first and the last stage, "the first model chunk on the first stage has only the embedding":
+    # one layer a chunk, so 126 layers + 2 empty slots = 16 stages x 8 chunks
     Run(
         "Llama 3 405B, 8,192 H100",
-        _LLAMA_405B_128,
-        Layout(pipeline=16, data=64, tensor=8, zero=1, microbatches=32, batch=2048, remat=True, virtual=2),
+        MODELS["llama-405b"],
+        Layout(pipeline=16, data=64, tensor=8, zero=1, microbatches=32, batch=2048, remat=False, virtual=8),
         "h100-sxm",
         430.0,
         "model",
         _LLAMA3,
-        "128 layers for 126; microbatch size 1, 2 virtual stages and recomputation assumed",
+        "section 3.3.2: no recomputation, the first and last stage one layer fewer (the first chunk "
+        "only the embedding, the last only the head: one layer a chunk, 8 chunks a stage); "
+        "microbatch size 1 assumed; its FSDP (DP) as ZeRO-1",
     ),
     Run(
         "Llama 3 405B, 16,384 H100",
-        _LLAMA_405B_128,
-        Layout(pipeline=16, data=128, tensor=8, zero=1, microbatches=16, batch=2048, remat=True, virtual=2),
+        MODELS["llama-405b"],
+        Layout(pipeline=16, data=128, tensor=8, zero=1, microbatches=16, batch=2048, remat=False, virtual=8),
         "h100-sxm",
         400.0,
         "model",
@@ -115,13 +124,14 @@ RUNS = (
     Run(
         "torchtitan Llama 3.1 8B FSDP, 128 H100",
         MODELS["llama-8b"],
-        Layout(data=128, zero=3, microbatches=1, batch=256, remat=False),
+        Layout(data=128, zero=3, microbatches=1, batch=256, remat="alternate_dots"),
         _TITAN_H100,
         5605.0,
         "tokens",
         _TITAN,
-        "FSDP = ZeRO-3; selective activation checkpointing not expressible (remat off: its recomputed "
-        "ops not costed); H100 96 GB HBM2e at 500 W as stated (peak between SXM and NVL: 912 assumed)",
+        "FSDP = ZeRO-3; its selective activation checkpointing (\"op\": attention's and every other "
+        "matmul's outputs kept) as fpar.optim.save_alternate_dots; H100 96 GB HBM2e at 500 W as "
+        "stated (peak between SXM and NVL: 912 assumed)",
     ),
 )
 
