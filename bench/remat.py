@@ -6,13 +6,16 @@ loss) on the same global batch split over 2 gloo processes:
 
 * **fpar**: parameters replicated (``P()``), the batch split over "data"; each block wrapped in
   ``fpar.optim.remat``; ``loss.backward()`` through ``fpar.shard`` (the data-parallel all-reduce is
-  fpar's bucketed one).  Also timed without remat.
+  fpar's bucketed one).  Also timed without remat, and with selective recomputation
+  (``policy=fpar.optim.save_dots``: the matmuls' outputs kept, the rest recomputed).
 * **DDP**: the same blocks as ``nn.Module``\\ s in ``DistributedDataParallel``, each block run
-  through ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``; also without checkpoint.
+  through ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``; also without checkpoint, and
+  with torch's selective checkpointing (``create_selective_checkpoint_contexts``, ``aten.mm`` saved).
 
 Each side: forward, backward, SGD update.  Timed interleaved (``_common.interleaved``), 1 thread a
 process, medians of rank 0.  The two sides' updated parameters are checked equal once first.
-Prints each median and the ratios fpar-remat / DDP-checkpoint and remat / no remat on each side.
+Prints each median and the ratios fpar-remat / DDP-checkpoint (full and selective) and remat / no
+remat on each side.
 
     python bench/remat.py [--blocks 4] [--dim 512] [--hidden 2048] [--batch 128] [--repeats 15]
 """
@@ -61,15 +64,33 @@ class Block(torch.nn.Module):
         return x + torch.relu(x @ self.w1 + self.b1) @ self.w2
 
 
+def _save_mm(ctx, func, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    keep = func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_save_mm)
+
+
 class Net(torch.nn.Module):
     def __init__(self, params, checkpoint):
         super().__init__()
         self.blocks = torch.nn.ModuleList(Block(p) for p in params)
-        self.checkpoint = checkpoint
+        self.checkpoint = checkpoint  # False, True, or "selective"
 
     def forward(self, x):
         for b in self.blocks:
-            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False) if self.checkpoint else b(x)
+            if not self.checkpoint:
+                x = b(x)
+            elif self.checkpoint == "selective":
+                x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False, context_fn=_selective)
+            else:
+                x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False)
         return x
 
 
@@ -83,8 +104,8 @@ def run(args):
     y = torch.randn(args.batch, args.dim, generator=g)
     xb, yb = (fpar.device_put(t, mesh, P("data")) for t in (x, y))
 
-    def fpar_step(remat):
-        block = fo.remat(_block) if remat else _block
+    def fpar_step(remat, policy=None):
+        block = fo.remat(_block, policy=policy) if remat else _block
 
         def loss(ps, x, y):
             for p in ps:
@@ -117,8 +138,10 @@ def run(args):
 
     sides = {
         "fpar remat": fpar_step(True),
+        "fpar remat dots": fpar_step(True, fo.save_dots),
         "fpar": fpar_step(False),
         "DDP checkpoint": ddp_step(True),
+        "DDP selective": ddp_step("selective"),
         "DDP": ddp_step(False),
     }
     # the same work: one step of each from the same parameters gives the same update
@@ -152,7 +175,14 @@ def main():
         print(f"  {k:16s} {1000 * v:8.1f} ms")
     print(f"  fpar remat / DDP checkpoint: {med['fpar remat'] / med['DDP checkpoint']:.2f}x")
     print(
+        f"  fpar remat dots / DDP selective (mm saved): {med['fpar remat dots'] / med['DDP selective']:.2f}x"
+    )
+    print(
         f"  remat / none: fpar {med['fpar remat'] / med['fpar']:.2f}x, DDP {med['DDP checkpoint'] / med['DDP']:.2f}x"
+    )
+    print(
+        f"  selective / none: fpar {med['fpar remat dots'] / med['fpar']:.2f}x, "
+        f"DDP {med['DDP selective'] / med['DDP']:.2f}x"
     )
 
 
