@@ -283,7 +283,7 @@ class _Remat(torch.autograd.Function):
         with torch.no_grad(), keep:  # nothing in here is differentiated: backward recomputes
             outs = call.run([t.detach() for t in tensors])
         if call.policy is not None:
-            call.shared["kept"] = keep.kept  # type: ignore[union-attr]
+            call.shared["kept"] = keep.kept
         return outs
 
     @staticmethod
@@ -315,7 +315,7 @@ class _Remat(torch.autograd.Function):
         finally:
             RECOMPUTING[0] -= 1
         if kept is not None:
-            reuse.done()  # type: ignore[union-attr]
+            reuse.done()
         cts = tuple(torch.zeros_like(o) if c is None else c for o, c in zip(outs, cts))
         grads = vjp_fn(cts)
         result: list = [None] * len(tensors)
@@ -373,7 +373,9 @@ class _Keep(TorchDispatchMode):
 
     def __init__(self, policy: Callable[[str, int], bool]):
         super().__init__()
-        self.policy, self.kept, self.seen = policy, [], collections.Counter()
+        self.policy = policy
+        self.kept: list[tuple[str, Any]] = []
+        self.seen: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

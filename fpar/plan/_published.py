@@ -129,7 +129,7 @@ RUNS = (
         5605.0,
         "tokens",
         _TITAN,
-        "FSDP = ZeRO-3; its selective activation checkpointing (\"op\": attention's and every other "
+        'FSDP = ZeRO-3; its selective activation checkpointing ("op": attention\'s and every other '
         "matmul's outputs kept) as fpar.optim.save_alternate_dots; H100 96 GB HBM2e at 500 W as "
         "stated (peak between SXM and NVL: 912 assumed)",
     ),

@@ -84,7 +84,10 @@ def test_a_gpt_model_has_megatrons_parameter_count_and_its_head_is_the_embedding
             r"microbatches divisible by pipeline=2",
         ),
         (plan.Layout(data=2, zero=3, microbatches=2, batch=4), r"zero=3 with microbatches=2"),
-        (plan.Layout(remat="selective"), r"remat='selective'; choose True, False or a selective policy: 'dots'"),
+        (
+            plan.Layout(remat="selective"),
+            r"remat='selective'; choose True, False or a selective policy: 'dots'",
+        ),
         (plan.Layout(pipeline=2, zero=2, microbatches=2, batch=2), r"a pipelined step takes ZeRO 0 or 1"),
         (
             plan.Layout(pipeline=4, microbatches=4, batch=4, virtual=2),
@@ -171,7 +174,10 @@ def test_selective_recomputation_recomputes_what_its_policy_does_not_keep():
     import dataclasses
 
     # GPT-small: per layer 6 matmuls in the forward (q, k, v, o, the MLP's two) and the attention
-    ests = {remat: _estimate(plan.Layout(batch=2, remat=remat), GPT) for remat in (False, True, "alternate_dots", "dots")}
+    ests = {
+        remat: _estimate(plan.Layout(batch=2, remat=remat), GPT)
+        for remat in (False, True, "alternate_dots", "dots")
+    }
     tokens, d, hd = 2 * GPT.seq, GPT.d_model, GPT.d_model // GPT.n_heads
     matmuls = 2 * tokens * d * 4 * d + 2 * 2 * tokens * d * GPT.d_ffn  # q, k, v, o; the MLP's two
     attention = 2 * 2 * (2 * GPT.n_heads) * GPT.seq * GPT.seq * hd  # its two batched products

@@ -482,7 +482,9 @@ def test_remat_policy_refuses_a_recompute_that_runs_other_ops(second):
         return torch.tanh((x[:, :, None] * w[None]).sum(1))
 
     out = fo.remat(flaky, policy=fo.save_dots)(w, x).sum()
-    match = "ran aten.bmm \\(its #0\\) where the forward kept aten.mm" if second == "bmm" else "did not run 1 op"
+    match = (
+        "ran aten.bmm \\(its #0\\) where the forward kept aten.mm" if second == "bmm" else "did not run 1 op"
+    )
     with pytest.raises(RuntimeError, match=match):
         out.backward()
 
