@@ -1,14 +1,22 @@
 """A Hugging Face decoder cut into pipeline stages where its ``base_model_pp_plan`` says.
 
-``base_model_pp_plan`` names the base model's pieces in order: the token embedding, the decoder
-layers (a ``ModuleList``) and the final norm.  ``pipeline_stages`` turns a tensor-parallel model
-(``from_pretrained`` / ``tensor_parallel``) into the three functions ``fpar.pipeline.pipeline``
-runs: ``first`` (the embedding, on stage 0), ``stage`` (a chunk of consecutive decoder layers)
-and ``loss`` (final norm, ``lm_head`` and the next-token cross-entropy, on the last stage).
+``base_model_pp_plan`` names the base model's pieces in order; one of them is the decoder layers
+(a ``ModuleList``).  ``pipeline_stages`` turns a tensor-parallel model (``from_pretrained`` /
+``tensor_parallel``) into the three functions ``fpar.pipeline.pipeline`` runs: ``first`` (what
+comes before the layers, on stage 0), ``stage`` (a chunk of consecutive decoder layers) and
+``loss`` (what comes after them, the head and the next-token cross-entropy, on the last stage).
 Each is an ``fpar.shard`` over the mesh's other axes, so each stage is tensor (and data)
-parallel inside, with the model's own module code: a layer runs its TP local copy through
-``torch.func.functional_call`` with the chunk's parameters, the rotary embeddings and an additive
-causal mask made per stage (cheap, and nothing but the hidden state crosses a stage boundary).
+parallel inside.
+
+Each piece runs **the model's own forward**, not a rebuilt copy of it: a *shell* of the model
+shares every module but has its decoder-layer list replaced by slots.  ``first`` runs the forward
+up to a slot standing where layer 0 stands, which ends it with the hidden state it receives; a
+chunk runs it with a slot that feeds in the received hidden state, the chunk's layers (each the
+model's layer module with its row of the stacked weights) and a slot that ends it; ``loss`` runs
+it with a slot that feeds in the hidden state, through the final norm and the causal LM's head to
+the logits.  So whatever the model's forward does between the pieces (embedding multipliers,
+logit scales and soft-caps, masks for each kind of layer, rotary embeddings) is done as the model
+does it; the chunk's placeholder input embeddings are zeros and discarded.
 
 Chunks are stacked: ``params["stages"][name]`` is ``[p * v, K, ...]`` (``K`` layers per chunk) in
 stage-major order (``fpar.pipeline.stage_major``), split over the pipe axis.
@@ -16,7 +24,9 @@ stage-major order (``fpar.pipeline.stage_major``), split over the pipe axis.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +52,10 @@ def pipeline_stages(
 
     The layers are split into ``p * chunks`` chunks of equal length (``p`` = the pipe axis' size),
     chunk ``k`` on stage ``k % p``; the embedding runs before chunk 0 and the final norm, head
-    and loss after the last.  The loss is the mean next-token cross-entropy over the
+    and loss after the last, each as the model's own forward code runs it (its scalings and
+    soft-caps included).  Where the layers' kinds differ from chunk to chunk (Gemma's sliding and
+    full attention layers), ``.stage`` is a list of one function per chunk, which
+    ``fpar.pipeline.pipeline`` takes as it is.  The loss is the mean next-token cross-entropy over the
     microbatch's tokens (``targets`` are the next ids), averaged (``pmean``) over the mesh axes
     other than ``pipe`` and the tensor axis, which split the batch rows.
 
@@ -62,10 +75,11 @@ def pipeline_stages(
 
     Raises:
       TypeError: ``apply_fn`` is not a tensor-parallel HF model, ``mesh`` not a ``fpar.Mesh``.
-      ValueError: no ``base_model_pp_plan``; a ``pipe`` axis missing or the tensor axis; layers
-        that do not divide into ``p * chunks`` chunks; layers of different kinds (sliding-window
-        and full attention alternating), tied input/output embeddings (they would live on two
-        stages), or a final logit soft-cap (not in the plan's pieces).
+      ValueError: no ``base_model_pp_plan``, or one that names not exactly one layer list; a ``pipe``
+        axis missing or the tensor axis; layers that do not divide into ``p * chunks`` chunks;
+        layers whose parameters differ in name or shape (they cannot be stacked: dense and MoE
+        layers mixed, hybrid linear attention); parameters in none of the plan's pieces (they
+        are named); tied input/output embeddings (they would live on two stages).
 
     Example:
       >>> mesh = fpar.make_mesh((2, 2), ("pipe", "tensor"))
@@ -95,7 +109,7 @@ class Stages:
                 raise ValueError(f"{_API}: the {what} axis {a!r} is not an axis of {mesh}.")
         self.mesh, self.pipe, self.v, self.axis = mesh, pipe, chunks, apply_fn.axis
         self.p = mesh.shape[pipe]
-        self._find_pieces(module, type(module).__name__)
+        self._find_pieces(module, type(module).__name__, specs)
         n_layers = len(self._layers)
         if chunks < 1 or n_layers % (self.p * chunks):
             raise ValueError(
@@ -110,7 +124,13 @@ class Stages:
 
     # The pieces -----------------------------------------------------------------------------
 
-    def _find_pieces(self, module: torch.nn.Module, cls: str) -> None:
+    def _find_pieces(self, module: torch.nn.Module, cls: str, specs: Mapping[str, P]) -> None:
+        """The layers, and which parameters run before them (stage 0) and after them (the last stage).
+
+        Only the decoder layers' list is taken from the plan's pieces: everything else the model's
+        forward does (embedding multipliers, norms, logit scales and soft-caps, masks, rotary
+        embeddings) runs as the model's own forward code, so nothing between the pieces is dropped.
+        """
         config = module.config
         plan = getattr(config, "base_model_pp_plan", None)
         if not plan:
@@ -119,22 +139,15 @@ class Stages:
                 f"write the stages by hand with fpar.pipeline.pipeline (docs/layouts/pipelines.md)."
             )
         prefix = getattr(module, "base_model_prefix", "")
-        base = getattr(module, prefix, module) if prefix else module
+        base = getattr(module, prefix, None) if prefix else None
+        base = base if isinstance(base, torch.nn.Module) else module
         names = list(plan)
         lists = [n for n in names if isinstance(getattr(base, n, None), torch.nn.ModuleList)]
-        if len(names) != 3 or len(lists) != 1 or names[1] != lists[0]:
+        if len(lists) != 1:
             raise ValueError(
-                f"{_API}: {cls}'s base_model_pp_plan {names} is not (embedding, layers, norm); only that "
-                f"shape of plan is cut into stages."
+                f"{_API}: {cls}'s base_model_pp_plan {names} does not name exactly one list of decoder "
+                f"layers; only such a plan is cut into stages."
             )
-        kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-        if len(kinds) > 1:
-            raise ValueError(
-                f"{_API}: {cls}'s layers are of different kinds {sorted(kinds)} (layer_types); a chunk "
-                f"function runs one kind of layer. Use a config whose layers are all one kind."
-            )
-        if getattr(config, "final_logit_softcapping", None):
-            raise ValueError(f"{_API}: {cls} soft-caps its logits, which its pp plan's pieces leave out.")
         head = module.get_output_embeddings()
         embed = module.get_input_embeddings()
         if head is None or head.weight is embed.weight:
@@ -143,19 +156,43 @@ class Stages:
                 f"the last stage; load it with config.tie_word_embeddings=False (a copy each)."
             )
         dotted = {id(m): n for n, m in module.named_modules()}
-        self._embed, self._norm, self._head = getattr(base, names[0]), getattr(base, names[2]), head
-        self._embed_name, self._norm_name = dotted[id(self._embed)], dotted[id(self._norm)]
-        self._head_name = dotted[id(head)]
-        self._layers = getattr(base, names[1])
+        self._module, self._base, self._layers_attr = module, base, lists[0]
+        self._layers = getattr(base, lists[0])
         self._layers_name = dotted[id(self._layers)]
-        self._rotary = getattr(base, "rotary_emb", None)
+        self._head_name = dotted[id(head)]
+        before = [getattr(base, n) for n in names[: names.index(lists[0])]]
+        after = [getattr(base, n) for n in names[names.index(lists[0]) + 1 :]] + [head]
+
+        def own(ms: list) -> list[str]:
+            return [f"{dotted[id(m)]}.{k}".lstrip(".") for m in ms for k, _ in m.named_parameters()]
+
+        self._first_keys, self._last_keys = own(before), own(after)
+        layer_keys = {
+            f"{self._layers_name}.{i}.{k}"
+            for i, m in enumerate(self._layers)
+            for k, _ in m.named_parameters()
+        }
+        left = sorted(set(specs) - set(self._first_keys) - set(self._last_keys) - layer_keys)
+        if left:
+            raise ValueError(
+                f"{_API}: {cls}'s parameters {left[:4]} belong to none of its pp plan's pieces {names} nor "
+                f"the output head, so no stage would hold them; this model cannot be cut by its pp plan."
+            )
+        shapes = [[(k, tuple(t.shape)) for k, t in m.named_parameters()] for m in self._layers]
+        odd = [i for i, s in enumerate(shapes) if s != shapes[0]]
+        if odd:
+            raise ValueError(
+                f"{_API}: {cls}'s decoder layer {self._layers_name}.{odd[0]} has parameters of other names "
+                f"or shapes than layer 0's, so the layers cannot be stacked into pipeline chunks."
+            )
+        types = getattr(config, "layer_types", None)
+        self._types = list(types) if types is not None else None
 
     def _build_specs(self, specs: Mapping[str, P]) -> None:
-        own = lambda m, name: {f"{name}.{k}": specs[f"{name}.{k}"] for k, _ in m.named_parameters()}  # noqa: E731
         layer0 = f"{self._layers_name}.0."
         self._layer_specs = {k[len(layer0) :]: s for k, s in specs.items() if k.startswith(layer0)}
-        self.first_specs = own(self._embed, self._embed_name)
-        self.last_specs = {**own(self._norm, self._norm_name), **own(self._head, self._head_name)}
+        self.first_specs = {k: specs[k] for k in self._first_keys}
+        self.last_specs = {k: specs[k] for k in self._last_keys}
         chunk = {k: P(None, *s) for k, s in self._layer_specs.items()}
         self.chunk_specs = chunk
         self.specs = {
@@ -167,42 +204,78 @@ class Stages:
     def _build_fns(self, module: torch.nn.Module) -> None:
         sub = self.mesh.submesh(tuple(a for a in self.mesh.axis_names if a != self.pipe))
         rows = P(self._data) if self._data else P()
-        template, k = self._layers[0], self.k
-        rotary, embed, norm, head = self._rotary, self._embed, self._norm, self._head
-        strip = lambda d, name: {key[len(name) + 1 :]: t for key, t in d.items()}  # noqa: E731
-
-        def chunk(w, h_BTD):
-            t = h_BTD.shape[1]
-            pos = torch.arange(t, device=h_BTD.device).unsqueeze(0)
-            extra = {"position_ids": pos, "use_cache": False, "attention_mask": _causal(t, h_BTD)}
-            if rotary is not None:
-                extra["position_embeddings"] = rotary(h_BTD, pos)
-            for i in range(k):
-                out = torch.func.functional_call(template, {n: x[i] for n, x in w.items()}, (h_BTD,), extra)
-                h_BTD = out[0] if isinstance(out, tuple) else out
-            return h_BTD
+        k, n_chunks = self.k, self.p * self.v
+        first_shell = self._shell([_Stop(self._layers[0])], 0)
+        last_shell = self._shell([_Start(self._layers[-1])], len(self._layers) - 1)
 
         def first(w, ids_BT):
-            return torch.func.functional_call(embed, strip(w, self._embed_name), (ids_BT,))
+            hidden = first_shell.run(first_shell.outer, w, {"input_ids": ids_BT, "use_cache": False})
+            return _reached(hidden, "its first decoder layer")
+
+        def make_chunk(c: int):
+            at = range(c * k, c * k + k)
+            shell = self._shell(
+                [
+                    _Start(self._layers[c * k]),
+                    *(_Step(self._layers[i]) for i in at),
+                    _Stop(self._layers[at[-1]]),
+                ],
+                c * k,
+            )
+
+            def chunk(w, h_BTD):
+                kwargs = {"inputs_embeds": torch.zeros_like(h_BTD), "use_cache": False}
+                return _reached(
+                    shell.run(shell.outer, {}, kwargs, h_BTD, w), f"the end of chunk {c}'s layers"
+                )
+
+            return chunk
 
         def last(w, h_BTD, targets_BT):
-            h_BTD = torch.func.functional_call(
-                norm, strip({n: w[n] for n in self._norm_keys}, self._norm_name), (h_BTD,)
-            )
-            logits = torch.func.functional_call(
-                head, strip({n: w[n] for n in self._head_keys}, self._head_name), (h_BTD,)
-            )
+            kwargs = {"inputs_embeds": torch.zeros_like(h_BTD), "use_cache": False}
+            out = last_shell.run(last_shell.outer, w, kwargs, h_BTD)
+            logits = out.logits if hasattr(out, "logits") else out[0]
+            if logits.shape[:2] != h_BTD.shape[:2]:
+                raise RuntimeError(
+                    f"{_API}: the model's forward gave logits of shape {tuple(logits.shape)} for a hidden state "
+                    f"of shape {tuple(h_BTD.shape)}; its head cannot run as the last pipeline stage."
+                )
             if self._split_logits:
                 tok = vocab_cross_entropy(logits, targets_BT, axis=self.axis)
             else:
-                tok = F.cross_entropy(logits.flatten(0, 1).float(), targets_BT.flatten(), reduction="none")
+                wide = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 stays float64
+                tok = F.cross_entropy(wide.flatten(0, 1), targets_BT.flatten(), reduction="none")
             return pmean(tok.mean(), self._data) if self._data else tok.mean()
 
-        self._norm_keys = [n for n in self.last_specs if n.startswith(self._norm_name + ".")]
-        self._head_keys = [n for n in self.last_specs if n.startswith(self._head_name + ".")]
-        self.stage = shard(chunk, sub, (self.chunk_specs, rows), rows)
+        # One chunk function serves every chunk when all chunks run the same kinds of layer (the
+        # common case); chunks of different kinds (Gemma 3's sliding and full layers) get one each.
+        pattern = lambda c: None if self._types is None else self._types[c * k : c * k + k]  # noqa: E731
+        alike = all(pattern(c) == pattern(0) for c in range(n_chunks))
+        wrap = lambda f: shard(f, sub, (self.chunk_specs, rows), rows)  # noqa: E731
+        self.stage = wrap(make_chunk(0)) if alike else [wrap(make_chunk(c)) for c in range(n_chunks)]
         self.first = shard(first, sub, (self.first_specs, rows), rows)
         self.loss = shard(last, sub, (self.last_specs, rows, rows), P())
+
+    def _shell(self, slots: list, at: int) -> _Shell:
+        """The model with its decoder layers replaced by ``slots``, sharing every other module.
+
+        Its config is a copy that counts ``len(slots)`` layers, whose layer kinds are those of the
+        model's layers ``at, at, at+1, ...`` (the first slot stands where layer ``at`` stands).
+        """
+        config: Any = copy.copy(self._base.config)
+        config.num_hidden_layers = len(slots)
+        if self._types is not None:
+            n = len(self._types)
+            config.layer_types = [self._types[min(at + max(i - 1, 0), n - 1)] for i in range(len(slots))]
+        base = copy.copy(self._base)
+        base._modules = dict(self._base._modules)
+        base._modules[self._layers_attr] = torch.nn.ModuleList(slots)
+        base.config = config
+        if self._base is self._module:
+            return _Shell(base, base, slots)
+        outer = copy.copy(self._module)
+        outer._modules = {n: (base if m is self._base else m) for n, m in self._module._modules.items()}
+        return _Shell(outer, base, slots)
 
     # Between from_pretrained's params and the pipeline's -------------------------------------------
 
@@ -241,9 +314,83 @@ class Stages:
         return out
 
 
-def _causal(t: int, like: Tensor) -> Tensor:
-    """``[1, 1, t, t]``: 0 where a position attends (itself and earlier), the dtype's min elsewhere."""
-    upper = torch.ones(t, t, dtype=torch.bool, device=like.device).triu(1)
-    return torch.zeros(1, 1, t, t, dtype=like.dtype, device=like.device).masked_fill(
-        upper, torch.finfo(like.dtype).min
-    )
+class _Shell:
+    """A model whose decoder layers are ``slots``: ``outer`` (the causal LM) and ``base`` (its base model)."""
+
+    def __init__(self, outer: torch.nn.Module, base: torch.nn.Module, slots: list):
+        self.outer, self.base, self.slots = outer, base, slots
+
+    def run(self, module: torch.nn.Module, params: Mapping, kwargs: dict, hidden=None, weights=None):
+        """``module``'s forward with ``hidden`` fed to the ``_Start`` slot, ``weights[i]`` to step ``i``.
+
+        Returns what the forward returns, or the hidden state that a ``_Stop`` slot reached.
+        """
+        steps = [s for s in self.slots if isinstance(s, _Step)]
+        self.slots[0].__dict__["_hidden"] = hidden
+        for i, s in enumerate(steps):
+            s.__dict__["weights"] = {n: x[i] for n, x in weights.items()}
+        try:
+            return torch.func.functional_call(module, dict(params), (), kwargs)
+        except _Reached as stop:
+            return stop.hidden
+        finally:  # the slots hold no tensor between calls
+            self.slots[0].__dict__["_hidden"] = None
+            for s in steps:
+                s.__dict__["weights"] = None
+
+
+def _reached(hidden, where: str) -> Tensor:
+    if not isinstance(hidden, Tensor):
+        raise RuntimeError(f"{_API}: the model's forward returned before it reached {where}.")
+    return hidden
+
+
+class _Reached(Exception):  # noqa: N818 (control flow, never seen by a user)
+    """Raised by a ``_Stop`` slot: the model's forward reached the end of a stage's layers."""
+
+    def __init__(self, hidden: Tensor):
+        super().__init__("pipeline stage boundary")
+        self.hidden = hidden
+
+
+class _Slot(torch.nn.Module):
+    """Stands where a decoder layer stands in the model's own forward.
+
+    It reads through to the real layer's attributes (``attention_type``, ``layer_idx``, ...), which
+    the forward may look up.
+    """
+
+    def __init__(self, like: torch.nn.Module):
+        super().__init__()
+        self.__dict__["_like"] = like
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_like"], name)
+
+
+class _Start(_Slot):
+    """The first slot: the hidden state this stage received, in place of the placeholder embeddings'."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return self.__dict__["_hidden"]
+
+
+class _Stop(_Slot):
+    """The slot after a stage's last layer: ends the forward with the hidden state it is given."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        raise _Reached(hidden_states)
+
+
+class _Step(_Slot):
+    """Decoder layer ``index`` of the model, run with the chunk's row of its stacked weights."""
+
+    def __init__(self, like: torch.nn.Module):
+        super().__init__(like)
+        self.__dict__["weights"] = None
+
+    def forward(self, *args, **kwargs):
+        return torch.func.functional_call(self.__dict__["_like"], self.__dict__["weights"], args, kwargs)

@@ -168,12 +168,6 @@ def check_layout(model: Model, layout: Layout) -> None:
                 f"by {axis}={n}; choose a {axis} size that divides {size}."
             )
     chunk_layers(model, layout)
-    if layout.zero == 3 and layout.microbatches > 1:
-        raise ValueError(
-            f"fpar.plan: zero=3 with microbatches={layout.microbatches}: fpar.optim.zero_step's ZeRO-3 "
-            "does not accumulate gradients over microbatches yet (its reduce-scatter hook finds no "
-            "gradient); use microbatches=1 (a larger micro batch) or zero<=2."
-        )
     if layout.virtual != 1 and (p == 1 or layout.schedule != "1f1b" or layout.microbatches % p):
         raise ValueError(
             f"fpar.plan: virtual={layout.virtual} (interleaved 1F1B) needs pipeline > 1, schedule "

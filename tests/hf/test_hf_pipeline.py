@@ -94,6 +94,86 @@ def test_pipeline_equals_the_unsharded_model(tmp_path, shape, schedule, chunks):
     }
 
 
+def _family(config_cls: str, model_cls: str, **kw):
+    """A tiny float64 model of another family with the qwen3 helper's sizes, random weights."""
+    cfg = dict(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    cfg.update(kw)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**cfg))
+    with torch.no_grad():
+        for p in model.parameters():  # norms too: ones would hide a dropped or doubled scale
+            p.normal_(0.0, 0.3)
+    return model.double().eval()
+
+
+# The combinations reported silently wrong (pipe=2 x tensor=2, 1F1B): what the model's own forward
+# does between the pp plan's pieces (Granite's embedding multiplier and logit divisor, Cohere's logit
+# scale) must run in the stages; and Gemma's soft-capped logits and alternating sliding/full layers,
+# which pipeline_stages used to refuse.
+SCALED = {
+    "granite": lambda: _family(
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        embedding_multiplier=12.0,
+        logits_scaling=8.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.0078125,
+    ),
+    "cohere": lambda: _family("CohereConfig", "CohereForCausalLM", logit_scale=0.0625),
+    "gemma2-softcap": lambda: _family(
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        final_logit_softcapping=3.0,
+        attn_logit_softcapping=5.0,
+        sliding_window=2,
+    ),
+    "gemma3-mixed-layers": lambda: _family(
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=2,
+        final_logit_softcapping=3.0,
+        query_pre_attn_scalar=8,
+    ),
+}
+
+
+@pytest.mark.parametrize("chunks", [1, 2], ids=["1f1b", "interleaved"])
+@pytest.mark.parametrize("family", list(SCALED))
+def test_scaled_families_equal_their_own_forward(tmp_path, family, chunks):
+    model = SCALED[family]()
+    model.save_pretrained(tmp_path)
+    mesh = fpar.make_mesh((2, 2), ("pipe", "tensor"))
+    apply_fn, params, specs = fpar.hf.from_pretrained(tmp_path, mesh)
+    stages = fpar.hf.pipeline_stages(apply_fn, specs, mesh, chunks=chunks)
+    # Gemma's layers alternate sliding and full: chunks of one layer each differ in kind, one function each
+    assert isinstance(stages.stage, list) == (family.startswith("gemma") and chunks == 2)
+    sched = pp.one_f_one_b(2, M) if chunks == 1 else pp.interleaved_1f1b(2, M, 2)
+    step = pp.pipeline(stages.stage, sched, mesh, loss=stages.loss, first=stages.first)
+    xs, ys = batch()
+    result = step(stages.split(params), xs, ys)
+    want_loss, want_grads = reference(model, xs, ys)
+    # Gemma's RMSNorm runs in float32 inside the float64 model: its sums' order moves with the split
+    tol = dict(rtol=1e-5, atol=1e-7) if family.startswith("gemma") else dict(rtol=0, atol=1e-12)
+    grads = apply_fn.export(stages.merge(result.grads))
+    torch.testing.assert_close(result.loss, want_loss, **tol)
+    assert set(grads) == set(want_grads)
+    for k, g in want_grads.items():
+        torch.testing.assert_close(grads[k], g, **tol, msg=k)
+
+
 def test_refusals(tmp_path):
     model = qwen3(tied=True)
     mesh = fpar.make_mesh((2, 2), ("pipe", "tensor"))

@@ -31,6 +31,7 @@ MESHES = {
     "zero2": ((2,), ("data",)),
     "zero3": ((2,), ("data",)),
     "zero3_remat": ((2,), ("data",)),
+    "zero3_micro": ((2,), ("data",)),
     "tp": ((2, 2), ("data", "tensor")),
     "sp": ((1, 2), ("data", "tensor")),
     "pipeline": ((2, 1, 2), ("pipeline", "data", "tensor")),
@@ -70,7 +71,7 @@ def _stacked_remat_loss(params, batch):
 def build(name: str, mesh: fpar.Mesh):
     """``(step, args)`` of program ``name`` on ``mesh``."""
     g = torch.Generator().manual_seed(0)
-    if name in ("dp", "zero1", "zero2", "zero3", "zero3_remat"):
+    if name in ("dp", "zero1", "zero2", "zero3", "zero3_remat", "zero3_micro"):
         stage = {"dp": 0, "zero1": 1, "zero2": 2}.get(name, 3)
         if name == "zero3_remat":  # ZeRO-3 with recomputation: each stacked leaf re-gathered once
             layers, loss = 4, _stacked_remat_loss
@@ -88,7 +89,8 @@ def build(name: str, mesh: fpar.Mesh):
         layout = fo.zero_layout(params, mesh, stage=stage, data_axis="data")
         opt = fo.adamw(1e-3)
         params, state = fo.zero_init(opt, params, layout)
-        step = fo.zero_step(loss, opt, layout)
+        # zero3_micro: FSDP with gradient accumulation, 2 microbatches a step
+        step = fo.zero_step(loss, opt, layout, n_micro=2 if name == "zero3_micro" else 1)
         batch = fpar.device_put(
             (torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)), mesh, P("data")
         )
@@ -202,7 +204,10 @@ def real_worker(name: str) -> dict:
     return {"comm": comm, "peaks": peaks, "coords": dict(mesh._dist.coords)}
 
 
-BY_SIZE = {2: ("dp", "zero1", "zero2", "zero3", "zero3_remat", "sp", "moe"), 4: ("tp", "pipeline")}
+BY_SIZE = {
+    2: ("dp", "zero1", "zero2", "zero3", "zero3_remat", "zero3_micro", "sp", "moe"),
+    4: ("tp", "pipeline"),
+}
 
 
 def real_programs(size: int) -> dict:
