@@ -19,11 +19,15 @@ transformers = pytest.importorskip(
     "transformers", reason="the hf extra (pip install fpar[hf]) is not installed"
 )
 
+import pp_families  # noqa: E402  (needs transformers)
+
 V, M, B, T = 64, 2, 2, 4
 
 
-def qwen3(tied: bool = False):
-    config = transformers.Qwen3Config(
+def _model(config_cls: str, model_cls: str, randomize: bool = True, **kw):
+    """A tiny float64 causal LM of 4 layers; ``randomize``: random weights, norms included (ones
+    would hide a dropped or doubled scale)."""
+    cfg = dict(
         vocab_size=V,
         hidden_size=32,
         intermediate_size=64,
@@ -31,10 +35,23 @@ def qwen3(tied: bool = False):
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,
-        tie_word_embeddings=tied,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
     )
+    cfg.update(kw)
     torch.manual_seed(0)
-    return transformers.Qwen3ForCausalLM(config).double().eval()
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**cfg))
+    if randomize:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.3)
+    return model.double().eval()
+
+
+def qwen3(tied: bool = False):
+    return _model("Qwen3Config", "Qwen3ForCausalLM", randomize=False, tie_word_embeddings=tied)
 
 
 def batch():
@@ -45,16 +62,7 @@ def batch():
 def reference(model, xs, ys):
     """The unsharded model's mean loss over the microbatches and its gradient, by parameter name."""
     model.set_attn_implementation("eager")
-    own = {k: p.detach() for k, p in model.named_parameters()}
-
-    def loss(p):
-        total = 0.0
-        for x, y in zip(xs, ys):
-            logits = torch.func.functional_call(model, p, (x,), {"use_cache": False}).logits
-            total = total + torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
-        return total / len(xs)
-
-    return loss(own), torch.func.grad(loss)(own)
+    return pp_families.reference(model, xs, ys)
 
 
 def check(result, stages, apply_fn, want_loss, want_grads):
@@ -94,36 +102,12 @@ def test_pipeline_equals_the_unsharded_model(tmp_path, shape, schedule, chunks):
     }
 
 
-def _family(config_cls: str, model_cls: str, **kw):
-    """A tiny float64 model of another family with the qwen3 helper's sizes, random weights."""
-    cfg = dict(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    cfg.update(kw)
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**cfg))
-    with torch.no_grad():
-        for p in model.parameters():  # norms too: ones would hide a dropped or doubled scale
-            p.normal_(0.0, 0.3)
-    return model.double().eval()
-
-
 # The combinations reported silently wrong (pipe=2 x tensor=2, 1F1B): what the model's own forward
 # does between the pp plan's pieces (Granite's embedding multiplier and logit divisor, Cohere's logit
 # scale) must run in the stages; and Gemma's soft-capped logits and alternating sliding/full layers,
 # which pipeline_stages used to refuse.
 SCALED = {
-    "granite": lambda: _family(
+    "granite": lambda: _model(
         "GraniteConfig",
         "GraniteForCausalLM",
         embedding_multiplier=12.0,
@@ -131,15 +115,15 @@ SCALED = {
         residual_multiplier=0.22,
         attention_multiplier=0.0078125,
     ),
-    "cohere": lambda: _family("CohereConfig", "CohereForCausalLM", logit_scale=0.0625),
-    "gemma2-softcap": lambda: _family(
+    "cohere": lambda: _model("CohereConfig", "CohereForCausalLM", logit_scale=0.0625),
+    "gemma2-softcap": lambda: _model(
         "Gemma2Config",
         "Gemma2ForCausalLM",
         final_logit_softcapping=3.0,
         attn_logit_softcapping=5.0,
         sliding_window=2,
     ),
-    "gemma3-mixed-layers": lambda: _family(
+    "gemma3-mixed-layers": lambda: _model(
         "Gemma3TextConfig",
         "Gemma3ForCausalLM",
         layer_types=["sliding_attention", "full_attention"] * 2,
