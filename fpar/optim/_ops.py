@@ -69,10 +69,12 @@ def writable(xs: list[Tensor]) -> bool:
     for x in xs:
         if not isinstance(x, Tensor) or not x.is_contiguous():
             return False
-        start = x.data_ptr()
-        spans.append((start, start + x.numel() * x.element_size()))
+        # meta tensors (fpar.plan's) have no addresses: their storage and offset stand in for one
+        where, start = (x.untyped_storage()._cdata, x.storage_offset()) if x.is_meta else (0, x.data_ptr())
+        start *= x.element_size() if x.is_meta else 1
+        spans.append((where, start, start + x.numel() * x.element_size()))
     spans.sort()
-    return all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    return all(a[0] != b[0] or a[2] <= b[1] for a, b in zip(spans, spans[1:]))
 
 
 def _scalar(s, like: Tensor):

@@ -32,6 +32,8 @@ MESHES = {
     "zero3": ((2,), ("data",)),
     "zero3_remat": ((2,), ("data",)),
     "zero3_micro": ((2,), ("data",)),
+    "dp_donate": ((2,), ("data",)),
+    "zero3_donate": ((2,), ("data",)),
     "tp": ((2, 2), ("data", "tensor")),
     "sp": ((1, 2), ("data", "tensor")),
     "pipeline": ((2, 1, 2), ("pipeline", "data", "tensor")),
@@ -71,8 +73,8 @@ def _stacked_remat_loss(params, batch):
 def build(name: str, mesh: fpar.Mesh):
     """``(step, args)`` of program ``name`` on ``mesh``."""
     g = torch.Generator().manual_seed(0)
-    if name in ("dp", "zero1", "zero2", "zero3", "zero3_remat", "zero3_micro"):
-        stage = {"dp": 0, "zero1": 1, "zero2": 2}.get(name, 3)
+    if name in ("dp", "zero1", "zero2", "zero3", "zero3_remat", "zero3_micro", "dp_donate", "zero3_donate"):
+        stage = {"dp": 0, "dp_donate": 0, "zero1": 1, "zero2": 2}.get(name, 3)
         if name == "zero3_remat":  # ZeRO-3 with recomputation: each stacked leaf re-gathered once
             layers, loss = 4, _stacked_remat_loss
             params = {
@@ -90,7 +92,10 @@ def build(name: str, mesh: fpar.Mesh):
         opt = fo.adamw(1e-3)
         params, state = fo.zero_init(opt, params, layout)
         # zero3_micro: FSDP with gradient accumulation, 2 microbatches a step
-        step = fo.zero_step(loss, opt, layout, n_micro=2 if name == "zero3_micro" else 1)
+        # *_donate: the update writes the parameters and AdamW state in place (what the planner
+        # must see on its meta tensors too: one copy of the state, not the old and the new)
+        micro, donate = 2 if name == "zero3_micro" else 1, name.endswith("_donate")
+        step = fo.zero_step(loss, opt, layout, n_micro=micro, donate=donate)
         batch = fpar.device_put(
             (torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)), mesh, P("data")
         )
@@ -205,7 +210,18 @@ def real_worker(name: str) -> dict:
 
 
 BY_SIZE = {
-    2: ("dp", "zero1", "zero2", "zero3", "zero3_remat", "zero3_micro", "sp", "moe"),
+    2: (
+        "dp",
+        "zero1",
+        "zero2",
+        "zero3",
+        "zero3_remat",
+        "zero3_micro",
+        "dp_donate",
+        "zero3_donate",
+        "sp",
+        "moe",
+    ),
     4: ("tp", "pipeline"),
 }
 

@@ -94,6 +94,19 @@ def test_aliased_or_expanded_buffers_are_not_written_in_place():
         assert torch.equal(got[k], want[k])
 
 
+def test_meta_buffers_are_told_apart_by_storage():
+    """fpar.plan runs a step on meta tensors, which have no addresses (``data_ptr()`` is 0 for all):
+    donation must see distinct meta buffers as distinct, and views of one as overlapping, as on
+    real tensors (else the planner costs a donated update as a functional one: twice the state)."""
+    a, b = torch.empty(4, 3, device="meta"), torch.empty(4, 3, device="meta")
+    with ops.donation():
+        assert ops.writable([a, b])
+        assert not ops.writable([a, a])
+        assert not ops.writable([a[:3], a[2:]])  # overlapping rows of one storage
+        assert ops.writable([a[:2], a[2:], b])
+    assert not ops.writable([a, b])  # not donated
+
+
 def test_scaled_mixed_precision_keeps_the_old_state_on_overflow_under_donation():
     opt = fo.mixed_precision(fo.adamw(1e-2), compute_dtype=torch.float16, loss_scale="dynamic")
     params = {"w": torch.randn(3, 4)}
