@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -127,7 +128,9 @@ class _Tracker(TorchFunctionMode):
         # Axes of more than one device: a sum over an axis of size 1 is the identity, so such an
         # axis never makes a value a gradient source (it is still typed, for the replication check)
         self.summed = frozenset(a for a in self.axes if owner.mesh.shape[a] > 1)
-        self.infos: dict[int, tuple[Tensor, frozenset, frozenset]] = {}
+        # id -> (a weak reference to the tensor, its varying axes, its sources): weak, so that typing a
+        # value keeps no intermediate alive past its last use (a traced call holds what an untraced one does)
+        self.infos: dict[int, tuple[weakref.ref, frozenset, frozenset]] = {}
         self.pvaried: dict = {}
         self.pvary_use: set = set()
         self.first_use: list = []  # sources in the order of their first pvaried use
@@ -144,7 +147,7 @@ class _Tracker(TorchFunctionMode):
 
     def info(self, t: Tensor) -> tuple[frozenset, frozenset]:
         e = self.infos.get(id(t))
-        if e is not None and e[0] is t:
+        if e is not None and e[0]() is t:  # not an id reused by a newer tensor
             return e[1], e[2]
         return frozenset(), frozenset()
 
@@ -153,7 +156,7 @@ class _Tracker(TorchFunctionMode):
             return
         for t in tree_flatten(result)[0] if not isinstance(result, Tensor) else [result]:
             if isinstance(t, Tensor):
-                self.infos[id(t)] = (t, varying, deps)
+                self.infos[id(t)] = (weakref.ref(t), varying, deps)
 
     def enter(self, i: int, leaf: Tensor, spec: PartitionSpec) -> Tensor:
         """Register input ``i``; a replicated float one gets its source-level sum (planned)."""

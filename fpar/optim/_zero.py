@@ -23,7 +23,8 @@ all-gathers run one ahead, and each gradient is reduce-scattered asynchronously 
 autograd has it complete, overlapping the rest of the backward (``_zero_comm.gathered_grad``).
 Without ``regather`` the gathered parameters are kept: 2 (N-1)/N Psi.  ``donate=True``
 (``zero_step`` / ``zero_update``) updates the stored parameters and optimizer state in place on a
-real mesh, as ``torch.optim`` does, instead of holding the old and the new state at once.
+real mesh, as ``torch.optim`` does, instead of holding the old and the new state at once (stages
+1 and 2 gather the new parameters into the old ones' buffers, a bucket at a time).
 
 Gradients are always those of the *global* loss (the mean over data ranks of the per-device
 losses, and over microbatches): every step differentiates a sharded function from the outside
@@ -262,19 +263,31 @@ def _reduce_scatter_all(grads: list[Tensor], layout: ZeroLayout, cap: int) -> li
     return out
 
 
-def _gather_all(chunks: list[Tensor], layout: ZeroLayout, cap: int) -> list[Tensor]:
-    """``_gather(..., invariant=True)`` of every leaf, one ``all_gather_invariant`` per bucket."""
+def _gather_all(
+    chunks: list[Tensor], layout: ZeroLayout, cap: int, into: list[Tensor] | None = None
+) -> list[Tensor]:
+    """``_gather(..., invariant=True)`` of every leaf, one ``all_gather_invariant`` per bucket.
+
+    ``into``: donated blocks (the old parameters) to write the gathered ones into, bucket by
+    bucket, and return; then a step holds one bucket's gathered values at a time (or one leaf
+    larger than a bucket), not a second copy of every parameter.
+    """
     n, leaves = layout.n, layout.leaves
     out: list[Tensor] = [None] * len(chunks)  # type: ignore[list-item]
+
+    def put(i: int, block: Tensor) -> None:
+        out[i] = block if into is None else into[i].copy_(block)
+
     for group in _buckets(chunks, layout, cap):
         if len(group) == 1:
-            out[group[0]] = _gather(chunks[group[0]], leaves[group[0]], layout, invariant=True)
+            put(group[0], _gather(chunks[group[0]], leaves[group[0]], layout, invariant=True))
             continue
         sizes = [leaves[i].chunk for i in group]
         full = all_gather_invariant(torch.cat([chunks[i] for i in group]), layout.data_axis, tiled=True)
         for i, block in zip(group, full.reshape(n, sum(sizes)).split(sizes, dim=1)):
             lf = leaves[i]
-            out[i] = block.reshape(-1)[: lf.numel].reshape(lf.block)
+            put(i, block.reshape(-1)[: lf.numel].reshape(lf.block))
+        del full
     return out
 
 

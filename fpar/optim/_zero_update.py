@@ -17,6 +17,7 @@ from .._shard import shard
 from .._tree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from . import _ops as ops
 from ._base import GradientTransformation, apply_updates
+from ._internal import is_plain
 from ._precision import MixedPrecision
 from ._zero import BUCKET_BYTES, ZeroLayout, _gather_all, _Leaf, _map, _own_chunk, _reduce_scatter_all
 from ._zero_grads import zero_grads
@@ -57,9 +58,10 @@ def zero_update(
     ``donate=True`` hands ``grads``, ``opt_state`` and ``params`` over to the update, as JAX's
     ``donate_argnums`` and as ``torch.optim`` steps in place: on a real mesh the built-in
     transformations (``adamw``, ``adam``, ``sgd`` without Nesterov, ``scale*``,
-    ``add_decayed_weights``) then write the new state, and for stages 0 and 3 the new
-    parameters, into the given tensors and return them, so the step holds one copy of the state
-    instead of the old and the new together (the same kernels: the same values).  The caller
+    ``add_decayed_weights``) then write the new state and parameters into the given tensors and
+    return them (stages 1 and 2 all-gather the updated chunks into the old parameters' buffers
+    one bucket at a time), so the step holds one copy of the state instead of the old and the
+    new together (the same kernels: the same values).  The caller
     must not use the donated trees afterwards (they hold the new values, or are partly
     overwritten).  In-process the inputs are shared views of global tensors and the update stays
     functional.  With a loss-scaled ``mixed_precision`` the inner optimizer is not donated (an
@@ -84,11 +86,14 @@ def zero_update(
             grads = tree_unflatten(
                 treedef, _reduce_scatter_all([g.squeeze(0) for g in leaves], layout, bucket_bytes)
             )
-        chunks = _map(_own_chunk, params, layout)
+        chunks = _map(_own_chunk, params, layout)  # copies: the old parameters stay whole
         updates, state = optimizer.update(grads, state, chunks)
         chunks = apply_updates(chunks, updates)
         leaves, treedef = tree_flatten(chunks)
-        return tree_unflatten(treedef, _gather_all(leaves, layout, bucket_bytes)), state
+        # donated: the new parameters are gathered into the old ones' buffers, a bucket at a time
+        old = tree_flatten(params)[0]
+        into = old if ops.writable(old) and is_plain(old) else None
+        return tree_unflatten(treedef, _gather_all(leaves, layout, bucket_bytes, into)), state
 
     stored = layout.param_specs
     sharded = shard(per_device, mesh, (gspecs, sspecs, stored), (stored, sspecs))

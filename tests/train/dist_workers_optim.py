@@ -166,9 +166,9 @@ def _zero_run(stage: int, steps: int, loss: str = "mlp", donate: bool = False, o
     history, losses, stats = [], [], None
     for i in range(steps):
         fpar.reset_comm_stats()
-        before = _buffers(state, params if stage in (0, 3) else ())
+        before = _buffers(state, params)  # stages 1 and 2 gather the new parameters into the old buffers
         params, state, metrics = step(params, state, batch)
-        if donate and mesh.backend == "dist" and _buffers(state, params if stage in (0, 3) else ()) != before:
+        if donate and mesh.backend == "dist" and _buffers(state, params) != before:
             raise AssertionError("a donated step on the real mesh did not update its state in place")
         if i == 0:
             stats = fpar.comm_stats()

@@ -361,7 +361,7 @@ def test_real_mesh_zero_equals_in_process():
     # reduce-scattered from its AccumulateGrad hook), stage 2 reduce-scatters each bucket from
     # the hooks too: padded chunks, bf16 compute, a remat'd layer.  Donated steps
     # (updated in place on the real mesh, functional in-process) follow the same trajectory:
-    # AdamW on stages 3 and 0, SGD with momentum on stage 2.
+    # AdamW on stages 3, 0, 1 and 2, SGD with momentum on stage 2.
     jobs = [(2, 3, "mlp"), (3, 2, "mlp"), (3, 2, "remat"), (3, 2, "deep"), (0, 2, "remat"), (3, 2, "odd")]
     jobs += [(3, 2, "stacked")]  # stacked leaves, a remat'd layer each: one re-gather a leaf
     jobs += [(2, 2, "odd"), (2, 2, "remat")]
@@ -370,6 +370,8 @@ def test_real_mesh_zero_equals_in_process():
         (0, 2, "mlp", True),
         (2, 2, "mlp", True, "sgdm"),
         (3, 2, "mlp", True, "bf16"),
+        (1, 2, "mlp", True),  # stages 1 and 2 gather the new parameters into the donated ones
+        (2, 2, "odd", True),  # padded chunks: the padding is not written back
     ]
     ranks = fpar.launch(W.zero_runs, 2, jobs, timeout=120.0)
     local = W.zero_runs(jobs)
