@@ -58,6 +58,7 @@ class Frame:
     levels: dict[int, str] = dataclasses.field(default_factory=dict)  # vmap level -> axis
     token: Tensor | None = None  # batched at every mesh level: makes vmap call our rules
     index: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # coordinate per axis
+    coords: dict[str, int] | None = None  # real mesh: this rank's coordinate per axis, as ints
     # The backend's collective: (kind, axes, params, this device's value) -> result; every public
     # collective goes through it (in-process: _local/collective.py's ``collective``).
     collective: Callable[[str, tuple, tuple, Tensor], Tensor] | None = None

@@ -182,6 +182,7 @@ class DistShard:
         frame = Frame(mesh=self.mesh, fname=self.fname, exchange=None, backend="dist")
         frame.token = _TOKEN
         frame.index = self._index(leaves)
+        frame.coords = mg.coords
         if tracker is not None:
             for a, t in frame.index.items():
                 tracker._mark(t, frozenset((a,)), frozenset())

@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from .._collectives import all_gather, all_gather_invariant, axis_index, psum_scatter
+from .._collectives import all_gather, all_gather_invariant, axis_index, frames, psum_scatter
 from .._mesh import Mesh
 from .._shard import shard
 from .._spec import P
@@ -210,6 +210,18 @@ def _own_chunk(x: Tensor, lf: _Leaf, layout: ZeroLayout) -> Tensor:
     """This device's chunk of a block replicated over the data axis (a slice: no communication)."""
     i = axis_index(layout.data_axis).reshape(1)
     return _padded(x, lf, layout.n).reshape(layout.n, lf.chunk).index_select(0, i).squeeze(0)
+
+
+def _own_chunk_view(x: Tensor, lf: _Leaf, layout: ZeroLayout) -> Tensor | None:
+    """On a real mesh, this device's chunk as a view of ``x`` (an update of it writes ``x``), or ``None``.
+
+    ``None`` in-process, for a padded chunk (its tail is not in ``x``) or a non-contiguous ``x``.
+    """
+    frame = frames()[-1] if frames() else None
+    if frame is None or frame.coords is None or lf.numel != layout.n * lf.chunk or not x.is_contiguous():
+        return None
+    r = frame.coords[layout.data_axis]
+    return x.view(-1)[r * lf.chunk : (r + 1) * lf.chunk]
 
 
 def _reduce_scatter(g: Tensor, lf: _Leaf, layout: ZeroLayout) -> Tensor:

@@ -19,7 +19,16 @@ from . import _ops as ops
 from ._base import GradientTransformation, apply_updates
 from ._internal import is_plain
 from ._precision import MixedPrecision
-from ._zero import BUCKET_BYTES, ZeroLayout, _gather_all, _Leaf, _map, _own_chunk, _reduce_scatter_all
+from ._zero import (
+    BUCKET_BYTES,
+    ZeroLayout,
+    _gather_all,
+    _Leaf,
+    _map,
+    _own_chunk,
+    _own_chunk_view,
+    _reduce_scatter_all,
+)
 from ._zero_grads import zero_grads
 
 __all__ = ["zero_step", "zero_update"]
@@ -86,13 +95,21 @@ def zero_update(
             grads = tree_unflatten(
                 treedef, _reduce_scatter_all([g.squeeze(0) for g in leaves], layout, bucket_bytes)
             )
-        chunks = _map(_own_chunk, params, layout)  # copies: the old parameters stay whole
+        # donated: each device's chunk is a view of its parameter (the update writes it there), and
+        # the new parameters are gathered into the old ones' buffers, a bucket at a time
+        old, ptree = tree_flatten(params)
+        into = old if ops.writable(old) and is_plain(old) else None
+        if into is None:
+            chunks = _map(_own_chunk, params, layout)  # copies: the old parameters stay whole
+        else:
+            views = [_own_chunk_view(x, lf, layout) for x, lf in zip(old, layout.leaves)]
+            own = [
+                _own_chunk(x, lf, layout) if v is None else v for x, lf, v in zip(old, layout.leaves, views)
+            ]
+            chunks = tree_unflatten(ptree, own)
         updates, state = optimizer.update(grads, state, chunks)
         chunks = apply_updates(chunks, updates)
         leaves, treedef = tree_flatten(chunks)
-        # donated: the new parameters are gathered into the old ones' buffers, a bucket at a time
-        old = tree_flatten(params)[0]
-        into = old if ops.writable(old) and is_plain(old) else None
         return tree_unflatten(treedef, _gather_all(leaves, layout, bucket_bytes, into)), state
 
     stored = layout.param_specs
