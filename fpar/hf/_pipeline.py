@@ -209,7 +209,7 @@ class Stages:
         last_shell = self._shell([_Start(self._layers[-1])], len(self._layers) - 1)
 
         def first(w, ids_BT):
-            hidden = first_shell.run(first_shell.outer, w, {"input_ids": ids_BT, "use_cache": False})
+            hidden = first_shell.run(w, {"input_ids": ids_BT, "use_cache": False})
             return _reached(hidden, "its first decoder layer")
 
         def make_chunk(c: int):
@@ -225,15 +225,13 @@ class Stages:
 
             def chunk(w, h_BTD):
                 kwargs = {"inputs_embeds": torch.zeros_like(h_BTD), "use_cache": False}
-                return _reached(
-                    shell.run(shell.outer, {}, kwargs, h_BTD, w), f"the end of chunk {c}'s layers"
-                )
+                return _reached(shell.run({}, kwargs, h_BTD, w), f"the end of chunk {c}'s layers")
 
             return chunk
 
         def last(w, h_BTD, targets_BT):
             kwargs = {"inputs_embeds": torch.zeros_like(h_BTD), "use_cache": False}
-            out = last_shell.run(last_shell.outer, w, kwargs, h_BTD)
+            out = last_shell.run(w, kwargs, h_BTD)
             logits = out.logits if hasattr(out, "logits") else out[0]
             if logits.shape[:2] != h_BTD.shape[:2]:
                 raise RuntimeError(
@@ -272,10 +270,10 @@ class Stages:
         base._modules[self._layers_attr] = torch.nn.ModuleList(slots)
         base.config = config
         if self._base is self._module:
-            return _Shell(base, base, slots)
+            return _Shell(base, slots)
         outer = copy.copy(self._module)
         outer._modules = {n: (base if m is self._base else m) for n, m in self._module._modules.items()}
-        return _Shell(outer, base, slots)
+        return _Shell(outer, slots)
 
     # Between from_pretrained's params and the pipeline's -------------------------------------------
 
@@ -315,27 +313,30 @@ class Stages:
 
 
 class _Shell:
-    """A model whose decoder layers are ``slots``: ``outer`` (the causal LM) and ``base`` (its base model)."""
+    """The causal LM ``outer`` whose decoder layers are ``slots`` (``_Shell.run`` runs its forward)."""
 
-    def __init__(self, outer: torch.nn.Module, base: torch.nn.Module, slots: list):
-        self.outer, self.base, self.slots = outer, base, slots
+    def __init__(self, outer: torch.nn.Module, slots: list):
+        self.outer = outer
+        self.start = next((s for s in slots if isinstance(s, _Start)), None)
+        self.steps = [s for s in slots if isinstance(s, _Step)]
 
-    def run(self, module: torch.nn.Module, params: Mapping, kwargs: dict, hidden=None, weights=None):
-        """``module``'s forward with ``hidden`` fed to the ``_Start`` slot, ``weights[i]`` to step ``i``.
+    def run(self, params: Mapping, kwargs: dict, hidden=None, weights=None):
+        """The forward with ``hidden`` fed to the ``_Start`` slot, ``weights[i]`` to step ``i``.
 
         Returns what the forward returns, or the hidden state that a ``_Stop`` slot reached.
         """
-        steps = [s for s in self.slots if isinstance(s, _Step)]
-        self.slots[0].__dict__["_hidden"] = hidden
-        for i, s in enumerate(steps):
+        if self.start is not None:
+            self.start.__dict__["_hidden"] = hidden
+        for i, s in enumerate(self.steps):
             s.__dict__["weights"] = {n: x[i] for n, x in weights.items()}
         try:
-            return torch.func.functional_call(module, dict(params), (), kwargs)
+            return torch.func.functional_call(self.outer, dict(params), (), kwargs)
         except _Reached as stop:
             return stop.hidden
         finally:  # the slots hold no tensor between calls
-            self.slots[0].__dict__["_hidden"] = None
-            for s in steps:
+            if self.start is not None:
+                self.start.__dict__["_hidden"] = None
+            for s in self.steps:
                 s.__dict__["weights"] = None
 
 
