@@ -289,6 +289,17 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "the planner's model on meta tensors calls the flash kernel directly, so the memory it records "
         "keeps no s x s attention matrix",
     ),
+    PrivateApi(
+        "torch.ops.inductor.resize_storage_bytes_",
+        ("optim/_zero_comm.py", "plan/_record.py"),
+        "free and re-allocate a ZeRO-3 parameter's gathered storage while its tensor and views live (as "
+        "FSDP2 does); an op, so the planner's recorder sees the bytes",
+    ),
+    PrivateApi(
+        "torch.autograd._unsafe_preserve_version_counter",
+        ("optim/_zero_comm.py",),
+        "a ZeRO-3 parameter gathered into its own storage is not a change autograd must check (FSDP2's use)",
+    ),
     # testing
     PrivateApi(
         "torch.testing._internal.distributed.fake_pg.FakeStore",

@@ -18,9 +18,10 @@ Legend: ``N`` = size of the data axis; ``Psi`` = bytes of one device's parameter
 from the forward to the backward; the backward all-gathers again only the parameters autograd
 saved (``Psi_saved <= Psi``: a bias, or a weight whose input needs no gradient, is not saved),
 prefetching the next one asynchronously on a real mesh (``_zero_comm``), so the forward runs
-once.  On a real mesh stage 3 with ``regather`` follows FSDP2's schedule throughout: the forward's
-all-gathers run one ahead, and each gradient is reduce-scattered asynchronously as soon as
-autograd has it complete, overlapping the rest of the backward (``_zero_comm.gathered_grad``).
+once.  On a real mesh stage 3 with ``regather`` follows FSDP2's schedule throughout: the forward
+gathers each parameter at its first use, one ahead, and frees it after its last (so it holds a
+parameter or two, not the model), and each gradient is reduce-scattered asynchronously as soon
+as autograd has it complete, overlapping the rest of the backward (``_zero_comm.gathered_grad``).
 Without ``regather`` the gathered parameters are kept: 2 (N-1)/N Psi.  ``donate=True``
 (``zero_step`` / ``zero_update``) updates the stored parameters and optimizer state in place on a
 real mesh, as ``torch.optim`` does, instead of holding the old and the new state at once (stages

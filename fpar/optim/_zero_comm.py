@@ -27,17 +27,26 @@ hooks"), so this path differentiates with ``torch.autograd.grad``; under an oute
 falls back to ``remat``.
 
 **The real mesh: FSDP's schedule (``gathered_grad``).**  There the whole stage-3 gradient is
-driven from here, so that each gradient is reduce-scattered as soon as it exists.  The
-forward's all-gathers are all started at once (asynchronous, in leaf order) and waited on in
-order; each gathered flat parameter enters the loss as one copy per data rank (``P(data,
-...)``, as stage 2), bound to a one-element stand-in leaf.  Autograd accumulates a leaf's
-gradient as soon as it is complete (``AccumulateGrad`` runs before any other ready node), and
-its post-accumulate hook starts an asynchronous reduce-scatter of it right away, which travels
-while the rest of the backward computes; the step waits on them all at the end.  (Through
-``fpar.all_gather``'s transpose instead, every reduce-scatter would wait for the end of the
-backward: the gather nodes are the oldest in the graph, and autograd runs ready nodes newest
-first, so the full-size gradients of every parameter would pile up.)  The same sums, the
-same values; ``comm_stats`` counts the same collectives as the in-process path.
+driven from here, so that each parameter is gathered just before its first use and each
+gradient is reduce-scattered as soon as it exists.  Every parameter's gathered buffer exists
+from the start, with a storage of 0 bytes (FSDP2's ``resize_``); each enters the loss as one
+copy per data rank (``P(data, ...)``, as stage 2), a leaf of autograd viewing that buffer.
+The forward runs under ``_Lazy``, a ``TorchFunctionMode``: the first op that reads a parameter
+(or a view of it) waits for its all-gather, which was started one parameter ahead in the order
+the previous forward of the same shapes first used them; once as many ops have read it as
+read it in that forward, its storage is freed again.  So the forward holds the parameter in
+use and the next one (FSDP2's units, a leaf each), not the whole model; the first forward of a
+signature, which knows no counts, frees each at the forward's end.  Autograd saves no gathered
+value (the saved-tensor hooks above replace each by a token and the backward re-gathers it).
+Autograd accumulates a leaf's gradient as soon as it is complete (``AccumulateGrad`` runs
+before any other ready node), and its post-accumulate hook starts an asynchronous
+reduce-scatter of it right away, which travels while the rest of the backward computes; the
+step waits on them all at the end.  (Through ``fpar.all_gather``'s transpose instead, every
+reduce-scatter would wait for the end of the backward: the gather nodes are the oldest in the
+graph, and autograd runs ready nodes newest first, so the full-size gradients of every
+parameter would pile up.)  The same sums, the same values; ``comm_stats`` counts the same
+collectives as the in-process path (every parameter gathered once a forward).  A stacked leaf
+(``[layers, ...]``) is one parameter here: gathered whole at its first read.
 
 This module talks to ``torch.distributed`` directly for the asynchronous collectives (no
 exchange of ``fpar._dist`` is asynchronous): the process group and member order come from the
@@ -48,16 +57,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch._C._functorch import get_unwrapped, is_batchedtensor, maybe_current_level
+from torch.overrides import TorchFunctionMode
 
 from .. import _defer, _stats
 from .._tree import tree_flatten, tree_unflatten
 
-__all__ = ["Regather", "gathered_grad", "regather_supported", "scattered_grad"]
+__all__ = ["Regather", "Uses", "gathered_grad", "regather_supported", "scattered_grad"]
 
 Tensor = torch.Tensor
 
@@ -75,10 +85,13 @@ def _physical(t: Tensor) -> Tensor:
 
 
 def _storage_key(t: Tensor) -> int | None:
+    """The identity of ``t``'s storage, or ``None``.
+
+    Not its data pointer: meta storages, and storages resized to 0 bytes while a parameter is
+    not gathered, all have data pointer 0.
+    """
     try:
-        st = t.untyped_storage()
-        # meta storages (fpar.plan's simulated devices) all have data pointer 0: tell them apart by their own
-        return st._cdata if t.device.type == "meta" else st.data_ptr()
+        return t.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):  # no plain storage (a subclass, sparse, ...)
         return None
 
@@ -88,7 +101,8 @@ class _Param:
     """One gathered parameter of this forward: where it lives and how to gather it again."""
 
     chunk: Tensor  # this device's chunk (physical, flattened; in-process: every device's)
-    block: Tensor  # one device's chunk as a meta tensor (what comm_stats counts)
+    nbytes: int  # one device's chunk's bytes (what comm_stats counts; no meta tensor: fpar.plan
+    # runs on meta tensors and would count it as memory)
     left: int = 0  # its saved views the backward has not unpacked yet
     storage: Tensor | None = None  # re-gathered, while ``left`` views still need it
     live: bool = False  # in-process: counted as re-gathered, while ``left`` views still need it
@@ -132,7 +146,7 @@ class Regather:
             return
         if self.groups is not None and f.untyped_storage().nbytes() != self.n * c.numel() * c.element_size():
             return  # not the flat gathered buffer a re-gather rebuilds: autograd keeps it
-        self._params[key] = _Param(c, torch.empty(chunk.shape, dtype=chunk.dtype, device="meta"))
+        self._params[key] = _Param(c, chunk.numel() * chunk.element_size())
 
     @contextlib.contextmanager
     def hooks(self) -> Iterator[None]:
@@ -167,7 +181,7 @@ class Regather:
         x.unpacked = True
         if self.groups is None:
             if not param.live:  # the same count as a real mesh's (below)
-                _stats.record("all_gather", (self.axis,), self.n, param.block, overlap=True)
+                _stats.record_bytes("all_gather", (self.axis,), self.n, param.nbytes, overlap=True)
             param.live = param.left > 0
             return x.kept
         storage = param.storage
@@ -175,7 +189,7 @@ class Regather:
             self._todo.discard(param)
             # Counted as the all-gather it is (the forward's own gather is counted by
             # fpar.all_gather): (N-1) x one device's chunk.
-            _stats.record("all_gather", (self.axis,), self.n, param.block, overlap=True)
+            _stats.record_bytes("all_gather", (self.axis,), self.n, param.nbytes, overlap=True)
             pending = self._inflight.pop(id(param), None)
             storage = (pending or self._start(param)).wait()
         # One re-gather a parameter a backward: it stays gathered until its last saved view is
@@ -219,7 +233,8 @@ class _Pending:
         self.work, self.bufs, self.out = work, bufs, out
 
     @classmethod
-    def start(cls, param: _Param, groups: Any, axis: str) -> _Pending:
+    def start(cls, param: _Param, groups: Any, axis: str, out: Tensor | None = None) -> _Pending:
+        """Start gathering ``param``'s chunks into ``out`` (a new flat buffer if ``None``)."""
         import torch.distributed as dist
 
         from .._dist.exchange import all_gather_single
@@ -228,7 +243,8 @@ class _Pending:
         chunk = param.chunk
         n = len(members)
         ordered = [dist.get_group_rank(group, r) for r in members] == list(range(n))
-        out = torch.empty(n * chunk.numel(), dtype=chunk.dtype, device=chunk.device)
+        if out is None:
+            out = torch.empty(n * chunk.numel(), dtype=chunk.dtype, device=chunk.device)
         if ordered:
             work = all_gather_single(out, chunk, group=group, async_op=True)
             return cls(work, None, out)
@@ -259,7 +275,7 @@ class _InFlight:
 
 
 def gathered_grad(
-    objective, layout: Any, chunks: Any, batch: Any, scale: Tensor, compute_dtype
+    objective, layout: Any, chunks: Any, batch: Any, scale: Tensor, compute_dtype, uses: Uses | None = None
 ) -> tuple[Any, Tensor]:
     """Stage 3's gradient on a real mesh with FSDP's schedule (see the module docstring).
 
@@ -271,6 +287,8 @@ def gathered_grad(
       batch: the batch, as ``objective`` takes it.
       scale: the loss scale (0-d).
       compute_dtype: gather and reduce-scatter in this dtype (``None``: the chunks' own).
+      uses: what the previous forward of this signature did with each parameter (when it was
+        first and last used), updated by this one; ``None``: nothing known, nothing kept.
 
     Returns:
       ``(grads, loss)``: this process's chunk of each reduced gradient, and the loss.
@@ -279,6 +297,7 @@ def gathered_grad(
 
     from .._dist.exchange import _in_group_order, _ordered, reduce_scatter_single
 
+    uses = Uses() if uses is None else uses
     axis, n = layout.data_axis, layout.n
     groups = layout.mesh._dist
     group, members = groups.group((axis,)), groups.members((axis,))
@@ -287,8 +306,7 @@ def gathered_grad(
     leaves, treedef = tree_flatten(chunks)
     cast = [c if compute_dtype is None or not c.is_floating_point() else c.to(compute_dtype) for c in leaves]
     flat = [c.detach().reshape(-1) for c in cast]
-    metas = [torch.empty(c.shape, dtype=c.dtype, device="meta") for c in cast]
-    params = [_Param(f, m) for f, m in zip(flat, metas)]
+    params = [_Param(f, f.numel() * f.element_size()) for f in flat]
     rg = Regather(layout.mesh, axis)
     gathered: list[Tensor] = []
     done: dict[int, Any] = {}  # leaf -> its reduced chunk (an _InFlight until waited on)
@@ -312,32 +330,40 @@ def gathered_grad(
         done[i] = _InFlight(work, out, g)  # g stays alive until the collective is done with it
         inflight.append(i)
 
-    pending = _Pending.start(params[0], groups, axis) if params else None
+    # Every gathered parameter has its buffer and its leaf from the start, but the buffer's
+    # storage holds 0 bytes until the forward's first op on it (or on a view of it): ``_Lazy``
+    # gathers it then, one ahead, and frees it after its last use (FSDP2's units, a leaf each).
+    fulls: list[Tensor] = []
     for i, lf in enumerate(layout.leaves):
-        # The next parameter's all-gather travels while this one is unpacked (one in flight:
-        # each holds a gathered-size buffer of the backend's).
-        full = pending.wait()
-        pending = _Pending.start(params[i + 1], groups, axis) if i + 1 < len(params) else None
-        _stats.record("all_gather", (axis,), n, metas[i], overlap=True)
+        full = torch.empty(n * flat[i].numel(), dtype=flat[i].dtype, device=flat[i].device)
         # The leaf autograd accumulates into (AccumulateGrad runs as soon as the gradient is
         # complete; a node between it and its uses would run only at the end of the backward).
         leaf = full[: lf.numel].view(lf.block).detach().requires_grad_(True)
         leaf.register_post_accumulate_grad_hook(lambda a, i=i: reduce_scatter(i, a))
         rg.track(flat[i], leaf)
+        _resize(full, 0)
+        fulls.append(full)
         gathered.append(leaf)
-    full = None
+
+    def start(i: int) -> _Pending:
+        _resize(fulls[i], fulls[i].numel() * fulls[i].element_size())
+        _stats.record_bytes("all_gather", (axis,), n, params[i].nbytes, overlap=True)
+        return _Pending.start(params[i], groups, axis, out=fulls[i])
+
+    lazy = _Lazy(fulls, start, uses)
     try:
         # Not deferred under fpar.optim.accumulate's defer_reduction(): the gathered leaves are new
         # tensors every microbatch, so a later microbatch could never claim their sums over the
         # axes they are replicated on (a tensor axis); this gradient is reduce-scattered now anyway.
         with torch.enable_grad(), rg.hooks(), _defer.suspended():
-            scaled, loss = objective(tree_unflatten(treedef, gathered), batch, scale)
-        for leaf in gathered:
-            # Free the gathered parameter: autograd keeps the leaf, never its values (every
-            # saved view of it is a re-gather token), so a one-element stand-in takes its place.
-            leaf.data = leaf.new_zeros(()).expand(leaf.shape)
+            with lazy:
+                scaled, loss = objective(tree_unflatten(treedef, gathered), batch, scale)
+            # Free what the forward still holds: autograd keeps the leaves, never their values
+            # (every saved view of one is a re-gather token).
+            lazy.finish()
         torch.autograd.backward(scaled, inputs=gathered)
     finally:
+        lazy.finish(complete=False)  # a forward that raised: its gathers in flight end, no new ones
         rg.close()
         for j in inflight:
             done[j] = done[j].wait()
@@ -347,6 +373,161 @@ def gathered_grad(
         got = done.get(i)
         grads.append(got.to(c.dtype) if got is not None else torch.zeros_like(c))
     return tree_unflatten(treedef, grads), loss.detach()
+
+
+def _resize(t: Tensor, nbytes: int) -> None:
+    """Give ``t``'s storage ``nbytes`` bytes (0: free them; ``t`` and its views stay valid objects).
+
+    An op, so ``fpar.plan``'s recorder sees the bytes come and go (FSDP2's way too).
+    """
+    torch.ops.inductor.resize_storage_bytes_(t, nbytes)
+
+
+@dataclasses.dataclass
+class Uses:
+    """What one forward of a signature did with each stage-3 parameter (``_Lazy``).
+
+    The order in which they were first used, and how many ops read each (views not counted).
+    """
+
+    first: list[int] = dataclasses.field(default_factory=list)
+    reads: dict[int, int] = dataclasses.field(default_factory=dict)
+
+
+# Reading these reads no parameter's values (no all-gather for them).
+_METADATA = frozenset(
+    {
+        "shape", "dtype", "device", "requires_grad", "ndim", "is_leaf", "grad_fn", "layout",
+        "size", "dim", "numel", "nelement", "ndimension", "element_size", "stride",
+        "storage_offset", "is_contiguous", "is_floating_point", "is_complex", "get_device",
+        "__len__", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
+        "untyped_storage", "data_ptr",
+    }
+)  # fmt: skip
+
+
+def _metadata(func: Any) -> bool:
+    name = getattr(func, "__name__", None)
+    if name == "__get__":  # a property: Tensor.shape.__get__ and the like
+        name = getattr(getattr(func, "__self__", None), "__name__", None)
+    return name in _METADATA
+
+
+class _Lazy(TorchFunctionMode):
+    """Stage 3's forward on a real mesh, a parameter at a time: FSDP2's units, one leaf each.
+
+    Each gathered parameter's buffer starts with a storage of 0 bytes.  The first op that takes
+    it, or any view of it (found by its storage), waits for its all-gather (started one ahead,
+    in the order the previous forward of this signature first used them, at first in leaf
+    order).  Once as many ops have read it as read it in the previous forward (an op whose
+    outputs are all views of it reads nothing), its storage is freed again.  So the forward
+    holds the parameter in use and the next one, not the whole model.  A forward that reads a
+    parameter more often (its ops depend on values) gathers it again, counted: never a wrong
+    value, only more traffic; the next forward learns.  Reading metadata (shape, dtype, ...)
+    gathers nothing.  Every parameter is gathered once per forward, used or not, as the
+    in-process mesh and ``fpar.plan`` count.
+    """
+
+    def __init__(self, fulls: list[Tensor], start: Callable[[int], _Pending], uses: Uses):
+        super().__init__()
+        self.fulls, self.start, self.uses = fulls, start, uses
+        self.keys = {_storage_key(f): i for i, f in enumerate(fulls)}
+        n = len(fulls)
+        seen = set(uses.first)
+        self.order = list(uses.first) + [i for i in range(n) if i not in seen]
+        self.ready = [False] * n
+        self.gathered = [False] * n  # gathered in this forward (a later gather is a re-gather)
+        self.pending: dict[int, _Pending] = {}
+        self.next = 0  # position in ``order`` of the next parameter to prefetch
+        self.first: list[int] = []
+        self.reads: dict[int, int] = {}
+        if n:
+            self._prefetch()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        hit = () if _metadata(func) else self._hits((args, kwargs))
+        for i in hit:
+            self._ready(i)
+        out = func(*args, **kwargs)
+        if hit:
+            made = self._hits(out)
+            for i in hit:
+                if made == (i,):  # a view of the parameter (or an in-place op on it): no read
+                    continue
+                self.reads[i] = self.reads.get(i, 0) + 1
+                if self.reads[i] == self.uses.reads.get(i):
+                    self._free(i)
+        return out
+
+    def _hits(self, tree: Any) -> tuple[int, ...]:
+        found: list[int] = []
+        stack = [tree]
+        while stack:
+            x = stack.pop()
+            if isinstance(x, Tensor):
+                i = self.keys.get(_storage_key(x))
+                if i is not None and i not in found:
+                    found.append(i)
+            elif isinstance(x, (list, tuple)):
+                stack.extend(x)
+            elif isinstance(x, dict):
+                stack.extend(x.values())
+        return tuple(found)
+
+    def _ready(self, i: int) -> None:
+        if self.ready[i]:
+            return
+        pending = self.pending.pop(i, None) or self.start(i)
+        self._wait(i, pending)
+        if i not in self.first:
+            self.first.append(i)
+        self._prefetch()
+
+    def _wait(self, i: int, pending: _Pending) -> None:
+        # the gather writes the buffer in place: not a change autograd must know of (no saved
+        # view of it exists before its first use)
+        with torch.autograd._unsafe_preserve_version_counter(self.fulls[i]):
+            pending.wait()
+        self.ready[i] = self.gathered[i] = True
+
+    def _prefetch(self) -> None:
+        """Start the next parameter's all-gather in the expected order, unless one is in flight."""
+        if self.pending:
+            return
+        while self.next < len(self.order):
+            j = self.order[self.next]
+            self.next += 1
+            if not self.gathered[j] and not self.ready[j]:
+                self.pending[j] = self.start(j)
+                return
+
+    def _free(self, i: int) -> None:
+        self.ready[i] = False
+        _resize(self.fulls[i], 0)
+
+    def finish(self, *, complete: bool = True) -> None:
+        """End the forward: free every parameter, and remember this forward's uses for the next.
+
+        ``complete``: gather the parameters it never used first (each once a forward, as the
+        in-process mesh and the planner count); ``False`` after an error: no new gathers.
+        """
+        if complete:
+            while self.pending or self.next < len(self.order):
+                if not self.pending:
+                    self._prefetch()
+                for i, pending in list(self.pending.items()):
+                    del self.pending[i]
+                    self._wait(i, pending)
+                    self._prefetch()
+        for i, pending in list(self.pending.items()):
+            del self.pending[i]
+            self._wait(i, pending)
+        for i in range(len(self.fulls)):
+            if self.ready[i]:
+                self._free(i)
+        if complete:
+            self.uses.first, self.uses.reads = self.first, self.reads
 
 
 def scattered_grad(

@@ -22,7 +22,7 @@ from ._accumulate import accumulate
 from ._precision import cast_floating
 from ._remat import remat
 from ._zero import BUCKET_BYTES, ZeroLayout, _buckets, _gather, _Leaf, _map, _reduce_scatter_all
-from ._zero_comm import Regather, gathered_grad, regather_supported, scattered_grad
+from ._zero_comm import Regather, Uses, gathered_grad, regather_supported, scattered_grad
 
 __all__ = ["zero_grads"]
 
@@ -150,6 +150,7 @@ def zero_grads(
     grad = torch.func.grad(objective, has_aux=True)
     reduce = _reducer(layout, bucket_bytes) if layout.stage == 2 else None
 
+    forwards: dict = {}  # real-mesh stage 3: signature -> what its last forward did with each parameter
     planned: set = set()  # real mesh: signatures whose first eager step ran (so planned) ``traced``
     planning: set = set()  # ... and those this step is planning: every microbatch of a step takes
     # one form, or the last microbatch would not claim the gradients the others deferred
@@ -168,7 +169,8 @@ def zero_grads(
                 return (reduce(g) if reduce is not None else g), loss
         if layout.stage == 3 and regather and regather_supported():
             if gathered_outside:
-                return gathered_grad(hooked, layout, params, batch, scale, compute_dtype)
+                uses = forwards.setdefault(signature_key((params, batch, scale)), Uses())
+                return gathered_grad(hooked, layout, params, batch, scale, compute_dtype, uses)
             return _regathered_grad(hooked, tracking, layout, params, batch, scale)
         if scatter_early and regather_supported():
             leaves = tree_flatten(params)[0]

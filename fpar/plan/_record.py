@@ -27,6 +27,7 @@ from ..optim import _remat
 __all__ = ["Comm", "Op", "Recorder"]
 
 Tensor = torch.Tensor
+_RESIZE = torch.ops.inductor.resize_storage_bytes_.default
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers", "other")
 _VIEWS_FREE = {
     "aten.view",
@@ -196,6 +197,10 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is _RESIZE:  # a storage given or relieved of its bytes (ZeRO-3's lazy gathers)
+            func(*args, **kwargs)
+            self._resized(args[0])
+            return None
         ins = _tensors(args)
         if kwargs:
             ins += _tensors(kwargs)
@@ -299,6 +304,20 @@ class Recorder(TorchDispatchMode):
         self.dyn[category] += nbytes
         self.total += nbytes
         self._refs[key] = weakref.ref(st, lambda _, key=key: self._free(key))
+        if self.total > self.peak_dyn:
+            self.peak_dyn = self.total
+            self.peak_dyn_by_cat = dict(self.dyn)
+
+    def _resized(self, t: Tensor) -> None:
+        st = _storage(t)
+        got = self.live.get(st._cdata) if st is not None else None
+        if got is None:  # made before the step: counted at its size when first touched
+            return
+        nbytes, category = got
+        delta = st.nbytes() - nbytes
+        self.live[st._cdata] = (st.nbytes(), category)
+        self.dyn[category] += delta
+        self.total += delta
         if self.total > self.peak_dyn:
             self.peak_dyn = self.total
             self.peak_dyn_by_cat = dict(self.dyn)

@@ -207,3 +207,44 @@ def _world() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 2
+
+
+def zero3_lazy_run(layers: int = 6, steps: int = 3):
+    """ZeRO-3 AdamW over ``deep_problem``'s residual layers: per step, the most parameters the loss
+    found holding their values at once (real mesh only: there each is gathered at its first read
+    and freed after its last; in-process ``None``), and the full parameters after each step.
+
+    The third step's forward reads ``w0`` once more than the others did (``+ 0.0 * w0.sum()``, the
+    same values): a forward whose reads depend on values, whose second read of ``w0`` comes after
+    the point where the previous forward had freed it.
+    """
+    params, batch = deep_problem(layers=layers)
+    mesh = fpar.make_mesh((-1,), ("data",), devices=_world())
+    layout = fo.zero_layout(params, mesh, P(), stage=3)
+    opt = fo.adamw(1e-2, weight_decay=0.1)
+    params, state = fo.zero_init(opt, params, layout)
+    batch = fpar.device_put(batch, mesh, P("data"))
+    calls, resident = [0], []
+
+    def loss(p, batch):
+        x, y = batch
+        held = []
+        h = x
+        for i in range(layers):
+            if mesh.backend == "dist":
+                held.append(sum(t.untyped_storage().nbytes() > 0 for t in p.values()))
+            z = h @ p[f"w{i}"]
+            if i == 0 and calls[0] == 2:
+                z = z + 0.0 * p["w0"].sum()
+            h = h + torch.tanh(z + p[f"b{i}"])
+        calls[0] += 1
+        resident.append(max(held) if held else None)
+        return ((h - y) ** 2).mean()
+
+    step = fo.zero_step(loss, opt, layout, batch_specs=P("data"))
+    history = []
+    for _ in range(steps):
+        params, state, _ = step(params, state, batch)
+        full = fpar.gather(fo.zero_params(params, layout), mesh, P())
+        history.append({k: v.clone() for k, v in full.items()})
+    return resident, history

@@ -390,3 +390,20 @@ def test_real_mesh_zero3_with_tensor_parallel_equals_in_process():
     local = W.zero3_tp_run(False)
     for hist in ranks:
         _assert_same(hist, local, tol=1e-13)
+
+
+@pytest.mark.multiprocess
+def test_real_mesh_zero3_holds_one_parameter_ahead_not_the_model():
+    # FSDP2's units: on the real mesh the forward gathers each parameter at its first read (one
+    # ahead) and frees it after its last read (learned from the previous forward of the same
+    # shapes), so at each layer the loss finds at most the prefetched parameter holding values,
+    # not all 12.  The first forward knows nothing and keeps what it gathered; the third reads w0
+    # a second time after it was freed: gathered again (then kept to the end: its reads passed
+    # the count), the same values as in-process.
+    ranks = fpar.launch(W.zero3_lazy_run, 2, timeout=120.0)
+    local_resident, local = W.zero3_lazy_run()
+    assert local_resident == [None, None, None]
+    for resident, hist in ranks:
+        assert resident[0] >= 2 * 5  # layer 5 of the first forward: layers 0-4 still held
+        assert resident[1:] == [1, 2]
+        _assert_same(hist, local, tol=1e-13)
