@@ -363,6 +363,10 @@ def _parts(model: Model, layout: Layout, dtype):
         return x
 
     def blocks(w, x, n_layers: int | None = None):
+        if isinstance(w, list):  # ZeRO-3 (FSDP): a layer's parameters are leaves of their own
+            for layer in w:
+                x = block(layer, x)
+            return x
         # unbind once: one stacked gradient at the end of the backward, not a stage-sized zero
         # gradient per layer (what indexing w[i] costs: select_backward per layer)
         names = list(w)
@@ -411,6 +415,12 @@ def model_step(model: Model | str, layout: Layout, mesh: Mesh | None = None, *, 
     if p == 1:
         specs = {"blocks": _stacked(_block_specs(model), False), "first": first_specs, "last": last_specs}
         inits = {"blocks": _block_inits(model, (model.n_layers,)), "first": first_init, "last": last_init}
+        if layout.zero == 3:
+            # FSDP's model: every layer's parameters are leaves of their own (not stacked), so
+            # ZeRO-3 gathers them at their first use and frees them after their last, a layer
+            # at a time, as FSDP2 does with fully_shard on every block
+            specs["blocks"] = [_block_specs(model) for _ in range(model.n_layers)]
+            inits["blocks"] = [_block_inits(model, ()) for _ in range(model.n_layers)]
         params = init(inits, mesh, specs)
 
         def loss_fn(w, batch):

@@ -23,6 +23,7 @@ from fpar import P
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 D, H, B = 256, 1024, 16  # the MLP's width, hidden size, global batch
+LAYERS = 4  # zero3_donate's layers
 
 # name -> (mesh shape, axis names)
 MESHES = {
@@ -55,6 +56,15 @@ def _mlp_loss(params, batch):
     return ((h @ params["w2"] - y) ** 2).mean()
 
 
+def _layers_loss(params, batch):
+    """A residual MLP whose every layer's weights are leaves of their own (FSDP's model: ZeRO-3
+    on a real mesh gathers each at its first use and frees it after its last)."""
+    x, y = batch
+    for i in range(len(params) // 2):
+        x = x + torch.relu(x @ params[f"a{i}"]) @ params[f"b{i}"]
+    return ((x - y) ** 2).mean()
+
+
 def _tp_loss(params, batch):
     x, y = batch
     out = ops.mlp(params, x, axis="tensor")
@@ -81,6 +91,10 @@ def build(name: str, mesh: fpar.Mesh):
                 "w": torch.randn(layers, D, D, generator=g) * 0.05,
                 "b": torch.randn(layers, D, generator=g) * 0.05,
             }
+        elif name == "zero3_donate":  # 4 layers of leaves of their own: gathered a layer at a time
+            loss = _layers_loss
+            params = {f"a{i}": torch.randn(D, H, generator=g) * 0.05 for i in range(LAYERS)}
+            params.update({f"b{i}": torch.randn(H, D, generator=g) * 0.05 for i in range(LAYERS)})
         else:
             loss = _mlp_loss
             params = {

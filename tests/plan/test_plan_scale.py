@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import plan_programs as PP
 import pytest
 
 import fpar.plan as plan
@@ -309,3 +310,16 @@ def test_zero3_with_microbatches_is_planned_gathering_per_microbatch():
     two = plan.estimate(step, *args)
     for op in ("all_gather", "psum_scatter"):
         assert two.comm["data"][op]["bytes"] == 2 * one.comm["data"][op]["bytes"], op
+
+
+def test_zero3_plans_a_layer_at_a_time_not_the_model():
+    """ZeRO-3 over leaves of their own (4 layers, ``plan_programs``' ``zero3_donate``): the planned
+    peak holds the stored state (parameter, gradient and AdamW chunks: 16 bytes a parameter over
+    2 devices) plus about one gathered layer (4 bytes a parameter of a quarter of the model), not
+    the whole gathered model (4 bytes a parameter more).  ``tests/plan/test_plan.py`` holds the
+    same program exact against 2 gloo processes."""
+    step, args = PP.build("zero3_donate", PP.mesh_for("zero3_donate", "abstract"))
+    est = plan.estimate(step, *args)
+    n = PP.LAYERS * 2 * PP.D * PP.H  # parameters
+    state = 16 * n // 2
+    assert state < est.peak_bytes < state + 2 * n  # the whole model gathered: state + 4 n
