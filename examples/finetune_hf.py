@@ -11,7 +11,8 @@ example first writes a small random-init Qwen3 (byte vocabulary, 256) with
 * ``fpar.hf.pipeline_stages`` cuts it where its ``base_model_pp_plan`` says: the embedding on
   stage 0, the decoder layers split over ``pipeline``, final norm, head and loss on the last
   stage, run by ``fpar.pipeline``'s 1F1B (or ``--schedule gpipe``); one stage when the mesh has
-  no pipeline;
+  no pipeline.  The random model ties its embedding and head (as Qwen3-0.6B does): the pipeline
+  uses the one weight at both ends and returns the sum of both gradients;
 * each microbatch's rows are split over ``data``; AdamW with ZeRO stage ``--zero`` (default 1:
   the optimizer state split over ``data``) and global-norm clipping (``fpar.optim``);
 * at the end ``fpar.hf.save_pretrained`` writes the fine-tuned model (each process its own shard
@@ -68,7 +69,7 @@ def random_checkpoint(path: Path, args, mesh: fpar.Mesh) -> None:
         num_key_value_heads=2,
         head_dim=args.d_model // 4,
         max_position_embeddings=args.seq,
-        tie_word_embeddings=False,  # the embedding and the head live on different pipeline stages
+        tie_word_embeddings=True,  # as Qwen3-0.6B: in a pipeline, held by the first stage's params, used by both ends
         bos_token_id=0,
         eos_token_id=0,
         pad_token_id=0,

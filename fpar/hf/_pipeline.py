@@ -59,6 +59,12 @@ def pipeline_stages(
     microbatch's tokens (``targets`` are the next ids), averaged (``pmean``) over the mesh axes
     other than ``pipe`` and the tensor axis, which split the batch rows.
 
+    Tied input and output embeddings (Llama 3.2, Qwen3's small sizes, Gemma) are held once, in
+    ``"first"`` under the embedding's name (``first`` and ``last`` are on every stage: replicated
+    over the pipe axis); ``.loss`` takes it too and carries the pair as ``.tied``, so
+    ``fpar.pipeline.pipeline`` passes it to the loss and returns one gradient, the sum of both
+    uses, as the unpipelined tied model's (one optimizer state, counted once by a global norm).
+
     Args:
       apply_fn: from ``fpar.hf.from_pretrained`` or ``fpar.ops.tensor_parallel`` on a mesh that has
         the ``pipe`` axis (so its tensor axis is the same mesh's).
@@ -79,7 +85,7 @@ def pipeline_stages(
         axis missing or the tensor axis; layers that do not divide into ``p * chunks`` chunks;
         layers whose parameters differ in name or shape (they cannot be stacked: dense and MoE
         layers mixed, hybrid linear attention); parameters in none of the plan's pieces (they
-        are named); tied input/output embeddings (they would live on two stages).
+        are named).
 
     Example:
       >>> mesh = fpar.make_mesh((2, 2), ("pipe", "tensor"))
@@ -150,12 +156,18 @@ class Stages:
             )
         head = module.get_output_embeddings()
         embed = module.get_input_embeddings()
-        if head is None or head.weight is embed.weight:
-            raise ValueError(
-                f"{_API}: {cls} ties its input and output embeddings, which would live on the first and "
-                f"the last stage; load it with config.tie_word_embeddings=False (a copy each)."
-            )
+        if head is None:
+            raise ValueError(f"{_API}: {cls} has no output embeddings (get_output_embeddings() is None).")
         dotted = {id(m): n for n, m in module.named_modules()}
+        # Tied input and output embeddings: held once, in first; the pipeline passes it to the loss
+        # too and sums the two uses' gradients (``Stages.tied``).
+        tied = head.weight is embed.weight
+        self.tied: tuple[tuple[str, str], ...] = ()
+        if tied:
+            key = f"{dotted[id(embed)]}.weight".lstrip(".")
+            if key not in specs:
+                raise ValueError(f"{_API}: {cls}'s tied embedding {key!r} is not among the model's parameters.")
+            self.tied = ((key, key),)
         self._module, self._base, self._layers_attr = module, base, lists[0]
         self._layers = getattr(base, lists[0])
         self._layers_name = dotted[id(self._layers)]
@@ -167,6 +179,9 @@ class Stages:
             return [f"{dotted[id(m)]}.{k}".lstrip(".") for m in ms for k, _ in m.named_parameters()]
 
         self._first_keys, self._last_keys = own(before), own(after)
+        if tied:  # the head's weight is the embedding's: the last stage holds it under that name
+            head_key = f"{dotted[id(head)]}.weight".lstrip(".")
+            self._last_keys = [self.tied[0][1] if k == head_key else k for k in self._last_keys]
         layer_keys = {
             f"{self._layers_name}.{i}.{k}"
             for i, m in enumerate(self._layers)
@@ -195,10 +210,11 @@ class Stages:
         self.last_specs = {k: specs[k] for k in self._last_keys}
         chunk = {k: P(None, *s) for k, s in self._layer_specs.items()}
         self.chunk_specs = chunk
+        tied = {b for _, b in self.tied}
         self.specs = {
             "stages": {k: P(self.pipe, *s) for k, s in chunk.items()},
             "first": self.first_specs,
-            "last": self.last_specs,
+            "last": {k: s for k, s in self.last_specs.items() if k not in tied},  # held in first
         }
 
     def _build_fns(self, module: torch.nn.Module) -> None:
@@ -253,6 +269,7 @@ class Stages:
         self.stage = wrap(make_chunk(0)) if alike else [wrap(make_chunk(c)) for c in range(n_chunks)]
         self.first = shard(first, sub, (self.first_specs, rows), rows)
         self.loss = shard(last, sub, (self.last_specs, rows, rows), P())
+        self.loss.tied = self.tied  # type: ignore[attr-defined]  # read by fpar.pipeline.pipeline
 
     def _shell(self, slots: list, at: int) -> _Shell:
         """The model with its decoder layers replaced by ``slots``, sharing every other module.
@@ -295,7 +312,7 @@ class Stages:
         return {
             "stages": stacked,
             "first": {k: params[k] for k in self.first_specs},
-            "last": {k: params[k] for k in self.last_specs},
+            "last": {k: params[k] for k in self.specs["last"]},  # a tied weight: in first only
         }
 
     def merge(self, pipelined: Mapping) -> dict[str, Tensor]:

@@ -48,6 +48,7 @@ def pipeline(
     loss: Callable,
     first: Callable | None = None,
     axis: str = "pipe",
+    tied: Sequence[tuple[str, str]] | None = None,
 ) -> Callable[..., StepResult]:
     """Build a training step that runs ``schedule`` over the ``axis`` stages of ``mesh``.
 
@@ -68,6 +69,12 @@ def pipeline(
         (replicated over the other axes, e.g. a ``pmean`` over ``"data"``).
       first: optional ``(first_params, x) -> h`` before chunk 0, on stage 0 (e.g. an embedding).
       axis: the pipe mesh axis.
+      tied: pairs ``(first_key, last_key)``: ``params["first"][first_key]`` is also ``loss``'s
+        parameter ``last_key`` (tied input and output embeddings).  The weight is held once, in
+        ``params["first"]`` (every stage holds ``first`` and ``last``: they are replicated over
+        the pipe axis), the step passes it to ``loss`` as ``last_key``, and its gradient is the
+        sum of both uses, as the unpipelined model's.  Default: what ``loss`` carries as
+        ``loss.tied`` (``fpar.hf.pipeline_stages`` sets it for a tied model), else none.
 
     Returns:
       ``step(params, xs, targets, *, key=None) -> StepResult``.  ``params`` is a dict with ``"stages"`` (every
@@ -104,16 +111,23 @@ def pipeline(
         )
     fns = Fns(stage, loss, first)
     driver = DistDriver(schedule, mesh, axis, fns) if mesh.backend == "dist" else LocalDriver(schedule, fns)
+    ties = tuple(getattr(loss, "tied", ()) if tied is None else tied)
 
     def step(params: dict, xs: Tensor, targets: Any = None, *, key: Tensor | None = None) -> StepResult:
         try:
             _check_params(params, xs, targets, schedule, local=mesh.backend != "dist")
+            _check_ties(params, ties)
             _check_key(key)
         except Exception:
             if mesh.backend == "dist":
                 driver.failed()  # the other ranks raise too, naming this one, instead of waiting
             raise
-        return driver.run(params, xs, targets, key)
+        if not ties:
+            return driver.run(params, xs, targets, key)
+        last = dict(params["last"])
+        for a, b in ties:  # the tied weight, held once in first, is also the loss's parameter b
+            last[b] = params["first"][a]
+        return _sum_ties(driver.run({**params, "last": last}, xs, targets, key), ties)
 
     return step
 
@@ -133,6 +147,38 @@ def _check_stage(stage: Any, schedule: Schedule) -> None:
             f"fpar.pipeline.pipeline: stage must be a function (one model chunk) or a list of p * v = "
             f"{n} functions (chunk k's at k, in model order), got {got}."
         )
+
+
+def _sum_ties(result: StepResult, ties: tuple) -> StepResult:
+    """The tied weight's gradient: its first use's plus the loss's (which is taken out of ``last``).
+
+    On a real mesh both are whole on every rank already (``first`` and ``last`` are replicated
+    over the pipe axis), so each rank adds them itself: no message.
+    """
+    first, last = dict(result.grads["first"]), dict(result.grads["last"])
+    for a, b in ties:
+        first[a] = first[a] + last.pop(b)
+    return result._replace(grads={**result.grads, "first": first, "last": last})
+
+
+def _check_ties(params: dict, ties: tuple) -> None:
+    api = "fpar.pipeline.pipeline"
+    for pair in ties:
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise TypeError(f"{api}: tied must be pairs (first_key, last_key), got {pair!r}.")
+        a, b = pair
+        first, last = params.get("first"), params.get("last")
+        if not isinstance(first, dict) or a not in first:
+            raise ValueError(
+                f"{api}: tied weight {a!r} is not a key of params['first']; a tied weight is held once, "
+                f"in params['first'], and passed to the loss as its parameter {b!r}."
+            )
+        if not isinstance(last, dict) or b in last:
+            raise ValueError(
+                f"{api}: params['last'] holds the tied weight {b!r} itself; a tied weight is held once, "
+                f"in params['first'] (as {a!r}), and the step passes it to the loss (a second copy would "
+                f"be trained apart from the first)."
+            )
 
 
 def _check_key(key: Any) -> None:

@@ -106,6 +106,12 @@ def test_pipeline_equals_the_unsharded_model(tmp_path, shape, schedule, chunks):
 # does between the pp plan's pieces (Granite's embedding multiplier and logit divisor, Cohere's logit
 # scale) must run in the stages; and Gemma's soft-capped logits and alternating sliding/full layers,
 # which pipeline_stages used to refuse.
+GEMMA3 = dict(
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    sliding_window=2,
+    final_logit_softcapping=3.0,
+    query_pre_attn_scalar=8,
+)
 SCALED = {
     "granite": lambda: _model(
         "GraniteConfig",
@@ -123,14 +129,7 @@ SCALED = {
         attn_logit_softcapping=5.0,
         sliding_window=2,
     ),
-    "gemma3-mixed-layers": lambda: _model(
-        "Gemma3TextConfig",
-        "Gemma3ForCausalLM",
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        sliding_window=2,
-        final_logit_softcapping=3.0,
-        query_pre_attn_scalar=8,
-    ),
+    "gemma3-mixed-layers": lambda: _model("Gemma3TextConfig", "Gemma3ForCausalLM", **GEMMA3),
 }
 
 
@@ -158,12 +157,79 @@ def test_scaled_families_equal_their_own_forward(tmp_path, family, chunks):
         torch.testing.assert_close(grads[k], g, **tol, msg=k)
 
 
-def test_refusals(tmp_path):
-    model = qwen3(tied=True)
+# Tied input and output embeddings (Llama 3.2, small Qwen3, Gemma): held by the first and the last
+# stage, their gradients summed; against the unsharded tied model (one weight, both uses' gradient).
+TIED = {
+    "qwen3": lambda: _model("Qwen3Config", "Qwen3ForCausalLM", tie_word_embeddings=True),
+    "gemma3-mixed-layers": lambda: _model(
+        "Gemma3TextConfig", "Gemma3ForCausalLM", **GEMMA3, tie_word_embeddings=True
+    ),
+}
+
+
+def tied_model(family: str):
+    model = TIED[family]()
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    return model
+
+
+@pytest.mark.parametrize("chunks", [1, 2], ids=["1f1b", "interleaved"])
+@pytest.mark.parametrize("family", list(TIED))
+def test_tied_embeddings_across_stages_equal_the_tied_model(tmp_path, family, chunks):
+    model = tied_model(family)
+    model.save_pretrained(tmp_path)
     mesh = fpar.make_mesh((2, 2), ("pipe", "tensor"))
-    apply_fn, _, specs = fpar.ops.tensor_parallel(model, mesh)
-    with pytest.raises(ValueError, match="ties its input and output embeddings"):
-        fpar.hf.pipeline_stages(apply_fn, specs, mesh)
+    apply_fn, params, specs = fpar.hf.from_pretrained(tmp_path, mesh)
+    stages = fpar.hf.pipeline_stages(apply_fn, specs, mesh, chunks=chunks)
+    key = "model.embed_tokens.weight"
+    assert stages.tied == ((key, key),) and stages.loss.tied == stages.tied
+    # held once, in first: one weight, one gradient, one optimizer state
+    assert key in stages.specs["first"] and key not in stages.specs["last"]
+    sched = pp.one_f_one_b(2, M) if chunks == 1 else pp.interleaved_1f1b(2, M, 2)
+    step = pp.pipeline(stages.stage, sched, mesh, loss=stages.loss, first=stages.first)
+    xs, ys = batch()
+    pipelined = stages.split(params)
+    assert key not in pipelined["last"]
+    result = step(pipelined, xs, ys)
+    assert key not in result.grads["last"]
+    want_loss, want_grads = reference(model, xs, ys)
+    tol = dict(rtol=1e-5, atol=1e-7) if family.startswith("gemma") else dict(rtol=0, atol=1e-12)
+    grads = apply_fn.export(stages.merge(result.grads))
+    torch.testing.assert_close(result.loss, want_loss, **tol)
+    assert set(grads) == set(want_grads)
+    for k, g in want_grads.items():
+        torch.testing.assert_close(grads[k], g, **tol, msg=k)
+    merged = stages.merge(pipelined)
+    assert set(merged) == set(params) and all(torch.equal(merged[k], params[k]) for k in params)
+
+
+def test_tied_pairs_are_checked_before_the_step():
+    model = tied_model("qwen3")
+    mesh = fpar.make_mesh((2, 2), ("pipe", "tensor"))
+    apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh)
+    stages = fpar.hf.pipeline_stages(apply_fn, specs, mesh)
+    xs, ys = batch()
+    pipelined = stages.split(params)
+    key = "model.embed_tokens.weight"
+
+    def step(tied):
+        return pp.pipeline(
+            stages.stage, pp.one_f_one_b(2, M), mesh, loss=stages.loss, first=stages.first, tied=tied
+        )
+
+    with pytest.raises(ValueError, match=r"tied weight 'wte' is not a key of params\['first'\]"):
+        step([("wte", key)])(pipelined, xs, ys)
+    copy = {**pipelined, "last": {**pipelined["last"], key: pipelined["first"][key].clone()}}
+    with pytest.raises(
+        ValueError, match=r"params\['last'\] holds the tied weight 'model.embed_tokens.weight'"
+    ):
+        step(None)(copy, xs, ys)
+    with pytest.raises(TypeError, match=r"tied must be pairs \(first_key, last_key\)"):
+        step([key])(pipelined, xs, ys)
+
+
+def test_refusals(tmp_path):
+    mesh = fpar.make_mesh((2, 2), ("pipe", "tensor"))
     apply_fn, _, specs = fpar.ops.tensor_parallel(qwen3(), mesh)
     with pytest.raises(ValueError, match=r"4 decoder layers do not divide into 2 stages x 3 chunks"):
         fpar.hf.pipeline_stages(apply_fn, specs, mesh, chunks=3)
@@ -176,7 +242,8 @@ def test_refusals(tmp_path):
 
 
 def run_pipeline(path: str):
-    """On each of 2 processes: pipe=2, 1F1B; the loss and the gathered, merged gradients."""
+    """On each of 2 processes: pipe=2, 1F1B; the loss and the gathered, merged gradients (a tied
+    model's embedding: both stages' copies' summed gradient)."""
     mesh = fpar.make_mesh((2, 1), ("pipe", "tensor"))
     apply_fn, params, specs = fpar.hf.from_pretrained(path, mesh)
     stages = fpar.hf.pipeline_stages(apply_fn, specs, mesh)
@@ -187,8 +254,9 @@ def run_pipeline(path: str):
 
 
 @pytest.mark.multiprocess
-def test_pipeline_on_two_processes_equals_the_unsharded_model(tmp_path):
-    model = qwen3()
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_pipeline_on_two_processes_equals_the_unsharded_model(tmp_path, tied):
+    model = tied_model("qwen3") if tied else qwen3()
     model.save_pretrained(tmp_path)
     want_loss, want_grads = reference(model, *batch())
     for loss, grads in fpar.launch(run_pipeline, 2, str(tmp_path), timeout=120.0):
