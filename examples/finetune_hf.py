@@ -132,8 +132,10 @@ def build_step(args, apply_fn, params, specs, mesh, opt):
 
     One stage: ``fpar.optim.zero_step`` at ZeRO stage ``--zero`` over data.  Several: the
     pipeline executor (``fpar.hf.pipeline_stages``), whose gradients come summed over data, then
-    ``fpar.optim.zero_update`` at stage 0 (ZeRO 1/2 take each data rank's unreduced gradient,
-    which the executor does not return).
+    ``fpar.optim.zero_update``: ``--zero 0`` plain AdamW on every data rank; ``--zero 1`` or ``2``
+    the AdamW state split over data (a stage-2 layout fed each rank's chunk of the summed
+    gradient, cut without a message; the pipeline holds the whole gradient, so in a pipeline
+    stage 2 saves no gradient memory over stage 1).
     """
     s, m = mesh.shape[PIPE], C.microbatches(args, mesh)
     if s == 1:
@@ -152,7 +154,8 @@ def build_step(args, apply_fn, params, specs, mesh, opt):
     schedule = SCHEDULES[args.schedule](s, m)
     run = pp.pipeline(stages.stage, schedule, mesh, loss=stages.loss, first=stages.first, axis=PIPE)
     pipe_params = stages.split(params)  # {"stages": layers stacked per chunk, "first", "last"}
-    zero = fo.zero_layout(pipe_params, mesh, stages.specs, stage=0, data_axis=DATA)
+    stage = 0 if args.zero == 0 else 2
+    zero = fo.zero_layout(pipe_params, mesh, stages.specs, stage=stage, data_axis=DATA)
     pipe_params, opt_state = fo.zero_init(opt, pipe_params, zero)
     update = fo.zero_update(opt, zero)
 
@@ -161,9 +164,11 @@ def build_step(args, apply_fn, params, specs, mesh, opt):
             fpar.device_put(t.unflatten(0, (m, -1)), mesh, P(None, DATA)) for t in (ids_BT, targets_BT)
         )
         res = run(state[0], xs_MBT, ys_MBT)
-        return update(res.grads, state[1], state[0]), res.loss
+        grads = res.grads if stage == 0 else C.to_chunks(res.grads, mesh, stages.specs, zero.chunk_specs)
+        return update(grads, state[1], state[0]), res.loss
 
-    C.say(f"{s} pipeline stages, {m} microbatches ({schedule.name}), data parallel AdamW", quiet=args.quiet)
+    kind = "data parallel AdamW" if stage == 0 else "AdamW state split over data (ZeRO-1)"
+    C.say(f"{s} pipeline stages, {m} microbatches ({schedule.name}), {kind}", quiet=args.quiet)
     return step, (pipe_params, opt_state), lambda state: stages.merge(state[0])
 
 

@@ -160,3 +160,20 @@ def test_the_error_file_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
         handler.record_exception(e)
     assert json.loads(final.read_text())["message"]["message"] == "ValueError: lost a peer"
     assert [p.name for p in tmp_path.iterdir()] == ["error.json"]
+
+
+def test_finetune_hf_tied_pipeline_with_zero1_equals_one_stage(tmp_path):
+    # The combination a user reaches first with a small HF model: tied embeddings (the random Qwen3
+    # ties them, as Qwen3-0.6B does), a pipeline, data and tensor parallelism and ZeRO-1; its losses
+    # against the same model on one stage (tensor=2, plain data-parallel AdamW).
+    pytest.importorskip("transformers")
+    import finetune_hf
+
+    common = ["--tiny", "--steps", "4", "--quiet", "--threads", "0"]
+    piped = finetune_hf.main([*common, "--devices", "8", "--pp", "2", "--dp", "2", "--tp", "2", "--zero", "1",
+                              "--out", str(tmp_path / "piped")])  # fmt: skip
+    one = finetune_hf.main([*common, "--devices", "2", "--pp", "1", "--dp", "1", "--tp", "2", "--zero", "0",
+                            "--out", str(tmp_path / "one")])  # fmt: skip
+    assert len(piped) == len(one) == 4
+    assert_close(piped, one, rtol=1e-5)
+    assert piped[-1] < piped[0]
