@@ -38,7 +38,7 @@ SIZES = dict(
     qk_rope_head_dim=4,
     qk_nope_head_dim=4,
     v_head_dim=8,
-    tie_word_embeddings=False,
+    # tie_word_embeddings: the family's own default (most small decoders tie)
     pad_token_id=0,
     bos_token_id=0,
     eos_token_id=0,

@@ -2,7 +2,9 @@
 
 Each family is built tiny (``pp_families.tiny``: float64, eager attention, random weights) with
 every scaling its config has moved off its default (Granite's multipliers, Cohere's logit scale,
-soft-caps, routed-expert scales, ...), cut into 2 stages and run by GPipe over 2 microbatches.
+soft-caps, routed-expert scales, ...) and its embeddings tied or not as the family's config ties
+them by default (15 tie them; 10 of those run here: Cohere 1/2, Gemma 1-3, VaultGemma, ERNIE 4.5,
+SmolLM3, StarCoder2, Cohere2-MoE), cut into 2 stages and run by GPipe over 2 microbatches.
 The pipeline's loss and every gradient must equal the unsharded model's own forward; or fpar
 refuses the model by name when it is built (``tensor_parallel`` / ``pipeline_stages``), before any
 step runs.  A family whose tiny model ``transformers`` itself cannot build or run from the shared
