@@ -14,7 +14,8 @@ example first writes a small random-init Qwen3 (byte vocabulary, 256) with
   no pipeline.  The random model ties its embedding and head (as Qwen3-0.6B does): the pipeline
   uses the one weight at both ends and returns the sum of both gradients;
 * each microbatch's rows are split over ``data``; AdamW with ZeRO stage ``--zero`` (default 1:
-  the optimizer state split over ``data``) and global-norm clipping (``fpar.optim``);
+  the optimizer state split over ``data``; 3, on one stage: FSDP, each parameter gathered at its
+  first use and freed after its last) and global-norm clipping (``fpar.optim``);
 * at the end ``fpar.hf.save_pretrained`` writes the fine-tuned model (each process its own shard
   files, no process gathering the model), and the example loads it back with
   ``fpar.hf.from_pretrained`` and checks that it holds the trained weights and gives the same
@@ -138,6 +139,10 @@ def build_step(args, apply_fn, params, specs, mesh, opt):
     stage 2 saves no gradient memory over stage 1).
     """
     s, m = mesh.shape[PIPE], C.microbatches(args, mesh)
+    if s > 1 and args.zero == 3:
+        raise SystemExit(
+            "--zero 3 runs on one stage only (ZeRO-3 inside a pipeline is not built yet); use --zero 1 or --pp 1"
+        )
     if s == 1:
         zero = fo.zero_layout(params, mesh, specs, stage=args.zero, data_axis=DATA)
         params, opt_state = fo.zero_init(opt, params, zero)
@@ -148,7 +153,8 @@ def build_step(args, apply_fn, params, specs, mesh, opt):
             return (params, opt_state), metrics["loss"]
 
         C.say(f"one stage, ZeRO-{args.zero} over data (fpar.optim.zero_step)", quiet=args.quiet)
-        return step, (params, opt_state), lambda state: state[0]
+        # ZeRO-3 stores each rank's chunks: fpar.optim.zero_params gathers the blocks back
+        return step, (params, opt_state), lambda state: fo.zero_params(state[0], zero)
 
     stages = fpar.hf.pipeline_stages(apply_fn, specs, mesh, pipe=PIPE)
     schedule = SCHEDULES[args.schedule](s, m)
@@ -181,7 +187,7 @@ def main(argv=None) -> list[float]:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--d-model", type=int, default=64, help="the random model's width (no --model)")
     ap.add_argument("--layers", type=int, default=4, help="the random model's layers (no --model)")
-    ap.add_argument("--zero", type=int, default=1, choices=(0, 1, 2), help="ZeRO stage over data")
+    ap.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage over data (3: one stage only)")
     ap.add_argument("--tiny", action="store_true", help="a very small model (tests, torchrun on CPU)")
     C.add_args(ap, steps=40, batch=16, lr=3e-3, warmup=4)
     args = ap.parse_args(argv)

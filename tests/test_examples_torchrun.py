@@ -70,7 +70,8 @@ TRAIN += ("--plot", "none", "--ckpt-dir", "ckpt", "--ckpt-every", "0")
 FINETUNE = ("--tiny", "--steps", "3", "--warmup", "1", "--log-every", "1", "--max-bytes", "100000")
 
 CASES = [
-    Case("finetune_hf.py", FINETUNE, needs=("transformers",)),  # 2: tensor=2; 4: data=2 x tensor=2, ZeRO-1
+    # 2: tensor=2; 4: data=2 x tensor=2, ZeRO-3 (FSDP of an HF model: each parameter gathered at its first use)
+    Case("finetune_hf.py", (*FINETUNE, "--zero", "3"), needs=("transformers",)),
     Case("finetune_hf.py", (*FINETUNE, "--pp", "2"), sizes=(4,), needs=("transformers",), label="pipeline"),
     Case("gpt_pipeline.py", ("--steps", "3", "--batch", "8")),
     Case(
