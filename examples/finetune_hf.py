@@ -187,7 +187,9 @@ def main(argv=None) -> list[float]:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--d-model", type=int, default=64, help="the random model's width (no --model)")
     ap.add_argument("--layers", type=int, default=4, help="the random model's layers (no --model)")
-    ap.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage over data (3: one stage only)")
+    ap.add_argument(
+        "--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage over data (3: one stage only)"
+    )
     ap.add_argument("--tiny", action="store_true", help="a very small model (tests, torchrun on CPU)")
     C.add_args(ap, steps=40, batch=16, lr=3e-3, warmup=4)
     args = ap.parse_args(argv)

@@ -166,7 +166,9 @@ class Stages:
         if tied:
             key = f"{dotted[id(embed)]}.weight".lstrip(".")
             if key not in specs:
-                raise ValueError(f"{_API}: {cls}'s tied embedding {key!r} is not among the model's parameters.")
+                raise ValueError(
+                    f"{_API}: {cls}'s tied embedding {key!r} is not among the model's parameters."
+                )
             self.tied = ((key, key),)
         self._module, self._base, self._layers_attr = module, base, lists[0]
         self._layers = getattr(base, lists[0])
