@@ -161,15 +161,12 @@ class Stages:
         dotted = {id(m): n for n, m in module.named_modules()}
         # Tied input and output embeddings: held once, in first; the pipeline passes it to the loss
         # too and sums the two uses' gradients (``Stages.tied``).
-        tied = head.weight is embed.weight
-        self.tied: tuple[tuple[str, str], ...] = ()
-        if tied:
-            key = f"{dotted[id(embed)]}.weight".lstrip(".")
-            if key not in specs:
-                raise ValueError(
-                    f"{_API}: {cls}'s tied embedding {key!r} is not among the model's parameters."
-                )
-            self.tied = ((key, key),)
+        tied_key = f"{dotted[id(embed)]}.weight".lstrip(".") if head.weight is embed.weight else None
+        if tied_key is not None and tied_key not in specs:
+            raise ValueError(
+                f"{_API}: {cls}'s tied embedding {tied_key!r} is not among the model's parameters."
+            )
+        self.tied: tuple[tuple[str, str], ...] = () if tied_key is None else ((tied_key, tied_key),)
         self._module, self._base, self._layers_attr = module, base, lists[0]
         self._layers = getattr(base, lists[0])
         self._layers_name = dotted[id(self._layers)]
@@ -181,9 +178,9 @@ class Stages:
             return [f"{dotted[id(m)]}.{k}".lstrip(".") for m in ms for k, _ in m.named_parameters()]
 
         self._first_keys, self._last_keys = own(before), own(after)
-        if tied:  # the head's weight is the embedding's: the last stage holds it under that name
+        if tied_key is not None:  # the head's weight is the embedding's: the loss takes it under that name
             head_key = f"{dotted[id(head)]}.weight".lstrip(".")
-            self._last_keys = [self.tied[0][1] if k == head_key else k for k in self._last_keys]
+            self._last_keys = [tied_key if k == head_key else k for k in self._last_keys]
         layer_keys = {
             f"{self._layers_name}.{i}.{k}"
             for i, m in enumerate(self._layers)
