@@ -255,6 +255,44 @@ def _keyword_arguments(real, local):
         assert [p.fast for p in count.shards[1].plans.values()] == [True]
 
 
+def _calls_without_gradients_are_planned_fast(real, local):
+    """A replicated input used both ways (met by the split batch, and plainly) makes the plan
+    keep its sums at the uses: such a signature stays traced.  A call nothing can differentiate
+    (no input requires grad, no torch.func transform: an optimizer update) is planned fast
+    anyway, with the same values; a later call whose input requires grad is a signature of its
+    own, traced, with the right gradient; and a closure-captured weight that requires grad keeps
+    a no-grad call traced (a later call differentiates it)."""
+    w, x = _rand(6, seed=2), _rand(4, 6, seed=1)
+    want = (x * w).sum() + w.sum()
+
+    def mixed(w, x):
+        return fpar.psum((x * w).sum(), "tensor") + w.sum()
+
+    xb = fpar.device_put(x, real, P("tensor"))
+    with _CountPlans() as count:
+        sharded = fpar.shard(mixed, real, (P(), P("tensor")), P())
+        for _ in range(3):
+            torch.testing.assert_close(sharded(w, xb), want, rtol=1e-12, atol=1e-12)
+        assert [p.fast for p in count.shards[0].plans.values()] == [True]
+        wr = w.clone().requires_grad_()
+        for _ in range(2):
+            (g,) = torch.autograd.grad(sharded(wr, xb), [wr])
+            torch.testing.assert_close(g, x.sum(0) + 1, rtol=1e-12, atol=1e-12)
+        assert [p.fast for p in count.shards[0].plans.values()] == [True, False]
+        assert count.first == 2
+
+    captured = w.clone().requires_grad_()
+    with _CountPlans() as count:
+        closure = fpar.shard(lambda x: mixed(captured, x), real, P("tensor"), P())
+        with torch.no_grad():
+            torch.testing.assert_close(closure(xb), want, rtol=1e-12, atol=1e-12)
+        assert [p.fast for p in count.shards[0].plans.values()] == [False]
+        (g,) = torch.autograd.grad(closure(xb), [captured])
+        torch.testing.assert_close(g, x.sum(0) + 1, rtol=1e-12, atol=1e-12)
+    in_process = fpar.shard(mixed, local, (P(), P("tensor")), P())(w, fpar.device_put(x, local, P("tensor")))
+    torch.testing.assert_close(in_process, want, rtol=1e-12, atol=1e-12)
+
+
 def _low_precision_rule(mesh):
     """fp16/bf16 sums and means over devices accumulate in float32 and round once, on the real
     mesh as in-process: a pmean whose sum overflows fp16 but whose mean fits returns the mean."""
@@ -283,8 +321,8 @@ def _low_precision_rule(mesh):
 def test_kit_catches_layout_bugs_on_real_mesh_as_in_process():
     """The issue's "done when" on a real mesh: a missing psum, pmean for psum, a wrong custom
     backward, a value bug on one device and a gradient bug on one block are each caught with the
-    same message as in-process; then complex parameters, keyword arguments, the low-precision
-    rule and bf16/fp16 layers (MLP, ring attention, vocab CE) near the float32 model."""
+    same message as in-process; then complex parameters, keyword arguments, calls without
+    gradients (planned fast), the low-precision rule and bf16/fp16 layers (MLP, ring attention, vocab CE) near the float32 model."""
     from layout_bugs import check_catches, without_numbers
 
     real = fpar.make_mesh((2,), ("tensor",))
@@ -293,6 +331,7 @@ def test_kit_catches_layout_bugs_on_real_mesh_as_in_process():
     assert without_numbers(check_catches(real)) == without_numbers(check_catches(local))
     _complex_parameter_gradients(real)
     _keyword_arguments(real, local)
+    _calls_without_gradients_are_planned_fast(real, local)
     _low_precision_rule(real)
     from test_reference_dtypes import check_low_precision_layers
 

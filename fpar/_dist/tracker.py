@@ -136,6 +136,10 @@ class _Tracker(TorchFunctionMode):
         self.first_use: list = []  # sources in the order of their first pvaried use
         self.plain_use: set = set()
         self.unknown = False  # a tracked replicated tensor of unknown origin met a varying value
+        # Whether a cotangent can reach the call's inputs or collectives: under a torch.func
+        # transform, or a typed value that autograd tracks.  If none can (an optimizer update:
+        # nothing requires grad), the sums' places do not matter and the call is planned fast.
+        self.differentiable = maybe_current_level() is not None
         self.inner = False  # the function differentiates inside itself
         self.base = maybe_current_level()
         self.coll: list = []
@@ -157,6 +161,8 @@ class _Tracker(TorchFunctionMode):
         for t in tree_flatten(result)[0] if not isinstance(result, Tensor) else [result]:
             if isinstance(t, Tensor):
                 self.infos[id(t)] = (weakref.ref(t), varying, deps)
+                if t.requires_grad:
+                    self.differentiable = True
 
     def enter(self, i: int, leaf: Tensor, spec: PartitionSpec) -> Tensor:
         """Register input ``i``; a replicated float one gets its source-level sum (planned)."""
@@ -351,15 +357,15 @@ class _Tracker(TorchFunctionMode):
     def finish(self) -> None:
         """Decide the plan: fast unless a source is used both ways or of unknown origin."""
         plan = self.plan
-        mixed = self.pvary_use & self.plain_use
+        mixed = self.pvary_use & self.plain_use if self.differentiable else set()
         plan.fast = not (mixed or self.unknown or self.inner)
         reduce: dict = {}
-        for src, a in self.pvary_use:
+        for src, a in self.pvary_use if self.differentiable else ():
             reduce.setdefault(src, []).append(a)
         order = {a: i for i, a in enumerate(self.axes)}
         axes_of = {s: tuple(sorted(v, key=order.get)) for s, v in reduce.items()}
         plan.in_reduce = {s[1]: ax for s, ax in axes_of.items() if s[0] == "in"}
-        seen = dict.fromkeys(s[1] for s in reversed(self.first_use) if s[0] == "in")
+        seen = dict.fromkeys(s[1] for s in reversed(self.first_use) if s[0] == "in" and s[1] in plan.in_reduce)
         plan.in_order = list(seen)
         plan.coll = [(kind, axes, axes_of.get(("coll", k), ())) for k, (kind, axes) in enumerate(self.coll)]
         self.infos.clear()
