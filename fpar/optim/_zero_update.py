@@ -25,6 +25,7 @@ from ._zero import (
     _gather_all,
     _Leaf,
     _map,
+    _Releaser,
     _own_chunk,
     _own_chunk_view,
     _reduce_scatter_all,
@@ -70,7 +71,9 @@ def zero_update(
     ``add_decayed_weights``) then write the new state and parameters into the given tensors and
     return them (stages 1 and 2 all-gather the updated chunks into the old parameters' buffers
     one bucket at a time), so the step holds one copy of the state instead of the old and the
-    new together (the same kernels: the same values).  The caller
+    new together (the same kernels: the same values); stage 1 also frees each donated whole
+    gradient's memory as soon as its bucket is reduce-scattered (a gradient sharing its storage
+    with a parameter, the state or a larger buffer is left alone).  The caller
     must not use the donated trees afterwards (they hold the new values, or are partly
     overwritten).  In-process the inputs are shared views of global tensors and the update stays
     functional.  With a loss-scaled ``mixed_precision`` the inner optimizer is not donated (an
@@ -92,9 +95,11 @@ def zero_update(
             return apply_updates(params, updates), state
         if stage == 1:
             leaves, treedef = tree_flatten(grads)
-            grads = tree_unflatten(
-                treedef, _reduce_scatter_all([g.squeeze(0) for g in leaves], layout, bucket_bytes)
-            )
+            whole = [g.squeeze(0) for g in leaves]
+            done = _Releaser(whole, (state, params)) if inplace else None  # donated: freed as reduced
+            del leaves, grads
+            grads = tree_unflatten(treedef, _reduce_scatter_all(whole, layout, bucket_bytes, done))
+            del whole, done
         # donated: each device's chunk is a view of its parameter (the update writes it there), and
         # the new parameters are gathered into the old ones' buffers, a bucket at a time
         old, ptree = tree_flatten(params)

@@ -23,7 +23,8 @@ from fpar import P
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 D, H, B = 256, 1024, 16  # the MLP's width, hidden size, global batch
-LAYERS = 4  # zero3_donate's layers
+LAYERS = 4  # the *_donate ZeRO programs' layers
+SMALL_BUCKET = 2**20  # zero1/2_donate's buckets: one leaf each (a bucket is not most of the model)
 
 # name -> (mesh shape, axis names)
 MESHES = {
@@ -34,6 +35,8 @@ MESHES = {
     "zero3_remat": ((2,), ("data",)),
     "zero3_micro": ((2,), ("data",)),
     "dp_donate": ((2,), ("data",)),
+    "zero1_donate": ((2,), ("data",)),
+    "zero2_donate": ((2,), ("data",)),
     "zero3_donate": ((2,), ("data",)),
     "tp": ((2, 2), ("data", "tensor")),
     "sp": ((1, 2), ("data", "tensor")),
@@ -80,18 +83,34 @@ def _stacked_remat_loss(params, batch):
     return ((x - y) ** 2).mean()
 
 
+ZERO_PROGRAMS = (
+    "dp",
+    "zero1",
+    "zero2",
+    "zero3",
+    "zero3_remat",
+    "zero3_micro",
+    "dp_donate",
+    "zero1_donate",
+    "zero2_donate",
+    "zero3_donate",
+)
+
+
 def build(name: str, mesh: fpar.Mesh):
     """``(step, args)`` of program ``name`` on ``mesh``."""
     g = torch.Generator().manual_seed(0)
-    if name in ("dp", "zero1", "zero2", "zero3", "zero3_remat", "zero3_micro", "dp_donate", "zero3_donate"):
-        stage = {"dp": 0, "dp_donate": 0, "zero1": 1, "zero2": 2}.get(name, 3)
+    if name in ZERO_PROGRAMS:
+        stage = {"dp": 0, "dp_donate": 0, "zero1": 1, "zero2": 2, "zero1_donate": 1, "zero2_donate": 2}.get(name, 3)
         if name == "zero3_remat":  # ZeRO-3 with recomputation: each stacked leaf re-gathered once
             layers, loss = 4, _stacked_remat_loss
             params = {
                 "w": torch.randn(layers, D, D, generator=g) * 0.05,
                 "b": torch.randn(layers, D, generator=g) * 0.05,
             }
-        elif name == "zero3_donate":  # 4 layers of leaves of their own: gathered a layer at a time
+        elif name in ("zero1_donate", "zero2_donate", "zero3_donate"):
+            # 4 layers of leaves of their own: ZeRO-3 gathers a layer at a time; stages 1 and 2
+            # reduce-scatter and gather a leaf a bucket
             loss = _layers_loss
             params = {f"a{i}": torch.randn(D, H, generator=g) * 0.05 for i in range(LAYERS)}
             params.update({f"b{i}": torch.randn(H, D, generator=g) * 0.05 for i in range(LAYERS)})
@@ -109,7 +128,8 @@ def build(name: str, mesh: fpar.Mesh):
         # *_donate: the update writes the parameters and AdamW state in place (what the planner
         # must see on its meta tensors too: one copy of the state, not the old and the new)
         micro, donate = 2 if name == "zero3_micro" else 1, name.endswith("_donate")
-        step = fo.zero_step(loss, opt, layout, n_micro=micro, donate=donate)
+        buckets = {"bucket_bytes": SMALL_BUCKET} if name in ("zero1_donate", "zero2_donate") else {}
+        step = fo.zero_step(loss, opt, layout, n_micro=micro, donate=donate, **buckets)
         batch = fpar.device_put(
             (torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)), mesh, P("data")
         )
@@ -232,6 +252,8 @@ BY_SIZE = {
         "zero3_remat",
         "zero3_micro",
         "dp_donate",
+        "zero1_donate",
+        "zero2_donate",
         "zero3_donate",
         "sp",
         "moe",

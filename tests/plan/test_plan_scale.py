@@ -323,3 +323,20 @@ def test_zero3_plans_a_layer_at_a_time_not_the_model():
     n = PP.LAYERS * 2 * PP.D * PP.H  # parameters
     state = 16 * n // 2
     assert state < est.peak_bytes < state + 2 * n  # the whole model gathered: state + 4 n
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero1_and_2_donated_hold_the_papers_bytes_and_one_bucket(stage):
+    """ZeRO stages 1 and 2 with AdamW, donated (4 layers of leaves of their own, a bucket a leaf;
+    ``plan_programs``' ``zero1_donate`` / ``zero2_donate``): the planned peak holds the ZeRO paper's
+    bytes a parameter with fp32 parameters and gradients (8 + 8/N and 4 + 12/N at N = 2) and about
+    a bucket more, not a second copy of the gradients (stage 1 once kept every whole gradient
+    through its update: 16.5 bytes a parameter where the paper says 12).  ``tests/plan/test_plan.py``
+    holds the same programs exact against 2 gloo processes."""
+    name = f"zero{stage}_donate"
+    step, args = PP.build(name, PP.mesh_for(name, "abstract"))
+    est = plan.estimate(step, *args)
+    n = PP.LAYERS * 2 * PP.D * PP.H  # parameters
+    paper = {1: 8 + 8 / 2, 2: 4 + 12 / 2}[stage] * n
+    leaf = 4 * PP.D * PP.H  # a bucket's whole gradient (one leaf)
+    assert paper < est.peak_bytes < paper + 3 * leaf, (est.peak_bytes / n, paper / n)
