@@ -25,10 +25,10 @@ from ._zero import (
     _gather_all,
     _Leaf,
     _map,
-    _Releaser,
     _own_chunk,
     _own_chunk_view,
     _reduce_scatter_all,
+    _Releaser,
 )
 from ._zero_grads import zero_grads
 
