@@ -365,7 +365,9 @@ class _Tracker(TorchFunctionMode):
         order = {a: i for i, a in enumerate(self.axes)}
         axes_of = {s: tuple(sorted(v, key=order.get)) for s, v in reduce.items()}
         plan.in_reduce = {s[1]: ax for s, ax in axes_of.items() if s[0] == "in"}
-        seen = dict.fromkeys(s[1] for s in reversed(self.first_use) if s[0] == "in" and s[1] in plan.in_reduce)
+        seen = dict.fromkeys(
+            s[1] for s in reversed(self.first_use) if s[0] == "in" and s[1] in plan.in_reduce
+        )
         plan.in_order = list(seen)
         plan.coll = [(kind, axes, axes_of.get(("coll", k), ())) for k, (kind, axes) in enumerate(self.coll)]
         self.infos.clear()

@@ -101,7 +101,9 @@ def build(name: str, mesh: fpar.Mesh):
     """``(step, args)`` of program ``name`` on ``mesh``."""
     g = torch.Generator().manual_seed(0)
     if name in ZERO_PROGRAMS:
-        stage = {"dp": 0, "dp_donate": 0, "zero1": 1, "zero2": 2, "zero1_donate": 1, "zero2_donate": 2}.get(name, 3)
+        stage = {"dp": 0, "dp_donate": 0, "zero1": 1, "zero2": 2, "zero1_donate": 1, "zero2_donate": 2}.get(
+            name, 3
+        )
         if name == "zero3_remat":  # ZeRO-3 with recomputation: each stacked leaf re-gathered once
             layers, loss = 4, _stacked_remat_loss
             params = {
