@@ -6,7 +6,7 @@ axis with ``axis=``; parameters are plain tensor dicts, and ``*_specs`` / ``init
 
 * Megatron 1D (``_megatron.py``): ``column_linear``, ``row_linear``, ``mlp``, ``attention``,
   ``vocab_embedding``, ``vocab_cross_entropy``.
-* Sequence parallel (``_sequence.py``): Megatron-SP ``sp_column_linear``, ``sp_row_linear``,
+* Sequence parallel (``_sequence.py``): Megatron-SP ``sp_column_linear``, ``sp_gather_matmul``, ``sp_row_linear``,
   ``sp_mlp``, ``sp_attention``, ``sp_vocab_embedding``; ``ulysses_attention``; ``ring_attention``,
   ``ring_self_attention``.
 * A GPT (``_gpt.py``): ``layer_norm``, ``gpt_block``, ``sp_gpt_block``, ``gpt``, ``gpt_loss``, and
@@ -64,6 +64,7 @@ from ._sequence import ring_attention as ring_attention
 from ._sequence import ring_self_attention as ring_self_attention
 from ._sequence import sp_attention as sp_attention
 from ._sequence import sp_column_linear as sp_column_linear
+from ._sequence import sp_gather_matmul as sp_gather_matmul
 from ._sequence import sp_mlp as sp_mlp
 from ._sequence import sp_row_linear as sp_row_linear
 from ._sequence import sp_vocab_embedding as sp_vocab_embedding
@@ -124,6 +125,7 @@ __all__ = [
     "row_linear",
     "sp_attention",
     "sp_column_linear",
+    "sp_gather_matmul",
     "sp_gpt_block",
     "sp_mlp",
     "sp_row_linear",

@@ -180,12 +180,22 @@ def heads_attention(
     dropout: float = 0.0,
     key=None,
     batch_axes=None,
+    project=None,
 ) -> Tensor:
-    """The column-parallel part of ``attention``: this device's heads' outputs ``[B, T, E]``."""
+    """The column-parallel part of ``attention``: this device's heads' outputs ``[B, T, E]``.
+
+    ``project(x, w)``: the q, k, v projection's product (Megatron-SP's ``sp_gather_matmul``: ``x``
+    is then a sequence block); by default ``x @ w``.
+    """
     h_local, k = check_attention(api, params, x_BTD, axis=axis, n_heads=n_heads)
     w_qkv, b_qkv = params["w_qkv"], params.get("b_qkv")
     b_flat = None if b_qkv is None else b_qkv.reshape(-1)
-    qkv = column_linear(x_BTD, w_qkv.reshape(w_qkv.shape[0], -1), b_flat, axis=axis)  # B,T,3E
+    w_flat = w_qkv.reshape(w_qkv.shape[0], -1)
+    if project is None:
+        qkv = column_linear(x_BTD, w_flat, b_flat, axis=axis)  # B,T,3E
+    else:
+        qkv = project(x_BTD, w_flat)
+        qkv = qkv if b_flat is None else qkv + b_flat
     q_BTHK, k_BTHK, v_BTHK = qkv.unflatten(-1, (3, h_local, k)).unbind(2)
 
     def drop(p_BHTS: Tensor) -> Tensor:

@@ -7,7 +7,10 @@ All three keep activations split along the sequence over a mesh axis, ``x[B, T/n
   dropout and residuals run on sequence shards; entering a tensor-parallel region the shards are
   all-gathered along the sequence, and leaving it the partial sums are reduce-scattered along the
   sequence instead of all-reduced.  All-reduce = reduce-scatter + all-gather, so the traffic is
-  that of Megatron 1D, with ``1/n`` of the activation memory outside the matmuls.  Replicated
+  that of Megatron 1D, with ``1/n`` of the activation memory outside the matmuls.  As in
+  Megatron-LM, a column-parallel matmul keeps its input's sequence block, not the gathered
+  sequence, and its backward gathers the block again (``sp_gather_matmul``): one all-gather more
+  per region for the paper's ``34 s b h / t`` bytes a layer.  Replicated
   parameters used on sequence shards (LayerNorm, the row-parallel bias) get their gradients
   all-reduced over the axis, as in Megatron (fpar's implicit pvary does it).
 * **Ulysses** (Jacobs et al. 2023, arXiv:2309.14509).  Weights replicated; one all-to-all turns
@@ -38,7 +41,6 @@ from ._megatron import (
     attention_heads,
     check_attention,
     check_linear,
-    column_linear,
     embedding_partial,
     heads_attention,
 )
@@ -48,6 +50,7 @@ __all__ = [
     "ring_self_attention",
     "sp_attention",
     "sp_column_linear",
+    "sp_gather_matmul",
     "sp_mlp",
     "sp_row_linear",
     "sp_vocab_embedding",
@@ -79,7 +82,53 @@ def sp_column_linear(x: Tensor, w: Tensor, b: Tensor | None = None, *, axis, seq
     check.axis_size("sp_column_linear", axis)
     _check_seq("sp_column_linear", x, seq_dim)
     check_linear("sp_column_linear", x, w, b, "P(None, axis)", "P(axis)")  # before any communication
-    return column_linear(all_gather(x, axis, axis=seq_dim, tiled=True), w, b, axis=axis)
+    y = sp_gather_matmul(x, w, axis=axis, seq_dim=seq_dim)
+    return y if b is None else y + b
+
+
+def sp_gather_matmul(x: Tensor, w, *, axis, seq_dim: int = 1):
+    """All-gather the sequence and multiply: ``all_gather(x) @ w``, keeping only ``x`` for the backward.
+
+    Megatron-SP's entry into a column-parallel region.  The weights' gradients need the
+    whole-sequence input; as in Megatron-LM, the backward all-gathers this device's sequence
+    block again instead of the forward keeping the gathered one, so a layer keeps ``1/n`` of
+    each such input (Korthikanti et al.'s ``34 s b h / t`` per layer) for one more all-gather per
+    region in the backward.  The product's value and gradients are those of the plain
+    ``all_gather(x, axis, axis=seq_dim, tiled=True) @ w``.
+
+    Args:
+      x: this device's sequence block, split over ``axis`` along ``seq_dim``.
+      w: a weight ``[D, F]`` (usually a column block), or a tuple or list of them: one gather
+        for all (``q``, ``k`` and ``v``; SwiGLU's two input projections).
+      axis: the mesh axis the sequence is split over.
+      seq_dim: the sequence dim of ``x``.
+
+    Returns:
+      ``[..., T, ..., F]`` (the whole sequence), or a tuple of them for a tuple or list ``w``.
+
+    Under ``torch.compile`` of a whole sharded call (where ``fpar.optim.remat`` cannot run) the
+    gathered input is kept, as a plain ``all_gather`` then matmul would.
+    """
+    ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
+    from ..optim._remat import RECOMPUTING, save_dots, skip_outputs  # fpar.optim imports fpar.ops' users
+
+    # Nothing to keep for a backward: no gradient (an outer remat's forward, evaluation), or an
+    # outer remat's recompute (its body must run the ops its forward ran); nor under compile.
+    if not torch.is_grad_enabled() or RECOMPUTING[0] or torch.compiler.is_compiling():
+        out = _gathered_products(x, *ws, axis=axis, seq_dim=seq_dim)
+    else:
+        out = skip_outputs(_gathered_products, save_dots)(x, *ws, axis=axis, seq_dim=seq_dim)
+    return tuple(out) if isinstance(w, (tuple, list)) else out[0]
+
+
+def _gathered_products(x: Tensor, *ws: Tensor, axis, seq_dim: int) -> tuple[Tensor, ...]:
+    """``all_gather(x) @ w`` for each ``w``.
+
+    Under ``skip_outputs`` the forward keeps ``x`` and the weights, and the backward runs the
+    all-gather again, not the matmuls (whose gradients need only their inputs).
+    """
+    full = all_gather(x, axis, axis=seq_dim, tiled=True)
+    return tuple(full @ w for w in ws)
 
 
 def sp_row_linear(x: Tensor, w: Tensor, b: Tensor | None = None, *, axis, seq_dim: int = 1) -> Tensor:
@@ -151,10 +200,9 @@ def sp_attention(
     """
     check_attention("sp_attention", params, x, axis=axis, n_heads=n_heads)  # before any communication
     check_dropout("sp_attention", dropout, key)
-    x_BTD = all_gather(x, axis, axis=1, tiled=True)
     o_BTE = heads_attention(
         params,
-        x_BTD,
+        x,
         axis=axis,
         n_heads=n_heads,
         causal=causal,
@@ -162,6 +210,7 @@ def sp_attention(
         dropout=dropout,
         key=key,
         batch_axes=batch_axes,
+        project=lambda x, w: sp_gather_matmul(x, w, axis=axis, seq_dim=1),
     )
     return sp_row_linear(o_BTE, params["w_o"], params.get("b_o"), axis=axis)
 

@@ -82,7 +82,23 @@ def remat(f: Callable, policy: Callable[[str, int], bool] | None = None) -> Call
             f"fpar.optim.remat: policy must be a function (op name, index) -> bool, such as "
             f"fpar.optim.save_dots, or None; got {type(policy).__name__}."
         )
+    return _remat(f, policy, discard=False)
 
+
+def skip_outputs(f: Callable, policy: Callable[[str, int], bool]) -> Callable:
+    """``remat(f)`` whose backward neither keeps nor recomputes the outputs of the ops ``policy`` names.
+
+    For ops whose values the backward never reads: outputs of ``f`` that nothing in ``f``
+    consumes, made by ops whose gradients need only their inputs (a matmul).  The forward keeps
+    only ``f``'s inputs and the recompute gives those ops uninitialised outputs of the same
+    layout, so ``f``'s backward runs everything else again and no named op: Megatron-SP's
+    column-parallel entry (``fpar.ops.sp_gather_matmul``: the all-gather runs again, the
+    matmul does not).  Internal: reading such an output in ``f`` would be silently wrong.
+    """
+    return _remat(f, policy, discard=True)
+
+
+def _remat(f: Callable, policy: Callable[[str, int], bool] | None, *, discard: bool) -> Callable:
     @functools.wraps(f)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if TRACED[0] and torch.compiler.is_compiling():
@@ -91,7 +107,16 @@ def remat(f: Callable, policy: Callable[[str, int], bool] | None = None) -> Call
         slots = [i for i, v in enumerate(leaves) if isinstance(v, Tensor)]
         frame = current_frame()
         extra = [] if frame is None else [frame.token, *frame.index.values()]
-        call = _Call(f, treedef, leaves, slots, frame, tuple(frame.index) if frame else (), policy=policy)
+        call = _Call(
+            f,
+            treedef,
+            leaves,
+            slots,
+            frame,
+            tuple(frame.index) if frame else (),
+            policy=policy,
+            discard=discard,
+        )
         tracker = getattr(frame, "tracker", None)
         if getattr(frame, "calls", None) is not None:  # a real mesh: where the body's collectives start
             call.first_coll = frame.calls[0]
@@ -144,6 +169,7 @@ class _Call:
     first_query: int | None = None  # a real mesh: the call's count of varying-axes queries before the body
     shared: dict = dataclasses.field(default_factory=dict)  # the output treedef, set by run
     policy: Callable[[str, int], bool] | None = None  # which ops' outputs the forward keeps
+    discard: bool = False  # ``skip_outputs``: the policy's ops are neither kept nor recomputed
 
     @property
     def out_treedef(self):
@@ -279,7 +305,7 @@ class _Remat(torch.autograd.Function):
 
     @staticmethod
     def forward(call: _Call, *tensors: Tensor):
-        keep = _Keep(call.policy) if call.policy is not None else contextlib.nullcontext()
+        keep = _Keep(call.policy, call.discard) if call.policy is not None else contextlib.nullcontext()
         with torch.no_grad(), keep:  # nothing in here is differentiated: backward recomputes
             outs = call.run([t.detach() for t in tensors])
         if call.policy is not None:
@@ -371,9 +397,9 @@ def _op_name(func) -> str:
 class _Keep(TorchDispatchMode):
     """The forward: run every op; keep (detached) the outputs the policy names, in order."""
 
-    def __init__(self, policy: Callable[[str, int], bool]):
+    def __init__(self, policy: Callable[[str, int], bool], discard: bool = False):
         super().__init__()
-        self.policy = policy
+        self.policy, self.discard = policy, discard
         self.kept: list[tuple[str, Any]] = []
         self.seen: collections.Counter = collections.Counter()
 
@@ -382,7 +408,7 @@ class _Keep(TorchDispatchMode):
         name = _op_name(func)
         i, self.seen[name] = self.seen[name], self.seen[name] + 1
         if self.policy(name, i):
-            self.kept.append((name, _detach(out)))
+            self.kept.append((name, _layout_of(out) if self.discard else _detach(out)))
         return out
 
 
@@ -406,7 +432,8 @@ class _Reuse(TorchDispatchMode):
                 f"forward kept {got}: the function ran different ops the second time. A remat'd "
                 f"function must be deterministic in the ops it runs."
             )
-        return self.kept.popleft()[1]
+        kept = self.kept.popleft()[1]
+        return _empty_like_layout(kept) if isinstance(kept, _Layout) else kept
 
     def done(self) -> None:
         if self.kept:
@@ -423,3 +450,25 @@ def _detach(out: Any) -> Any:
     if isinstance(out, (tuple, list)):
         return type(out)(_detach(o) for o in out)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """A discarded output's layout (``skip_outputs``): what the recompute allocates in its place."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _layout_of(out: Any) -> Any:
+    if isinstance(out, Tensor):
+        return _Layout(tuple(out.shape), tuple(out.stride()), out.dtype, out.device)
+    raise NotImplementedError(
+        f"fpar.optim._remat.skip_outputs: an op with {type(out).__name__} outputs cannot be skipped."
+    )
+
+
+def _empty_like_layout(layout: _Layout) -> Tensor:
+    return torch.empty_strided(layout.shape, layout.stride, dtype=layout.dtype, device=layout.device)

@@ -62,6 +62,7 @@ from .._spec import P
 from .._tree import broadcast_prefix, tree_flatten, tree_unflatten
 from ._base import GradientTransformation
 from ._internal import block_shape
+from ._zero_comm import _resize, _storage_key
 
 __all__ = [
     "ZeroLayout",
@@ -297,9 +298,9 @@ class _Releaser:
     """
 
     def __init__(self, grads: list[Tensor], keep: Any):
-        kept = {_storage_id(t) for t in tree_flatten(keep)[0] if isinstance(t, Tensor)}
+        kept = {_storage_key(t) for t in tree_flatten(keep)[0] if isinstance(t, Tensor)}
         self.grads = grads
-        self.keys = [_storage_id(g) for g in grads]
+        self.keys = [_storage_key(g) for g in grads]
         self.left: dict = {}
         for key in self.keys:
             self.left[key] = self.left.get(key, 0) + 1
@@ -307,8 +308,6 @@ class _Releaser:
             self.left.pop(key, None)
 
     def __call__(self, group: list[int]) -> None:
-        from ._zero_comm import _resize
-
         for i in group:
             key, g = self.keys[i], self.grads[i]
             if key is None or key not in self.left:
@@ -317,13 +316,6 @@ class _Releaser:
             owned = g.is_contiguous() and g.untyped_storage().nbytes() == g.numel() * g.element_size()
             if self.left[key] == 0 and owned and g.untyped_storage().nbytes():
                 _resize(g, 0)
-
-
-def _storage_id(t: Tensor) -> int | None:
-    try:
-        return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):  # no plain storage (a subclass, ...)
-        return None
 
 
 def _gather_all(

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .. import ops
 from .. import optim as fo
 from .. import pipeline as pp
-from .._collectives import all_gather, pmean, psum, psum_scatter
+from .._collectives import pmean, psum, psum_scatter
 from .._global import device_put, init, normal, ones, zeros
 from .._mesh import Mesh
 from .._shard import shard
@@ -294,16 +294,17 @@ def _attention(q, k, v, eager: bool = False):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def _gpt_block(gathered, out, hq: int, hd: int, eager: bool):
+def _gpt_block(project, out, hq: int, hd: int, eager: bool):
     """Megatron-LM's GPT layer: LayerNorm, attention with biases, a GeLU MLP with biases."""
 
     def block(w, x):
-        h = gathered(F.layer_norm(x, x.shape[-1:], w["ln1"], w["ln1_b"]))
-        q, k, v = ((h @ w[n] + w[b]).unflatten(-1, (hq, hd)).transpose(1, 2) for n, b in _QKV)
+        h = F.layer_norm(x, x.shape[-1:], w["ln1"], w["ln1_b"])
+        qkv = project(h, [w[n] for n, _ in _QKV])
+        q, k, v = ((y + w[b]).unflatten(-1, (hq, hd)).transpose(1, 2) for y, (_, b) in zip(qkv, _QKV))
         o = _attention(q, k, v, eager).transpose(1, 2).flatten(2)
         x = x + out(o @ w["wo"]) + w["bo"]
-        h = gathered(F.layer_norm(x, x.shape[-1:], w["ln2"], w["ln2_b"]))
-        return x + out(F.gelu(h @ w["w1"] + w["b1"], approximate="tanh") @ w["w2"]) + w["b2"]
+        (u,) = project(F.layer_norm(x, x.shape[-1:], w["ln2"], w["ln2_b"]), [w["w1"]])
+        return x + out(F.gelu(u + w["b1"], approximate="tanh") @ w["w2"]) + w["b2"]
 
     return block
 
@@ -316,30 +317,30 @@ def _block(model: Model, layout: Layout, dtype):
     hq, hkv, hd = model.n_heads // t, model.n_kv_heads // t, model.d_model // model.n_heads
     sp = layout.sequence_parallel and t > 1
 
-    def gathered(h):  # Megatron-SP: the whole sequence, once per region
-        return all_gather(h, TENSOR, axis=1, tiled=True) if sp else h
+    def project(h, ws):  # Megatron-SP: the whole sequence, once per region, re-gathered in the backward
+        return ops.sp_gather_matmul(h, ws, axis=TENSOR, seq_dim=1) if sp else [h @ w for w in ws]
 
     def out(y):  # row-parallel's sum: reduce-scatter the sequence (SP) or all-reduce
         return psum_scatter(y, TENSOR, scatter_dimension=1, tiled=True) if sp else psum(y, TENSOR)
 
     eager = model.attention == "eager"
-    gpt = _gpt_block(gathered, out, hq, hd, eager) if model.kind == "gpt" else None
+    gpt = _gpt_block(project, out, hq, hd, eager) if model.kind == "gpt" else None
 
     def block(w, x):
         w = {k: v.to(dtype) for k, v in w.items()}
         if gpt is not None:
             return gpt(w, x)
-        h = gathered(_rms_norm(x, w["ln1"]))
-        s = h.shape[1]
-        q = (h @ w["wq"]).unflatten(-1, (hq, hd)).transpose(1, 2)
-        k = (h @ w["wk"]).unflatten(-1, (hkv, hd)).transpose(1, 2)
-        v = (h @ w["wv"]).unflatten(-1, (hkv, hd)).transpose(1, 2)
+        q, k, v = project(_rms_norm(x, w["ln1"]), [w["wq"], w["wk"], w["wv"]])
+        s = q.shape[1]
+        q = q.unflatten(-1, (hq, hd)).transpose(1, 2)
+        k = k.unflatten(-1, (hkv, hd)).transpose(1, 2)
+        v = v.unflatten(-1, (hkv, hd)).transpose(1, 2)
         q, k = _rotary(q, s), _rotary(k, s)
         k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
         o = _attention(q, k, v, eager).transpose(1, 2).flatten(2)
         x = x + out(o @ w["wo"])
-        h = gathered(_rms_norm(x, w["ln2"]))
-        return x + out((F.silu(h @ w["w1"]) * (h @ w["w3"])) @ w["w2"])
+        gate, up = project(_rms_norm(x, w["ln2"]), [w["w1"], w["w3"]])
+        return x + out((F.silu(gate) * up) @ w["w2"])
 
     if not layout.remat:
         return block
@@ -533,8 +534,9 @@ def _local_loss(w, x, y):
         h = _rms_norm(x, w["ln_f"].to(dtype))
         head = w["w_head"].to(dtype)
     if x.shape[1] != y.shape[1]:  # sequence parallel: the whole sequence for the head
-        h = all_gather(h, TENSOR, axis=1, tiled=True)
-    logits = ops.column_linear(h, head, axis=TENSOR)
+        logits = ops.sp_column_linear(h, head, axis=TENSOR)
+    else:
+        logits = ops.column_linear(h, head, axis=TENSOR)
     return ops.vocab_cross_entropy(logits, y, axis=TENSOR).mean()
 
 

@@ -234,8 +234,8 @@ class Recorder(TorchDispatchMode):
             if phase == "update" and (st := _storage(t)) is not None:
                 self._pending_made.append(st._cdata)
         if c10d:
-            for t in ins:  # a buffer made to be sent (a gradient bucket, a gather's output)
-                self._retag(t, "comm_buffers")
+            for t in ins:  # a buffer made to be sent (a gradient bucket, a gather's output) ...
+                self._retag(t, "comm_buffers", keep="activations")  # ... not an activation also sent
             return out
         nbytes = 0
         if name not in _VIEWS_FREE or name in _MOVES:
@@ -289,11 +289,13 @@ class Recorder(TorchDispatchMode):
             category = self.update_kinds.get((tuple(t.shape), t.dtype), "other")
         self._add(st, category)
 
-    def _retag(self, t: Tensor, category: str) -> None:
+    def _retag(self, t: Tensor, category: str, keep: str | None = None) -> None:
         st = _storage(t)
         if st is None or st._cdata not in self.live:
             return
         nbytes, old = self.live[st._cdata]
+        if old == keep:  # a forward's value sent (sequence parallelism's all-gathered block) stays one
+            return
         self.dyn[old] -= nbytes
         self.dyn[category] += nbytes
         self.live[st._cdata] = (nbytes, category)

@@ -89,3 +89,45 @@ def bucket_order():
         DistShard.__init__ = init
     (plan,) = made[0].plans.values()
     return plan.fast, plan.in_order, [plan.in_reduce[i] for i in plan.in_order]
+
+
+def _saved(f, *args) -> tuple[int, list]:
+    """Bytes of the distinct activations autograd keeps for ``f``'s backward on this process, and
+    their shapes: not the arguments' own storages, nor scalars (the mesh's device index)."""
+    saved: dict = {}
+
+    def pack(t):
+        if t.dim():
+            saved[t.untyped_storage()._cdata] = (t.untyped_storage().nbytes(), tuple(t.shape))
+        return t
+
+    leaves = [a.detach().requires_grad_() for a in fpar._tree.tree_flatten(args)[0]]
+    args = fpar._tree.tree_unflatten(fpar._tree.tree_flatten(args)[1], leaves)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = f(*args)
+    out.sum().backward()
+    mine = {a.untyped_storage()._cdata for a in leaves}
+    kept = [v for k, v in saved.items() if k not in mine]
+    return sum(nbytes for nbytes, _ in kept), sorted(shape for _, shape in kept)
+
+
+def sp_saved(b: int = 2, t: int = 8, d: int = 8) -> dict:
+    """What a LayerNorm then ``sp_mlp`` keeps for the backward on this process (twice: the second
+    call is a planned one), and the same layer written with a plain all-gather."""
+    mesh = fpar.make_mesh((-1,), ("tensor",))
+    p = fpar.init(ops.init_mlp(d, dtype=torch.float64), mesh, ops.mlp_specs(), seed=3)
+    x = fpar.device_put(torch.randn(b, t, d, dtype=torch.float64), mesh, SEQ)
+
+    def megatron(p, x):
+        return ops.sp_mlp(p, torch.nn.functional.layer_norm(x, x.shape[-1:]), axis="tensor")
+
+    def gathered(p, x):
+        h = fpar.all_gather(torch.nn.functional.layer_norm(x, x.shape[-1:]), "tensor", axis=1, tiled=True)
+        h = torch.nn.functional.gelu(h @ p["w_in"] + p["b_in"])
+        return fpar.psum_scatter(h @ p["w_out"], "tensor", scatter_dimension=1, tiled=True) + p["b_out"]
+
+    out = {}
+    for name, fn in (("megatron", megatron), ("gathered", gathered)):
+        f = fpar.shard(fn, mesh, (ops.mlp_specs(), SEQ), SEQ)
+        out[name] = [_saved(f, p, x) for _ in range(2)]
+    return out

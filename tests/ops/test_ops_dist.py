@@ -50,3 +50,22 @@ def test_bucket_layout_does_not_depend_on_the_hash_seed(monkeypatch):
     fast, slots, axes = orders[0]
     assert fast and len(slots) > 4 and set(axes) == {("data",)}
     assert orders[1] == orders[0] and orders[2] == orders[0]
+
+
+@pytest.mark.multiprocess
+def test_sequence_parallel_keeps_the_block_not_the_gathered_input():
+    """Megatron-SP as Megatron-LM runs it (Korthikanti et al.'s 34 s b h / t a layer): the backward
+    of a column-parallel matmul gathers its input's sequence blocks again, so the forward keeps
+    the LayerNorm's output block ``[B, T/n, D]``, not the gathered ``[B, T, D]``.  Kept by a
+    LayerNorm then ``sp_mlp`` on each of 2 processes, traced call and planned call alike: the
+    norm's output block and statistics, the GeLU's input and output (the whole sequence, F/n
+    columns).  The same layer with a plain all-gather keeps the whole sequence instead of the
+    block."""
+    n, b, t, d = 2, 2, 8, 8
+    f, item = 4 * d // n, 8
+    want = (b * (t // n) * d + 2 * b * (t // n) + 2 * b * t * f) * item
+    for rank in fpar.launch(ops_dist_workers.sp_saved, 2, b, t, d, timeout=60.0):
+        for call, (got, shapes) in enumerate(rank["megatron"]):
+            assert got == want, (call, shapes)
+        for call, (got, shapes) in enumerate(rank["gathered"]):
+            assert got == want + (b * t * d - b * (t // n) * d) * item, (call, shapes)

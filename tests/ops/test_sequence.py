@@ -136,8 +136,10 @@ def test_sp_activations_are_sequence_blocks():
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_traffic_sp_mlp_equals_1d(n):
-    """SP: all-gather + reduce-scatter each way, the same bytes as 1D's two all-reduces.
+def test_traffic_sp_mlp_is_1d_and_one_all_gather(n):
+    """SP: all-gather + reduce-scatter each way, the same bytes as 1D's two all-reduces, and one
+    all-gather more in the backward: the input's sequence blocks gathered again for w_in's gradient
+    (Megatron-LM's trade: the forward keeps the block, not the whole sequence).
 
     The row-parallel bias, replicated but added to sequence shards, has its gradient all-reduced.
     """
@@ -147,14 +149,15 @@ def test_traffic_sp_mlp_equals_1d(n):
     sp = traffic(sharded(ops.sp_mlp, mesh(n), (ops.mlp_specs(), SEQ), SEQ), (p, x), argnums=(0, 1))
     one_d = traffic(sharded(ops.mlp, mesh(n), (ops.mlp_specs(), P()), P()), (p, x), argnums=(0, 1))
     assert bytes_of(sp) == {
-        "all_gather": 2 * all_gather(n, act // n),  # forward into w_in, backward of the reduce-scatter
+        # forward into w_in, its backward again (the re-gather), backward of the reduce-scatter
+        "all_gather": 3 * all_gather(n, act // n),
         "psum_scatter": 2 * reduce_scatter(n, act),  # forward out of w_out, backward of the all-gather
         "psum": all_reduce(n, d * ITEM),  # b_out's gradient
     }
     assert bytes_of(one_d) == {"psum": 2 * all_reduce(n, act)}
-    assert sp["tensor"]["all_gather"]["calls"] == sp["tensor"]["psum_scatter"]["calls"] == 2
+    assert sp["tensor"]["all_gather"]["calls"] == 3 and sp["tensor"]["psum_scatter"]["calls"] == 2
     activations = bytes_of(sp)["all_gather"] + bytes_of(sp)["psum_scatter"]
-    assert activations == bytes_of(one_d)["psum"]
+    assert activations == bytes_of(one_d)["psum"] + all_gather(n, act // n)
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -168,7 +171,7 @@ def test_traffic_sp_attention(n):
         argnums=(0, 1),
     )
     assert bytes_of(stats) == {
-        "all_gather": 2 * all_gather(n, act // n),
+        "all_gather": 3 * all_gather(n, act // n),  # with the re-gather for w_qkv's gradient
         "psum_scatter": 2 * reduce_scatter(n, act),
         "psum": all_reduce(n, d * ITEM),  # b_o's gradient
     }

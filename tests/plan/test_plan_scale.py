@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import plan_programs as PP
 import pytest
 
@@ -340,3 +342,42 @@ def test_zero1_and_2_donated_hold_the_papers_bytes_and_one_bucket(stage):
     paper = {1: 8 + 8 / 2, 2: 4 + 12 / 2}[stage] * n
     leaf = 4 * PP.D * PP.H  # a bucket's whole gradient (one leaf)
     assert paper < est.peak_bytes < paper + 3 * leaf, (est.peak_bytes / n, paper / n)
+
+
+def _layer_activations(model, layout) -> tuple[float, float]:
+    """One layer's bytes the forward leaves for the backward, less its bfloat16 weight copies, in
+    units of ``s b h / t`` (``t`` the tensor size), with those copies' own share: the difference
+    between 4 and 2 layers, as Korthikanti et al. count a layer."""
+    saved, copies = [], []
+    for layers in (2, 4):
+        step, args = plan.model_step(dataclasses.replace(model, n_layers=layers), layout)
+        c = plan.estimate(step, *args).devices[0]
+        saved.append(c.saved_activations)
+        copies.append(c.state_bytes["params"] / 2)  # float32 masters -> the bf16 copies matmuls keep
+    unit = model.seq * layout.batch * model.d_model / layout.tensor
+    return (saved[1] - saved[0]) / 2 / unit, (copies[1] - copies[0]) / 2 / unit
+
+
+@pytest.mark.parametrize(
+    "tensor, sp, remat, formula",
+    [
+        (1, False, False, 32.0),  # 34 s b h less the two dropout masks (fpar's GPT has none)
+        (4, False, False, 8 * 4 + 24.0),  # tensor parallel: s b h (8 + 24/t)
+        (4, True, False, 32.0),  # Megatron-SP: 32 s b h / t (the matmuls' inputs kept as blocks)
+        (4, True, True, 2.0),  # full recomputation: the layer's input block
+        (4, False, True, 2.0 * 4),  # ... the whole input without SP
+    ],
+)
+def test_a_gpt_layer_keeps_korthikantis_activations(tensor, sp, remat, formula):
+    """Activation memory per GPT layer (bf16, flash attention, no dropout) is Korthikanti et al.'s
+    (2022) formula: 34 s b h / t with sequence parallelism, less 2 s b h / t of dropout masks.
+    Sequence parallelism once kept each column-parallel matmul's gathered input (60 s b h / t at
+    tensor 8).  Beside the formula: the statistics of two LayerNorms and attention's log-sum-exp
+    (under 0.1), and the layer's bf16 weight copies (counted apart: issue 51's one copy a step)."""
+    model = dataclasses.replace(
+        plan.MODELS["gpt-1.7b"], d_model=1024, n_heads=8, n_kv_heads=8, d_ffn=4096, seq=1024, vocab=4096
+    )
+    layout = plan.Layout(tensor=tensor, sequence_parallel=sp, remat=remat, batch=1, microbatches=1)
+    act, copies = _layer_activations(model, layout)
+    weights = 0.0 if remat else copies
+    assert formula <= act - weights < formula + 0.1, (act, copies)
