@@ -176,7 +176,14 @@ def zero_grads(
             leaves = tree_flatten(params)[0]
             groups = _buckets(leaves, layout, bucket_bytes)
             return scattered_grad(hooked, layout, params, batch, scale, groups)
-        g, loss = grad(wrt(params), batch, scale)
+        if maybe_current_level() is None:
+            # No transform around the step: torch.autograd.  torch.func.grad records the backward
+            # itself (create_graph, for a higher derivative nobody takes here) and so keeps what
+            # each op of the backward saves until the whole backward ends (pytorch#134612): every
+            # recomputed layer's activations under remat, each layer's activation gradients.
+            g, loss = _autograd_grad(objective, wrt(params), batch, scale)
+        else:
+            g, loss = grad(wrt(params), batch, scale)
         return (reduce(g) if reduce is not None else g), loss
 
     acc = accumulate(one, n_micro, mesh, batch_specs)
