@@ -246,20 +246,7 @@ def real_worker(name: str) -> dict:
 
 
 BY_SIZE = {
-    2: (
-        "dp",
-        "zero1",
-        "zero2",
-        "zero3",
-        "zero3_remat",
-        "zero3_micro",
-        "dp_donate",
-        "zero1_donate",
-        "zero2_donate",
-        "zero3_donate",
-        "sp",
-        "moe",
-    ),
+    2: (*ZERO_PROGRAMS, "sp", "moe"),
     4: ("tp", "pipeline"),
 }
 
