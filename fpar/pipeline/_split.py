@@ -25,12 +25,14 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .._compile import untraced
+from ._casts import Casts
 
 __all__ = ["Record", "capture", "weight_grads"]
 
 Tensor = torch.Tensor
 _LINEAR = {F.linear}
 _MATMUL = {torch.matmul, Tensor.matmul, Tensor.__matmul__}
+_CASTS = {Tensor.to, Tensor.bfloat16, Tensor.half}
 
 
 class Record(NamedTuple):
@@ -49,12 +51,14 @@ class capture(TorchFunctionMode):
     Args:
       leaves: the parameter leaves whose weight gradients may be deferred.
       records: where the backward appends one ``Record`` per deferred weight use.
+      casts: the chunk's shared low-precision casts of its leaves (``_casts``), or ``None``.
     """
 
-    def __init__(self, leaves: Iterable[Tensor], records: list):
+    def __init__(self, leaves: Iterable[Tensor], records: list, casts: Casts | None = None):
         super().__init__()
         self.leaves = {id(t): t for t in leaves}
         self.records = records
+        self.casts = casts
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -64,6 +68,10 @@ class capture(TorchFunctionMode):
             deferred = self._defer(func, args, kwargs)
             if deferred is not None:
                 return deferred
+        elif func in _CASTS and self.casts is not None and torch._C._functorch.maybe_current_level() is None:
+            shared = self.casts(func, args, kwargs)  # the step's one low-precision copy (``_casts``)
+            if shared is not None:
+                return shared
         return func(*args, **kwargs)
 
     def _defer(self, func, args, kwargs) -> Tensor | None:

@@ -4,7 +4,9 @@ Forward actions record the autograd graph (the *stash*).  Forwards run under ``_
 so the backward of the stage's linear layers computes only input gradients and leaves their
 weight gradients to ``W``, which computes them as their own matmuls (accumulated in place, fused
 into the matmul): ``B`` is that backward (freeing the graph), ``W`` runs later, and ``BW`` is
-``B`` then ``W``.  Both drivers (``_run_local``, ``_run_dist``) run their stages through this.
+``B`` then ``W``.  A chunk's low-precision casts of its parameters are made once per step and
+shared by its microbatches in flight (``_casts``).  Both drivers (``_run_local``, ``_run_dist``)
+run their stages through this.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from .. import _dist
 from .. import random as _random
 from .._tree import tree_flatten, tree_unflatten
+from ._casts import Casts
 from ._schedule import Action, Schedule, locate, prev_stage, virtual
 from ._split import capture, weight_grads
 from ._timeline import Timeline
@@ -89,6 +92,10 @@ class Stage:
         self.deferred: dict[int, Tensor] = {}  # id(leaf) -> weight gradient accumulated by W
         self.slots: dict[int, Tensor] = {}  # id(leaf) -> where W writes its first gradient (see _split)
         self.loss_sum: Tensor | None = None
+        # chunk -> its parameters' low-precision casts, one per step (``_casts``), and the
+        # backwards it has run: the casts are dropped after its last
+        self.casts: dict[int, Casts] = {}
+        self.backwards = [0] * self.v
         self.busy, self.peak, self.peak_inbox, self.seconds, self.waited = 0, 0, 0, 0.0, 0.0
         # Real mesh: forwards other than ``finals`` (per chunk, the microbatch whose backward
         # runs last) run under this fpar.defer_reduction() scope: one DP all-reduce per step.
@@ -149,7 +156,10 @@ class Stage:
         args = self._trees(c, k)
         records: list = []
         key_j = None if self.key is None else (_random.fold_in(self.key, j),)
-        with torch.enable_grad(), capture(leaves, records):
+        casts = self.casts.get(c)
+        if casts is None:
+            casts = self.casts[c] = Casts(leaves)
+        with torch.enable_grad(), capture(leaves, records, casts):
             if k == 0:
                 x = None
                 h = xs[j] if self.fns.first is None else self.fns.first(args["first"], xs[j], *(key_j or ()))
@@ -182,6 +192,9 @@ class Stage:
         # The captured linear layers leave their weight gradients to W (``_split``); the other
         # parameter gradients accumulate in .grad (AccumulateGrad), like torch's.  BW is B then W.
         _backward(st.out, dy, ([st.x] if st.x is not None else []) + st.leaves)
+        self.backwards[c] += 1
+        if self.backwards[c] == self.m and c in self.casts:
+            self.casts.pop(c).clear()  # the chunk's last backward: no graph uses its casts now
         dx = st.x.grad if st.x is not None else None
         if prev_stage(self.s, c, self.p, self.v, self.layout) is None:
             dx = None  # virtual stage 0: nothing to send back

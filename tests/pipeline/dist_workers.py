@@ -259,3 +259,77 @@ def batched_job(axes: tuple, name: str, p: int, m: int, v: int) -> dict:
         dist.batch_isend_irecv, groups._coalesces = original_batch, original_coalesces
     out["crossing"] = crossing[0]
     return out
+
+
+def cast_job(axes: tuple, name: str, p: int, m: int, v: int, shared: bool) -> dict:
+    """A bfloat16 pipeline over float32 master weights: loss, gathered gradients, and the step's peak bytes.
+
+    Every chunk casts its weights with ``w.to(torch.bfloat16)`` (``shared``: the executor's one
+    cast per step) or ``w.to(torch.bfloat16, copy=True)`` (not a cast it shares: one per
+    microbatch in flight, as a stage function that casts without the executor would hold).
+    ``forward_peak``: the most bytes the step had made and not freed at the end of a chunk's
+    forward; ``cast_bytes``: one chunk's bfloat16 weights; ``table_bytes``: the embedding table's
+    bfloat16 cast on this rank (indexing does not save it: shared, it is held for the step, where
+    a cast per microbatch is freed at once).
+    """
+    from fpar.plan._record import Recorder
+
+    mesh = mesh_for(axes)
+    g = torch.Generator().manual_seed(0)
+    d, h, batch, bf16 = 32, 128, 2, torch.bfloat16
+    stages = {
+        "a": torch.randn(p * v, d, h, generator=g) * 0.2,
+        "b": torch.randn(p * v, h, d, generator=g) * 0.2,
+    }
+    first, last = {"emb": torch.randn(11, d, generator=g)}, {"head": torch.randn(d, 3, generator=g)}
+    xs, ts = torch.randint(0, 11, (m, batch), generator=g), torch.randn(m, batch, 3, generator=g)
+
+    def cast(w):
+        return w.to(bf16) if shared else w.to(bf16, copy=True)
+
+    live: list = []  # the step's bytes alive at the end of each chunk's forward
+
+    def block(w, x):
+        y = x + torch.tanh(x @ cast(w["a"])) @ cast(w["b"])
+        if rec.measuring:
+            live.append(rec.total)
+        return y
+
+    def embed(w, ids):
+        return cast(w["emb"])[ids]
+
+    def loss(w, x, t):
+        return ((x.float() @ w["head"] - t) ** 2).mean()
+
+    rec = Recorder({})
+    rec.measuring = False
+    others = tuple(a for a in mesh.axis_names if a != "pipe")
+    spec = {"a": P("pipe"), "b": P("pipe")}
+    if others:  # the stage functions are shards over the other axes (replicated weights)
+        sub = mesh.submesh(others)
+        block = fpar.shard(block, sub, ({"a": P(), "b": P()}, P()), P())
+        embed = fpar.shard(embed, sub, ({"emb": P()}, P()), P())
+        loss = fpar.shard(loss, sub, ({"head": P()}, P(), P()), P())
+    params = {
+        "stages": fpar.device_put(pp.stage_major(stages, p, v), mesh, spec),
+        "first": first,
+        "last": last,
+    }
+    step = pp.pipeline(block, M.schedule(name, p, m, v), mesh, loss=loss, first=embed)
+    with rec:
+        step(params, xs, ts)  # plans the sharded calls
+        rec.start()
+        rec.measuring = True
+        res = step(params, xs, ts)
+        peak = rec.peak
+    coord = _pipe_coord(mesh)
+    return {
+        "loss": res.loss,
+        "stages": fpar.gather(res.grads["stages"], mesh, spec),
+        "first": res.grads["first"] if coord in (None, 0) else None,
+        "last": res.grads["last"] if coord in (None, (p * v - 1) % p) else None,
+        "peak": peak,
+        "forward_peak": max(live),
+        "cast_bytes": 2 * d * h * 2,
+        "table_bytes": first["emb"].numel() * 2 if coord in (None, 0) else 0,
+    }

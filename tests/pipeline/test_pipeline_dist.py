@@ -169,3 +169,61 @@ def test_batched_p2p_of_coalescing_backends_equals_in_process():
             assert status == "ok", f"rank {rank}:\n{res}"
             assert res.pop("crossing") > 0, (args, rank)
             _compare(res, expected, f"{kind}{args} rank {rank}")
+
+
+PIPE2, PD = (("pipe", 2),), (("pipe", 2), ("data", 1))
+
+
+def _equal(got: dict, expected: dict, where: str) -> None:
+    """Loss and every gradient bit for bit (``first``/``last`` where this rank holds them)."""
+    for key in ("loss", "stages", "first", "last"):
+        g, e = got[key], expected[key]
+        if g is None or e is None:
+            continue
+        for a, b in zip(tree_flatten(g)[0], tree_flatten(e)[0]):
+            assert torch.equal(a, b), f"{where}: {key} differs"
+
+
+def test_a_stage_casts_its_weights_to_bfloat16_once_a_step_in_process():
+    """A stage function that casts float32 masters (``w.to(torch.bfloat16)``) gets the step's one
+    cast, shared by every microbatch in flight: GPipe's 4 microbatches on each of 2 stages held 4
+    copies of their chunk's bfloat16 weights, now 1; values and gradients bit for bit those of a
+    cast per microbatch."""
+    shared = W.cast_job(PIPE2, "gpipe", 2, 4, 1, True)
+    own = W.cast_job(PIPE2, "gpipe", 2, 4, 1, False)
+    _equal(shared, own, "shared casts, in-process")
+    saved = own["forward_peak"] - shared["forward_peak"]
+    assert saved == 2 * 3 * shared["cast_bytes"] - shared["table_bytes"]
+    assert own["peak"] > shared["peak"]
+    inter = (W.cast_job(PIPE2, "interleaved", 2, 4, 2, s) for s in (True, False))
+    _equal(*inter, "shared casts, interleaved, in-process")
+
+
+@pytest.mark.multiprocess
+def test_a_stage_casts_its_weights_to_bfloat16_once_a_step_on_the_real_mesh():
+    """The same on 2 gloo processes, the stage functions shards over a data axis: each stage holds 3
+    copies of its chunk's bfloat16 weights fewer under GPipe with 4 microbatches; values bit for bit
+    a cast per microbatch's, and the in-process mesh's."""
+    jobs = [
+        ("cast_job", (PD, name, 2, 4, v, s))
+        for name, v in (("gpipe", 1), ("interleaved", 2))
+        for s in (True, False)
+    ]
+    got = fpar.launch(W.run_jobs, 2, jobs, timeout=120.0)
+    for rank, results in enumerate(got):
+        assert all(status == "ok" for status, _ in results), f"rank {rank}:\n{results}"
+        (_, shared), (_, own), (_, inter_shared), (_, inter_own) = results
+        _equal(shared, own, f"rank {rank}, gpipe")
+        _equal(inter_shared, inter_own, f"rank {rank}, interleaved")
+        saved = own["forward_peak"] - shared["forward_peak"]
+        assert saved == 3 * shared["cast_bytes"] - shared["table_bytes"], (rank, saved)
+        assert own["peak"] > shared["peak"], rank
+        _compare(
+            {k: shared[k] for k in ("loss", "stages", "first", "last")},
+            {
+                k: v
+                for k, v in W.cast_job(PIPE2, "gpipe", 2, 4, 1, True).items()
+                if k in ("loss", "stages", "first", "last")
+            },
+            f"real mesh rank {rank} against in-process",
+        )
