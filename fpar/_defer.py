@@ -92,6 +92,11 @@ class defer_reduction:
     # that every deferred sum was reduced (``_check_reduced``); a scope entered by hand is checked
     # at the end of each final call's backward (``watch_unclaimed``).
     _checks_itself = False
+    # Set by ``fpar.optim.zero_pipeline`` (its sums taken with ``_take_local``): a dtype the sums
+    # of lower-precision cotangents are kept in (the buffers are this dtype; each microbatch's
+    # cotangent is added into it exactly), as FSDP2 reduces bfloat16 parameters' gradients in
+    # float32.  ``None``: the cotangents' own dtype.
+    _accumulate_dtype: torch.dtype | None = None
 
     def __enter__(self) -> defer_reduction:
         if not _ACTIVE:
@@ -113,6 +118,26 @@ class defer_reduction:
         """Drop this scope's pending sums (a step that failed after its deferred calls)."""
         for d in [d for d in _LIVE if d.scope is self]:
             d.drop()
+
+    def _take_local(self) -> list[tuple[Tensor, Tensor, tuple[str, ...]]]:
+        """Every sum deferred under this scope, unreduced: ``(input tensor, its local sum, axes)``.
+
+        For a caller that reduces the sums itself (``fpar.optim.zero_pipeline``: a reduce-scatter
+        over the data axis, not an all-reduce).  ``axes``: the mesh axes the input is replicated
+        over, which its sum is over.  Each sum is a view of its bucket's buffer; the scope's sums
+        are forgotten (no final call may claim them).  Raises like a final call when a deferred
+        call's backward has not run.
+        """
+        out = []
+        for d in [d for d in _LIVE if d.scope is self]:
+            for b, (axes, members) in enumerate(d.parts):
+                flat = d.take(b)
+                if flat is None:
+                    continue
+                for base, at, shape in members:
+                    out.append((base, block(flat, at, shape), axes))
+            d.drop()
+        return out
 
     def _check_reduced(self, where: str) -> None:
         """Raise if sums deferred under this scope were not reduced (end of a step)."""
@@ -198,6 +223,9 @@ class Deferred:
         self.adds = [0] * n_buckets
         self.taken = [False] * n_buckets
         self.calls = 0
+        # per bucket: (the axes its sums are over, [(input tensor, offset, shape)]): set by the
+        # first call, for ``defer_reduction._take_local``
+        self.parts: list[tuple[tuple[str, ...], list[tuple[Tensor, int, torch.Size]]]] = []
         self.final = False  # a final call has claimed the buffers
         _LIVE.append(self)
 
@@ -237,7 +265,7 @@ class Deferred:
             if flat is None:
                 _, dtype, device = metas[0]
                 self.sizes[b] = [m[0].numel() for m in metas]
-                flat = self.flats[b] = self.buffer(b, sum(self.sizes[b]), dtype, device)
+                flat = self.flats[b] = self.buffer(b, sum(self.sizes[b]), self._dtype(dtype), device)
                 self.filled[b] = [False] * len(metas)
             at = sum(m[0].numel() for m in metas[:i])
             slot = block(flat, at, metas[i][0])
@@ -256,7 +284,9 @@ class Deferred:
         first = flat is None
         if first:
             _, dtype, device = metas[0]
-            flat = self.flats[b] = self.buffer(b, sum(m[0].numel() for m in metas), dtype, device)
+            flat = self.flats[b] = self.buffer(
+                b, sum(m[0].numel() for m in metas), self._dtype(dtype), device
+            )
         at = 0
         for ct, (shape, _, _) in zip(cts, metas):
             n = shape.numel()
@@ -269,6 +299,13 @@ class Deferred:
             else:
                 slot.add_(ct.detach())
             at += n
+
+    def _dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of a bucket's buffer for cotangents of ``dtype`` (the scope's accumulate dtype)."""
+        wide = self.scope._accumulate_dtype
+        if wide is not None and dtype.is_floating_point and dtype.itemsize < wide.itemsize:
+            return wide
+        return dtype
 
     def _too_late(self) -> RuntimeError:
         return RuntimeError(

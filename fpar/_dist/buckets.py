@@ -427,6 +427,11 @@ def _open(scope, fname: str, key: tuple, bases: list, buckets: list, kept: dict 
     buffer = None if kept is None else functools.partial(_kept_view, kept)
     held = _defer.open_deferred(scope, fname, key, versions, len(buckets), buffer)
     held.calls += 1
+    if not held.parts:
+        for layout, xs in buckets:
+            members = [(_defer.base_of(x), at, x.shape) for x, at in zip(xs, layout.offsets)]
+            axes = layout.bucket[0]
+            held.parts.append((axes if isinstance(axes, tuple) else (axes,), members))
     return held
 
 

@@ -63,6 +63,7 @@ from ._zero import zero_init as zero_init
 from ._zero import zero_layout as zero_layout
 from ._zero import zero_params as zero_params
 from ._zero_grads import zero_grads as zero_grads
+from ._zero_pipeline import zero_pipeline as zero_pipeline
 from ._zero_update import zero_step as zero_step
 from ._zero_update import zero_update as zero_update
 
@@ -104,6 +105,7 @@ __all__ = [
     "zero_init",
     "zero_layout",
     "zero_params",
+    "zero_pipeline",
     "zero_step",
     "zero_update",
 ]

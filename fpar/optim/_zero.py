@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from .._collectives import all_gather, all_gather_invariant, axis_index, frames, psum_scatter
+from .._collectives import all_gather, all_gather_invariant, axis_index, frames, psum, psum_scatter
 from .._mesh import Mesh
 from .._shard import shard
 from .._spec import P
@@ -240,17 +240,17 @@ def _gather(chunk: Tensor, lf: _Leaf, layout: ZeroLayout, *, invariant: bool) ->
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket cap
 
 
-def _buckets(xs: list[Tensor], layout: ZeroLayout, cap: int) -> list[list[int]]:
+def _buckets(xs: list[Tensor], layout: ZeroLayout, cap: int, extra: list | None = None) -> list[list[int]]:
     """Leaf indices grouped into buckets, one collective each (in leaf order).
 
     A bucket holds leaves of one dtype split over the same non-data axes (so the concatenation
-    varies over the same axes as each leaf), up to ``cap`` bytes of this device's values; a
-    leaf larger than ``cap`` is a bucket of its own.
+    varies over the same axes as each leaf), and summed over the same ``extra`` axes after, up
+    to ``cap`` bytes of this device's values; a leaf larger than ``cap`` is a bucket of its own.
     """
     buckets: list[list[int]] = []
     open_: dict[tuple, tuple[list[int], int]] = {}
     for i, (x, lf) in enumerate(zip(xs, layout.leaves)):
-        key = (x.dtype, lf.split)
+        key = (x.dtype, lf.split, extra[i] if extra else ())
         size = layout.n * lf.chunk * x.element_size()
         group, used = open_.get(key, (None, 0))
         if group is None or used + size > cap:
@@ -262,23 +262,33 @@ def _buckets(xs: list[Tensor], layout: ZeroLayout, cap: int) -> list[list[int]]:
 
 
 def _reduce_scatter_all(
-    grads: list[Tensor], layout: ZeroLayout, cap: int, done: Callable[[list[int]], None] | None = None
+    grads: list[Tensor],
+    layout: ZeroLayout,
+    cap: int,
+    done: Callable[[list[int]], None] | None = None,
+    extra: list | None = None,
 ) -> list[Tensor]:
     """``_reduce_scatter`` of every leaf, one ``psum_scatter`` per bucket (the same sums).
 
     ``done(group)`` is told each bucket's leaf indices once its collective has returned (the
-    whole gradients of those leaves are no longer needed: ``_Releaser``).
+    whole gradients of those leaves are no longer needed: ``_Releaser``).  ``extra``: per leaf,
+    mesh axes its chunk is then summed over too (a gradient replicated over the tensor axis,
+    each device's own part: ``zero_pipeline``), one ``psum`` per bucket.
     """
     n, leaves = layout.n, layout.leaves
     out: list[Tensor] = [None] * len(grads)  # type: ignore[list-item]
-    for group in _buckets(grads, layout, cap):
+    for group in _buckets(grads, layout, cap, extra):
+        over = extra[group[0]] if extra else ()
         if len(group) == 1:
-            out[group[0]] = _reduce_scatter(grads[group[0]], leaves[group[0]], layout)
+            mine = _reduce_scatter(grads[group[0]], leaves[group[0]], layout)
+            out[group[0]] = psum(mine, over) if over else mine
         else:
             # Device k's chunk of every leaf, side by side: row k of an (N, sum of chunks) matrix.
             rows = [_padded(grads[i], leaves[i], n).reshape(n, leaves[i].chunk) for i in group]
             mine = psum_scatter(torch.cat(rows, dim=1).reshape(-1), layout.data_axis, tiled=True)
             del rows
+            if over:
+                mine = psum(mine, over)
             for i, piece in zip(group, mine.split([leaves[i].chunk for i in group])):
                 out[i] = piece
         if done is not None:

@@ -18,6 +18,7 @@ from the schedule), the peak inbox, and measured seconds.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch
 
 from .._mesh import Mesh
 from .._tree import tree_flatten
-from ._run_dist import DistDriver
+from ._run_dist import DistDriver, Unreduced
 from ._run_local import LocalDriver
 from ._schedule import Schedule
 from ._stage import Fns, StepResult
@@ -113,7 +114,14 @@ def pipeline(
     driver = DistDriver(schedule, mesh, axis, fns) if mesh.backend == "dist" else LocalDriver(schedule, fns)
     ties = tuple(getattr(loss, "tied", ()) if tied is None else tied)
 
-    def step(params: dict, xs: Tensor, targets: Any = None, *, key: Tensor | None = None) -> StepResult:
+    def run(
+        params: dict,
+        xs: Tensor,
+        targets: Any,
+        key: Tensor | None,
+        unreduced: str | None,
+        accumulate: torch.dtype | None = None,
+    ) -> Any:
         try:
             _check_params(params, xs, targets, schedule, local=mesh.backend != "dist")
             _check_ties(params, ties)
@@ -122,13 +130,22 @@ def pipeline(
             if mesh.backend == "dist":
                 driver.failed()  # the other ranks raise too, naming this one, instead of waiting
             raise
+        run_driver: Callable[..., Any] = driver.run
+        if unreduced is not None and isinstance(driver, DistDriver):
+            run_driver = functools.partial(driver.run, unreduced=unreduced, accumulate=accumulate)
         if not ties:
-            return driver.run(params, xs, targets, key)
+            return run_driver(params, xs, targets, key)
         last = dict(params["last"])
         for a, b in ties:  # the tied weight, held once in first, is also the loss's parameter b
             last[b] = params["first"][a]
-        return _sum_ties(driver.run({**params, "last": last}, xs, targets, key), ties)
+        return _sum_ties(run_driver({**params, "last": last}, xs, targets, key), ties)
 
+    def step(params: dict, xs: Tensor, targets: Any = None, *, key: Tensor | None = None) -> StepResult:
+        return run(params, xs, targets, key, None)
+
+    # ``fpar.optim.zero_pipeline``: the same step with the gradients left unreduced over a data axis
+    step._unreduced = run  # type: ignore[attr-defined]
+    step._mesh, step._axis = mesh, axis  # type: ignore[attr-defined]
     return step
 
 
@@ -149,16 +166,28 @@ def _check_stage(stage: Any, schedule: Schedule) -> None:
         )
 
 
-def _sum_ties(result: StepResult, ties: tuple) -> StepResult:
+def _sum_ties(result: Any, ties: tuple) -> Any:
     """The tied weight's gradient: its first use's plus the loss's (which is taken out of ``last``).
 
     On a real mesh both are whole on every rank already (``first`` and ``last`` are replicated
-    over the pipe axis), so each rank adds them itself: no message.
+    over the pipe axis), so each rank adds them itself: no message.  Unreduced gradients
+    (``Unreduced``) add the same way, part by part: each part's sum over the mesh is linear.
     """
-    first, last = dict(result.grads["first"]), dict(result.grads["last"])
+    if isinstance(result, Unreduced):
+        return result._replace(
+            local=_tied_sum(result.local, ties),
+            reduced=_tied_sum(result.reduced, ties),
+            axes=_tied_sum(result.axes, ties, lambda a, b: a),  # both uses' sums are over the same axes
+        )
+    return result._replace(grads=_tied_sum(result.grads, ties))
+
+
+def _tied_sum(grads: dict, ties: tuple, add: Callable = lambda g, h: g + h) -> dict:
+    first, last = dict(grads["first"]), dict(grads["last"])
     for a, b in ties:
-        first[a] = first[a] + last.pop(b)
-    return result._replace(grads={**result.grads, "first": first, "last": last})
+        g, h = first[a], last.pop(b)
+        first[a] = h if g is None else (g if h is None else add(g, h))
+    return {**grads, "first": first, "last": last}
 
 
 def _check_ties(params: dict, ties: tuple) -> None:

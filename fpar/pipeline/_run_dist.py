@@ -16,9 +16,10 @@ reduced with the last one's, one all-reduce per bucket (``fpar/_defer.py``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -62,11 +63,25 @@ class DistDriver:
         self.ticks = [[a for a in acts if a.stage == me] for acts in self.schedule.by_tick()]
         self.finals = _last_backwards(self.ticks)
 
-    def run(self, params: dict, xs: Tensor, targets: Any, key: Tensor | None = None) -> StepResult:
+    def run(
+        self,
+        params: dict,
+        xs: Tensor,
+        targets: Any,
+        key: Tensor | None = None,
+        unreduced: str | None = None,
+        accumulate: torch.dtype | None = None,
+    ) -> Any:
+        """The step: a ``StepResult``; with ``unreduced`` (a data axis) an ``Unreduced`` instead.
+
+        ``accumulate``: with ``unreduced``, the dtype the gradients of lower-precision parameters
+        are summed in over the microbatches (``fpar.optim.zero_pipeline``'s float32 sums of its
+        bfloat16-gathered parameters).
+        """
         if self.mesh.abstract:  # a mesh on paper: the stage fpar.plan simulates (device 0's outside)
             if not _dist.simulated():
                 with _dist.on_paper(self.mesh):
-                    return self.run(params, xs, targets, key)
+                    return self.run(params, xs, targets, key, unreduced, accumulate)
             if self.mesh._dist.coords[self.axis] != self.me:  # another stage's process: its own buffers
                 self._stage(self.mesh._dist.coords[self.axis])
                 self.shapes, self.kept_rows = {}, []
@@ -82,7 +97,12 @@ class DistDriver:
         st = Stage(self.me, sch, self.fns, chunks, params.get("first"), params.get("last"), key)
         st.deferral, st.finals = defer_reduction(), self.finals  # DP gradients reduced once per step
         st.deferral._checks_itself = True  # _check_reduced at the step's end
-        bufs = _gradient_rows(st, stacked, self.kept_rows)
+        if unreduced is not None:  # every forward deferred; the sums are taken unreduced at the end
+            st.finals = set()
+            if accumulate is not None:
+                st.deferral._accumulate_dtype = accumulate
+                _widen(st, accumulate)
+        bufs = _gradient_rows(st, stacked, self.kept_rows) if unreduced is None else None
         start = time.perf_counter()
         sending: list = []
         early: set = set()
@@ -112,6 +132,11 @@ class DistDriver:
             st.note_inbox()
         for work, _ in sending:
             work.wait()
+        if unreduced is not None:
+            sums = st.deferral._take_local()
+            wall = time.perf_counter() - start
+            loss, stats = self._finish(st, wall, _dist)
+            return _unreduced(st, params, sums, loss, stats)
         st.deferral._check_reduced("fpar.pipeline")
         wall = time.perf_counter() - start
         loss, stats = self._finish(st, wall, _dist)
@@ -274,31 +299,35 @@ class DistDriver:
         """Share the loss (from the last stage) and every stage's stats along the pipe axis."""
         sch = self.schedule
         p, last = sch.p, last_stage(sch)
-        counts = torch.tensor([st.busy, st.peak, st.peak_inbox, st.seconds], dtype=torch.float64)
+        # the loss's dtype goes with it (its code in _DTYPES; -1 where this stage has no loss)
+        code = _DTYPES.index(st.loss_sum.dtype) if st.loss_sum is not None else -1
+        counts = torch.tensor([code, st.busy, st.peak, st.peak_inbox, st.seconds], dtype=torch.float64)
         loss_row = (st.loss_sum / sch.m).reshape(1) if st.loss_sum is not None else torch.zeros(1)
         # On the stage's device (NCCL sends device tensors only); one message per peer.
         mine = torch.cat([loss_row.to(self.device, torch.float64), counts.to(self.device)])
         peers = [q for q in range(p) if q != self.me]
         got = _dist.p2p(
-            self.mesh, self.axis, [(mine, q) for q in peers], [((5,), torch.float64, q) for q in peers]
+            self.mesh, self.axis, [(mine, q) for q in peers], [((6,), torch.float64, q) for q in peers]
         )
         if _dist.simulated():  # fpar.plan: no peer's numbers arrive; every stage shows this one's
             own = [0.0, *counts.tolist()]
+            own[1] = _DTYPES.index(_float_dtype(st))
             rows = {q: own for q in range(p)}
         else:
             rows = {q: r.tolist() for q, r in zip(peers, got)}  # one host sync per step, at the end
             rows[self.me] = mine.tolist()
         if st.loss_sum is not None:
             loss = st.loss_sum / sch.m
-        else:  # sent as float64, which holds every lower precision exactly
-            loss = torch.tensor(rows[last][0], dtype=torch.float64, device=self.device).to(_float_dtype(st))
+        else:  # sent as float64, which holds every lower precision exactly, in the loss's dtype
+            dtype = _DTYPES[int(rows[last][1])]
+            loss = torch.tensor(rows[last][0], dtype=torch.float64, device=self.device).to(dtype)
         stats = Timeline(
             sch.name,
             sch.num_ticks,
-            tuple(int(rows[q][1]) for q in range(p)),
             tuple(int(rows[q][2]) for q in range(p)),
             tuple(int(rows[q][3]) for q in range(p)),
-            tuple(float(rows[q][4]) for q in range(p)),
+            tuple(int(rows[q][4]) for q in range(p)),
+            tuple(float(rows[q][5]) for q in range(p)),
             wall,
         )
         return loss, stats
@@ -428,6 +457,100 @@ def _stack_local(per_chunk: list, bufs: list | None = None) -> list:
         else:
             out.append(stack(col))
     return out
+
+
+class Unreduced(NamedTuple):
+    """A real-mesh step's gradients with the data-parallel sums not taken (``fpar.optim.zero_pipeline``).
+
+    Each tree has the structure of the step's ``params`` (``stages`` stacked over this rank's
+    chunks; ``first`` and ``last`` on every rank, ``None`` leaves where this stage does not use
+    them).  A parameter's gradient is the sum over the mesh axes ``axes`` (their names in one
+    string, space-separated: a leaf of the tree) of every rank's
+    ``local`` (this rank's own sum over its microbatches, not communicated) plus ``reduced``
+    (what was summed already: a sum the sharded function could not defer), ``None`` where a
+    part is zero.
+    """
+
+    loss: Tensor
+    local: dict
+    reduced: dict
+    axes: dict
+    stats: Timeline
+
+
+def _unreduced(st: Stage, params: dict, sums: list, loss: Tensor, stats: Timeline) -> Unreduced:
+    """Sort the deferred sums (``defer_reduction._take_local``) and the rest by parameter."""
+    local: dict[int, Tensor] = {}
+    axes: dict[int, str] = {}
+    for base, value, over in sums:
+        have = local.get(id(base))
+        local[id(base)] = value if have is None else have + value
+        axes[id(base)] = " ".join(over)  # a leaf of the tree (a tuple or set would be a node)
+
+    def reduced(t: Any) -> Any:
+        if not isinstance(t, Tensor):
+            return None
+        parts = [g for g in (t.grad, st.deferred.get(id(t)), st.wide.get(id(t))) if g is not None]
+        return sum(parts[1:], parts[0]) if parts else None
+
+    def parts(leaves: list) -> tuple[list, list, list]:
+        return (
+            [local.get(id(t)) for t in leaves],
+            [reduced(t) for t in leaves],
+            [axes.get(id(t)) for t in leaves],
+        )
+
+    out: dict[str, dict] = {"local": {}, "reduced": {}, "axes": {}}
+    per_chunk = [parts(leaves) for leaves, _ in st.groups["stages"]]
+    treedef = tree_flatten(params["stages"])[1]
+    for k, part in enumerate(("local", "reduced", "axes")):
+        cols = list(zip(*(chunk[k] for chunk in per_chunk)))
+        if part == "axes":
+            leaves = [next((a for a in col if a is not None), None) for col in cols]
+        else:
+            leaves = [_stack_parts(col) for col in cols]
+        out[part]["stages"] = tree_unflatten(treedef, leaves)
+    for g in ("first", "last"):
+        if g not in params:
+            continue
+        leaves, td = st.groups[g][0]
+        if td is None:  # this stage does not use them
+            empty = tree_map(lambda _: None, params[g])
+            for part in out:
+                out[part][g] = empty
+            continue
+        for part, got in zip(("local", "reduced", "axes"), parts(leaves)):
+            out[part][g] = tree_unflatten(td, got)
+    return Unreduced(loss, out["local"], out["reduced"], out["axes"], stats)
+
+
+def _widen(st: Stage, dtype: torch.dtype) -> None:
+    """Sum the gradients autograd accumulates into lower-precision leaves in ``dtype`` instead.
+
+    After each accumulation into such a leaf's ``.grad`` (a sum the sharded function could not
+    defer), the gradient moves into ``st.wide``, kept in ``dtype``: the microbatches add there.
+    """
+    for group in st.groups.values():
+        for leaves, _ in group:
+            for t in leaves:
+                if isinstance(t, Tensor) and t.requires_grad and t.dtype.itemsize < dtype.itemsize:
+                    t.register_post_accumulate_grad_hook(functools.partial(_move_wide, st.wide, dtype))
+
+
+def _move_wide(wide: dict, dtype: torch.dtype, t: Tensor) -> None:
+    g, t.grad = t.grad, None
+    if g is None:
+        return
+    have = wide.get(id(t))
+    wide[id(t)] = g.to(dtype) if have is None else have.add_(g)
+
+
+def _stack_parts(col: tuple) -> Tensor | None:
+    """One leaf's part over this rank's chunks, stacked (zeros for a chunk without it); ``None`` if none has it."""
+    if all(g is None for g in col):
+        return None
+    like = next(g for g in col if g is not None)
+    return stack([torch.zeros_like(like) if g is None else g for g in col])
 
 
 def _local_group(st: Stage, group: str, given: Any) -> Any:

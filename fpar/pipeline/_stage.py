@@ -90,6 +90,7 @@ class Stage:
         self.outbox: dict[tuple[str, int, int], Tensor] = {}  # computed, not yet sent
         self.out_shapes: dict[int, tuple] = {}  # chunk -> (shape, dtype) of what F sends on
         self.deferred: dict[int, Tensor] = {}  # id(leaf) -> weight gradient accumulated by W
+        self.wide: dict[int, Tensor] = {}  # id(leaf) -> its .grad summed in a wider dtype (_run_dist._widen)
         self.slots: dict[int, Tensor] = {}  # id(leaf) -> where W writes its first gradient (see _split)
         self.loss_sum: Tensor | None = None
         # chunk -> its parameters' low-precision casts, one per step (``_casts``), and the

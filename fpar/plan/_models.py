@@ -173,11 +173,8 @@ def check_layout(model: Model, layout: Layout) -> None:
             f"fpar.plan: virtual={layout.virtual} (interleaved 1F1B) needs pipeline > 1, schedule "
             f"'1f1b' and microbatches divisible by pipeline={p}; got {layout.describe()}."
         )
-    if layout.zero not in (0, 1, 2, 3) or (p > 1 and layout.zero > 1):
-        raise ValueError(
-            f"fpar.plan: zero={layout.zero} with pipeline={p}; a pipelined step takes ZeRO 0 or 1 "
-            f"(stages 2 and 3 reduce inside fpar.optim.zero_step, which runs unpipelined steps)."
-        )
+    if layout.zero not in (0, 1, 2, 3):
+        raise ValueError(f"fpar.plan: zero={layout.zero}; choose ZeRO stage 0, 1, 2 or 3.")
 
 
 def chunk_layers(model: Model, layout: Layout) -> list[int]:
@@ -388,6 +385,10 @@ def model_step(model: Model | str, layout: Layout, mesh: Mesh | None = None, *, 
     ``model``: a ``fpar.plan.Model`` or a name of ``fpar.plan.MODELS`` (``"llama-8b"``,
     ``"llama-70b"``, ``"llama-405b"``, ``"tiny"``, Megatron-LM's ``"gpt-1.7b"`` ... ``"gpt-175b"``).
 
+    The step is the one a user at scale runs: AdamW on float32 master weights, updated in place
+    (``donate=True``: the arguments' parameters and state are written; one copy of the state),
+    ZeRO 1-3 inside a pipeline through ``fpar.optim.zero_pipeline`` (ZeRO-1 as stage 2).
+
     Raises:
       ValueError: an unknown model name, or a layout that does not divide the model (the message
         names the dimension and the axis).
@@ -431,7 +432,8 @@ def model_step(model: Model | str, layout: Layout, mesh: Mesh | None = None, *, 
 
         layout_z = fo.zero_layout(params, mesh, specs, stage=layout.zero, data_axis=DATA)
         params, state = fo.zero_init(opt, params, layout_z)
-        zstep = fo.zero_step(loss_fn, opt, layout_z, batch_specs=P(DATA), n_micro=m)
+        # donated, as a user at scale runs it: parameters and AdamW state updated in place
+        zstep = fo.zero_step(loss_fn, opt, layout_z, batch_specs=P(DATA), n_micro=m, donate=True)
         batch = (ids.flatten(0, 1), ids.flatten(0, 1))
         batch = device_put(batch, mesh, P(DATA))
 
@@ -458,25 +460,24 @@ def model_step(model: Model | str, layout: Layout, mesh: Mesh | None = None, *, 
     tied_specs = {**last_specs, "w_tied": first_specs["w_emb"]} if gpt else last_specs
     loss_k = shard(head_loss, sub, (tied_specs, act, P(DATA)), P())
     schedule = pipeline_schedule(layout)
-    run = pp.pipeline(stage_k, schedule, mesh, loss=loss_k, first=first_k, axis=PIPE)
-    zl = fo.zero_layout(params, mesh, specs, stage=0 if layout.zero == 0 else 2, data_axis=DATA)
+    # GPT: the head computes with the embedding's table, held once (in first); the two uses'
+    # gradients are summed
+    ties = (("w_emb", "w_tied"),) if gpt else ()
+    run = pp.pipeline(stage_k, schedule, mesh, loss=loss_k, first=first_k, axis=PIPE, tied=ties)
+    # ZeRO 1-3 inside the pipeline: each stage's gradients reduce-scattered over data once a step
+    # (ZeRO-1's state is stage 2's there); stage 3 keeps chunks and gathers a stage once a step
+    stage = {0: 0, 1: 2, 2: 2, 3: 3}[layout.zero]
+    zl = fo.zero_layout(params, mesh, specs, stage=stage, data_axis=DATA)
     params, state = fo.zero_init(opt, params, zl)
-    update = fo.zero_update(opt, zl)
-    chunk = _own_chunks(zl) if layout.zero else None
+    update = fo.zero_update(opt, zl, donate=True)  # in place, as a user at scale runs it
+    if stage:  # ZeRO-3 gathers in a low compute dtype (FSDP2's param_dtype), sums in float32
+        low = dtype if stage == 3 and dtype.itemsize < 4 else None
+        run = fo.zero_pipeline(run, zl, compute_dtype=low)
     xs = device_put(ids, mesh, P(None, DATA))
 
     def step(params, state, xs, ys):
-        if not gpt:
-            res = run(params, xs, ys)
-            grads = res.grads
-        else:  # the last stage computes with the first's table: the two gradients are summed
-            res = run({**params, "last": _tied(params)}, xs, ys)
-            grads = dict(res.grads)
-            last = dict(grads["last"])
-            grads["first"] = {**grads["first"], "w_emb": grads["first"]["w_emb"] + last.pop("w_tied")}
-            grads["last"] = last
-        grads = grads if chunk is None else chunk(grads)
-        return update(grads, state, params), res.loss
+        res = run(params, xs, ys)
+        return update(res.grads, state, params), res.loss
 
     return step, (params, state, xs, xs)
 
@@ -538,14 +539,6 @@ def _local_loss(w, x, y):
     else:
         logits = ops.column_linear(h, head, axis=TENSOR)
     return ops.vocab_cross_entropy(logits, y, axis=TENSOR).mean()
-
-
-def _own_chunks(layout):
-    """ZeRO-1 after the pipeline's all-reduce: each device's chunk of the reduced gradient (no messages)."""
-    from ..optim._zero import _map, _own_chunk
-
-    pspecs = layout._tree([lf.spec for lf in layout.leaves])
-    return shard(lambda g: _map(_own_chunk, g, layout), layout.mesh, (pspecs,), layout.grad_specs)
 
 
 def _stacked(specs: dict, pipe: bool) -> dict:

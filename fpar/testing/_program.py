@@ -63,7 +63,8 @@ class TrainingProgram:
       driver: how a step is written: ``"manual"`` (an ``fpar.shard``-ed loss differentiated by
         hand, then ``fpar.optim.zero_update`` at stage 0), ``"zero"`` (``fpar.optim.zero_step``,
         or ``zero_grads`` then ``zero_update``, at ``zero_stage``) or ``"pipeline"``
-        (``fpar.pipeline.pipeline`` over ``"pipe"``, then ``zero_update`` at stage 0).
+        (``fpar.pipeline.pipeline`` over ``"pipe"``, then ``zero_update`` at stage 0; at stage
+        2 or 3 through ``fpar.optim.zero_pipeline``).
       grad_api: ``"manual"`` only: ``"func_grad"`` (``torch.func.grad_and_value``) or
         ``"backward"`` (``loss.backward()`` into ``.grad``).
       accumulation: ``"manual"`` only, how ``n_micro`` microbatches are summed: ``"none"``
@@ -71,7 +72,7 @@ class TrainingProgram:
         the last microbatch under ``fpar.defer_reduction()``) or ``"accumulate"``
         (``fpar.optim.accumulate``).
       n_micro: microbatches per step (the pipeline's ``m``; ``zero_step``'s ``n_micro``).
-      zero_stage: ``"zero"`` only: the ZeRO stage, 0 to 3.
+      zero_stage: the ZeRO stage: 0 to 3 for ``"zero"``, 0, 2 or 3 for ``"pipeline"``.
       fused: ``"zero"`` only: ``zero_step`` (True) or ``zero_grads`` + ``zero_update``, whose
         gradients are then compared too (False).
       schedule: ``"pipeline"`` only: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``,
@@ -181,8 +182,15 @@ class TrainingProgram:
             bad("schedule and chunks are for driver='pipeline'.")
         if self.driver == "manual" and (self.accumulation == "none") != (self.n_micro == 1):
             bad("accumulation='none' goes with n_micro=1, and n_micro > 1 needs an accumulation.")
-        if self.zero_stage not in (0, 1, 2, 3) or (self.driver != "zero" and self.zero_stage != 0):
-            bad("zero_stage is 0 to 3, and other than 0 only with driver='zero'.")
+        if self.zero_stage not in (0, 1, 2, 3) or (
+            self.zero_stage != 0
+            and self.driver != "zero"
+            and not (self.driver == "pipeline" and self.zero_stage in (2, 3))
+        ):
+            bad(
+                "zero_stage is 0 to 3 with driver='zero', 0, 2 or 3 with driver='pipeline' "
+                "(fpar.optim.zero_pipeline; ZeRO-1 in a pipeline is stage 2), and 0 otherwise."
+            )
         if self.driver != "manual" and (self.grad_api, self.accumulation) != ("func_grad", "none"):
             bad("grad_api and accumulation are for driver='manual'.")
         if self.driver != "zero" and not self.fused:
@@ -223,6 +231,7 @@ class TrainingProgram:
             how += f", n_micro={self.n_micro}" if self.n_micro > 1 else ""
         else:
             how = f"pipeline {self.schedule} m={self.n_micro} v={self.chunks}"
+            how += f", ZeRO-{self.zero_stage}" if self.zero_stage else ""
         extra = [f"{self.model} x{self.layers}", how, self.optimizer]
         if self.precision != "fp64":
             extra.append(self.precision)

@@ -434,8 +434,11 @@ class _Run:
         params = self.init_params()
         params["stages"] = pp.stage_major(params["stages"], p, v, **chunks)
         params = device_put(params, mesh, specs)
-        opt, layout, params, state = self._optimizer_setup(params, specs, 0)
+        opt, layout, params, state = self._optimizer_setup(params, specs, pr.zero_stage)
         update = fo.zero_update(opt, layout, donate=pr.donate)
+        if pr.zero_stage:  # each stage's gradients reduce-scattered over data (ZeRO-3: chunks kept)
+            run = fo.zero_pipeline(run, layout)
+        gspecs = specs if not pr.zero_stage else layout.grad_specs
         trace: dict = {}
         for t in range(pr.steps):
             xs, ys = device_put(self.batch(m), mesh, (P(None, *self.h_spec), self.ys_spec))
@@ -444,7 +447,7 @@ class _Run:
             grads = tree_map(lambda g: g.detach().clone(), res.grads)
             params, state = update(res.grads, state, params)
             self._record(
-                trace, t, res.loss, params, specs, state, layout, opt, grads, specs, order=in_model_order
+                trace, t, res.loss, params, specs, state, layout, opt, grads, gspecs, order=in_model_order
             )
             if pr.checkpoint and t == 0:
                 params, state = self.reload(params, state, layout, opt)

@@ -2,7 +2,7 @@
 
 A *factor* is a feature with its options (levels); a *run* picks one level of every factor and is
 built into a ``fpar.testing.TrainingProgram`` by :func:`program` (``None``: the combination does
-not exist, e.g. ZeRO stage 2 of a pipeline step, or ``.backward()`` inside ``zero_step``).
+not exist, e.g. ZeRO stage 1 of a pipeline step, or ``.backward()`` inside ``zero_step``).
 ``matrix_covering.py`` picks runs so that every pair of levels of two factors that exists is in
 some run; ``test_feature_matrix.py`` runs them on a real mesh against the in-process mesh.
 
@@ -103,12 +103,15 @@ def program(run: dict, devices: int) -> TrainingProgram | None:
         seed=len(run["mesh"]),
     )
     if driver == "pipeline":
-        if schedule == "none" or run["accumulation"] != "none" or run["zero_stage"] != 0:
-            return None  # a pipeline's microbatches are its accumulation; its update is stage 0
+        if schedule == "none" or run["accumulation"] != "none" or run["zero_stage"] == 1:
+            # a pipeline's microbatches are its accumulation; ZeRO inside it is stage 2 or 3
+            # (fpar.optim.zero_pipeline), stage 1 being stage 2 there
+            return None
         p = size.get("pipe", 1)
         chunks = CHUNKS[schedule][0]
         micro = {"interleaved_1f1b": 2 * p, "dualpipe_v": 2 * p}.get(schedule, 2)
         kw.update(driver="pipeline", schedule=schedule, chunks=chunks, layers=p * chunks, n_micro=micro)
+        kw.update(zero_stage=run["zero_stage"])
     else:
         if schedule != "none":
             return None
@@ -151,6 +154,7 @@ PUBLIC: dict[str, str] = {
     "optim.zero_grads": "driver=zero_grads",
     "optim.zero_update": "driver=manual",
     "optim.zero_params": "zero_stage",
+    "optim.zero_pipeline": "zero_stage=3",
     "optim.ZeroLayout": "zero_stage",
     "optim.mixed_precision": "precision",
     "optim.MixedPrecision": "precision",

@@ -333,3 +333,61 @@ def cast_job(axes: tuple, name: str, p: int, m: int, v: int, shared: bool) -> di
         "cast_bytes": 2 * d * h * 2,
         "table_bytes": first["emb"].numel() * 2 if coord in (None, 0) else 0,
     }
+
+
+def zero_pipeline_job(axes: tuple, name: str, p: int, m: int, v: int, stage: int) -> dict:
+    """``fpar.optim.zero_pipeline`` at ZeRO ``stage``: its gradient chunks, and the chunks of the plain step's.
+
+    Both gathered to whole (``layout.grad_specs``), with the losses: equal on both meshes.
+    ``data_ops``: the collectives the ZeRO step ran over the data axis.
+    """
+    import fpar.optim as fo
+
+    mesh = mesh_for(axes)
+    prob = M.problem(p, m, v)
+    fns = M.stage_fns(mesh)
+    specs = {"stages": M.stage_spec(mesh), "first": {"emb": P()}, "last": {"head": P()}}
+    rows = P(None, "data") if "data" in mesh.shape else P()
+    stacked = pp.stage_major(prob["stages"], p, v, layout=M.layout(name))
+    params = fpar.device_put({"stages": stacked, "first": prob["first"], "last": prob["last"]}, mesh, specs)
+    xs, ts = fpar.device_put(prob["xs"], mesh, rows), fpar.device_put(prob["ts"], mesh, rows)
+    layout = fo.zero_layout(params, mesh, specs, stage=stage)
+    zparams, _ = fo.zero_init(fo.sgd(0.1), params, layout)
+    step = pp.pipeline(fns["stage"], M.schedule(name, p, m, v), mesh, loss=fns["loss"], first=fns["first"])
+    run = fo.zero_pipeline(step, layout)
+    run(zparams, xs, ts)  # the first call plans the sharded calls
+    fpar.reset_comm_stats()
+    got = run(zparams, xs, ts)
+    comm = fpar.comm_stats()
+    plain = step(params, xs, ts)
+    chunks = fpar.shard(
+        lambda g: fo._zero._map(fo._zero._own_chunk, g, layout), mesh, (specs,), layout.grad_specs
+    )(plain.grads)
+    return {
+        "loss": got.loss,
+        "plain_loss": plain.loss,
+        "chunks": fpar.gather(got.grads, mesh, layout.grad_specs),
+        "plain_chunks": fpar.gather(chunks, mesh, layout.grad_specs),
+        "data_ops": sorted(comm.get("data", {})),
+    }
+
+
+def model_step_job(kind: str, zero: int, dtype: str = "float64") -> list:
+    """Three steps of ``fpar.plan.model_step`` on pipeline=2 x data=2: the losses.
+
+    A GPT's head is tied to its embedding (``tied=``), so ZeRO inside the pipeline sums the two
+    uses' chunks; each step's loss depends on the updates before it.  ``dtype``: the compute
+    dtype (``"bfloat16"``: float32 masters cast once a step, or at ZeRO-3 gathered in bfloat16).
+    """
+    import fpar.plan as plan
+
+    model = plan.Model(f"small-{kind}", 32, 4, 2, 2, 64, 48, 8, kind, "eager")  # no vmap of flash
+    layout = plan.Layout(pipeline=2, data=2, zero=zero, microbatches=2, batch=8)
+    mesh = mesh_for((("pipeline", 2), ("data", 2), ("tensor", 1)))
+    step, args = plan.model_step(model, layout, mesh, dtype=getattr(torch, dtype))
+    params, state, xs, ys = args
+    losses = []
+    for _ in range(3):
+        (params, state), loss = step(params, state, xs, ys)
+        losses.append(float(loss))
+    return losses

@@ -56,7 +56,7 @@ def _p2p_formula(stage: int, prob: dict) -> dict:
     """What a stage of the 2-stage executor sends per step: calls and bytes (float64 = 8 B)."""
     rows = prob["xs"].shape[1] // 2  # this rank's rows of a microbatch (data = 2)
     act = rows * M.D * 8  # one activation (stage 0 -> 1) or its gradient (1 -> 0)
-    stats_row = 5 * 8  # the loss and 4 counters, to the other stage, once per step
+    stats_row = 6 * 8  # the loss, its dtype and 4 counters, to the other stage, once per step
     if stage == 0:  # + the first activation's shape header (10 int64) + the embedding's gradient
         return {
             "calls": W.M_ + 3,

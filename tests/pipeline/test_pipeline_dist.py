@@ -3,8 +3,9 @@
 The jobs (``dist_workers.py``) run the executor for every schedule with tensor and data
 parallelism inside the stages (pipe x data x tensor = 2 x 1 x 2 and 2 x 2 x 1; the V-shaped
 ZB-V and DualPipeV too; a compiled stage function under ZB-H1), a pure
-4-stage pipeline, and ``gpipe_scan`` on pipe x tensor; each is also run in this process on the
-in-process mesh, and every rank's loss, gathered gradients and measured stats must equal those.
+4-stage pipeline, ``gpipe_scan`` on pipe x tensor, and ZeRO-2/3 inside pipelines
+(``fpar.optim.zero_pipeline``); each is also run in this process on the in-process mesh, and
+every rank's loss, gathered gradients and measured stats must equal those.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ PDT = (("pipe", 2), ("data", 1), ("tensor", 2))
 PDT2 = (("pipe", 2), ("data", 2), ("tensor", 1))
 PIPE4 = (("pipe", 4),)
 PT = (("pipe", 2), ("tensor", 2))
+DT = (("pipe", 1), ("data", 2), ("tensor", 2))
 
 JOBS = [
     ("exec_job", (PDT, "1f1b", 2, 4, 1)),
@@ -37,6 +39,12 @@ JOBS = [
     ("exec_job", (PDT, "zb_h1", 2, 3, 1, "cpu", 4, True)),  # a torch.compile'd stage function
     ("scan_job", (PT, 2, 3, 1)),
     ("scan_job", (PT, 2, 2, 2)),
+    # fpar.optim.zero_pipeline: ZeRO-2 and ZeRO-3 inside the pipeline (a data axis of 2); with p=1
+    # and a tensor axis, the embedding's and head's gradients are summed over tensor after the
+    # reduce-scatter (they are replicated over it)
+    ("zero_pipeline_job", (PDT2, "1f1b", 2, 4, 1, 2)),
+    ("zero_pipeline_job", (PDT2, "interleaved", 2, 4, 2, 3)),
+    ("zero_pipeline_job", (DT, "gpipe", 1, 2, 1, 3)),
 ]
 
 
@@ -67,6 +75,8 @@ def _compare(got, expected, where):
         g = got[key]
         if key in ("first", "last") and g is None:
             continue  # this rank's stage does not hold that part of the model
+        if key == "data_ops":
+            continue  # what a real mesh sends (the in-process mesh sends nothing)
         if isinstance(e, torch.Tensor):
             torch.testing.assert_close(g, e, msg=lambda msg, k=key: f"{where} {k}: {msg}")
         elif isinstance(e, dict):
@@ -227,3 +237,73 @@ def test_a_stage_casts_its_weights_to_bfloat16_once_a_step_on_the_real_mesh():
             },
             f"real mesh rank {rank} against in-process",
         )
+
+
+def test_zero_inside_a_pipeline_reduce_scatters_what_the_pipeline_all_reduces(launched):
+    """ZeRO-2/3 in a pipeline: every rank's gradient chunks are bit for bit the chunks of the plain
+    pipeline's all-reduced gradients (2 data ranks: one addition either way), on the real mesh and
+    in-process, and the loss is the plain step's; on the real mesh the data axis carries
+    reduce-scatters (and ZeRO-3's gathers), no all-reduce."""
+    for index, (kind, args) in enumerate(JOBS):
+        if kind != "zero_pipeline_job":
+            continue
+        results = [ranks[index] for ranks in launched] + [("ok", W.zero_pipeline_job(*args))]
+        for where, (status, got) in enumerate(results):
+            assert status == "ok", f"{args} rank {where}:\n{got}"
+            assert torch.equal(got["loss"], got["plain_loss"]), (args, where)
+            pairs = zip(tree_flatten(got["chunks"])[0], tree_flatten(got["plain_chunks"])[0])
+            assert all(torch.equal(a, b) for a, b in pairs), (args, where)
+            if where < len(launched) and args[0] != DT:
+                # the real mesh: gradients reduce-scattered, none all-reduced (and the loss's pmean;
+                # ZeRO-3 gathers its parameters).  Not on DT: there the block's residual uses its
+                # input both beside the tensor-split weights and plainly, so its sharded call stays
+                # traced and sums the weights' gradients where they are used, each microbatch
+                # (tracker.py); zero_pipeline then takes its chunk of those sums, as checked above
+                ops = got["data_ops"]
+                assert "psum_scatter" in ops and "psum" not in ops, (args, where, ops)
+                assert ("all_gather_invariant" in ops) == (args[-1] == 3), (args, where, ops)
+
+
+def test_zero_pipeline_refuses_what_it_cannot_run():
+    import fpar.optim as fo
+
+    mesh = W.mesh_for(PDT2)
+    fns = M.stage_fns(mesh)
+    prob = M.problem(2, 2, 1)
+    params = {"stages": prob["stages"], "first": prob["first"], "last": prob["last"]}
+    specs = {"stages": M.stage_spec(mesh), "first": {"emb": fpar.P()}, "last": {"head": fpar.P()}}
+    step = fpar.pipeline.pipeline(
+        fns["stage"], M.schedule("1f1b", 2, 2), mesh, loss=fns["loss"], first=fns["first"]
+    )
+    with pytest.raises(ValueError, match="layout has stage 1; a pipeline takes ZeRO stage 2 or 3 here"):
+        fo.zero_pipeline(step, fo.zero_layout(params, mesh, specs, stage=1))
+    with pytest.raises(TypeError, match="step must come from fpar.pipeline.pipeline, got function"):
+        fo.zero_pipeline(lambda *a: None, fo.zero_layout(params, mesh, specs, stage=2))
+    other = fpar.make_mesh((2, 2, 1), ("pipe", "data", "tensor"))
+    with pytest.raises(ValueError, match="layout is on another mesh than the pipeline"):
+        fo.zero_pipeline(step, fo.zero_layout(params, other, specs, stage=3))
+    run = fo.zero_pipeline(step, fo.zero_layout(params, mesh, specs, stage=3))
+    with pytest.raises(ValueError, match="params do not have the layout's structure"):
+        run({"stages": prob["stages"], "first": prob["first"]}, prob["xs"], prob["ts"])
+
+
+@pytest.mark.multiprocess
+def test_the_planners_pipelined_step_trains_alike_at_every_zero_stage():
+    """``fpar.plan.model_step``'s pipeline (GPT with its head tied to the embedding, Llama) at ZeRO 0,
+    1 and 3 (``zero_pipeline``: reduce-scattered chunks, the tied pair summed as chunks) on 4 gloo
+    processes: three steps' losses equal ZeRO-0's on every rank, and the in-process mesh's; in
+    bfloat16 compute, ZeRO-3 gathering bfloat16 parameters equals ZeRO-0's float32 masters."""
+    bf16 = [("llama", z, "bfloat16") for z in (0, 3)]
+    jobs = [("model_step_job", args) for args in [("gpt", 0), ("gpt", 1), ("gpt", 3), ("llama", 3), *bf16]]
+    got = fpar.launch(W.run_jobs, 4, jobs, timeout=240.0)
+    expected = {args: W.model_step_job(*args) for _, args in jobs}
+    for rank, results in enumerate(got):
+        assert all(status == "ok" for status, _ in results), f"rank {rank}:\n{results}"
+        losses = {args: res for (_, args), (_, res) in zip(jobs, results)}
+        for args, res in losses.items():
+            assert res == pytest.approx(expected[args], rel=1e-6 if len(args) == 2 else 2e-2), (rank, args)
+        assert losses[("gpt", 1)] == losses[("gpt", 0)] and losses[("gpt", 3)] == losses[("gpt", 0)], rank
+        # ZeRO-3 gathers the bfloat16 parameters the stage casts to at ZeRO-0 and sums their
+        # gradients in float32 as ZeRO-0 does: bit for bit
+        assert losses[bf16[1]] == losses[bf16[0]], rank
+    assert expected[("gpt", 1)] == expected[("gpt", 0)] and expected[("gpt", 3)] == expected[("gpt", 0)]

@@ -18,6 +18,7 @@ import fpar
 import fpar.ops as ops
 import fpar.optim as fo
 import fpar.pipeline as pp
+import fpar.plan
 from fpar import P
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -41,6 +42,8 @@ MESHES = {
     "tp": ((2, 2), ("data", "tensor")),
     "sp": ((1, 2), ("data", "tensor")),
     "pipeline": ((2, 1, 2), ("pipeline", "data", "tensor")),
+    "pipeline_zero1": ((2, 2, 1), ("pipeline", "data", "tensor")),
+    "pipeline_zero3": ((2, 2, 1), ("pipeline", "data", "tensor")),
     "moe": ((2,), ("expert",)),
 }
 
@@ -184,6 +187,12 @@ def build(name: str, mesh: fpar.Mesh):
             return update(res.grads, state, params), res.loss
 
         return step, (params, state, xs, ys, key)
+    if name in ("pipeline_zero1", "pipeline_zero3"):
+        # fpar.plan.model_step's pipeline with ZeRO inside (fpar.optim.zero_pipeline): each stage's
+        # gradients reduce-scattered over data; ZeRO-3 gathers a stage once a step
+        model = fpar.plan.Model("pipe-zero", 128, 4, 4, 4, 384, 256, 32)
+        layout = fpar.plan.Layout(pipeline=2, data=2, zero=int(name[-1]), microbatches=4, batch=16)
+        return fpar.plan.model_step(model, layout, mesh, dtype=torch.float32)
     if name == "moe":
         # A balanced router: token i's top-2 experts are i mod E and i + 1 mod E, so every device
         # sends every expert the same number of rows: the routing fpar.plan assumes on paper.
@@ -247,7 +256,7 @@ def real_worker(name: str) -> dict:
 
 BY_SIZE = {
     2: (*ZERO_PROGRAMS, "sp", "moe"),
-    4: ("tp", "pipeline"),
+    4: ("tp", "pipeline", "pipeline_zero1", "pipeline_zero3"),
 }
 
 

@@ -90,7 +90,7 @@ def test_a_gpt_model_has_megatrons_parameter_count_and_its_head_is_the_embedding
             plan.Layout(remat="selective"),
             r"remat='selective'; choose True, False or a selective policy: 'dots'",
         ),
-        (plan.Layout(pipeline=2, zero=2, microbatches=2, batch=2), r"a pipelined step takes ZeRO 0 or 1"),
+        (plan.Layout(zero=4), r"zero=4; choose ZeRO stage 0, 1, 2 or 3"),
         (
             plan.Layout(pipeline=4, microbatches=4, batch=4, virtual=2),
             r"n_layers=4 by pipeline x virtual=8: with 1 a chunk, 4 of the 8 layer slots would be empty",
@@ -229,7 +229,10 @@ def test_search_choices_cover_interleaving_micro_batch_zero_and_recomputation():
     assert {(lay.zero, lay.remat) for lay in got if lay.pipeline == 1} == {
         (z, r) for z in (0, 1, 3) for r in (False, True)
     }
-    assert all(lay.zero <= 1 for lay in got if lay.pipeline > 1)
+    # ZeRO inside a pipeline too (fpar.optim.zero_pipeline)
+    assert {(lay.zero, lay.remat) for lay in got if lay.pipeline > 1} == {
+        (z, r) for z in (0, 1, 3) for r in (False, True)
+    }
     with pytest.raises(ValueError, match="choose micro_batch or microbatches, not both"):
         layout_choices(None, 8, micro_batch=[1], microbatches=[2])
 

@@ -1,0 +1,250 @@
+"""ZeRO-2 and ZeRO-3 inside a pipeline: each stage's gradients reduce-scattered over the data axis.
+
+``fpar.pipeline.pipeline`` sums every data-parallel gradient once per step (an all-reduce per
+bucket of the microbatches' sum).  ``zero_pipeline(step, layout)`` runs the same step with those
+sums left undone and reduce-scatters each stage's gradients over the data axis instead, so each
+device ends the step with its chunk of the summed gradient (``layout.grad_specs``), as
+``zero_update`` takes it: half the all-reduce's bytes, and no whole reduced gradient held.
+
+* Stage 2 (and so ZeRO-1 in a pipeline, whose optimizer state is stage 2's: the gradient is
+  reduced once per step either way) keeps whole parameters; ``zero_update`` all-gathers them
+  after the update.
+* Stage 3 keeps only chunks between steps (FSDP's sharded parameters) and gathers each stage's
+  parameters once at the start of the step, holding them for its microbatches (torchtitan's
+  choice for FSDP x pipeline, ``reshard_after_forward=False``: one all-gather a step, not one a
+  microbatch); they are dropped before the reduce-scatter.
+
+The embedding and the head (``first`` and ``last``, replicated over the pipe axis, used by one
+stage) are reduce-scattered on every stage (zeros where a stage does not use them) and summed
+over the pipe axis as chunks: ``1/N`` of what sending the owner's whole gradient would cost.
+
+In-process (no messages) the step's summed gradients are cut into each device's chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._collectives import psum
+from .._mesh import Mesh
+from .._shard import shard
+from .._spec import P
+from .._tree import tree_flatten
+from ..pipeline._stage import StepResult
+from ._zero import (
+    BUCKET_BYTES,
+    ZeroLayout,
+    _gather,
+    _Leaf,
+    _map,
+    _own_chunk,
+    _padded,
+    _reduce_scatter_all,
+    zero_params,
+)
+
+__all__ = ["zero_pipeline"]
+
+Tensor = torch.Tensor
+_API = "fpar.optim.zero_pipeline"
+
+
+def zero_pipeline(
+    step: Callable,
+    layout: ZeroLayout,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    bucket_bytes: int = BUCKET_BYTES,
+) -> Callable:
+    """A pipelined step whose parameters and gradients are laid out by ZeRO stage 2 or 3.
+
+    Args:
+      step: from ``fpar.pipeline.pipeline`` on ``layout``'s mesh (its stage functions
+        ``fpar.shard``s over the axes other than the pipe axis, the data axis among them).
+      layout: ``zero_layout(params, mesh, specs, stage=2 or 3)`` of the pipeline's parameters
+        (``{"stages", "first", "last"}``).
+      compute_dtype: stage 3: gather the parameters in this dtype (``torch.bfloat16``: half the
+        all-gather's bytes and half the gathered stage's memory), as FSDP2's
+        ``MixedPrecisionPolicy(param_dtype=...)``; their gradients are still summed over the
+        microbatches and reduce-scattered in the parameters' own dtype (float32), and the stage
+        functions see the low-precision parameters (a ``w.to(compute_dtype)`` in them is free).
+        As FSDP2, a parameter used twice in one microbatch has its two gradients added in
+        ``compute_dtype``.  In-process (no messages) the parameters are gathered as they are.
+      bucket_bytes: reduce-scatter the gradients in buckets of up to this many bytes a device.
+
+    Returns:
+      ``run(params, xs, targets=None, *, key=None) -> StepResult``: ``params`` as ``zero_init``
+      returns them (stage 3: chunks), ``.grads`` each device's chunk of the gradient
+      (``layout.grad_specs``), equal to the chunks of ``step``'s; loss and stats as ``step``'s.
+
+    Raises:
+      TypeError: ``step`` is not a ``fpar.pipeline.pipeline`` step.
+      ValueError: a stage other than 2 or 3, another mesh, or the data axis is the pipe axis.
+
+    Example:
+      >>> layout = fo.zero_layout(params, mesh, specs, stage=3)
+      >>> params, state = fo.zero_init(opt, params, layout)
+      >>> run = fo.zero_pipeline(fpar.pipeline.pipeline(stage, schedule, mesh, loss=loss), layout)
+      >>> res = run(params, xs, ys)
+      >>> params, state = fo.zero_update(opt, layout)(res.grads, state, params)
+    """
+    unreduced = getattr(step, "_unreduced", None)
+    if unreduced is None:
+        raise TypeError(f"{_API}: step must come from fpar.pipeline.pipeline, got {type(step).__name__}.")
+    if not isinstance(layout, ZeroLayout):
+        raise TypeError(f"{_API}: layout must come from fpar.optim.zero_layout, got {type(layout).__name__}.")
+    if layout.stage not in (2, 3):
+        raise ValueError(
+            f"{_API}: layout has stage {layout.stage}; a pipeline takes ZeRO stage 2 or 3 here (for "
+            f"ZeRO-1 use stage 2: inside a pipeline the gradient is reduced once a step either way, "
+            f"so the two hold the same state; for stage 0 call the pipeline's step itself)."
+        )
+    mesh, data, axis = layout.mesh, layout.data_axis, step._axis  # type: ignore[attr-defined]
+    if mesh is not step._mesh:  # type: ignore[attr-defined]
+        raise ValueError(f"{_API}: layout is on another mesh than the pipeline; build both on one mesh.")
+    if data == axis:
+        raise ValueError(
+            f"{_API}: the data axis {data!r} is the pipeline's axis; ZeRO shards over the data axis."
+        )
+    if compute_dtype is not None and not (
+        isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point
+    ):
+        raise TypeError(
+            f"{_API}: compute_dtype must be a floating torch.dtype or None, got {compute_dtype!r}."
+        )
+    pspecs = layout._tree([lf.spec for lf in layout.leaves])
+    chunked = shard(lambda g: _map(_own_chunk, g, layout), mesh, (pspecs,), layout.grad_specs)
+    low = compute_dtype if layout.stage == 3 and mesh.backend == "dist" else None
+    gather_low = None if low is None else _low_gather(layout, pspecs, low)
+    combines: dict[tuple, Callable] = {}
+
+    def run(params: Any, xs: Tensor, targets: Any = None, *, key: Tensor | None = None) -> Any:
+        _check_params(params, layout)
+        whole = zero_params(params, layout) if gather_low is None else gather_low(params)
+        if mesh.backend != "dist":  # in-process: the summed gradients, cut into chunks
+            res = step(whole, xs, targets, key=key)
+            del whole
+            return res._replace(grads=chunked(res.grads))
+        wide = None if low is None else _master_dtype(params)
+        got = unreduced(whole, xs, targets, key, data, wide)
+        # each leaf's sums are in its gathered dtype, or ``wide`` where that is wider
+        sums = [_sum_dtype(t, wide) for t in tree_flatten(whole)[0]]
+        del whole  # stage 3: the gathered stage goes before the reduce-scatter
+        local, reduced, axes = (tree_flatten(t)[0] for t in (got.local, got.reduced, got.axes))
+        like = tree_flatten(params)[0]
+        masters = tuple(p.dtype for p in like)
+        shared = [_pipe_replicated(lf, axis, mesh) for lf in layout.leaves]
+        extra = tuple(
+            tuple(a for a in mesh.axis_names if a in (ax or "").split() and a != data)
+            + ((axis,) if sh else ())
+            for ax, sh in zip(axes, shared)
+        )
+        del axes
+        rank = mesh._dist.coords[data]
+        ins = [
+            (torch.zeros(lf.block, dtype=dt, device=p.device) if g is None else g).unsqueeze(0)
+            for g, lf, p, dt in zip(local, layout.leaves, like, sums)
+        ]
+        owns = [
+            _own_slice(r, lf, layout, rank, p.device, dt, sh)
+            for r, lf, p, dt, sh in zip(reduced, layout.leaves, like, sums, shared)
+        ]
+        del local, reduced
+        combine = combines.get((extra, masters))
+        if combine is None:
+            combine = combines[(extra, masters)] = _combine(
+                layout, extra, shared, masters, axis, bucket_bytes
+            )
+        grads = combine(layout._tree(ins), layout._tree(owns))
+        return StepResult(got.loss, grads, got.stats)
+
+    return run
+
+
+def _combine(layout: ZeroLayout, extra: tuple, shared: list, masters: tuple, axis: str, cap: int) -> Callable:
+    """The sharded function: reduce-scatter each local gradient, sum the rest, add the chunks already summed."""
+    data = layout.data_axis
+    local_specs = layout._tree([P((data, *ex), *lf.spec) for ex, lf in zip(extra, layout.leaves)])
+    own_specs = layout._tree(
+        [
+            P(axis, *layout._chunk_spec(lf)) if sh else layout._chunk_spec(lf)
+            for lf, sh in zip(layout.leaves, shared)
+        ]
+    )
+
+    def per_device(local: Any, own: Any) -> Any:
+        grads = [g.squeeze(0) for g in tree_flatten(local)[0]]
+        owns = [o.squeeze(0) if sh else o for o, sh in zip(tree_flatten(own)[0], shared)]
+        over = [tuple(a for a in ex if a != axis) for ex in extra]
+        chunks = _reduce_scatter_all(grads, layout, cap, extra=over)
+        del grads
+        out = []
+        for c, o, sh, dt in zip(chunks, owns, shared, masters):
+            c = c + o
+            c = psum(c, axis) if sh else c
+            out.append(c.to(dt))  # the parameters' dtype, as zero_update takes it
+        return layout._tree(out)
+
+    return shard(per_device, layout.mesh, (local_specs, own_specs), layout.grad_specs)
+
+
+def _low_gather(layout: ZeroLayout, pspecs: Any, dtype: torch.dtype) -> Callable:
+    """Stage 3's all-gather of the chunks cast to ``dtype`` (floating leaves; the rest as they are)."""
+
+    def cast(c: Tensor) -> Tensor:
+        return c.to(dtype) if c.is_floating_point() else c
+
+    return shard(
+        lambda chunks: _map(lambda c, lf, lo: _gather(cast(c), lf, lo, invariant=True), chunks, layout),
+        layout.mesh,
+        (layout.chunk_specs,),
+        pspecs,
+    )
+
+
+def _sum_dtype(t: Any, wide: torch.dtype | None) -> torch.dtype:
+    """The dtype a gathered leaf's gradient is summed in: its own, or ``wide`` where that is wider."""
+    dtype = t.dtype if isinstance(t, Tensor) else torch.float32
+    if wide is not None and dtype.is_floating_point and dtype.itemsize < wide.itemsize:
+        return wide
+    return dtype
+
+
+def _master_dtype(params: Any) -> torch.dtype:
+    """The dtype the parameters are stored in (their gradients are summed in it)."""
+    floating = [t.dtype for t in tree_flatten(params)[0] if isinstance(t, Tensor) and t.is_floating_point()]
+    return max(floating, key=lambda d: d.itemsize, default=torch.float32)
+
+
+def _pipe_replicated(lf: _Leaf, axis: str, mesh: Mesh) -> bool:
+    """Whether a parameter is replicated over the pipe axis (``first``/``last``: one stage's gradient)."""
+    return mesh.shape.get(axis, 1) > 1 and axis not in lf.split
+
+
+def _own_slice(
+    reduced: Tensor | None,
+    lf: _Leaf,
+    layout: ZeroLayout,
+    rank: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    shared: bool,
+) -> Tensor:
+    """This device's chunk of a gradient already summed over the data axis (a slice), or zeros."""
+    if reduced is None:
+        out = torch.zeros(lf.chunk, dtype=dtype, device=device)
+    else:
+        out = _padded(reduced, lf, layout.n).reshape(layout.n, lf.chunk)[rank].to(dtype)
+    return out.unsqueeze(0) if shared else out
+
+
+def _check_params(params: Any, layout: ZeroLayout) -> None:
+    treedef = tree_flatten(params)[1]
+    if treedef != layout.treedef:
+        raise ValueError(
+            f"{_API}: params do not have the layout's structure ({treedef} against {layout.treedef}); "
+            f"pass the parameters zero_init returned for this layout."
+        )
