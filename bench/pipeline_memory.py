@@ -37,7 +37,7 @@ try:
 except ImportError:  # run from a checkout without installing: use the repo's fpar/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import fpar
-from zero import held_bytes
+from zero import allocation_events, held_bytes
 
 import fpar.plan as plan
 
@@ -60,7 +60,6 @@ def layout(zero: int, cfg: dict) -> plan.Layout:
 
 def peak_over_two_steps(step, args) -> int:
     """Bytes at the second step's peak: the arguments' bytes plus the running sum of every allocation since."""
-    import torch._C._profiler as C
     from torch.profiler import ProfilerActivity, profile, record_function
 
     gc.collect()
@@ -70,24 +69,9 @@ def peak_over_two_steps(step, args) -> int:
         gc.collect()
         with record_function("measured step"):
             step(*args)
-    allocs, start = [], None
-
-    def walk(node):
-        nonlocal start
-        if node.name == "measured step":
-            start = node.start_time_ns
-        if (
-            isinstance(node.extra_fields, C._ExtraFields_Allocation)
-            and node.extra_fields.device.type == "cpu"
-        ):
-            allocs.append((node.start_time_ns, node.extra_fields.alloc_size))
-        for child in node.children:
-            walk(child)
-
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root)
+    allocs, start = allocation_events(prof)
     running = peak = held
-    for t, size in sorted(allocs):
+    for t, size in allocs:
         running += size
         if t >= start:
             peak = max(peak, running)

@@ -133,7 +133,6 @@ def peak_bytes(step, held) -> tuple[int, int]:
     every block freed in it was allocated under the profiler (the profiler does not report
     frees of blocks allocated before it started), so the running sum is exact.
     """
-    import torch._C._profiler as C
     from torch.profiler import ProfilerActivity, profile, record_function
 
     box = {}
@@ -143,6 +142,19 @@ def peak_bytes(step, held) -> tuple[int, int]:
         box["held"] = held()
         with record_function("measured step"):
             step()
+    allocs, start = allocation_events(prof)
+    running = peak = box["held"]
+    for t, size in allocs:
+        if t >= start:
+            running += size
+            peak = max(peak, running)
+    return box["held"], peak
+
+
+def allocation_events(prof) -> tuple[list, int]:
+    """``(sorted (time ns, bytes) of every CPU allocation (+) and free (-), start of "measured step")``."""
+    import torch._C._profiler as C
+
     allocs, start = [], None
 
     def walk(node):
@@ -159,12 +171,7 @@ def peak_bytes(step, held) -> tuple[int, int]:
 
     for root in prof.profiler.kineto_results.experimental_event_tree():
         walk(root)
-    running = peak = box["held"]
-    for t, size in sorted(allocs):
-        if t >= start:
-            running += size
-            peak = max(peak, running)
-    return box["held"], peak
+    return sorted(allocs), start
 
 
 def worker(cfg: dict) -> dict:

@@ -426,23 +426,49 @@ def _gradient_rows(st: Stage, stacked: Any, kept: list) -> list:
     the caller still holds is never written.  So with one chunk per rank too (1F1B, GPipe,
     ZB-H1), where stacking is free: a step's first W took 12-13 ms against 6 ms for the others,
     and reuse took 1F1B and ZB-H1 steps from 185 and 189 ms to 176 and 180 (2 stages, one run).
+
+    A leaf's buffer is made when W first writes into it (``_Rows``): a leaf whose gradients all
+    come from autograd (a stage function's sharded parameters, which W never sees) holds none,
+    where a buffer made up front was a second copy of the stage's gradients, unused.  The
+    returned list has ``None`` for those.
     """
     leaves = tree_flatten(stacked)[0]
-    bufs = []
-    for i, t in enumerate(leaves):
-        if not (isinstance(t, Tensor) and t.is_floating_point()):
-            bufs.append(None)
-            continue
-        bufs.append(kept_or_new(kept[i] if i < len(kept) else None, t.shape, t.dtype, t.device))
-    # Kept as aliases (``detach``: a tensor of its own on the same storage, not a view holding
-    # its base), so the caller's reference to a buffer counts in the storage's use: keeping the
-    # very tensor handed out would hide it, and a buffer still held would be written again.
-    kept[:] = [b.detach() if b is not None else None for b in bufs]
-    for c, (leaves, _) in enumerate(st.groups["stages"]):
-        for leaf, buf in zip(leaves, bufs):
-            if buf is not None and isinstance(leaf, Tensor):
-                st.slots[id(leaf)] = buf[c]
-    return bufs
+    rows = _Rows(leaves, kept)
+    for c, (chunk, _) in enumerate(st.groups["stages"]):
+        for i, leaf in enumerate(chunk):
+            if isinstance(leaves[i], Tensor) and leaves[i].is_floating_point() and isinstance(leaf, Tensor):
+                rows.at[id(leaf)] = (i, c)
+    st.slots = rows
+    return rows.bufs
+
+
+class _Rows:
+    """``id(leaf) -> `` its row of the leaf's stacked gradient buffer, the buffer made on first use."""
+
+    def __init__(self, leaves: list, kept: list):
+        self.leaves, self.kept = leaves, kept
+        self.bufs: list = [None] * len(leaves)
+        self.at: dict[int, tuple[int, int]] = {}  # id(chunk leaf) -> (stacked leaf, chunk)
+        kept[len(leaves) :] = []
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.at
+
+    def __bool__(self) -> bool:
+        return bool(self.at)
+
+    def __getitem__(self, key: int) -> Tensor:
+        i, c = self.at[key]
+        if self.bufs[i] is None:
+            t = self.leaves[i]
+            old = self.kept[i] if i < len(self.kept) else None
+            self.bufs[i] = kept_or_new(old, t.shape, t.dtype, t.device)
+            # Kept as an alias (``detach``: a tensor of its own on the same storage, not a view
+            # holding its base), so the caller's reference counts in the storage's use: keeping
+            # the very tensor handed out would hide it, and a buffer still held would be written.
+            self.kept.extend([None] * (i + 1 - len(self.kept)))
+            self.kept[i] = self.bufs[i].detach()
+        return self.bufs[i][c]
 
 
 def _stack_local(per_chunk: list, bufs: list | None = None) -> list:

@@ -4,8 +4,8 @@ Forward actions record the autograd graph (the *stash*).  Forwards run under ``_
 so the backward of the stage's linear layers computes only input gradients and leaves their
 weight gradients to ``W``, which computes them as their own matmuls (accumulated in place, fused
 into the matmul): ``B`` is that backward (freeing the graph), ``W`` runs later, and ``BW`` is
-``B`` then ``W``.  A chunk's low-precision casts of its parameters are made once per step and
-shared by its microbatches in flight (``_casts``).  Both drivers (``_run_local``, ``_run_dist``)
+``B`` then ``W``.  A chunk's low-precision casts of its parameters are shared by its
+microbatches in flight (``_casts``).  Both drivers (``_run_local``, ``_run_dist``)
 run their stages through this.
 """
 
@@ -91,12 +91,10 @@ class Stage:
         self.out_shapes: dict[int, tuple] = {}  # chunk -> (shape, dtype) of what F sends on
         self.deferred: dict[int, Tensor] = {}  # id(leaf) -> weight gradient accumulated by W
         self.wide: dict[int, Tensor] = {}  # id(leaf) -> its .grad summed in a wider dtype (_run_dist._widen)
-        self.slots: dict[int, Tensor] = {}  # id(leaf) -> where W writes its first gradient (see _split)
+        self.slots: Any = {}  # id(leaf) -> where W writes its first gradient (see _split, _run_dist._Rows)
         self.loss_sum: Tensor | None = None
-        # chunk -> its parameters' low-precision casts, one per step (``_casts``), and the
-        # backwards it has run: the casts are dropped after its last
+        # chunk -> its parameters' low-precision casts, shared while a graph holds them (``_casts``)
         self.casts: dict[int, Casts] = {}
-        self.backwards = [0] * self.v
         self.busy, self.peak, self.peak_inbox, self.seconds, self.waited = 0, 0, 0, 0.0, 0.0
         # Real mesh: forwards other than ``finals`` (per chunk, the microbatch whose backward
         # runs last) run under this fpar.defer_reduction() scope: one DP all-reduce per step.
@@ -193,9 +191,6 @@ class Stage:
         # The captured linear layers leave their weight gradients to W (``_split``); the other
         # parameter gradients accumulate in .grad (AccumulateGrad), like torch's.  BW is B then W.
         _backward(st.out, dy, ([st.x] if st.x is not None else []) + st.leaves)
-        self.backwards[c] += 1
-        if self.backwards[c] == self.m and c in self.casts:
-            self.casts.pop(c).clear()  # the chunk's last backward: no graph uses its casts now
         dx = st.x.grad if st.x is not None else None
         if prev_stage(self.s, c, self.p, self.v, self.layout) is None:
             dx = None  # virtual stage 0: nothing to send back
