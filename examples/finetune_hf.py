@@ -14,8 +14,9 @@ example first writes a small random-init Qwen3 (byte vocabulary, 256) with
   no pipeline.  The random model ties its embedding and head (as Qwen3-0.6B does): the pipeline
   uses the one weight at both ends and returns the sum of both gradients;
 * each microbatch's rows are split over ``data``; AdamW with ZeRO stage ``--zero`` (default 1:
-  the optimizer state split over ``data``; 3, on one stage: FSDP, each parameter gathered at its
-  first use and freed after its last) and global-norm clipping (``fpar.optim``);
+  the optimizer state split over ``data``; 3: FSDP, on one stage each parameter gathered at its
+  first use and freed after its last, in a pipeline each stage gathered once a step) and
+  global-norm clipping (``fpar.optim``);
 * at the end ``fpar.hf.save_pretrained`` writes the fine-tuned model (each process its own shard
   files, no process gathering the model), and the example loads it back with
   ``fpar.hf.from_pretrained`` and checks that it holds the trained weights and gives the same
@@ -30,6 +31,7 @@ data=2, then pipeline=2 while they fit (2 devices: tensor=2; 4: data=2 x tensor=
     python examples/finetune_hf.py --model ~/models/Qwen3-0.6B --text notes.txt --devices 8
     torchrun --nproc-per-node 4 examples/finetune_hf.py --tiny --steps 3
     torchrun --nproc-per-node 4 examples/finetune_hf.py --tiny --pp 2   # pipeline=2 x tensor=2
+    torchrun --nproc-per-node 4 examples/finetune_hf.py --tiny --pp 2 --dp 2 --tp 1 --zero 3  # FSDP x pipeline
 
 Needs ``pip install fpar[hf,examples]``.  Shape suffixes: M microbatches, B rows, T time.
 """
@@ -132,17 +134,13 @@ def build_step(args, apply_fn, params, specs, mesh, opt):
     """``(step(state, ids_BT, targets_BT) -> (state, loss), state, to_flat(state) -> params)``.
 
     One stage: ``fpar.optim.zero_step`` at ZeRO stage ``--zero`` over data.  Several: the
-    pipeline executor (``fpar.hf.pipeline_stages``), whose gradients come summed over data, then
-    ``fpar.optim.zero_update``: ``--zero 0`` plain AdamW on every data rank; ``--zero 1`` or ``2``
-    the AdamW state split over data (a stage-2 layout fed each rank's chunk of the summed
-    gradient, cut without a message; the pipeline holds the whole gradient, so in a pipeline
-    stage 2 saves no gradient memory over stage 1).
+    pipeline executor (``fpar.hf.pipeline_stages``), then ``fpar.optim.zero_update``: ``--zero 0``
+    plain AdamW on every data rank (the gradients summed over data once a step); ``--zero 1`` or
+    ``2`` the AdamW state split over data, and ``--zero 3`` the parameters too, gathered once a
+    step (``fpar.optim.zero_pipeline``: each stage's gradients reduce-scattered over data; in a
+    pipeline the gradient is summed whole over the microbatches, so stages 1 and 2 are one).
     """
     s, m = mesh.shape[PIPE], C.microbatches(args, mesh)
-    if s > 1 and args.zero == 3:
-        raise SystemExit(
-            "--zero 3 runs on one stage only (ZeRO-3 inside a pipeline is not built yet); use --zero 1 or --pp 1"
-        )
     if s == 1:
         zero = fo.zero_layout(params, mesh, specs, stage=args.zero, data_axis=DATA)
         params, opt_state = fo.zero_init(opt, params, zero)
@@ -160,22 +158,23 @@ def build_step(args, apply_fn, params, specs, mesh, opt):
     schedule = SCHEDULES[args.schedule](s, m)
     run = pp.pipeline(stages.stage, schedule, mesh, loss=stages.loss, first=stages.first, axis=PIPE)
     pipe_params = stages.split(params)  # {"stages": layers stacked per chunk, "first", "last"}
-    stage = 0 if args.zero == 0 else 2
+    stage = {0: 0, 1: 2, 2: 2, 3: 3}[args.zero]
     zero = fo.zero_layout(pipe_params, mesh, stages.specs, stage=stage, data_axis=DATA)
     pipe_params, opt_state = fo.zero_init(opt, pipe_params, zero)
     update = fo.zero_update(opt, zero)
+    if stage:  # each stage's gradients reduce-scattered over data; stage 3 gathers once a step
+        run = fo.zero_pipeline(run, zero)
 
     def step(state, ids_BT, targets_BT):
         xs_MBT, ys_MBT = (
             fpar.device_put(t.unflatten(0, (m, -1)), mesh, P(None, DATA)) for t in (ids_BT, targets_BT)
         )
         res = run(state[0], xs_MBT, ys_MBT)
-        grads = res.grads if stage == 0 else C.to_chunks(res.grads, mesh, stages.specs, zero.chunk_specs)
-        return update(grads, state[1], state[0]), res.loss
+        return update(res.grads, state[1], state[0]), res.loss
 
-    kind = "data parallel AdamW" if stage == 0 else "AdamW state split over data (ZeRO-1)"
+    kind = {0: "data parallel AdamW", 2: "AdamW state split over data (ZeRO-1/2)", 3: "FSDP (ZeRO-3)"}[stage]
     C.say(f"{s} pipeline stages, {m} microbatches ({schedule.name}), {kind}", quiet=args.quiet)
-    return step, (pipe_params, opt_state), lambda state: stages.merge(state[0])
+    return step, (pipe_params, opt_state), lambda state: stages.merge(fo.zero_params(state[0], zero))
 
 
 def main(argv=None) -> list[float]:
@@ -187,9 +186,7 @@ def main(argv=None) -> list[float]:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--d-model", type=int, default=64, help="the random model's width (no --model)")
     ap.add_argument("--layers", type=int, default=4, help="the random model's layers (no --model)")
-    ap.add_argument(
-        "--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage over data (3: one stage only)"
-    )
+    ap.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage over data")
     ap.add_argument("--tiny", action="store_true", help="a very small model (tests, torchrun on CPU)")
     C.add_args(ap, steps=40, batch=16, lr=3e-3, warmup=4)
     args = ap.parse_args(argv)

@@ -73,6 +73,14 @@ CASES = [
     # 2: tensor=2; 4: data=2 x tensor=2, ZeRO-3 (FSDP of an HF model: each parameter gathered at its first use)
     Case("finetune_hf.py", (*FINETUNE, "--zero", "3"), needs=("transformers",)),
     Case("finetune_hf.py", (*FINETUNE, "--pp", "2"), sizes=(4,), needs=("transformers",), label="pipeline"),
+    # FSDP x pipeline: pipeline=2 x data=2, ZeRO-3 inside each stage (fpar.optim.zero_pipeline)
+    Case(
+        "finetune_hf.py",
+        (*FINETUNE, "--pp", "2", "--dp", "2", "--tp", "1", "--zero", "3"),
+        sizes=(4,),
+        needs=("transformers",),
+        label="pipeline-fsdp",
+    ),
     Case("gpt_pipeline.py", ("--steps", "3", "--batch", "8")),
     Case(
         "gpt_tensor_parallel.py",
