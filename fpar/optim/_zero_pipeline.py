@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .._collectives import psum
+from .._collectives import pmax, psum
 from .._mesh import Mesh
 from .._shard import shard
 from .._spec import P
@@ -118,6 +118,7 @@ def zero_pipeline(
     pspecs = layout._tree([lf.spec for lf in layout.leaves])
     chunked = shard(lambda g: _map(_own_chunk, g, layout), mesh, (pspecs,), layout.grad_specs)
     low = compute_dtype if layout.stage == 3 and mesh.backend == "dist" else None
+    agree = _Agree(layout)
     gather_low = None if low is None else _low_gather(layout, pspecs, low)
     combines: dict[tuple, Callable] = {}
 
@@ -137,10 +138,9 @@ def zero_pipeline(
         like = tree_flatten(params)[0]
         masters = tuple(p.dtype for p in like)
         shared = [_pipe_replicated(lf, axis, mesh) for lf in layout.leaves]
+        over = agree(axes)  # every rank's sharded call must take the same specs
         extra = tuple(
-            tuple(a for a in mesh.axis_names if a in (ax or "").split() and a != data)
-            + ((axis,) if sh else ())
-            for ax, sh in zip(axes, shared)
+            tuple(a for a in ov if a != data) + ((axis,) if sh else ()) for ov, sh in zip(over, shared)
         )
         del axes
         rank = mesh._dist.coords[data]
@@ -189,6 +189,37 @@ def _combine(layout: ZeroLayout, extra: tuple, shared: list, masters: tuple, axi
         return layout._tree(out)
 
     return shard(per_device, layout.mesh, (local_specs, own_specs), layout.grad_specs)
+
+
+class _Agree:
+    """The mesh axes each parameter's gradient is summed over, the same on every rank.
+
+    A rank whose stage does not use a parameter (the embedding on a later stage; a chunk slot
+    with no layer) has no sums for it: it takes the axes the others report (its zeros summed
+    over them change nothing).  One small ``pmax`` over the whole mesh a step.  Two ranks whose
+    sums of one parameter are over different axes would need different sums: an error.
+    """
+
+    def __init__(self, layout: ZeroLayout):
+        self.layout = layout
+        names = tuple(layout.mesh.axis_names)
+        self.names = names
+        self.pmax = shard(lambda m: pmax(m.squeeze(0), names), layout.mesh, (P(names),), P())
+
+    def __call__(self, axes: list) -> list[tuple[str, ...]]:
+        own = [None if ax is None else tuple(a for a in self.names if a in ax.split()) for ax in axes]
+        mask = torch.tensor([[a in (ax or ()) for a in self.names] for ax in own], dtype=torch.int32)
+        union = self.pmax(mask.reshape(1, *mask.shape))
+        out = [tuple(a for a, on in zip(self.names, row) if on) for row in union.tolist()]
+        for i, (mine, agreed) in enumerate(zip(own, out)):
+            if mine is not None and mine != agreed:
+                raise ValueError(
+                    f"{_API}: the gradient of parameter leaf {i} is summed over the mesh axes {mine} on "
+                    f"this rank and over {agreed} on another: its pipeline stages' functions use it "
+                    f"differently (replicated over an axis on one, varying on another), and one "
+                    f"reduce-scatter cannot sum both."
+                )
+        return out
 
 
 def _low_gather(layout: ZeroLayout, pspecs: Any, dtype: torch.dtype) -> Callable:

@@ -45,6 +45,9 @@ JOBS = [
     ("zero_pipeline_job", (PDT2, "1f1b", 2, 4, 1, 2)),
     ("zero_pipeline_job", (PDT2, "interleaved", 2, 4, 2, 3)),
     ("zero_pipeline_job", (DT, "gpipe", 1, 2, 1, 3)),
+    # the embedding's and head's sums are over tensor on the stage that uses them, and absent on
+    # the other: the ranks agree on the axes before the reduce-scatter
+    ("zero_pipeline_job", (PDT, "1f1b", 2, 4, 1, 3)),
 ]
 
 
@@ -307,3 +310,24 @@ def test_the_planners_pipelined_step_trains_alike_at_every_zero_stage():
         # gradients in float32 as ZeRO-0 does: bit for bit
         assert losses[bf16[1]] == losses[bf16[0]], rank
     assert expected[("gpt", 1)] == expected[("gpt", 0)] and expected[("gpt", 3)] == expected[("gpt", 0)]
+
+
+def test_a_shared_cast_modified_in_place_raises_not_a_wrong_answer():
+    """Every microbatch in flight sees the same cast: writing into it would change the others'
+    weights.  Autograd refuses (the cast is a custom Function's view), naming the action."""
+    mesh = W.mesh_for(PIPE2)
+    prob = M.problem(2, 2, 1, dtype=torch.float32)
+
+    def block(w, h):
+        a = w["a"].to(torch.bfloat16)
+        a.mul_(2.0)
+        return h + torch.tanh(h.bfloat16() @ a).float() @ w["b"]
+
+    fns = M.make_fns(())
+    step = fpar.pipeline.pipeline(
+        block, M.schedule("gpipe", 2, 2), mesh, loss=fns["loss"], first=fns["first"]
+    )
+    params = {"stages": prob["stages"], "first": prob["first"], "last": prob["last"]}
+    with pytest.raises(RuntimeError, match="is a view and is being modified inplace") as info:
+        step(params, prob["xs"], prob["ts"])
+    assert "raised on pipeline stage 0 running F of microbatch 0" in "\n".join(info.value.__notes__)
