@@ -405,7 +405,7 @@ def test_training_program_rejects_what_it_cannot_run():
             "layers = pipe size x chunks = 1",
         ),
         (dict(shape=(2,), names=("data",), n_micro=2), "n_micro > 1 needs an accumulation"),
-        (dict(shape=(2,), names=("data",), zero_stage=2), "only with driver='zero'"),
+        (dict(shape=(2,), names=("data",), zero_stage=2), "0, 2 or 3 with driver='pipeline'"),
         (dict(shape=(2,), names=("data",), optimizer="lamb"), "optimizer='lamb' must be one of"),
         (
             dict(

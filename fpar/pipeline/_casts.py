@@ -4,16 +4,17 @@ A stage function that keeps float32 master weights casts them to its compute dty
 (``w.to(torch.bfloat16)``, as ``fpar.plan.model_step`` does), and autograd saves the cast for the
 matmul's backward: a stage with ``k`` microbatches in flight would hold ``k`` copies of its
 weights (Llama 3's interleaved schedule keeps up to 143 chunk-microbatches on stage 0).  While a
-stage runs a forward, ``Tensor.to(dtype)`` (or ``.bfloat16()``, ``.half()``) of one of the
-chunk's parameter leaves, or of a view of one, returns the cast of those elements that an
-earlier microbatch's graph still holds, if one does: the cache keeps weak references, so a cast
-lives exactly as long as some graph saved it for its backward.  With several microbatches in
-flight they share one copy; with one in flight, or under recomputation (which saves no cast),
-each microbatch makes and frees its own, as without the cache.  Parameters do not change during
-a step, so the values are the same as a cast per microbatch, and the shared cast's backward is
-the cast's own (the gradient converted to the parameter's dtype, then accumulated there):
-values and gradients are bit for bit those of a copy per microbatch.  ``torch.autocast`` keeps
-a cache of weight casts within one forward; this one lasts while the casts are in use.
+stage runs a forward with gradients, ``Tensor.to(dtype)`` (or ``.bfloat16()``, ``.half()``) of
+one of the chunk's parameter leaves, or of a view of one, returns the step's one cast of those
+elements: made at the first microbatch's use, shared by every later one, and dropped as the
+chunk's last backward starts (its graph's saved views then free it as that backward goes).  Only
+for a chunk the schedule keeps two or more microbatches of in flight: with one, a shared cast
+would live through each backward where a microbatch's own is freed layer by layer; and not
+under recomputation, whose forward runs without gradients and saves no cast.  Parameters do not
+change during a step, so the values are the same as a cast per microbatch, and the shared cast's
+backward is the cast's own (the gradient converted to the parameter's dtype, then accumulated
+there): values and gradients are bit for bit those of a copy per microbatch.  ``torch.autocast``
+keeps a cache of weight casts within one forward; this one lasts the step.
 
 Not shared: casts inside a ``torch.func`` transform (the in-process mesh's ``vmap``) or a compiled
 region, where the tensors are not the leaves' own; they are made per use as before.
@@ -21,7 +22,6 @@ region, where the tensors are not the leaves' own; they are made per use as befo
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -44,7 +44,7 @@ class Casts:
     def __init__(self, leaves: list) -> None:
         self.storages = {_storage(t) for t in leaves if isinstance(t, Tensor) and t.is_floating_point()}
         self.storages.discard(None)
-        self.made: dict[tuple, weakref.ref] = {}  # the casts, while something holds them
+        self.made: dict[tuple, Tensor] = {}
 
     def __call__(self, func: Any, args: tuple, kwargs: dict) -> Tensor | None:
         """The shared cast for a ``Tensor.to``-style call on a leaf's elements, or ``None`` (not one)."""
@@ -57,16 +57,17 @@ class Casts:
         storage = _storage(t)
         if storage not in self.storages:
             return None
+        if not (t.requires_grad and torch.is_grad_enabled()):
+            return None  # nothing saves it (recomputation's forward runs without grad): not shared
         key = (storage, t.storage_offset(), tuple(t.shape), t.stride(), dtype)
-        ref = self.made.get(key)
-        cast = ref() if ref is not None else None
+        cast = self.made.get(key)
         if cast is None:
             with torch.no_grad():
-                cast = t.to(dtype)
-            self.made[key] = weakref.ref(cast)
-        if t.requires_grad and torch.is_grad_enabled():
-            return _Shared.apply(t, cast)  # a view of ``cast``: it lives while the view does
-        return cast.view_as(cast)
+                cast = self.made[key] = t.to(dtype)
+        return _Shared.apply(t, cast)
+
+    def clear(self) -> None:
+        self.made.clear()
 
 
 def _target(func: Any, args: tuple, kwargs: dict) -> torch.dtype | None:

@@ -93,8 +93,15 @@ class Stage:
         self.wide: dict[int, Tensor] = {}  # id(leaf) -> its .grad summed in a wider dtype (_run_dist._widen)
         self.slots: Any = {}  # id(leaf) -> where W writes its first gradient (see _split, _run_dist._Rows)
         self.loss_sum: Tensor | None = None
-        # chunk -> its parameters' low-precision casts, shared while a graph holds them (``_casts``)
-        self.casts: dict[int, Casts] = {}
+        # chunk -> its parameters' low-precision casts, one per step (``_casts``; None: not shared,
+        # the chunk has one microbatch in flight at most), dropped as its last backward starts;
+        # chunk -> the microbatch of that backward
+        self.casts: dict[int, Casts | None] = {
+            c: None for c, n in _most_in_flight(schedule, s).items() if n < 2
+        }
+        self.last_backward = {
+            a.chunk: a.microbatch for a in schedule.actions if a.stage == s and a.kind in ("B", "BW")
+        }
         self.busy, self.peak, self.peak_inbox, self.seconds, self.waited = 0, 0, 0, 0.0, 0.0
         # Real mesh: forwards other than ``finals`` (per chunk, the microbatch whose backward
         # runs last) run under this fpar.defer_reduction() scope: one DP all-reduce per step.
@@ -155,8 +162,9 @@ class Stage:
         args = self._trees(c, k)
         records: list = []
         key_j = None if self.key is None else (_random.fold_in(self.key, j),)
-        casts = self.casts.get(c)
-        if casts is None:
+        if c in self.casts:
+            casts = self.casts[c]
+        else:
             casts = self.casts[c] = Casts(leaves)
         with torch.enable_grad(), capture(leaves, records, casts):
             if k == 0:
@@ -190,6 +198,9 @@ class Stage:
             dy = self.take(("B", j, c))
         # The captured linear layers leave their weight gradients to W (``_split``); the other
         # parameter gradients accumulate in .grad (AccumulateGrad), like torch's.  BW is B then W.
+        casts = self.casts.get(c)
+        if self.last_backward.get(c) == j and casts is not None:
+            casts.clear()  # the chunk's last backward: only its graph holds them now
         _backward(st.out, dy, ([st.x] if st.x is not None else []) + st.leaves)
         dx = st.x.grad if st.x is not None else None
         if prev_stage(self.s, c, self.p, self.v, self.layout) is None:
@@ -242,6 +253,18 @@ class Stage:
 
     def note_inbox(self) -> None:
         self.peak_inbox = max(self.peak_inbox, len(self.inbox))
+
+
+def _most_in_flight(schedule: Schedule, s: int) -> dict[int, int]:
+    """Per chunk of stage ``s``: the most microbatches forwarded and not yet backwarded at once."""
+    now: dict[int, int] = {}
+    most: dict[int, int] = {}
+    for a in schedule.actions:
+        if a.stage != s or a.kind not in ("F", "B", "BW"):
+            continue
+        now[a.chunk] = now.get(a.chunk, 0) + (1 if a.kind == "F" else -1)
+        most[a.chunk] = max(most.get(a.chunk, 0), now[a.chunk])
+    return most
 
 
 def _leaves(tree: Any) -> tuple[list, Any]:

@@ -268,7 +268,9 @@ def cast_job(axes: tuple, name: str, p: int, m: int, v: int, shared: bool) -> di
     cast per step) or ``w.to(torch.bfloat16, copy=True)`` (not a cast it shares: one per
     microbatch in flight, as a stage function that casts without the executor would hold).
     ``forward_peak``: the most bytes the step had made and not freed at the end of a chunk's
-    forward; ``cast_bytes``: one chunk's bfloat16 weights.
+    forward; ``cast_bytes``: one chunk's bfloat16 weights; ``table_bytes``: the embedding table's
+    bfloat16 cast on this rank (indexing does not save it: shared, it is held for the step, where
+    a cast per microbatch is freed at once).
     """
     from fpar.plan._record import Recorder
 
@@ -329,6 +331,7 @@ def cast_job(axes: tuple, name: str, p: int, m: int, v: int, shared: bool) -> di
         "peak": peak,
         "forward_peak": max(live),
         "cast_bytes": 2 * d * h * 2,
+        "table_bytes": first["emb"].numel() * 2 if coord in (None, 0) else 0,
     }
 
 
