@@ -136,8 +136,9 @@ def _real(t: Tensor) -> Tensor:
     if t.dtype.is_floating_point or t.dtype.is_complex:
         # in [0.5, 1.5): a square root, log or division of optimizer state takes its usual path
         # (a NaN from a negative input costs ~10x on x86); a generator of its own: torch's
-        # default one is the user's (and fpar.shard checks it)
-        base = torch.rand(extent, generator=_GEN).add_(0.5).to(t.dtype)
+        # default one is the user's (and fpar.shard checks it).  Drawn in [0.55, 1.45): a draw
+        # just under 1.5 rounds to 1.5 in bfloat16
+        base = torch.rand(extent, generator=_GEN).mul_(0.9).add_(0.55).to(t.dtype)
     else:
         base = torch.zeros(extent, dtype=t.dtype)
     out = base.as_strided(t.shape, t.stride(), t.storage_offset())
