@@ -238,6 +238,13 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "run a check once the current backward ends (as DDP does): deferred gradient sums that the final "
         "call outside fpar.defer_reduction() left unclaimed are an error then",
     ),
+    PrivateApi(
+        "torch.autograd.graph._engine_run_backward",
+        ("pipeline/_stage.py",),
+        "run a pipeline chunk's backward from an output whose values were released after its send "
+        "(torch.autograd.backward compares the cotangent's shape with the emptied output's; the engine "
+        "checks it against the graph's own record, as Megatron-LM's custom_backward does)",
+    ),
     PrivateApi("torch._C._current_graph_task_id", ("plan/_record.py",), "whether a backward is running"),
     PrivateApi(
         "torch._C._storage_Use_Count",

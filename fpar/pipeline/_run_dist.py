@@ -104,7 +104,7 @@ class DistDriver:
                 _widen(st, accumulate)
         bufs = _gradient_rows(st, stacked, self.kept_rows) if unreduced is None else None
         start = time.perf_counter()
-        sending: list = []
+        sending: list = []  # (work, value) of the sends posted at the previous tick
         early: set = set()
         ahead = _dist.device_type() == "cpu"  # gloo: receives posted before the tick's compute
         sim = _dist.simulation()  # fpar.plan simulating this device, or None
@@ -115,7 +115,8 @@ class DistDriver:
             if keep is not None:
                 ticks = [[a for a in acts if a.microbatch in keep] for acts in ticks]
         for full, actions in zip(self.ticks, ticks):
-            st.send_early = self._early_sender(actions, sending, early)
+            posting: list = []  # this tick's sends
+            st.send_early = self._early_sender(actions, posting, early)
             posted = self._post_receives(actions, st) if ahead else set()
             for a in actions:
                 if a.kind in COMPUTE:
@@ -124,11 +125,17 @@ class DistDriver:
                     st.run(a, xs, targets)
             if sim is not None:
                 sim.mark(None)
-            sending += self._exchange(actions, st, _dist, early, posted)
+            posting += self._exchange(actions, st, _dist, early, posted)
             if len(full) > len(actions):  # fpar.plan: a send not simulated holds its bytes too
-                sending += sim.held(
+                posting += sim.held(
                     [self._sent(a, st) for a in full if a not in actions and a.kind[:4] == "SEND"]
                 )
+            # A tick's sends had this tick's compute to go out: wait for them now, and let what
+            # they sent go (a chunk's output, once sent, is held by nothing else: Stage._release).
+            # At a fixed point of the program, so the step's memory does not depend on timing.
+            for work, _ in sending:
+                work.wait()
+            sending = posting
             st.note_inbox()
         for work, _ in sending:
             work.wait()

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
+from torch.autograd.graph import _engine_run_backward
 
 from .. import _dist
 from .. import random as _random
@@ -187,7 +188,9 @@ class Stage:
             self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
             return None
         self.out_shapes[c] = (tuple(y.shape), y.dtype)
-        return y.detach()
+        sent = y.detach()
+        _release(y)
+        return sent
 
     def backward(self, j: int, c: int, *, split: bool) -> Tensor | None:
         """BW (or B, with ``split``): the input gradient it sends back, if any."""
@@ -280,10 +283,24 @@ def _leaf(t: Any) -> Any:
     return t
 
 
+def _release(y: Tensor) -> None:
+    """Let the stash hold ``y``'s graph but not its values (Megatron-LM's ``deallocate_output_tensor``).
+
+    The backward needs the chunk's output only as the root of its graph; its values live on in
+    what is sent (until it is) and in the graph if an op saved them, and no longer than that.
+    A view or a leaf shares its storage with something the step keeps anyway.
+    """
+    if y.requires_grad and y.grad_fn is not None and y._base is None:
+        y.data = torch.empty(0, dtype=y.dtype, device=y.device)
+
+
 def _backward(out: Tensor, dy: Tensor, inputs: list) -> None:
     """Accumulate the gradients of ``out`` (cotangent ``dy``) into ``inputs``' ``.grad``; frees the graph."""
     if inputs and out.requires_grad:
-        torch.autograd.backward(out, dy, inputs=inputs)
+        # the engine itself: ``torch.autograd.backward`` compares dy's shape with a released output's
+        _engine_run_backward(
+            (out,), (dy,), False, False, tuple(inputs), allow_unreachable=True, accumulate_grad=True
+        )
 
 
 def last_stage(sch: Schedule) -> int:

@@ -149,7 +149,7 @@ class Simulation:
         return keep
 
     def held(self, sends: list) -> list:
-        """Sends of microbatches not simulated: their buffers, held until the step waits for its sends."""
+        """Sends of microbatches not simulated: their buffers, held until the next tick waits for them."""
         out = []
         for sent in sends:
             if sent is None:

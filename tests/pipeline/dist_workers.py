@@ -9,6 +9,7 @@ does not own it, so the test compares rank by rank with the in-process run.
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 
 import pipe_models as M
@@ -261,7 +262,7 @@ def batched_job(axes: tuple, name: str, p: int, m: int, v: int) -> dict:
     return out
 
 
-def cast_job(axes: tuple, name: str, p: int, m: int, v: int, shared: bool) -> dict:
+def cast_job(axes: tuple, name: str, p: int, m: int, v: int, shared: bool, release: bool = True) -> dict:
     """A bfloat16 pipeline over float32 master weights: loss, gathered gradients, and the step's peak bytes.
 
     Every chunk casts its weights with ``w.to(torch.bfloat16)`` (``shared``: the executor's one
@@ -270,8 +271,12 @@ def cast_job(axes: tuple, name: str, p: int, m: int, v: int, shared: bool) -> di
     ``forward_peak``: the most bytes the step had made and not freed at the end of a chunk's
     forward; ``cast_bytes``: one chunk's bfloat16 weights; ``table_bytes``: the embedding table's
     bfloat16 cast on this rank (indexing does not save it: shared, it is held for the step, where
-    a cast per microbatch is freed at once).
+    a cast per microbatch is freed at once).  ``release=False``: the stash keeps each chunk's
+    output values, as it did before ``Stage._release``; ``out_bytes``: one chunk output's bytes.
     """
+    from unittest import mock
+
+    from fpar.pipeline import _stage
     from fpar.plan._record import Recorder
 
     mesh = mesh_for(axes)
@@ -316,7 +321,8 @@ def cast_job(axes: tuple, name: str, p: int, m: int, v: int, shared: bool) -> di
         "last": last,
     }
     step = pp.pipeline(block, M.schedule(name, p, m, v), mesh, loss=loss, first=embed)
-    with rec:
+    keep = mock.patch.object(_stage, "_release", lambda y: None)
+    with rec, contextlib.nullcontext() if release else keep:
         step(params, xs, ts)  # plans the sharded calls
         rec.start()
         rec.measuring = True
@@ -331,6 +337,7 @@ def cast_job(axes: tuple, name: str, p: int, m: int, v: int, shared: bool) -> di
         "peak": peak,
         "forward_peak": max(live),
         "cast_bytes": 2 * d * h * 2,
+        "out_bytes": batch * d * 2,
         "table_bytes": first["emb"].numel() * 2 if coord in (None, 0) else 0,
     }
 

@@ -217,16 +217,24 @@ def test_a_stage_casts_its_weights_to_bfloat16_once_a_step_in_process():
 def test_a_stage_casts_its_weights_to_bfloat16_once_a_step_on_the_real_mesh():
     """The same on 2 gloo processes, the stage functions shards over a data axis: each stage holds 3
     copies of its chunk's bfloat16 weights fewer under GPipe with 4 microbatches; values bit for bit
-    a cast per microbatch's, and the in-process mesh's."""
+    a cast per microbatch's, and the in-process mesh's.
+
+    And a stage holds a chunk's output only until its send is done: a forward's output is sent
+    at the next tick and waited for at the one after, so at GPipe's fourth forward stage 0 holds
+    that output, the third (to send) and the second (being sent), not the first too (the last
+    stage sends none)."""
     jobs = [
         ("cast_job", (PD, name, 2, 4, v, s))
         for name, v in (("gpipe", 1), ("interleaved", 2))
         for s in (True, False)
-    ]
+    ] + [("cast_job", (PD, "gpipe", 2, 4, 1, True, False))]
     got = fpar.launch(W.run_jobs, 2, jobs, timeout=120.0)
     for rank, results in enumerate(got):
         assert all(status == "ok" for status, _ in results), f"rank {rank}:\n{results}"
-        (_, shared), (_, own), (_, inter_shared), (_, inter_own) = results
+        (_, shared), (_, own), (_, inter_shared), (_, inter_own), (_, kept) = results
+        _equal(shared, kept, f"rank {rank}, outputs kept")
+        released = kept["forward_peak"] - shared["forward_peak"]
+        assert released == (shared["out_bytes"] if rank == 0 else 0), (rank, released)
         _equal(shared, own, f"rank {rank}, gpipe")
         _equal(inter_shared, inter_own, f"rank {rank}, interleaved")
         saved = own["forward_peak"] - shared["forward_peak"]
