@@ -20,6 +20,9 @@ axis with ``axis=``; parameters are plain tensor dicts, and ``*_specs`` / ``init
   ``moe_specs``, ``init_moe``; the transformer block with a MoE MLP, ``moe_block``, is in ``_gpt.py``.
 * Any ``nn.Module`` / Hugging Face model as it is (``_tensor_parallel.py``): ``tensor_parallel``
   (Megatron plan applied to the module's own forward) and its ``TensorParallelFn``.
+* A decoder layer's pointwise pieces that keep what fused kernels keep (``_lean.py``):
+  ``rms_norm`` (its input and a number a row, not float32 copies), ``swiglu`` (``gate`` and
+  ``up``, not ``silu(gate)`` too).
 * Configuration (``_layout.py``): ``tensor_layout`` / ``TensorLayout`` map a Colossal-AI style
   tensor-parallel config onto mesh axis names and shapes.
 
@@ -51,6 +54,8 @@ from ._gpt import moe_block as moe_block
 from ._gpt import sp_gpt_block as sp_gpt_block
 from ._layout import TensorLayout as TensorLayout
 from ._layout import tensor_layout as tensor_layout
+from ._lean import rms_norm as rms_norm
+from ._lean import swiglu as swiglu
 from ._megatron import attention as attention
 from ._megatron import column_linear as column_linear
 from ._megatron import mlp as mlp
@@ -88,6 +93,7 @@ from ._tensor_parallel import tensor_parallel as tensor_parallel
 
 __all__ = [
     "TensorLayout",
+    "TensorParallelFn",
     "TensorParallelSpecs",
     "attention",
     "attention_specs",
@@ -122,6 +128,7 @@ __all__ = [
     "moe_specs",
     "ring_attention",
     "ring_self_attention",
+    "rms_norm",
     "row_linear",
     "sp_attention",
     "sp_column_linear",
@@ -134,9 +141,9 @@ __all__ = [
     "specs_2p5d",
     "specs_3d",
     "summa_matmul",
+    "swiglu",
     "tensor_layout",
     "tensor_parallel",
-    "TensorParallelFn",
     "ulysses_attention",
     "vocab_cross_entropy",
     "vocab_embedding",

@@ -252,15 +252,18 @@ def _block_inits(model: Model, lead: tuple) -> dict:
 
 
 def _rms_norm(x, w, eps: float = 1e-5):
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w.to(x.dtype)
+    return ops.rms_norm(x, w, eps)  # keeps x and a number a row, as fused kernels do
 
 
 _ROTARY: dict = {}  # (seq, head dim, dtype, device) -> (cos, sin): computed once, as models keep them
 
 
 def _rotary(x, seq: int):
-    """Rotary position embedding on ``x[b, h, s, hd]``."""
+    """Rotary position embedding on ``x[b, s, h, hd]``.
+
+    Its result is contiguous in that layout: the attention kernel's output takes its query's
+    layout, and ``[b, s, h, hd]`` flattens to the output projection's input without a copy.
+    """
     hd = x.shape[-1]
     key = (seq, hd, x.dtype, str(x.device))
     if key not in _ROTARY:
@@ -268,7 +271,7 @@ def _rotary(x, seq: int):
             inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
             ang = torch.arange(seq, device=x.device, dtype=torch.float32)[:, None] * inv[None]
             _ROTARY[key] = (ang.cos().to(x.dtype), ang.sin().to(x.dtype))
-    cos, sin = _ROTARY[key]
+    cos, sin = (t[:, None] for t in _ROTARY[key])  # over the heads
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).flatten(-2)
 
@@ -277,7 +280,16 @@ _MASKS: dict = {}  # (seq, device) -> the causal mask above the diagonal, made o
 
 
 def _attention(q, k, v, eager: bool = False):
-    """Causal attention ``[b, h, s, hd]``: the flash kernel (no ``s x s`` matrix is kept), or eager."""
+    """Causal attention ``[b, h, s, hd]``: the flash kernel (no ``s x s`` matrix is kept), or eager.
+
+    ``k`` and ``v`` may have fewer heads (grouped-query attention): the flash kernel reads each
+    group's key and value heads itself, so only those are kept for the backward.
+    """
+    if k.shape[1] != q.shape[1] and (eager or q.device.type != "meta"):
+        if eager:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
+        else:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     if eager:  # the scores materialised: a batched matmul, the mask, a softmax, a batched matmul
         s = q.shape[-2]
         key = (s, str(q.device))
@@ -329,15 +341,13 @@ def _block(model: Model, layout: Layout, dtype):
             return gpt(w, x)
         q, k, v = project(_rms_norm(x, w["ln1"]), [w["wq"], w["wk"], w["wv"]])
         s = q.shape[1]
-        q = q.unflatten(-1, (hq, hd)).transpose(1, 2)
-        k = k.unflatten(-1, (hkv, hd)).transpose(1, 2)
+        q = _rotary(q.unflatten(-1, (hq, hd)), s).transpose(1, 2)
+        k = _rotary(k.unflatten(-1, (hkv, hd)), s).transpose(1, 2)
         v = v.unflatten(-1, (hkv, hd)).transpose(1, 2)
-        q, k = _rotary(q, s), _rotary(k, s)
-        k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
         o = _attention(q, k, v, eager).transpose(1, 2).flatten(2)
         x = x + out(o @ w["wo"])
         gate, up = project(_rms_norm(x, w["ln2"]), [w["w1"], w["w3"]])
-        return x + out((F.silu(gate) * up) @ w["w2"])
+        return x + out(ops.swiglu(gate, up) @ w["w2"])
 
     if not layout.remat:
         return block

@@ -233,7 +233,7 @@ for _name in (
     "attention attention_specs column_linear gpt gpt_loss gpt_specs init_attention init_gpt "
     "init_layer_norm init_mlp layer_norm layer_norm_specs mlp mlp_specs row_linear vocab_cross_entropy "
     "vocab_embedding ring_attention ring_self_attention sp_attention sp_column_linear sp_gather_matmul sp_mlp "
-    "sp_row_linear sp_vocab_embedding ulysses_attention"
+    "sp_row_linear sp_vocab_embedding ulysses_attention rms_norm swiglu"
 ).split():
     PUBLIC[f"ops.{_name}"] = _LAYER
 for _name in (

@@ -45,6 +45,25 @@ def programs(mesh):
         grads, value = torch.func.grad_and_value(f)(placed, ids)
         out[f"gpt sp={sp} again"] = (value, fpar.gather(grads, mesh, specs), None)
 
+    # fpar.ops.rms_norm / swiglu (autograd Functions): the replicated weight's gradient is summed
+    # over the devices the rows are split over, on the first (traced) call and the planned one
+    x = torch.arange(2.0 * T * D, dtype=torch.float64).reshape(2 * T, D).sin()
+    w = 1 + torch.arange(D, dtype=torch.float64) / 10
+
+    def lean(x, w):
+        return fpar.psum((ops.swiglu(ops.rms_norm(x, w), ops.rms_norm(x.flip(-1))) ** 2).sum(), "tensor")
+
+    f = fpar.shard(lean, mesh, (P("tensor"), P()), P())
+    xs = fpar.device_put(x, mesh, P("tensor"))
+    for again in ("", " again"):
+        fpar.reset_comm_stats()
+        (gx, gw), value = torch.func.grad_and_value(f, argnums=(0, 1))(xs, w)
+        out["lean" + again] = (
+            value,
+            (fpar.gather(gx, mesh, P("tensor")), gw),
+            None if again else fpar.comm_stats(),
+        )
+
     ring = fpar.shard(lambda q, k, v: ops.ring_attention(q, k, v, axis="tensor"), mesh, (SEQ,) * 3, SEQ)
     q, k, v = fpar.device_put(tuple(qkv), mesh, SEQ)
     fpar.reset_comm_stats()

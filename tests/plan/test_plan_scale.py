@@ -377,10 +377,41 @@ def test_a_gpt_layer_keeps_korthikantis_activations(tensor, sp, remat, formula):
     Sequence parallelism once kept each column-parallel matmul's gathered input (60 s b h / t at
     tensor 8).  Beside the formula: the statistics of two LayerNorms and attention's log-sum-exp
     (under 0.1), and the layer's bf16 weight copies (counted apart: issue 51's one copy a step)."""
-    model = dataclasses.replace(
-        plan.MODELS["gpt-1.7b"], d_model=1024, n_heads=8, n_kv_heads=8, d_ffn=4096, seq=1024, vocab=4096
-    )
+    _check_layer("gpt-1.7b", dict(n_heads=8, n_kv_heads=8, d_ffn=4096), tensor, sp, remat, formula)
+
+
+def _check_layer(name: str, shape: dict, tensor: int, sp: bool, remat: bool, formula: float) -> None:
+    """One layer of ``name`` (d 1024, seq 1024, ``shape``) keeps ``formula`` s b h / t, and under 0.1 more."""
+    model = dataclasses.replace(plan.MODELS[name], d_model=1024, seq=1024, vocab=4096, **shape)
     layout = plan.Layout(tensor=tensor, sequence_parallel=sp, remat=remat, batch=1, microbatches=1)
     act, copies = _layer_activations(model, layout)
     weights = 0.0 if remat else copies
     assert formula <= act - weights < formula + 0.1, (act, copies)
+
+
+def _llama_layer(t: int, sp: bool) -> float:
+    """Megatron-LM's Llama layer (fused RMSNorm and SwiGLU, flash attention) in ``s b h / t``: the
+    norms' inputs, the matmuls' inputs, q, k and v (``g`` of the heads each), attention's output
+    and SwiGLU's gate and up beside the down projection's input (``3 x 2 f``, ``f`` = ffn / h);
+    without SP the four hidden-state tensors are the whole sequence (``t`` times a block).
+    Attention's output is the output projection's input (a view: the kernel writes ``[b, s, h, d]``
+    when the query is laid out so)."""
+    g, f = 4 / 16, 2816 / 1024
+    return 4 * 2 * (1 if sp else t) + 2 + 2 * 2 * g + 2 + 6 * f
+
+
+@pytest.mark.parametrize(
+    "tensor, sp, remat, formula",
+    [
+        (1, False, False, _llama_layer(1, False)),
+        (4, False, False, _llama_layer(4, False)),
+        (4, True, False, _llama_layer(4, True)),
+        (4, True, True, 2.0),  # full recomputation: the layer's input block
+    ],
+)
+def test_a_llama_layer_keeps_what_fused_kernels_keep(tensor, sp, remat, formula):
+    """A Llama layer keeps Megatron-LM's activations with fused RMSNorm and SwiGLU (fpar.ops.rms_norm,
+    fpar.ops.swiglu) and grouped-query flash attention: 29.5 s b h / t here at tensor 4 with SP,
+    where float32 RMSNorm written out, silu's output and repeated keys and values kept 48.1 (96.1
+    at tensor 4 without SP)."""
+    _check_layer("llama-8b", dict(n_heads=16, n_kv_heads=4, d_ffn=2816), tensor, sp, remat, formula)
