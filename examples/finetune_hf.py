@@ -16,7 +16,8 @@ example first writes a small random-init Qwen3 (byte vocabulary, 256) with
 * each microbatch's rows are split over ``data``; AdamW with ZeRO stage ``--zero`` (default 1:
   the optimizer state split over ``data``; 3: FSDP, on one stage each parameter gathered at its
   first use and freed after its last, in a pipeline each stage gathered once a step) and
-  global-norm clipping (``fpar.optim``);
+  global-norm clipping (``fpar.optim``); ``--remat`` recomputes each decoder layer in the
+  backward (``fpar.hf.remat``), in every layout;
 * at the end ``fpar.hf.save_pretrained`` writes the fine-tuned model (each process its own shard
   files, no process gathering the model), and the example loads it back with
   ``fpar.hf.from_pretrained`` and checks that it holds the trained weights and gives the same
@@ -32,6 +33,7 @@ data=2, then pipeline=2 while they fit (2 devices: tensor=2; 4: data=2 x tensor=
     torchrun --nproc-per-node 4 examples/finetune_hf.py --tiny --steps 3
     torchrun --nproc-per-node 4 examples/finetune_hf.py --tiny --pp 2   # pipeline=2 x tensor=2
     torchrun --nproc-per-node 4 examples/finetune_hf.py --tiny --pp 2 --dp 2 --tp 1 --zero 3  # FSDP x pipeline
+    python examples/finetune_hf.py --remat      # each decoder layer recomputed (fpar.hf.remat)
 
 Needs ``pip install fpar[hf,examples]``.  Shape suffixes: M microbatches, B rows, T time.
 """
@@ -188,6 +190,9 @@ def main(argv=None) -> list[float]:
     ap.add_argument("--layers", type=int, default=4, help="the random model's layers (no --model)")
     ap.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage over data")
     ap.add_argument("--tiny", action="store_true", help="a very small model (tests, torchrun on CPU)")
+    ap.add_argument(
+        "--remat", action="store_true", help="recompute each decoder layer in the backward (fpar.hf.remat)"
+    )
     C.add_args(ap, steps=40, batch=16, lr=3e-3, warmup=4)
     args = ap.parse_args(argv)
     if args.tiny:
@@ -206,8 +211,14 @@ def main(argv=None) -> list[float]:
         C.say(f"wrote a random-init Qwen3 to {path} (fpar.hf.save_pretrained)", quiet=quiet)
     dtype = C.DTYPES[args.dtype]
     apply_fn, params, specs = fpar.hf.from_pretrained(path, mesh, dtype=dtype)
+    if args.remat:  # keep each layer's input, run the layer again in the backward
+        fpar.hf.remat(apply_fn)
     n_params = sum(p.numel() for p in apply_fn.module.parameters())
-    C.say(f"{type(apply_fn.module).__name__}: {n_params / 1e6:.2f}M parameters from {path}", quiet=quiet)
+    C.say(
+        f"{type(apply_fn.module).__name__}: {n_params / 1e6:.2f}M parameters from {path}"
+        + (", each decoder layer recomputed in the backward (fpar.hf.remat)" if args.remat else ""),
+        quiet=quiet,
+    )
     tokens_N, source = load_corpus(args.text, args.max_bytes)
     split = int(0.95 * len(tokens_N))
     train_N, val_N = tokens_N[:split], tokens_N[split:]

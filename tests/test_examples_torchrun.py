@@ -72,7 +72,14 @@ FINETUNE = ("--tiny", "--steps", "3", "--warmup", "1", "--log-every", "1", "--ma
 CASES = [
     # 2: tensor=2; 4: data=2 x tensor=2, ZeRO-3 (FSDP of an HF model: each parameter gathered at its first use)
     Case("finetune_hf.py", (*FINETUNE, "--zero", "3"), needs=("transformers",)),
-    Case("finetune_hf.py", (*FINETUNE, "--pp", "2"), sizes=(4,), needs=("transformers",), label="pipeline"),
+    # pipeline=2 x tensor=2, each decoder layer recomputed in the backward (fpar.hf.remat)
+    Case(
+        "finetune_hf.py",
+        (*FINETUNE, "--pp", "2", "--remat"),
+        sizes=(4,),
+        needs=("transformers",),
+        label="pipeline",
+    ),
     # FSDP x pipeline: pipeline=2 x data=2, ZeRO-3 inside each stage (fpar.optim.zero_pipeline)
     Case(
         "finetune_hf.py",

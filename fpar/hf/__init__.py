@@ -5,7 +5,8 @@
 * ``save_pretrained(path, apply_fn, params, mesh)``: a directory ``transformers`` loads, written
   from every process's blocks without gathering the model in one process;
 * ``pipeline_stages(apply_fn, specs, mesh, ...)``: the model cut where its ``base_model_pp_plan``
-  says, as the functions ``fpar.pipeline.pipeline`` runs.
+  says, as the functions ``fpar.pipeline.pipeline`` runs;
+* ``remat(apply_fn, policy=None)``: recompute each decoder layer in the backward (all layouts).
 
 ``transformers`` and ``safetensors`` are imported when these are called, not with ``fpar``.
 """
@@ -14,6 +15,7 @@ from ._files import CheckpointFormatError as CheckpointFormatError
 from ._load import from_pretrained as from_pretrained
 from ._pipeline import Stages as Stages
 from ._pipeline import pipeline_stages as pipeline_stages
+from ._remat import remat as remat
 from ._save import save_pretrained as save_pretrained
 
 __all__ = [
@@ -21,5 +23,6 @@ __all__ = [
     "Stages",
     "from_pretrained",
     "pipeline_stages",
+    "remat",
     "save_pretrained",
 ]

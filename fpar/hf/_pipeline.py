@@ -138,22 +138,13 @@ class Stages:
         embeddings) runs as the model's own forward code, so nothing between the pieces is dropped.
         """
         config = module.config
-        plan = getattr(config, "base_model_pp_plan", None)
-        if not plan:
+        if not getattr(config, "base_model_pp_plan", None):
             raise ValueError(
                 f"{_API}: {cls} has no base_model_pp_plan (its config class names no pipeline pieces); "
                 f"write the stages by hand with fpar.pipeline.pipeline (docs/layouts/pipelines.md)."
             )
-        prefix = getattr(module, "base_model_prefix", "")
-        base = getattr(module, prefix, None) if prefix else None
-        base = base if isinstance(base, torch.nn.Module) else module
-        names = list(plan)
-        lists = [n for n in names if isinstance(getattr(base, n, None), torch.nn.ModuleList)]
-        if len(lists) != 1:
-            raise ValueError(
-                f"{_API}: {cls}'s base_model_pp_plan {names} does not name exactly one list of decoder "
-                f"layers; only such a plan is cut into stages."
-            )
+        base, layers_attr = decoder_layers(module, _API)
+        names = list(config.base_model_pp_plan)
         head = module.get_output_embeddings()
         embed = module.get_input_embeddings()
         if head is None:
@@ -167,12 +158,12 @@ class Stages:
                 f"{_API}: {cls}'s tied embedding {tied_key!r} is not among the model's parameters."
             )
         self.tied: tuple[tuple[str, str], ...] = () if tied_key is None else ((tied_key, tied_key),)
-        self._module, self._base, self._layers_attr = module, base, lists[0]
-        self._layers = getattr(base, lists[0])
+        self._module, self._base, self._layers_attr = module, base, layers_attr
+        self._layers = getattr(base, layers_attr)
         self._layers_name = dotted[id(self._layers)]
         self._head_name = dotted[id(head)]
-        before = [getattr(base, n) for n in names[: names.index(lists[0])]]
-        after = [getattr(base, n) for n in names[names.index(lists[0]) + 1 :]] + [head]
+        before = [getattr(base, n) for n in names[: names.index(layers_attr)]]
+        after = [getattr(base, n) for n in names[names.index(layers_attr) + 1 :]] + [head]
 
         def own(ms: list) -> list[str]:
             return [f"{dotted[id(m)]}.{k}".lstrip(".") for m in ms for k, _ in m.named_parameters()]
@@ -326,6 +317,34 @@ class Stages:
                 out[f"{self._layers_name}.{i}.{k}"] = layer
         out.update(pipelined["last"])
         return out
+
+
+def decoder_layers(module: torch.nn.Module, api: str) -> tuple[torch.nn.Module, str]:
+    """The base model and the name of its decoder layers' ``ModuleList``.
+
+    The one list its config's ``base_model_pp_plan`` names; without a plan, the base model's one
+    ``ModuleList`` child.
+    """
+    cls = type(module).__name__
+    prefix = getattr(module, "base_model_prefix", "")
+    base = getattr(module, prefix, None) if prefix else None
+    base = base if isinstance(base, torch.nn.Module) else module
+    plan = getattr(getattr(module, "config", None), "base_model_pp_plan", None)
+    if plan:
+        names = list(plan)
+        lists = [n for n in names if isinstance(getattr(base, n, None), torch.nn.ModuleList)]
+        if len(lists) != 1:
+            raise ValueError(
+                f"{api}: {cls}'s base_model_pp_plan {names} does not name exactly one list of decoder layers."
+            )
+        return base, lists[0]
+    lists = [n for n, m in base.named_children() if isinstance(m, torch.nn.ModuleList)]
+    if len(lists) != 1:
+        raise ValueError(
+            f"{api}: {cls} has no base_model_pp_plan and {len(lists)} ModuleList children of "
+            f"{type(base).__name__} ({lists}), not one: which are its decoder layers is not known."
+        )
+    return base, lists[0]
 
 
 class _Shell:

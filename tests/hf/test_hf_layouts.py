@@ -43,12 +43,14 @@ def _reference_step(model, ids, opt, dtype=None):
     return fo.apply_updates(ref, updates)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_step_equals_unsharded_adamw(stage):
+@pytest.mark.parametrize("stage, remat", [(1, False), (2, False), (3, False), (1, True), (3, True)])
+def test_zero_step_equals_unsharded_adamw(stage, remat):
     model = hf_models.qwen3(num_key_value_heads=1)  # kv replicated on both tensor devices
     ids = hf_models.batch()
     apply_fn, params, specs = fpar.ops.tensor_parallel(model, MESH)
     assert apply_fn.replicated
+    if remat:  # each decoder layer recomputed in the backward (ZeRO-3: its blocks gathered again)
+        fpar.hf.remat(apply_fn)
     opt = fo.adamw(1e-2, weight_decay=0.1)
     layout = fo.zero_layout(params, MESH, specs, stage=stage)
     zparams, state = fo.zero_init(opt, params, layout)
@@ -97,39 +99,70 @@ def test_bf16_mixed_precision_zero_step_equals_unsharded_bf16_policy():
     assert close / total > 0.98, f"{close}/{total} of the bf16 step's moves agree to 1e-3"
 
 
-def _remat_each(layers, calls: list) -> None:
-    """Wrap each decoder layer of the private local copy in ``fpar.optim.remat`` (its parameters as
-    explicit inputs, so the recomputation in the backward uses this device's blocks)."""
-    for layer in layers:
-        base = type(layer)
-
-        class Remat(base):
-            def __call__(self, *args, **kwargs):
-                if self.__dict__.get("_inside"):
-                    calls.append(1)
-                    return super().__call__(*args, **kwargs)
-                names = [n for n, _ in self.named_parameters()]
-
-                def run(ps, *a, **k):
-                    self.__dict__["_inside"] = True
-                    try:
-                        return torch.func.functional_call(self, dict(zip(names, ps)), a, k)
-                    finally:
-                        self.__dict__["_inside"] = False
-
-                return fo.remat(run)([p for _, p in self.named_parameters()], *args, **kwargs)
-
-        layer.__class__ = Remat
+def _count_layer_calls(apply_fn) -> list:
+    """Append to the returned list each time a decoder layer's own forward runs."""
+    calls: list = []
+    for layer in apply_fn.module.model.layers:
+        layer.register_forward_pre_hook(lambda *_: calls.append(1))
+    return calls
 
 
-def test_remat_per_decoder_layer_equals_unsharded():
-    model = hf_models.qwen3(num_hidden_layers=2, num_key_value_heads=1)
+def _saved_bytes(fn, params, *args) -> int:
+    """The bytes autograd keeps for the backward of ``fn(params, *args)``, each storage once, less
+    the parameters themselves."""
+    seen: dict = {}
+    own = {p.untyped_storage().data_ptr() for p in params.values()}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in own:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(params, *args)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("family, policy", [("qwen3", None), ("llama", fo.save_dots), ("mixtral", None)])
+def test_hf_remat_recomputes_each_decoder_layer_and_equals_unsharded(family, policy):
+    """``fpar.hf.remat(apply_fn)``: each layer runs again in the backward on this device's blocks
+    (data x tensor, kv heads replicated), the values and gradients the unsharded model's."""
+    model = hf_models.FAMILIES[family](num_hidden_layers=2, num_key_value_heads=1)
     ids = hf_models.batch()
     apply_fn, params, specs = fpar.ops.tensor_parallel(model, MESH)
-    calls: list = []
-    _remat_each(apply_fn.module.model.layers, calls)
+    assert fpar.hf.remat(apply_fn, policy) is apply_fn
+    calls = _count_layer_calls(apply_fn)
     loss = hf_models.sharded_loss(apply_fn, MESH, specs, causal=True)
     want_loss, want_grads = hf_models.unsharded(model, ids)
-    grads = apply_fn.export(torch.func.grad(loss)(params, ids))
-    assert len(calls) == 4  # 2 layers, each run forward and again in the backward
-    hf_models.compare(grads, want_grads, "grads with remat per decoder layer", **TOL)
+    grads, value = torch.func.grad_and_value(loss)(params, ids)
+    # 2 layers, each run forward and again in the backward
+    assert len(calls) == 2 * 2, len(calls)
+    torch.testing.assert_close(value, want_loss, **TOL)
+    hf_models.compare(apply_fn.export(grads), want_grads, f"{family} grads, fpar.hf.remat", **TOL)
+
+
+def test_hf_remat_keeps_a_layers_input_not_its_activations():
+    """Full recomputation keeps each layer's input for the backward (and the embedding's and the
+    head's own), a fraction of what the layers keep without it; ``policy=False`` undoes it."""
+    model = hf_models.qwen3(num_hidden_layers=4)
+    ids = hf_models.batch()
+    mesh = fpar.make_mesh((1,), ("tensor",))
+    apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh)
+    loss = fpar.shard(_hf_loss(apply_fn), mesh, (specs, P()), P())
+    params = {k: v.detach().requires_grad_() for k, v in params.items()}
+    plain = _saved_bytes(loss, params, ids)
+    fpar.hf.remat(apply_fn)
+    kept = _saved_bytes(loss, params, ids)
+    assert kept < plain / 3, (kept, plain)
+    fpar.hf.remat(apply_fn, False)
+    assert type(apply_fn.module.model.layers[0]).__call__ is torch.nn.Module.__call__
+    assert _saved_bytes(loss, params, ids) == plain
+
+
+def test_hf_remat_refuses_what_it_cannot_wrap():
+    with pytest.raises(TypeError, match=r"fpar.hf.remat: apply_fn must be what fpar.hf.from_pretrained"):
+        fpar.hf.remat(lambda p, x: x)
+    model = hf_models.qwen3(num_hidden_layers=1)
+    apply_fn, _, _ = fpar.ops.tensor_parallel(model, fpar.make_mesh((1,), ("tensor",)))
+    with pytest.raises(TypeError, match=r"fpar.hf.remat: policy must be None \(full recomputation\)"):
+        fpar.hf.remat(apply_fn, "dots")

@@ -74,20 +74,31 @@ def check(result, stages, apply_fn, want_loss, want_grads):
 
 
 @pytest.mark.parametrize(
-    "shape,schedule,chunks",
+    "shape,schedule,chunks,remat",
     [
-        ((2, 1, 2), "1f1b", 1),
-        ((2, 2, 2), "gpipe", 1),
-        ((2, 1, 2), "interleaved", 2),
+        ((2, 1, 2), "1f1b", 1, False),
+        ((2, 2, 2), "gpipe", 1, False),
+        ((2, 1, 2), "interleaved", 2, False),
+        ((2, 2, 2), "1f1b", 1, True),
     ],
-    ids=["pipe2-tensor2-1f1b", "pipe2-data2-tensor2-gpipe", "pipe2-tensor2-interleaved"],
+    ids=[
+        "pipe2-tensor2-1f1b",
+        "pipe2-data2-tensor2-gpipe",
+        "pipe2-tensor2-interleaved",
+        "pipe2-data2-tensor2-remat",
+    ],
 )
-def test_pipeline_equals_the_unsharded_model(tmp_path, shape, schedule, chunks):
+def test_pipeline_equals_the_unsharded_model(tmp_path, shape, schedule, chunks, remat):
     model = qwen3()
     model.save_pretrained(tmp_path)
     mesh = fpar.make_mesh(shape, ("pipe", "data", "tensor"))
     apply_fn, params, specs = fpar.hf.from_pretrained(tmp_path, mesh)
     stages = fpar.hf.pipeline_stages(apply_fn, specs, mesh, chunks=chunks)
+    calls: list = []
+    if remat:  # after the stages are cut: their chunks run the same layer modules
+        fpar.hf.remat(apply_fn)
+        for layer in apply_fn.module.model.layers:
+            layer.register_forward_pre_hook(lambda *_: calls.append(1))
     sched = {
         "1f1b": pp.one_f_one_b(2, M),
         "gpipe": pp.gpipe(2, M),
@@ -97,6 +108,8 @@ def test_pipeline_equals_the_unsharded_model(tmp_path, shape, schedule, chunks):
     xs, ys = batch()
     result = step(stages.split(params), xs, ys)
     check(result, stages, apply_fn, *reference(model, xs, ys))
+    # each of the M microbatches through every layer, forward and recomputed in the backward
+    assert len(calls) == (2 * M * model.config.num_hidden_layers if remat else 0)
     assert {k: torch.equal(v, params[k]) for k, v in stages.merge(stages.split(params)).items()} == {
         k: True for k in params
     }
@@ -238,11 +251,14 @@ def test_refusals(tmp_path):
         fpar.hf.pipeline_stages(apply_fn, specs, mesh)
 
 
-def run_pipeline(path: str):
+def run_pipeline(path: str, remat: bool = False):
     """On each of 2 processes: pipe=2, 1F1B; the loss and the gathered, merged gradients (a tied
-    model's embedding: both stages' copies' summed gradient)."""
+    model's embedding: both stages' copies' summed gradient).  ``remat``: each decoder layer
+    recomputed in the backward (``fpar.hf.remat`` before the stages are cut)."""
     mesh = fpar.make_mesh((2, 1), ("pipe", "tensor"))
     apply_fn, params, specs = fpar.hf.from_pretrained(path, mesh)
+    if remat:
+        fpar.hf.remat(apply_fn)
     stages = fpar.hf.pipeline_stages(apply_fn, specs, mesh)
     step = pp.pipeline(stages.stage, pp.one_f_one_b(2, M), mesh, loss=stages.loss, first=stages.first)
     result = step(stages.split(params), *batch())
@@ -251,12 +267,14 @@ def run_pipeline(path: str):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_pipeline_on_two_processes_equals_the_unsharded_model(tmp_path, tied):
+@pytest.mark.parametrize(
+    "tied, remat", [(False, False), (True, False), (True, True)], ids=["untied", "tied", "tied-remat"]
+)
+def test_pipeline_on_two_processes_equals_the_unsharded_model(tmp_path, tied, remat):
     model = tied_model("qwen3") if tied else qwen3()
     model.save_pretrained(tmp_path)
     want_loss, want_grads = reference(model, *batch())
-    for loss, grads in fpar.launch(run_pipeline, 2, str(tmp_path), timeout=120.0):
+    for loss, grads in fpar.launch(run_pipeline, 2, str(tmp_path), remat, timeout=120.0):
         torch.testing.assert_close(loss, want_loss, rtol=0, atol=1e-12)
         for k, g in want_grads.items():
             torch.testing.assert_close(grads[k], g, rtol=0, atol=1e-12, msg=k)
