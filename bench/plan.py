@@ -295,6 +295,15 @@ def bench_memory() -> None:
             f"  Korthikanti's GPT-3 block: {gpt / 2**20:.1f} MiB with the s x s scores, {flash / 2**20:.1f} MiB "
             f"without (flash); activations / that = {act / flash:.2f} (a Llama block is not GPT-3's: see bench/README)"
         )
+        # Megatron-LM's Llama layer with fused RMSNorm and SwiGLU, flash attention, SP: the norms' and
+        # matmuls' inputs, q, k and v, attention's output, SwiGLU's gate and up and the down input
+        g, f = base.n_kv_heads / base.n_heads, base.d_ffn / h
+        fused = s * b * h * (4 * 2 + 2 + 4 * g + 2 + 6 * f) / t
+        weights_only = act - (weights[1] - weights[0]) / 2
+        print(
+            f"  Megatron-LM's Llama layer (fused kernels): {fused / 2**20:.1f} MiB; fpar's activations less the "
+            f"weight copies {weights_only / 2**20:.1f} MiB = {weights_only / fused:.3f} of it"
+        )
 
 
 if __name__ == "__main__":
