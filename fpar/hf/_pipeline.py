@@ -137,7 +137,7 @@ class Stages:
         forward does (embedding multipliers, norms, logit scales and soft-caps, masks, rotary
         embeddings) runs as the model's own forward code, so nothing between the pieces is dropped.
         """
-        config = module.config
+        config: Any = module.config
         if not getattr(config, "base_model_pp_plan", None):
             raise ValueError(
                 f"{_API}: {cls} has no base_model_pp_plan (its config class names no pipeline pieces); "

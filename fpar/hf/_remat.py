@@ -24,7 +24,7 @@ __all__ = ["remat"]
 _API = "fpar.hf.remat"
 
 
-def remat(apply_fn: Any, policy: Callable[[str, int], bool] | None = None) -> Any:
+def remat(apply_fn: Any, policy: Callable[[str, int], bool] | bool | None = None) -> Any:
     """Recompute each decoder layer of a Hugging Face model in the backward; returns ``apply_fn``.
 
     Hugging Face's ``gradient_checkpointing_enable()`` for fpar: the layers are those of the
@@ -54,7 +54,7 @@ def remat(apply_fn: Any, policy: Callable[[str, int], bool] | None = None) -> An
             f"{_API}: apply_fn must be what fpar.hf.from_pretrained or fpar.ops.tensor_parallel returned "
             f"(it has the model as .module), got {type(apply_fn).__name__}."
         )
-    if policy is not None and policy is not False and not callable(policy):
+    if policy is True or (policy is not None and policy is not False and not callable(policy)):
         raise TypeError(
             f"{_API}: policy must be None (full recomputation), a callable (op name, index) -> bool such "
             f"as fpar.optim.save_dots, or False (none), got {policy!r}."
@@ -67,7 +67,7 @@ def remat(apply_fn: Any, policy: Callable[[str, int], bool] | None = None) -> An
             layer.__dict__.pop("_fpar_plain_class", None)
             continue
         layer.__dict__["_fpar_plain_class"] = plain
-        layer.__dict__["_fpar_remat"] = _remat(_call_plain, policy)
+        layer.__dict__["_fpar_remat"] = _remat(_call_plain, policy if callable(policy) else None)
         layer.__class__ = _remat_class(plain)
     return apply_fn
 
@@ -79,7 +79,7 @@ def _remat_class(plain: type) -> type:
     """``plain``'s subclass whose call runs the layer under the layer's ``fpar.optim.remat``."""
     if plain not in _CLASSES:
 
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
+        def __call__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
             if self.__dict__.get("_fpar_inside"):  # the remat body's own call: the plain layer
                 return plain.__call__(self, *args, **kwargs)
             named = list(self.named_parameters())
