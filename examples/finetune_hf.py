@@ -16,8 +16,9 @@ example first writes a small random-init Qwen3 (byte vocabulary, 256) with
 * each microbatch's rows are split over ``data``; AdamW with ZeRO stage ``--zero`` (default 1:
   the optimizer state split over ``data``; 3: FSDP, on one stage each parameter gathered at its
   first use and freed after its last, in a pipeline each stage gathered once a step) and
-  global-norm clipping (``fpar.optim``); ``--remat`` recomputes each decoder layer in the
-  backward (``fpar.hf.remat``), in every layout;
+  global-norm clipping (``fpar.optim``); ``fpar.hf.lean`` lets the model's RMSNorms and SwiGLU
+  MLPs keep only their inputs for the backward, and ``--remat`` recomputes each decoder layer
+  (``fpar.hf.remat``), in every layout;
 * at the end ``fpar.hf.save_pretrained`` writes the fine-tuned model (each process its own shard
   files, no process gathering the model), and the example loads it back with
   ``fpar.hf.from_pretrained`` and checks that it holds the trained weights and gives the same
@@ -211,11 +212,14 @@ def main(argv=None) -> list[float]:
         C.say(f"wrote a random-init Qwen3 to {path} (fpar.hf.save_pretrained)", quiet=quiet)
     dtype = C.DTYPES[args.dtype]
     apply_fn, params, specs = fpar.hf.from_pretrained(path, mesh, dtype=dtype)
+    # the model's RMSNorms and SwiGLU MLPs keep only their inputs for the backward (its own values)
+    lean = fpar.hf.lean(apply_fn)
     if args.remat:  # keep each layer's input, run the layer again in the backward
         fpar.hf.remat(apply_fn)
     n_params = sum(p.numel() for p in apply_fn.module.parameters())
     C.say(
-        f"{type(apply_fn.module).__name__}: {n_params / 1e6:.2f}M parameters from {path}"
+        f"{type(apply_fn.module).__name__}: {n_params / 1e6:.2f}M parameters from {path}; "
+        f"{lean['rms_norm']} norms and {lean['swiglu']} MLPs as fused kernels keep memory (fpar.hf.lean)"
         + (", each decoder layer recomputed in the backward (fpar.hf.remat)" if args.remat else ""),
         quiet=quiet,
     )

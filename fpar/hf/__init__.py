@@ -6,12 +6,14 @@
   from every process's blocks without gathering the model in one process;
 * ``pipeline_stages(apply_fn, specs, mesh, ...)``: the model cut where its ``base_model_pp_plan``
   says, as the functions ``fpar.pipeline.pipeline`` runs;
-* ``remat(apply_fn, policy=None)``: recompute each decoder layer in the backward (all layouts).
+* ``remat(apply_fn, policy=None)``: recompute each decoder layer in the backward (all layouts);
+* ``lean(apply_fn)``: the model's RMSNorms and SwiGLU MLPs keep what fused kernels keep.
 
 ``transformers`` and ``safetensors`` are imported when these are called, not with ``fpar``.
 """
 
 from ._files import CheckpointFormatError as CheckpointFormatError
+from ._lean import lean as lean
 from ._load import from_pretrained as from_pretrained
 from ._pipeline import Stages as Stages
 from ._pipeline import pipeline_stages as pipeline_stages
@@ -22,6 +24,7 @@ __all__ = [
     "CheckpointFormatError",
     "Stages",
     "from_pretrained",
+    "lean",
     "pipeline_stages",
     "remat",
     "save_pretrained",

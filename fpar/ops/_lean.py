@@ -26,7 +26,9 @@ __all__ = ["rms_norm", "swiglu"]
 Tensor = torch.Tensor
 
 
-def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+def rms_norm(
+    x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, compute_dtype: torch.dtype | None = None
+) -> Tensor:
     """RMSNorm over the last dim, computed in float32 (float64 for float64 ``x``): ``(x / rms(x)).to(x.dtype) * weight``.
 
     The Llama family's norm (Hugging Face's ``LlamaRMSNorm`` and its copies): the mean of squares
@@ -39,6 +41,8 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tens
       x: ``[..., D]``, any floating dtype.
       weight: ``[D]`` or ``None`` (no scale).
       eps: added to the mean of squares.
+      compute_dtype: the dtype of the mean of squares and the scaling; ``None``: float32, or
+        float64 for float64 ``x``.  Hugging Face's norms compute in float32 whatever ``x`` is.
 
     Returns:
       ``[..., D]`` in ``x``'s dtype.
@@ -51,14 +55,16 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tens
         raise ValueError(
             f"fpar.ops.rms_norm: weight must be [{x.shape[-1]}] (x's last dim), got {list(weight.shape)}."
         )
+    if compute_dtype is not None and not compute_dtype.is_floating_point:
+        raise TypeError(f"fpar.ops.rms_norm: compute_dtype must be a floating dtype, got {compute_dtype}.")
+    dt = compute_dtype or torch.promote_types(x.dtype, torch.float32)
     if weight is None:
-        return _RmsNorm.apply(x, float(eps))[0]
-    return _ScaledRmsNorm.apply(x, weight, float(eps))[0]
+        return _RmsNorm.apply(x, float(eps), dt)[0]
+    return _ScaledRmsNorm.apply(x, weight, float(eps), dt)[0]
 
 
-def _wide(x: Tensor) -> Tensor:
-    """``x`` in float32, or float64 if it is: the dtype the norm computes in."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+def _wide(x: Tensor, dt: torch.dtype) -> Tensor:
+    return x.to(dt)
 
 
 def _rstd(x32: Tensor, eps: float) -> Tensor:
@@ -74,8 +80,8 @@ class _RmsNorm(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        x32 = _wide(x)
+    def forward(x: Tensor, eps: float, dt: torch.dtype) -> tuple[Tensor, Tensor]:
+        x32 = _wide(x, dt)
         r = _rstd(x32, eps)
         return (x32 * r).to(x.dtype), r
 
@@ -83,39 +89,40 @@ class _RmsNorm(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.save_for_backward(inputs[0], output[1])
         ctx.mark_non_differentiable(output[1])
+        ctx.dt = inputs[2]
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor, _: Any) -> tuple[Tensor, None]:
+    def backward(ctx: Any, g: Tensor, _: Any) -> tuple[Tensor, None, None]:
         x, r = ctx.saved_tensors
-        return _normalize_backward(_wide(g), _wide(x), r).to(x.dtype), None
+        return _normalize_backward(_wide(g, ctx.dt), _wide(x, ctx.dt), r).to(x.dtype), None, None
 
 
 class _ScaledRmsNorm(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        x32 = _wide(x)
+    def forward(x: Tensor, weight: Tensor, eps: float, dt: torch.dtype) -> tuple[Tensor, Tensor]:
+        x32 = _wide(x, dt)
         r = _rstd(x32, eps)
         return (x32 * r).to(x.dtype) * weight.to(x.dtype), r
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        x, weight, _ = inputs
+        x, weight, _, ctx.dt = inputs
         ctx.save_for_backward(x, weight, output[1])
         ctx.mark_non_differentiable(output[1])
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor, _: Any) -> tuple[Tensor | None, Tensor | None, None]:
+    def backward(ctx: Any, g: Tensor, _: Any) -> tuple[Tensor | None, Tensor | None, None, None]:
         x, weight, r = ctx.saved_tensors
-        x32 = _wide(x)
+        x32 = _wide(x, ctx.dt)
         gx = gw = None
         if ctx.needs_input_grad[0]:
-            gx = _normalize_backward(_wide(g * weight.to(g.dtype)), x32, r).to(x.dtype)
+            gx = _normalize_backward(_wide(g * weight.to(g.dtype), ctx.dt), x32, r).to(x.dtype)
         if ctx.needs_input_grad[1]:
             n = (x32 * r).to(x.dtype)
             gw = (g * n).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype)
-        return gx, gw, None
+        return gx, gw, None, None
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:

@@ -166,3 +166,48 @@ def test_hf_remat_refuses_what_it_cannot_wrap():
     apply_fn, _, _ = fpar.ops.tensor_parallel(model, fpar.make_mesh((1,), ("tensor",)))
     with pytest.raises(TypeError, match=r"fpar.hf.remat: policy must be None \(full recomputation\)"):
         fpar.hf.remat(apply_fn, "dots")
+
+
+@pytest.mark.parametrize(
+    "family, norms, mlps",
+    [("qwen3", 9, 2), ("llama", 5, 2), ("mixtral", 5, 0), ("gemma3", 0, 0)],
+)
+def test_hf_lean_norms_and_mlps_keep_their_inputs_and_give_the_models_values(family, norms, mlps):
+    """``fpar.hf.lean``: the norms that compute Llama's RMSNorm (Qwen3's per-head q/k norms too) and
+    the SwiGLU MLPs run ``fpar.ops.rms_norm`` / ``swiglu``; Gemma's ``1 + weight`` norms and GeLU
+    MLP and Mixtral's experts keep their own forwards (each module is run both ways first).  The
+    loss is the model's own bit for bit, the gradients the unsharded model's (HF's norms compute
+    in float32: to float32 rounding), and the layers keep fewer bytes."""
+    model = hf_models.FAMILIES[family](num_hidden_layers=2, num_key_value_heads=1)
+    ids = hf_models.batch()
+    apply_fn, params, specs = fpar.ops.tensor_parallel(model, MESH)
+    loss = hf_models.sharded_loss(apply_fn, MESH, specs, causal=True)
+    plain_value = loss(params, ids)
+    plain_bytes = _saved_bytes(loss, {k: v.detach().requires_grad_() for k, v in params.items()}, ids)
+    assert fpar.hf.lean(apply_fn) == {"rms_norm": norms, "swiglu": mlps}
+    assert fpar.hf.lean(apply_fn) == {"rms_norm": norms, "swiglu": mlps}  # again: the same modules
+    grads, value = torch.func.grad_and_value(loss)(params, ids)
+    assert torch.equal(value, plain_value)
+    want_loss, want_grads = hf_models.unsharded(model, ids)
+    hf_models.compare(apply_fn.export(grads), want_grads, f"{family} grads, fpar.hf.lean", **TOL)
+    lean_bytes = _saved_bytes(loss, {k: v.detach().requires_grad_() for k, v in params.items()}, ids)
+    assert (lean_bytes < plain_bytes) == bool(norms + mlps), (lean_bytes, plain_bytes)
+
+
+def test_hf_lean_with_remat_and_zero3():
+    model = hf_models.qwen3(num_key_value_heads=1)
+    ids = hf_models.batch()
+    apply_fn, params, specs = fpar.ops.tensor_parallel(model, MESH)
+    fpar.hf.lean(apply_fn)
+    fpar.hf.remat(apply_fn)
+    opt = fo.adamw(1e-2, weight_decay=0.1)
+    layout = fo.zero_layout(params, MESH, specs, stage=3)
+    zparams, state = fo.zero_init(opt, params, layout)
+    zparams, state, _ = fo.zero_step(_hf_loss(apply_fn), opt, layout)(zparams, state, ids)
+    got = apply_fn.export(fo.zero_params(zparams, layout))
+    hf_models.compare(got, _reference_step(model, ids, opt), "lean + remat ZeRO-3 step", **TOL)
+
+
+def test_hf_lean_refuses_what_is_no_model():
+    with pytest.raises(TypeError, match=r"fpar.hf.lean: apply_fn must be what fpar.hf.from_pretrained"):
+        fpar.hf.lean(torch.nn.Linear(2, 2))

@@ -133,6 +133,24 @@ def test_inside_shard_equals_the_unsharded_layer(sequence_split):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_rms_norm_computes_in_the_dtype_asked():
+    """Hugging Face's norms compute in float32 whatever the input: ``compute_dtype=torch.float32``."""
+    x, w, ct = leaves((3, 16), torch.float64, 5)
+
+    def hf(x, w):
+        wide = x.to(torch.float32)
+        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
+
+    got = ops.rms_norm(x, w, compute_dtype=torch.float32)
+    assert torch.equal(got, hf(x, w)) and not torch.equal(got, ops.rms_norm(x, w))
+    for a, b in zip(torch.autograd.grad(got, (x, w), ct), torch.autograd.grad(hf(x, w), (x, w), ct)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    with pytest.raises(
+        TypeError, match="fpar.ops.rms_norm: compute_dtype must be a floating dtype, got torch.int32"
+    ):
+        ops.rms_norm(x, w, compute_dtype=torch.int32)
+
+
 def test_bad_input_is_named():
     x = torch.randn(2, 8)
     with pytest.raises(
