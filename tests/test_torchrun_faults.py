@@ -129,12 +129,52 @@ def test_a_killed_rank_restarts_and_resume_gives_the_uninterrupted_losses(tmp_pa
     # The final checkpoints (parameters, optimizer state) are bitwise equal, not just the printed
     # losses: the restarted run's first step traces each signature, and a traced call must add
     # its microbatches' gradients in the order the uninterrupted run's steady calls do.
-    straight_ckpt = load_file(fpar.checkpoint.merge(tmp_path / "a", tmp_path / "a.safetensors", step=steps))
-    resumed_ckpt = load_file(fpar.checkpoint.merge(ckpt, tmp_path / "b.safetensors", step=steps))
-    assert straight_ckpt.keys() == resumed_ckpt.keys()
-    differ = {
-        k: (straight_ckpt[k] - resumed_ckpt[k]).abs().max().item()
-        for k in straight_ckpt
-        if not torch.equal(straight_ckpt[k], resumed_ckpt[k])
-    }
+    _assert_same_final_checkpoint(tmp_path / "a", ckpt, steps, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "parallel", ["pipeline=1,data=1,tensor=2", "pipeline=2,data=1,tensor=1"], ids=["tensor2", "pipeline2"]
+)
+def test_a_stopped_and_resumed_run_ends_bitwise_as_the_uninterrupted_one(tmp_path, parallel):
+    # Data=2 is the killed-rank test's; here the other two axes: a tensor-parallel run (whose
+    # first step after the resume traces the row-parallel sums) and a pipelined one (whose
+    # executor defers the stages' data sums), each stopped after step 2 and resumed to step 4.
+    steps = 4
+    args = [
+        "--tiny",
+        "--steps",
+        str(steps),
+        "--microbatches",
+        "2",
+        "--parallel",
+        parallel,
+        "--ckpt-every",
+        "1",
+        "--log-every",
+        "1",
+        "--plot",
+        "none",
+        "--sample",
+        "0",
+    ]
+    script = str(ROOT / "examples" / "train_gpt.py")
+    rc, straight, _ = _run(_torchrun(2, script, *args, "--ckpt-dir", str(tmp_path / "a")), timeout=180)
+    assert rc == 0, straight[-3000:]
+    b = str(tmp_path / "b")
+    rc, first, _ = _run(_torchrun(2, script, *args, "--ckpt-dir", b, "--stop-after", "2"), timeout=180)
+    assert rc == 0, first[-3000:]
+    assert fpar.checkpoint.latest_step(b) == 2, first[-3000:]
+    rc, second, _ = _run(_torchrun(2, script, *args, "--ckpt-dir", b, "--resume"), timeout=180)
+    assert rc == 0, second[-3000:]
+    assert re.search(r"resumed from .* at step 2", second), second[-3000:]
+    assert _losses(first) | _losses(second) == _losses(straight)
+    _assert_same_final_checkpoint(tmp_path / "a", tmp_path / "b", steps, tmp_path)
+
+
+def _assert_same_final_checkpoint(straight: Path, resumed: Path, step: int, tmp: Path) -> None:
+    """Every tensor of the two runs' checkpoints at ``step`` (parameters, optimizer state) is equal."""
+    want = load_file(fpar.checkpoint.merge(straight, tmp / "straight.safetensors", step=step))
+    got = load_file(fpar.checkpoint.merge(resumed, tmp / "resumed.safetensors", step=step))
+    assert want.keys() == got.keys()
+    differ = {k: (want[k] - got[k]).abs().max().item() for k in want if not torch.equal(want[k], got[k])}
     assert not differ, f"the resumed run's final checkpoint differs from the uninterrupted run's: {differ}"
