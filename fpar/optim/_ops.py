@@ -63,7 +63,10 @@ def writable(xs: list[Tensor]) -> bool:
     Autograd may hand out one gradient tensor for two parameters, or a stride-0 expansion; a
     write into those would change another leaf too, so such lists are never written in place.
     """
-    if not donating():
+    if not donating() or torch.compiler.is_compiling():
+        # Compiled: a traced tensor has no address to compare (Dynamo cannot trace data_ptr
+        # arithmetic); the update runs out of place, the same values, and the compiled graph
+        # reuses its own buffers.
         return False
     spans = []
     for x in xs:

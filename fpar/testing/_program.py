@@ -213,10 +213,13 @@ class TrainingProgram:
         bf16/fp16 compute rounds each mesh's partial sums apart: 2e-2 and 2e-3; with AdamW an
         absolute 2 x its learning rate per step: a gradient that is zero up to rounding (the key
         bias of attention, whose exact gradient is zero) has either sign, and AdamW moves the weight
-        by about the learning rate either way, every step.
+        by about the learning rate either way, every step.  In float64 that rounding (~1e-17) is
+        below AdamW's ``eps`` (1e-8), which divides it: the weight moves by up to ``lr * 1e-9`` a
+        step either way, over float64's default ``atol`` of 1e-11 (seen: 6.5e-11 on an MoE's key
+        bias after 2 steps); ``atol`` 1e-9 a step there.
         """
         if self.precision == "fp64":
-            return (None, None)
+            return (None, 1e-9 * max(self.steps, 1)) if self.optimizer == "adamw" else (None, None)
         return (2e-2, 2 * 0.02 * max(self.steps, 1) if self.optimizer == "adamw" else 2e-3)
 
     def describe(self) -> str:
