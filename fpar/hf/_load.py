@@ -35,7 +35,13 @@ _FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 def from_pretrained(
-    path: str | os.PathLike, mesh: Mesh, *, axis: str = "tensor", plan: Any = "auto", dtype=None
+    path: str | os.PathLike,
+    mesh: Mesh,
+    *,
+    axis: str = "tensor",
+    plan: Any = "auto",
+    dtype=None,
+    expert_axis: str | None = None,
 ) -> tuple:
     """Load a Hugging Face causal LM checkpoint onto ``mesh``, tensor parallel, shard by shard.
 
@@ -52,6 +58,9 @@ def from_pretrained(
       plan: ``"auto"`` (the model's own Hugging Face plan) or a plan dict, as ``tensor_parallel``.
       dtype: the floating dtype of the parameters (each tensor is cast as it is read); ``None``:
         the config's ``dtype``, else the checkpoint's.  Modules the model keeps in float32 stay so.
+      expert_axis: a mixture-of-experts model's experts split over this mesh axis (expert
+        parallelism from the model's ``base_model_ep_plan``, as ``tensor_parallel``): each process
+        reads only its own experts.
 
     Returns:
       ``(apply_fn, params, specs)`` as ``fpar.ops.tensor_parallel``: in-process ``params`` are the
@@ -80,7 +89,7 @@ def from_pretrained(
     model = meta_model(ckpt, dtype)
     loads = _plan_loads(model, ckpt)
     _materialize_buffers(model, loads)
-    apply_fn, meta_params, specs = tensor_parallel(model, mesh, axis=axis, plan=plan)
+    apply_fn, meta_params, specs = tensor_parallel(model, mesh, axis=axis, plan=plan, expert_axis=expert_axis)
     params = {}
     for name, meta in meta_params.items():
         params[name] = _read(loads[name], apply_fn, name, meta, specs[name], mesh)

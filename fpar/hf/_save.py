@@ -141,6 +141,8 @@ def _check(apply_fn, params, mesh, max_shard_size) -> tuple[dict, dict]:
             spec = given[name]
         elif mesh.backend == "local":
             spec = PartitionSpec()
+        elif name in getattr(apply_fn, "experts", {}):  # split over the expert axis, not the tensor one
+            spec = apply_fn.experts[name]
         else:
             spec = spec_of_block(name, tuple(t.shape), tuple(whole), apply_fn.axis, apply_fn.n, _API)
         expected = list(whole)

@@ -43,6 +43,9 @@ STYLES = {
     "replicate": "replicate",
     "all_reduce": "all_reduce",
     "moe_tp_experts": "moe_experts",
+    # base_model_ep_plan's (with expert_axis=): experts split by expert, tokens sent by all_to_all
+    "ep_dispatch_experts": "ep_experts",
+    "grouped_gemm": "expert_rows",
     "colwise_rep": "colwise_gather",
     "rowwise_rep": "rowwise_split",
 }
@@ -57,8 +60,6 @@ UNSUPPORTED = {
     "local_colwise": "transformers 4.x: colwise on local tensors, reduced by a parent 'gather' rule",
     "local_rowwise": "transformers 4.x: rowwise without its reduction, left to a parent 'gather' rule",
     "local_packed_rowwise": "transformers 4.x: a packed split on local tensors",
-    "grouped_gemm": "an expert-parallel rule (base_model_ep_plan), not a tensor-parallel one",
-    "ep_dispatch_experts": "an expert-parallel rule (base_model_ep_plan), not a tensor-parallel one",
     "ep_router": "removed from transformers",
 }
 
@@ -81,12 +82,29 @@ def kind_of(value: Any, where: str) -> str:
     )
 
 
-def model_plan(model: nn.Module) -> dict[str, str] | None:
-    """The merged transformers plan of ``model`` (prefixed names, ``*`` for layer numbers), or None."""
+EXPERT_KINDS = ("ep_experts", "expert_rows")
+
+
+def model_plan(model: nn.Module, experts: bool = False) -> dict[str, str] | None:
+    """The merged transformers plan of ``model`` (prefixed names, ``*`` for layer numbers), or None.
+
+    ``experts``: the model's expert-parallel plan (``model.ep_plan``, from the config's
+    ``base_model_ep_plan``) over its tensor-parallel one, as ``transformers`` applies both: the
+    experts split by expert instead of by their hidden width.
+    """
     plan = getattr(model, "tp_plan", None) if hasattr(model, "config") else None
-    if not isinstance(plan, dict) or not plan:
-        return None
-    return dict(plan)
+    plan = dict(plan) if isinstance(plan, dict) else {}
+    if experts:
+        ep = getattr(model, "ep_plan", None) if hasattr(model, "config") else None
+        if not isinstance(ep, dict) or not ep:
+            raise ValueError(
+                f"{_API}: expert_axis= needs the model's expert-parallel plan, and "
+                f"{type(model).__name__} has none (its config has no base_model_ep_plan). Pass "
+                f"plan={{'...experts': 'ep_dispatch_experts', '...experts.<weight>': 'grouped_gemm'}} "
+                f"naming its experts, or leave expert_axis=None."
+            )
+        plan.update(ep)
+    return plan or None
 
 
 def generic(name: str) -> str:

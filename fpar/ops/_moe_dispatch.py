@@ -60,6 +60,7 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -127,9 +128,21 @@ def _local_exact(x_TD: Tensor, idx_TK: Tensor, keep_TK: Tensor | None, w_in: Ten
 
 
 def _expert_parallel_exact(
-    x_TD: Tensor, idx_TK: Tensor, keep_TK: Tensor | None, w_in: Tensor, w_out: Tensor, axis, n: int, frame
+    x_TD: Tensor,
+    idx_TK: Tensor,
+    keep_TK: Tensor | None,
+    w_in: Tensor,
+    w_out: Tensor,
+    axis,
+    n: int,
+    frame,
+    ffn: Callable[[Tensor, list], Tensor] | None = None,
 ) -> Tensor:
     """The real mesh's exact-count dispatch: ``[T, K, D]``, each pair's expert output (0 if dropped).
+
+    ``ffn(rows, counts)``: the local experts on rows sorted by local expert, ``counts[e]`` rows
+    each (default: ``gelu(rows @ w_in[e]) @ w_out[e]``, ``_ffn_exact``); ``w_in.shape[0]`` is
+    the number of local experts either way.
 
     1. the pairs sorted by global expert (so by destination device, then local expert);
     2. one small all_to_all of the per-expert counts ``[n, E/n]``: each device learns how many
@@ -154,13 +167,14 @@ def _expert_parallel_exact(
     sel = order[: sum(send)]  # the kept pairs, by destination then local expert
     rows = frame.direct("all_to_all_v", axes, (send, recv), x_TD.index_select(0, sel // k))
     per_expert = [sum(got_NE[s][j] for s in range(n)) for j in range(e_l)]
+    run = ffn or (lambda r, counts: _ffn_exact(r, counts, w_in, w_out))
     if n > 1 and e_l > 1:  # source-major -> expert-major
         segs = torch.arange(rows.shape[0], device=rows.device).split([c for r in got_NE for c in r])
         perm = torch.cat([segs[s * e_l + j] for j in range(e_l) for s in range(n)])
-        out = _ffn_exact(rows.index_select(0, perm), per_expert, w_in, w_out)
+        out = run(rows.index_select(0, perm), per_expert)
         out = out.new_zeros(out.shape).index_copy(0, perm, out)
     else:
-        out = _ffn_exact(rows, per_expert, w_in, w_out)
+        out = run(rows, per_expert)
     back = frame.direct("all_to_all_v", axes, (recv, send), out)
     return back.new_zeros(t * k, d).index_copy(0, sel, back).view(t, k, d)
 
@@ -303,9 +317,21 @@ _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _expert_parallel(
-    x_TD: Tensor, idx_TK: Tensor, keep_TK: Tensor | None, w_in: Tensor, w_out: Tensor, axis, n: int
+    x_TD: Tensor,
+    idx_TK: Tensor,
+    keep_TK: Tensor | None,
+    w_in: Tensor,
+    w_out: Tensor,
+    axis,
+    n: int,
+    ffn: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
 ) -> Tensor:
-    """Fixed-shape dispatch (vmap, the in-process mesh): each pair to its expert's device and back."""
+    """Fixed-shape dispatch (vmap, the in-process mesh): each pair to its expert's device and back.
+
+    ``ffn(rows, expert, valid)``: the local experts on every received slot, ``expert`` its local
+    expert (0 where not ``valid``), each row's output (0 where not ``valid``; default:
+    ``_grouped_ffn``'s gelu FFN of ``w_in``, ``w_out``).
+    """
     t, d = x_TD.shape
     k = idx_TK.shape[1]
     e_local = w_in.shape[0]
@@ -324,8 +350,11 @@ def _expert_parallel(
     send = x_pad[slot_token].view(n, cap, d)
     recv = all_to_all(send, axis, 0, 0).reshape(n * cap, d)  # rows from every source device
     recv_expert = all_to_all(slot_expert.view(n, cap), axis, 0, 0).reshape(n * cap)
-    rows = torch.arange(n * cap, device=device)
-    out = _grouped_ffn(recv, rows, recv_expert.clamp(min=0), recv_expert >= 0, w_in, w_out)
+    if ffn is None:
+        rows = torch.arange(n * cap, device=device)
+        out = _grouped_ffn(recv, rows, recv_expert.clamp(min=0), recv_expert >= 0, w_in, w_out)
+    else:
+        out = ffn(recv, recv_expert.clamp(min=0), recv_expert >= 0)
     back = all_to_all(out.view(n, cap, d), axis, 0, 0).reshape(n * cap, d)
     if keep_TK is not None:
         back = torch.cat([back, back.new_zeros(1, d)])

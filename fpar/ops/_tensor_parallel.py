@@ -68,7 +68,9 @@ _SHAPE_WORDS = ("shape", "size", "mat1", "dimension")
 # API ----------------------------------------------------------------------------------------
 
 
-def tensor_parallel(model: nn.Module, mesh: Mesh, *, axis: str = "tensor", plan: Any = "auto") -> tuple:
+def tensor_parallel(
+    model: nn.Module, mesh: Mesh, *, axis: str = "tensor", plan: Any = "auto", expert_axis: str | None = None
+) -> tuple:
     r"""Make an unmodified module tensor parallel (Megatron 1D) over the mesh axis ``axis``.
 
     Column-parallel layers split their output features (attention heads: each device runs
@@ -107,6 +109,18 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, *, axis: str = "tensor", plan:
         (3-D expert weights by their parameter name).  The first matching pattern wins; modules
         no pattern names are replicated.  ``"vocab"`` on a Linear is column-parallel over the
         vocabulary (``lm_head``).
+      expert_axis: expert parallelism for a mixture-of-experts model: the mesh axis its experts are
+        split over (dim 0 of each expert weight, ``E / size`` experts a device).  ``plan="auto"``
+        then also reads the model's expert-parallel plan (``base_model_ep_plan``:
+        ``ep_dispatch_experts`` / ``grouped_gemm``), which replaces the experts' tensor-parallel
+        rules.  Each experts module sends every (token, chosen expert) pair to the device holding
+        the expert with ``all_to_all`` and the results back (``fpar.ops.moe``'s dispatch: exact
+        counts on a real mesh, static slots in-process) and runs the model's own experts code on
+        the rows it receives; the router and everything else are as without it.  The tokens must
+        vary over ``expert_axis`` (split the batch over it, as over a data axis: ``P(("data",
+        "expert"))``), so the router's and the other replicated parameters' gradients are summed
+        over it.  ``None``: the plan's ``ep_dispatch_experts`` / ``grouped_gemm`` strings are an
+        error.
 
     Returns:
       ``(apply_fn, params, specs)``: ``apply_fn(params, *args, **kwargs)`` is the per-device
@@ -138,12 +152,26 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, *, axis: str = "tensor", plan:
     if not isinstance(axis, str) or axis not in mesh.axis_names:
         raise ValueError(f"{_API}: axis {axis!r} is not an axis of {mesh}; name one of {mesh.axis_names}.")
     n = mesh.shape[axis]
+    expert = None
+    if expert_axis is not None:
+        if not isinstance(expert_axis, str) or expert_axis not in mesh.axis_names or expert_axis == axis:
+            raise ValueError(
+                f"{_API}: expert_axis {expert_axis!r} must be an axis of {mesh} other than the "
+                f"tensor axis {axis!r}; name one of {[a for a in mesh.axis_names if a != axis]}."
+            )
+        expert = (expert_axis, mesh.shape[expert_axis])
     modules = dict(model.named_modules())
     params = {name: p.detach() for name, p in model.named_parameters()}
-    layers, rules = resolve(model, modules, params, plan, n)
+    layers, rules = resolve(model, modules, params, plan, n, experts=expert is not None)
     for name, layer in layers.items():
         check_layer(name, modules[name], layer, rules)
-    found = layouts(model, modules, layers, rules, axis, n)
+    if expert is not None and not any(layer.kind == "ep_experts" for layer in layers.values()):
+        raise ValueError(
+            f"{_API}: expert_axis={expert[0]!r}, but no module of {type(model).__name__} is "
+            f"'ep_dispatch_experts' in its plan (a model whose layers are all dense: no experts to "
+            f"split); leave expert_axis=None."
+        )
+    found = layouts(model, modules, layers, rules, axis, n, expert)
     specs, sources, tied = {}, {}, {}
     for name in params:
         spec, dim, segments = found[name]
@@ -156,10 +184,14 @@ def tensor_parallel(model: nn.Module, mesh: Mesh, *, axis: str = "tensor", plan:
             sources[name] = (dim, index)
         if rows is not None:
             tied[name] = (dim, rows, n // group, group)
-    local = _local_copy(model, modules, layers, rules, n, axis)
+    local = _local_copy(model, modules, layers, rules, n, axis, expert)
     buffers = {name: b.detach() for name, b in local.named_buffers()}
     run = _stateless(local, frozenset(params), buffers)
-    return TensorParallelFn(run, local, axis, n, layers, sources, tied, frozenset(params)), params, specs
+    fn = TensorParallelFn(run, local, axis, n, layers, sources, tied, frozenset(params))
+    if expert is not None:
+        fn.expert_axis = expert[0]
+        fn.experts = {name: spec for name, spec in specs.items() if expert[0] in spec.axes()}
+    return fn, params, specs
 
 
 class TensorParallelFn:
@@ -173,7 +205,12 @@ class TensorParallelFn:
         ``Conv1D``) ``params`` holds regrouped per device (GPT-2's ``c_attn``, Phi-3's fused ones).
       replicated: ``{parameter name: replicas}`` of the kv weights whose heads ``params`` holds
         repeated (fewer kv heads than tensor devices).
+      expert_axis: the axis the experts are split over (``expert_axis=``), or ``None``;
+        ``experts``: ``{parameter name: spec}`` of the expert weights split over it.
     """
+
+    expert_axis: str | None = None
+    experts: Mapping[str, Any] = {}
 
     def __init__(
         self,
@@ -281,7 +318,7 @@ class TensorParallelFn:
 # The local copy ---------------------------------------------------------------------------------
 
 
-def _local_copy(model, modules, layers: dict, rules: dict, n: int, axis: str) -> nn.Module:
+def _local_copy(model, modules, layers: dict, rules: dict, n: int, axis: str, expert=None) -> nn.Module:
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
     local = copy.deepcopy(model, shared)
     config = getattr(local, "config", None)
@@ -320,6 +357,11 @@ def _local_copy(model, modules, layers: dict, rules: dict, n: int, axis: str) ->
             module.forward = functools.partial(tl.all_reduce_output, forward, axis)
             if kind == "moe_experts":
                 _local_experts(local, module, n)
+        elif kind == "ep_experts":
+            e_axis, e_n = expert
+            module.num_experts //= e_n  # its forward runs on local expert ids
+            _local_experts(local, module, 1)
+            module.forward = functools.partial(tl.expert_parallel, module, forward, e_axis, e_n)
         elif kind == "split_norm":
             source = modules[layer.segments[0][1]].weight.shape[0]
             counts = attention_counts(modules, layers).get(name.rpartition(".")[0])

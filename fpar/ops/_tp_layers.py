@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .._collectives import all_gather_invariant, axis_index, psum
 from ._megatron import _local_ids, vocab_cross_entropy
@@ -56,10 +57,35 @@ def vocab_embedding(module: nn.Embedding, forward, axis: str, padding_idx, ids: 
     (global; the copy's is cleared) gets no gradient, as in ``nn.Embedding``.
     """
     local, outside = _local_ids(ids, module.weight.shape[0], axis)
-    x = forward(local)
-    if padding_idx is not None:
+    if padding_idx is None:
+        x = forward(local)
+    elif type(module).forward is nn.Embedding.forward:  # a plain lookup: its padding rows detached
+        x = forward(local)
         x = torch.where((ids == padding_idx).unsqueeze(-1), x.detach(), x)
+    else:  # a lookup and more (a norm after it, Inkling's): only the lookup's padding rows detached
+        with _PaddingRows(module.weight, (ids == padding_idx).unsqueeze(-1)):
+            x = forward(local)
     return psum(x.masked_fill(outside.unsqueeze(-1), 0.0), axis)
+
+
+class _PaddingRows(TorchFunctionMode):
+    """Inside an embedding module's own forward: its ``F.embedding`` lookups' padding rows detached.
+
+    ``nn.Embedding(padding_idx=...)`` gives the table's padding row no gradient, not what follows
+    the lookup: a module that normalises after it (a weighted norm) still trains the norm's
+    weight on padding tokens.
+    """
+
+    def __init__(self, weight: Tensor, pad: Tensor):
+        super().__init__()
+        self.weight, self.pad = weight, pad
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is F.embedding and len(args) > 1 and args[1] is self.weight:
+            out = torch.where(self.pad, out.detach(), out)
+        return out
 
 
 def split_rms_norm(module: nn.Module, axis: str, width: int, repeats: int, x: Tensor) -> Tensor:
@@ -112,3 +138,43 @@ def vocab_loss(axis: str, loss_type, logits: Tensor, labels: Tensor, vocab_size:
     total = tok.masked_fill(~valid, 0.0).sum()
     count = kwargs.get("num_items_in_batch")
     return total / (valid.sum() if count is None else count)
+
+
+def expert_parallel(
+    module: nn.Module,
+    forward,
+    axis: str,
+    n: int,
+    hidden_states: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Tensor,
+) -> Tensor:
+    """``ep_dispatch_experts``: a transformers experts module whose experts are split over ``axis``.
+
+    Its forward takes this device's tokens ``[T, D]`` with their routing (global expert ids
+    ``[T, K]``, weights ``[T, K]``) and returns ``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``.
+    Each (token, choice) pair goes to the device holding its expert and back (``fpar.ops.moe``'s
+    dispatch), where the module's own forward (``module.num_experts`` local experts) runs on the
+    received rows, each with its local expert id and weight 1 (empty static slots: weight 0);
+    the routing weights are applied here, on the tokens' device.
+    """
+    from ._moe_dispatch import _dynamic_shapes_ok, _expert_parallel, _expert_parallel_exact, _real_frame
+
+    e_l = int(module.num_experts)  # type: ignore[arg-type]  # an int (checked at the plan)
+    ref = hidden_states.new_empty(e_l, 0)  # the dispatch reads the local experts from its dim 0
+
+    def exact(rows: Tensor, counts: list) -> Tensor:  # rows sorted by local expert
+        ids = torch.arange(e_l, device=rows.device).repeat_interleave(
+            torch.tensor(counts, device=rows.device), output_size=rows.shape[0]
+        )
+        return forward(rows, ids.unsqueeze(-1), rows.new_ones(rows.shape[0], 1))
+
+    def static(rows: Tensor, expert: Tensor, valid: Tensor) -> Tensor:
+        return forward(rows, expert.unsqueeze(-1), valid.to(rows.dtype).unsqueeze(-1))
+
+    frame = _real_frame()
+    if frame is not None and _dynamic_shapes_ok(hidden_states):
+        y = _expert_parallel_exact(hidden_states, top_k_index, None, ref, ref, axis, n, frame, ffn=exact)
+    else:
+        y = _expert_parallel(hidden_states, top_k_index, None, ref, ref, axis, n, ffn=static)
+    return (top_k_weights.unsqueeze(-1).to(y.dtype) * y).sum(1).to(hidden_states.dtype)

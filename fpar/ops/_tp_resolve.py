@@ -54,9 +54,12 @@ def is_attention(module: nn.Module) -> bool:
 # Matching ---------------------------------------------------------------------------------------
 
 
-def resolve(model: nn.Module, modules: dict, params: dict, plan: Any, n: int) -> tuple[dict, dict]:
+def resolve(
+    model: nn.Module, modules: dict, params: dict, plan: Any, n: int, experts: bool = False
+) -> tuple[dict, dict]:
+    """``({module: Layer}, {bare parameter: Layer})``; ``experts``: an expert axis is given."""
     if isinstance(plan, str) and plan == "auto":
-        merged = hf.model_plan(model)
+        merged = hf.model_plan(model, experts)
         if merged is not None:
             layers, rules = _match_hf(model, merged, modules, params)
         else:
@@ -64,6 +67,15 @@ def resolve(model: nn.Module, modules: dict, params: dict, plan: Any, n: int) ->
     else:
         layers, rules = _match_user(plan, modules, params)
         _fpar_fused(modules, layers)
+    if not experts:
+        for name, layer in (*layers.items(), *rules.items()):
+            if layer.kind in hf.EXPERT_KINDS:
+                raise ValueError(
+                    f"{_API}: {name!r} is {layer.pattern!r} in the plan as "
+                    f"{'ep_dispatch_experts' if layer.kind == 'ep_experts' else 'grouped_gemm'}: expert "
+                    f"parallelism, which needs the mesh axis its experts are split over: pass "
+                    f"expert_axis= (e.g. expert_axis='expert')."
+                )
     _upgrade(modules, layers)
     _heads_and_vocab(model, modules, layers, n)
     return layers, rules
@@ -258,6 +270,16 @@ def check_layer(name: str, module: nn.Module, layer: Layer, rules: dict) -> None
                 f"need the whole table); mark it 'replicate'."
             )
         return
+    if kind == "ep_experts":
+        own = [_join(name, p) for p, t in module.named_parameters(recurse=False)]
+        ruled = all(p in rules and rules[p].kind == "expert_rows" for p in own)
+        if not own or not ruled or not isinstance(getattr(module, "num_experts", None), int):
+            raise TypeError(
+                f"{where}: 'ep_dispatch_experts' applies to a transformers experts module (its forward "
+                f"takes (hidden_states, top_k_index, top_k_weights), its num_experts an int) whose every "
+                f"weight is named 'grouped_gemm' in the plan; mark it 'replicate' instead."
+            )
+        return
     if kind == "moe_experts":
         own = [_join(name, p) for p, _ in module.named_parameters(recurse=False)]
         bad = [
@@ -304,8 +326,13 @@ def segments_of(name: str, module: nn.Module, layer: Layer, size: int, attn: dic
     return [("split", size)]
 
 
-def layouts(model, modules: dict, layers: dict, rules: dict, axis: str, n: int) -> dict[str, tuple]:
-    """``{parameter name: (spec, out dim or None, segments or None)}``; tied parameters agree."""
+def layouts(
+    model, modules: dict, layers: dict, rules: dict, axis: str, n: int, expert: tuple | None = None
+) -> dict[str, tuple]:
+    """``{parameter name: (spec, out dim or None, segments or None)}``; tied parameters agree.
+
+    ``expert``: ``(axis, size)`` of the expert axis ('grouped_gemm' weights split on dim 0 over it).
+    """
     attn = attention_counts(modules, layers)
     owner = {id(p): name for name, p in model.named_parameters()}
     out: dict[str, tuple] = {}
@@ -315,7 +342,9 @@ def layouts(model, modules: dict, layers: dict, rules: dict, axis: str, n: int) 
         for pname, p in module.named_parameters(recurse=False):
             full = _join(name, pname)
             rule = rules.get(full)
-            if rule is not None:
+            if rule is not None and rule.kind == "expert_rows":
+                found = _expert_layout(full, p, rule, *expert)  # resolve refuses the kind without an axis
+            elif rule is not None:
                 found = _bare_layout(full, p, rule, axis, n)
             elif layer is not None:
                 found = _module_layout(name, module, pname, p, layer, axis, n, attn, layers)
@@ -339,7 +368,7 @@ def _module_layout(name, module, pname, p, layer, axis, n, attn, layers) -> tupl
         is_conv1d(module),
         f"{_API}: {name!r} ({type(module).__name__}, plan {layer.pattern!r})",
     )
-    if kind in ("replicate", "all_reduce", "moe_experts"):
+    if kind in ("replicate", "all_reduce", "moe_experts", "ep_experts"):
         return P(), None, None
     if isinstance(module, nn.Embedding):
         dim = 0 if kind == "vocab" else 1
@@ -382,6 +411,17 @@ def _bare_layout(name: str, p, rule: Layer, axis: str, n: int) -> tuple:
     spec = [None, None, None]
     spec[dim] = axis
     return P(*spec), (dim if rule.kind != "rowwise" else None), (segs if rule.kind != "rowwise" else None)
+
+
+def _expert_layout(name: str, p, rule: Layer, axis: str, n: int) -> tuple:
+    """A 'grouped_gemm' weight: its experts (dim 0) split over the expert axis."""
+    where = f"{_API}: parameter {name!r} ({tuple(p.shape)}, plan {rule.pattern!r})"
+    if p.dim() < 1 or p.shape[0] % n:
+        raise ValueError(
+            f"{where}: its {p.shape[0] if p.dim() else 0} experts are not divisible by the expert axis "
+            f"size {n}; choose an expert axis size dividing the number of experts."
+        )
+    return P(axis, *([None] * (p.dim() - 1))), None, None
 
 
 def _divides(where: str, what: str, size: int, n: int) -> None:

@@ -36,3 +36,20 @@ def run(mesh: fpar.Mesh) -> dict:
         replicas = {name: grads[name] for name in apply_fn.replicated}
         out[case] = (value.detach(), apply_fn.export(grads), replicas)
     return out
+
+
+def expert_worker():
+    """Qwen3-MoE with its experts split over 2 processes (the exact-count exchange): loss, whole gradients."""
+    torch.set_num_threads(1)
+    mesh = fpar.make_mesh((2, 1), ("expert", "tensor"))
+    model = hf_models.qwen3_moe(num_hidden_layers=2)
+    apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh, expert_axis="expert")
+    params = fpar.device_put(params, mesh, specs)
+
+    def per_device(p, ids):
+        return fpar.pmean(apply_fn(p, ids, labels=ids, use_cache=False).loss, "expert")
+
+    loss = fpar.shard(per_device, mesh, (specs, fpar.P("expert")), fpar.P())
+    ids = hf_models.batch(rows=4)
+    grads = fpar.gather(torch.func.grad(loss)(params, ids), mesh, specs)
+    return loss(params, ids).detach(), apply_fn.export(grads)

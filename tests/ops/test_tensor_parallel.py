@@ -125,6 +125,49 @@ def test_logits_stay_vocab_split_and_padding_row_gets_no_gradient():
     assert torch.count_nonzero(grads["embeddings.word_embeddings.weight"][0]) == 0
 
 
+class _NormedEmbedding(nn.Embedding):
+    """A lookup, then a weighted norm (Inkling's ``InklingNormedEmbedding``): padding rows still train the norm."""
+
+    def __init__(self):
+        super().__init__(16, 8, padding_idx=0)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, ids):
+        return self.norm(super().forward(ids))
+
+
+def test_a_norm_after_a_split_embedding_trains_on_padding_tokens_as_unsharded():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"emb": _NormedEmbedding(), "head": nn.Linear(8, 1)}).double()
+    with torch.no_grad():
+        model["emb"].norm.weight.normal_()
+    ids = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(1))
+    ids[:, -2:] = 0  # padding tokens
+
+    class Wrap(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, x):
+            return self.m["head"](self.m["emb"](x)).square().mean()
+
+    whole = Wrap()
+    apply_fn, params, specs = fpar.ops.tensor_parallel(whole, MESH, plan={"m.emb": "vocab"})
+    assert specs["m.emb.weight"] == P("tensor", None)
+    loss = fpar.shard(lambda p, x: fpar.pmean(apply_fn(p, x), "data"), MESH, (specs, P("data")), P())
+    own = {k: v.detach() for k, v in whole.named_parameters()}
+
+    def want(p):
+        return sum(torch.func.functional_call(whole, p, (ids[i : i + 2],)) for i in (0, 2)) / 2
+
+    grads = torch.func.grad(loss)(params, ids)
+    ref = torch.func.grad(want)(own)
+    assert_tree_close(grads, ref, what="grads")
+    assert torch.count_nonzero(grads["m.emb.weight"][0]) == 0  # the table's padding row: none
+    assert torch.count_nonzero(grads["m.emb.norm.weight"]) > 0
+
+
 # Communication ----------------------------------------------------------------------------------
 
 
