@@ -38,6 +38,12 @@ if os.environ.get("CI") or os.environ.get("HYPOTHESIS_PROFILE") == "ci":
 else:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
+# Under pytest-xdist (scripts/dev.sh: two workers, one per core of the CI machine) each worker runs
+# torch on one thread. Two workers of two threads each on two cores made torch's thread pool wait on
+# a busy core for every op: the tiny models of many small ops ran up to 10x slower beside the other
+# worker than alone (a linear-attention family: 7 s alone, 74 s in CI).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 # The first forward-mode AD call in a process makes torch load its jvp decompositions with
 # torch.jit.script, which emits a DeprecationWarning from torch itself. Trigger it once here, quietly,

@@ -38,6 +38,14 @@ SIZES = dict(
     qk_rope_head_dim=4,
     qk_nope_head_dim=4,
     v_head_dim=8,
+    # linear attention (Kimi-Linear, Qwen3-Next / 3.5, Lara): the defaults' 128-wide heads made one
+    # tiny model's gradient take 20 s of torch's per-example vmap fallback
+    linear_head_dim=8,
+    linear_num_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
     # tie_word_embeddings: the family's own default (most small decoders tie)
     pad_token_id=0,
     bos_token_id=0,
