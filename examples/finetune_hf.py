@@ -13,7 +13,12 @@ example first writes a small random-init Qwen3 (byte vocabulary, 256) with
   stage, run by ``fpar.pipeline``'s 1F1B (or ``--schedule gpipe``); one stage when the mesh has
   no pipeline.  The random model ties its embedding and head (as Qwen3-0.6B does): the pipeline
   uses the one weight at both ends and returns the sum of both gradients;
-* each microbatch's rows are split over ``data``; AdamW with ZeRO stage ``--zero`` (default 1:
+* ``--ep N`` adds an ``expert`` axis of ``N`` devices (with no ``--model`` the random model is then
+  a Qwen3-MoE, 4 experts, top-2, as ``--moe`` writes): the model's own ``base_model_ep_plan``
+  splits its experts over it (``from_pretrained(..., expert_axis="expert")``), each (token,
+  choice) pair goes to its expert's device and back with ``all_to_all``, and the rows are split
+  over ``data`` x ``expert``, with or without a pipeline;
+* each microbatch's rows are split over ``data`` (and ``expert``); AdamW with ZeRO stage ``--zero`` (default 1:
   the optimizer state split over ``data``; 3: FSDP, on one stage each parameter gathered at its
   first use and freed after its last, in a pipeline each stage gathered once a step) and
   global-norm clipping (``fpar.optim``); ``fpar.hf.lean`` lets the model's RMSNorms and SwiGLU
@@ -34,6 +39,7 @@ data=2, then pipeline=2 while they fit (2 devices: tensor=2; 4: data=2 x tensor=
     torchrun --nproc-per-node 4 examples/finetune_hf.py --tiny --steps 3
     torchrun --nproc-per-node 4 examples/finetune_hf.py --tiny --pp 2   # pipeline=2 x tensor=2
     torchrun --nproc-per-node 4 examples/finetune_hf.py --tiny --pp 2 --dp 2 --tp 1 --zero 3  # FSDP x pipeline
+    torchrun --nproc-per-node 4 examples/finetune_hf.py --tiny --ep 2   # a Qwen3-MoE: expert=2 x tensor=2
     python examples/finetune_hf.py --remat      # each decoder layer recomputed (fpar.hf.remat)
 
 Needs ``pip install fpar[hf,examples]``.  Shape suffixes: M microbatches, B rows, T time.
@@ -60,13 +66,27 @@ import fpar.pipeline as pp  # noqa: E402
 from fpar import P  # noqa: E402
 
 SCHEDULES = {"1f1b": pp.one_f_one_b, "gpipe": pp.gpipe, "zb": pp.zb_h1}
+EXPERT = "expert"  # the mesh axis experts are split over (--ep): (pipeline, data, expert, tensor)
+
+
+def rows_axes(mesh: fpar.Mesh) -> tuple[str, ...]:
+    """The mesh axes a batch's rows are split over: data, and expert when the mesh has it."""
+    return (DATA, EXPERT) if EXPERT in mesh.axis_names else (DATA,)
 
 
 def random_checkpoint(path: Path, args, mesh: fpar.Mesh) -> None:
-    """A random-init Qwen3 (byte vocabulary) written with ``fpar.hf.save_pretrained``."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    """A random-init Qwen3 (byte vocabulary; a Qwen3-MoE with ``--moe``) written with ``fpar.hf.save_pretrained``."""
+    import transformers
 
-    config = Qwen3Config(
+    moe = {}
+    if args.moe:  # every layer's MLP a mixture of max(4, --ep) experts, each token routed to 2
+        moe = dict(num_experts=max(4, args.ep), num_experts_per_tok=2, moe_intermediate_size=args.d_model)
+        moe.update(decoder_sparse_step=1, norm_topk_prob=True)
+    kind = "Qwen3Moe" if args.moe else "Qwen3"
+    config = getattr(
+        transformers, f"{kind}Config"
+    )(
+        **moe,
         vocab_size=256,
         hidden_size=args.d_model,
         intermediate_size=2 * args.d_model,
@@ -81,8 +101,8 @@ def random_checkpoint(path: Path, args, mesh: fpar.Mesh) -> None:
         pad_token_id=0,
     )
     torch.manual_seed(args.seed)  # the same model on every process
-    model = Qwen3ForCausalLM(config).eval()
-    apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh)
+    model = getattr(transformers, f"{kind}ForCausalLM")(config).eval()
+    apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh, expert_axis=expert_axis(mesh))
     fpar.hf.save_pretrained(path, apply_fn, fpar.device_put(params, mesh, specs), mesh)
 
 
@@ -96,7 +116,13 @@ def layout(devices: int) -> dict:
     return sizes
 
 
+def expert_axis(mesh: fpar.Mesh) -> str | None:
+    return EXPERT if EXPERT in mesh.axis_names else None
+
+
 def build_mesh(args) -> fpar.Mesh:
+    if args.ep > 1:
+        return expert_mesh(args)
     if (
         args.parallel
         or args.config
@@ -109,6 +135,34 @@ def build_mesh(args) -> fpar.Mesh:
     return fpar.make_mesh(tuple(sizes[a] for a in AXES), AXES, devices=None if real else args.devices)
 
 
+def expert_mesh(args) -> fpar.Mesh:
+    """(pipeline, data, expert, tensor): ``--ep`` devices on the expert axis; the others as without it."""
+    if args.config or args.single_device:
+        raise SystemExit(
+            "--ep: give the other axes with --pp/--dp/--tp or --parallel, not --config or --single-device"
+        )
+    real = torch.distributed.is_available() and torch.distributed.is_initialized()
+    world = torch.distributed.get_world_size() if real else args.devices
+    if world % args.ep:
+        raise SystemExit(f"--ep {args.ep} does not divide the {world} devices")
+    rest = world // args.ep
+    if args.parallel or any(v is not None for v in (args.pp, args.dp, args.tp)):
+        sizes = {PIPE: 2 if args.pp is None else args.pp, DATA: -1 if args.dp is None else args.dp}
+        sizes[TENSOR] = 2 if args.tp is None else args.tp
+        sizes.update(C.parse_parallel(args.parallel or ""))
+        if sizes[DATA] == -1:
+            sizes[DATA] = rest // (sizes[PIPE] * sizes[TENSOR])
+    else:
+        sizes = layout(rest)
+    if sizes[PIPE] * sizes[DATA] * sizes[TENSOR] != rest:
+        raise SystemExit(
+            f"--ep {args.ep} with pipeline={sizes[PIPE]} data={sizes[DATA]} tensor={sizes[TENSOR]} needs "
+            f"{args.ep * sizes[PIPE] * max(sizes[DATA], 1) * sizes[TENSOR]} devices; there are {world}"
+        )
+    shape = (sizes[PIPE], sizes[DATA], args.ep, sizes[TENSOR])
+    return fpar.make_mesh(shape, (PIPE, DATA, EXPERT, TENSOR), devices=None if real else args.devices)
+
+
 def token_loss(apply_fn, p, ids_BT, targets_BT) -> torch.Tensor:
     """This device's mean next-token loss (per-device code: the logits may be split over the vocabulary)."""
     logits_BTV = apply_fn(p, ids_BT, use_cache=False).logits
@@ -119,17 +173,18 @@ def token_loss(apply_fn, p, ids_BT, targets_BT) -> torch.Tensor:
 
 def held_out_loss(apply_fn, specs, mesh, params, val_N, args) -> float:
     """Mean next-token loss on 2 batches of the held-out text, the model unpipelined over data x tensor."""
-    sub = mesh.submesh((DATA, TENSOR))
+    rows = rows_axes(mesh)
+    sub = mesh.submesh((*rows, TENSOR))
 
     def per_device(p, ids_BT, targets_BT):
-        return fpar.pmean(token_loss(apply_fn, p, ids_BT, targets_BT), DATA)
+        return fpar.pmean(token_loss(apply_fn, p, ids_BT, targets_BT), rows)
 
-    loss = fpar.shard(per_device, sub, (specs, P(DATA), P(DATA)), P())
+    loss = fpar.shard(per_device, sub, (specs, P(rows), P(rows)), P())
     total = 0.0
     with torch.no_grad():
         for i in range(2):
             ids_BT, targets_BT = batch_at(val_N, i, args.batch, args.seq, args.seed + 1)
-            total += float(loss(params, *fpar.device_put((ids_BT, targets_BT), sub, P(DATA))))
+            total += float(loss(params, *fpar.device_put((ids_BT, targets_BT), sub, P(rows))))
     return total / 2
 
 
@@ -144,13 +199,27 @@ def build_step(args, apply_fn, params, specs, mesh, opt):
     pipeline the gradient is summed whole over the microbatches, so stages 1 and 2 are one).
     """
     s, m = mesh.shape[PIPE], C.microbatches(args, mesh)
+    rows = rows_axes(mesh)
+    if args.batch % (m * math.prod(mesh.shape[a] for a in rows)):
+        split = " x ".join(f"{a}={mesh.shape[a]}" for a in rows)
+        raise SystemExit(
+            f"--batch {args.batch} must divide into {m} microbatches x {split} (the layout {dict(mesh.shape)})"
+        )
     if s == 1:
         zero = fo.zero_layout(params, mesh, specs, stage=args.zero, data_axis=DATA)
         params, opt_state = fo.zero_init(opt, params, zero)
-        run = fo.zero_step(lambda p, batch: token_loss(apply_fn, p, *batch), opt, zero, batch_specs=P(DATA))
+
+        def loss(p, batch):  # this device's mean; zero_step averages it over data, this over expert
+            return (
+                fpar.pmean(token_loss(apply_fn, p, *batch), rows[1:])
+                if rows[1:]
+                else token_loss(apply_fn, p, *batch)
+            )
+
+        run = fo.zero_step(loss, opt, zero, batch_specs=P(rows))
 
         def step(state, ids_BT, targets_BT):
-            params, opt_state, metrics = run(*state, fpar.device_put((ids_BT, targets_BT), mesh, P(DATA)))
+            params, opt_state, metrics = run(*state, fpar.device_put((ids_BT, targets_BT), mesh, P(rows)))
             return (params, opt_state), metrics["loss"]
 
         C.say(f"one stage, ZeRO-{args.zero} over data (fpar.optim.zero_step)", quiet=args.quiet)
@@ -170,7 +239,7 @@ def build_step(args, apply_fn, params, specs, mesh, opt):
 
     def step(state, ids_BT, targets_BT):
         xs_MBT, ys_MBT = (
-            fpar.device_put(t.unflatten(0, (m, -1)), mesh, P(None, DATA)) for t in (ids_BT, targets_BT)
+            fpar.device_put(t.unflatten(0, (m, -1)), mesh, P(None, rows)) for t in (ids_BT, targets_BT)
         )
         res = run(state[0], xs_MBT, ys_MBT)
         return update(res.grads, state[1], state[0]), res.loss
@@ -191,11 +260,19 @@ def main(argv=None) -> list[float]:
     ap.add_argument("--layers", type=int, default=4, help="the random model's layers (no --model)")
     ap.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage over data")
     ap.add_argument("--tiny", action="store_true", help="a very small model (tests, torchrun on CPU)")
+    ap.add_argument("--moe", action="store_true", help="the random model (no --model) is a Qwen3-MoE")
+    ap.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size: the model's experts split over an 'expert' axis",
+    )
     ap.add_argument(
         "--remat", action="store_true", help="recompute each decoder layer in the backward (fpar.hf.remat)"
     )
     C.add_args(ap, steps=40, batch=16, lr=3e-3, warmup=4)
     args = ap.parse_args(argv)
+    args.moe = args.moe or args.ep > 1
     if args.tiny:
         args.d_model, args.layers, args.seq, args.batch = 32, 2, 16, 8
         args.max_bytes = min(args.max_bytes, 200_000)
@@ -209,14 +286,23 @@ def main(argv=None) -> list[float]:
     path = Path(args.model) if args.model else out / "init"
     if not args.model:
         random_checkpoint(path, args, mesh)
-        C.say(f"wrote a random-init Qwen3 to {path} (fpar.hf.save_pretrained)", quiet=quiet)
+        C.say(
+            f"wrote a random-init {'Qwen3-MoE' if args.moe else 'Qwen3'} to {path} (fpar.hf.save_pretrained)",
+            quiet=quiet,
+        )
     dtype = C.DTYPES[args.dtype]
-    apply_fn, params, specs = fpar.hf.from_pretrained(path, mesh, dtype=dtype)
+    apply_fn, params, specs = fpar.hf.from_pretrained(path, mesh, dtype=dtype, expert_axis=expert_axis(mesh))
     # the model's RMSNorms and SwiGLU MLPs keep only their inputs for the backward (its own values)
     lean = fpar.hf.lean(apply_fn)
     if args.remat:  # keep each layer's input, run the layer again in the backward
         fpar.hf.remat(apply_fn)
     n_params = sum(p.numel() for p in apply_fn.module.parameters())
+    if apply_fn.expert_axis is not None:
+        C.say(
+            f"experts split over {apply_fn.expert_axis}={mesh.shape[EXPERT]} (its base_model_ep_plan: "
+            f"{len(apply_fn.experts)} expert weights; tokens sent to their experts' devices with all_to_all)",
+            quiet=quiet,
+        )
     C.say(
         f"{type(apply_fn.module).__name__}: {n_params / 1e6:.2f}M parameters from {path}; "
         f"{lean['rms_norm']} norms and {lean['swiglu']} MLPs as fused kernels keep memory (fpar.hf.lean)"
@@ -254,7 +340,9 @@ def main(argv=None) -> list[float]:
     # --- Save, and load back ------------------------------------------------------------------------
     final = out / "final"
     fpar.hf.save_pretrained(final, apply_fn, params, mesh)
-    apply_fn2, params2, specs2 = fpar.hf.from_pretrained(final, mesh, dtype=dtype)
+    apply_fn2, params2, specs2 = fpar.hf.from_pretrained(
+        final, mesh, dtype=dtype, expert_axis=expert_axis(mesh)
+    )
     diff = max((params2[k] - params[k]).abs().max().item() for k in params)
     val2 = held_out_loss(apply_fn2, specs2, mesh, params2, val_N, args)
     C.say(

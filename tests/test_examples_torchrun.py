@@ -88,6 +88,8 @@ CASES = [
         needs=("transformers",),
         label="pipeline-fsdp",
     ),
+    # a tied Qwen3-MoE with its experts over expert=2 (the model's base_model_ep_plan); 4: x tensor=2
+    Case("finetune_hf.py", (*FINETUNE, "--ep", "2"), needs=("transformers",), label="ep"),
     Case("gpt_pipeline.py", ("--steps", "3", "--batch", "8")),
     Case(
         "gpt_tensor_parallel.py",
