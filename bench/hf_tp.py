@@ -28,6 +28,15 @@ DTensor's styles (``colwise`` -> ``ColwiseParallel()``, ``rowwise`` -> ``Rowwise
 ``colwise_gather_output`` -> ``ColwiseParallel(output_layouts=Replicate())``,
 ``replicated_with_grad_allreduce`` -> an all-reduce of those gradients after ``.backward()``).
 
+``--family qwen3_moe --ep``: expert parallelism from the model's own plan.  A Qwen3-MoE (``--experts``
+experts a layer, top-2) with its experts split over an ``expert`` axis of the 2 processes
+(``fpar.ops.tensor_parallel(model, mesh, expert_axis="expert")``: its ``base_model_ep_plan``; each
+(token, choice) pair sent to its expert's device and back with ``all_to_all``), the batch rows
+split over the same axis, against what a user runs without expert parallelism: plain PyTorch
+data parallelism with every expert on every process (``DistributedDataParallel`` of the same
+model, ``loss.backward()``).  Both take the same SGD step; checked first that the losses and an
+expert's and an attention weight's update agree.
+
 ``--collectives``: the table of collectives per transformer block, fpar's measured with
 ``fpar.comm_stats()`` (in-process, tensor=2) and transformers' plan's counted per style.
 
@@ -35,6 +44,7 @@ Run:
     python bench/hf_tp.py                            # d=256, 4 layers, batch 8 x 128, 15 repeats
     python bench/hf_tp.py --d-model 512 --repeats 21
     python bench/hf_tp.py --family qwen3
+    python bench/hf_tp.py --family qwen3_moe --ep  # experts over expert=2 vs DDP with every expert local
     python bench/hf_tp.py --collectives
 """
 
@@ -112,6 +122,138 @@ def build_qwen3(cfg: dict, **kw):
     model = Qwen3ForCausalLM(config).eval()
     model.set_attn_implementation("eager")
     return model
+
+
+def build_qwen3_moe(cfg: dict):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    d, heads = cfg["d_model"], cfg["heads"]
+    config = Qwen3MoeConfig(
+        vocab_size=cfg["vocab"],
+        max_position_embeddings=cfg["seq"],
+        hidden_size=d,
+        num_hidden_layers=cfg["layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=max(heads // 4, 1),
+        head_dim=d // heads,
+        num_experts=cfg["experts"],
+        num_experts_per_tok=2,
+        moe_intermediate_size=2 * d,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).eval()
+    model.set_attn_implementation("eager")
+    return model
+
+
+def worker_ep(cfg: dict) -> dict:
+    """fpar's expert-parallel step against DDP with every expert local, on this process's rows."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(cfg["threads"])
+    n, rank = dist.get_world_size(), dist.get_rank()
+    model = build_qwen3_moe(cfg)
+    ids = torch.randint(
+        0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=torch.Generator().manual_seed(1)
+    )
+    mine = ids.chunk(n)[rank]  # this process's rows (both sides)
+
+    # (a) fpar: the experts over the expert axis, the rows too
+    mesh = fpar.make_mesh((n, 1), ("expert", "tensor"))
+    apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh, expert_axis="expert")
+    params = {k: v.clone() for k, v in fpar.device_put(params, mesh, specs).items()}
+
+    def per_device(p, x):
+        return fpar.pmean(apply_fn(p, x, labels=x, use_cache=False).loss, "expert")
+
+    grad_fn = torch.func.grad_and_value(fpar.shard(per_device, mesh, (specs, P("expert")), P()))
+    x = fpar.device_put(ids, mesh, P("expert"))
+    names = list(params)
+    plist = [params[k] for k in names]
+    out = {}
+
+    def fpar_step():
+        g, loss = grad_fn(params, x)
+        torch._foreach_add_(plist, [g[k] for k in names], alpha=-LR)
+        out["fpar"] = float(loss)
+
+    # (b) DDP: the whole model on every process, its rows, gradients all-reduced in buckets
+    ddp = DistributedDataParallel(copy.deepcopy(model))
+    dparams = list(ddp.parameters())
+
+    def ddp_step():
+        loss = ddp(mine, labels=mine, use_cache=False).loss
+        loss.backward()
+        with torch.no_grad():
+            torch._foreach_add_(dparams, [p.grad for p in dparams], alpha=-LR)
+        for p in dparams:
+            p.grad = None
+        out["ddp"] = float(loss.detach())
+
+    # Check: one step of each from the same values: the mean loss, an expert's and q_proj's update
+    fpar_step()
+    ddp_step()
+    mean = torch.tensor(out["ddp"])
+    dist.all_reduce(mean)
+    loss_diff = abs(out["fpar"] - float(mean) / n)
+    e = cfg["experts"] // n  # this process's experts: rows rank*e .. (rank+1)*e of the whole weight
+    down = "model.layers.0.mlp.experts.down_proj"
+    w_d = dict(ddp.module.named_parameters())
+    q = "model.layers.0.self_attn.q_proj.weight"
+    with torch.no_grad():
+        weight_diff = max(
+            float((params[down] - w_d[down][rank * e : (rank + 1) * e]).abs().max()),
+            float((params[q] - w_d[q]).abs().max()),
+        )
+    steps = {"fpar": fpar_step, "ddp": ddp_step}
+    for _ in range(cfg["warmup"]):
+        for step in steps.values():
+            step()
+    times = interleaved(steps, cfg["repeats"])
+    fpar.reset_comm_stats()
+    fpar_step()
+    experts = getattr(model.config, "_experts_implementation", None)
+    return {"times": times, "loss_diff": loss_diff, "weight_diff": weight_diff, "stats": fpar.comm_stats(),
+            "experts_impl": experts}  # fmt: skip
+
+
+def main_ep(args, cfg: dict) -> None:
+    if args.experts % NPROCS:
+        raise SystemExit(f"--experts {args.experts} must divide over the {NPROCS} processes")
+    record = Record("hf_tp_qwen3_moe_ep", cfg, None)
+    res = fpar.launch(worker_ep, NPROCS, cfg, timeout=args.timeout)
+    r0 = res[0]
+    print(
+        f"after one step from the same values: |loss fpar - DDP| = {max(r['loss_diff'] for r in res):.2e}, "
+        f"max |down_proj experts / q_proj block fpar - DDP| = {max(r['weight_diff'] for r in res):.2e}"
+    )
+    a2a = r0["stats"].get("expert", {})
+    print(
+        f"fpar traffic per step per device over the expert axis: { {k: v['calls'] for k, v in a2a.items()} } calls"
+    )
+    med = {k: statistics.median(v) * 1e3 for k, v in r0["times"].items()}
+    what = (
+        f"HF Qwen3-MoE train step (fwd+bwd+SGD), d={args.d_model} L={args.layers} {args.experts} experts top-2, "
+        f"V={args.vocab}, batch {args.batch} x {args.seq}, float32, {NPROCS} gloo processes x {args.threads} thread(s)"
+    )
+    print(f"{what}, torch {torch.__version__}, {args.repeats} repeats, interleaved")
+    for k, t in r0["times"].items():
+        print(f"  {k:6s}  median {med[k]:8.2f} ms   min {min(t) * 1e3:8.2f}   max {max(t) * 1e3:8.2f}")
+    print(f"  ratio fpar expert=2 / DDP with every expert local = {med['fpar'] / med['ddp']:.3f}")
+    record.compare(
+        "step",
+        f"{what}: `fpar.ops.tensor_parallel(expert_axis=)`, `torch.func.grad`, vs DDP with every expert local",
+        [("fpar expert parallel", r0["times"]["fpar"], "DDP", r0["times"]["ddp"])],
+    )
+    record.data["extra"] = {
+        "loss_diff": max(r["loss_diff"] for r in res),
+        "weight_diff": max(r["weight_diff"] for r in res),
+        "experts_implementation": r0["experts_impl"],
+    }
+    record.write(args.json)
 
 
 def dtensor_from_hf_plan(model, n: int):
@@ -273,7 +415,9 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--timeout", type=float, default=600.0)
-    ap.add_argument("--family", choices=("gpt2", "qwen3"), default="gpt2")
+    ap.add_argument("--family", choices=("gpt2", "qwen3", "qwen3_moe"), default="gpt2")
+    ap.add_argument("--ep", action="store_true", help="qwen3_moe: experts over an expert axis vs DDP")
+    ap.add_argument("--experts", type=int, default=8, help="qwen3_moe: experts a layer")
     ap.add_argument("--collectives", action="store_true", help="print the collectives-per-block table")
     add_json_arg(ap)
     args = ap.parse_args(argv)
@@ -281,6 +425,11 @@ def main(argv=None) -> None:
         collectives_table()
         return
     cfg = {k.replace("-", "_"): v for k, v in vars(args).items() if k != "json"}
+    if args.family == "qwen3_moe" or args.ep:
+        if not (args.family == "qwen3_moe" and args.ep):
+            raise SystemExit("--ep runs --family qwen3_moe (expert parallelism); give both")
+        main_ep(args, cfg)
+        return
     record = Record("hf_tp" if args.family == "gpt2" else f"hf_tp_{args.family}", cfg, argv)
     res = fpar.launch(worker, NPROCS, cfg, timeout=args.timeout)
     r0 = res[0]

@@ -184,7 +184,10 @@ def tensor_parallel(
             sources[name] = (dim, index)
         if rows is not None:
             tied[name] = (dim, rows, n // group, group)
-    local = _local_copy(model, modules, layers, rules, n, axis, expert)
+    # In-process the devices are a vmap, which a data-dependent expert loop cannot run under:
+    # there the experts run transformers' batched_mm.  A real mesh keeps the model's own.
+    own_experts = mesh.backend == "dist" and not mesh.abstract
+    local = _local_copy(model, modules, layers, rules, n, axis, expert, own_experts)
     buffers = {name: b.detach() for name, b in local.named_buffers()}
     run = _stateless(local, frozenset(params), buffers)
     fn = TensorParallelFn(run, local, axis, n, layers, sources, tied, frozenset(params))
@@ -318,7 +321,9 @@ class TensorParallelFn:
 # The local copy ---------------------------------------------------------------------------------
 
 
-def _local_copy(model, modules, layers: dict, rules: dict, n: int, axis: str, expert=None) -> nn.Module:
+def _local_copy(
+    model, modules, layers: dict, rules: dict, n: int, axis: str, expert=None, own_experts: bool = False
+) -> nn.Module:
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
     local = copy.deepcopy(model, shared)
     config = getattr(local, "config", None)
@@ -356,11 +361,12 @@ def _local_copy(model, modules, layers: dict, rules: dict, n: int, axis: str, ex
         elif kind in ("all_reduce", "moe_experts"):
             module.forward = functools.partial(tl.all_reduce_output, forward, axis)
             if kind == "moe_experts":
-                _local_experts(local, module, n)
+                _local_experts(module, n, own_experts)
         elif kind == "ep_experts":
             e_axis, e_n = expert
             module.num_experts //= e_n  # its forward runs on local expert ids
-            _local_experts(local, module, 1)
+            if not own_experts:
+                _batched_experts(module)
             module.forward = functools.partial(tl.expert_parallel, module, forward, e_axis, e_n)
         elif kind == "split_norm":
             source = modules[layer.segments[0][1]].weight.shape[0]
@@ -408,10 +414,21 @@ def _divide_attrs(module: nn.Module, name: str, attrs: tuple, n: int) -> None:
             setattr(module, attr, value // n)
 
 
-def _local_experts(local: nn.Module, module: nn.Module, n: int) -> None:
-    """A split experts module: per-device intermediate size, and the vmap-able batched experts."""
+def _local_experts(module: nn.Module, n: int, own: bool) -> None:
+    """A split experts module: per-device intermediate size; the vmap-able batched experts unless ``own``."""
     if isinstance(getattr(module, "intermediate_dim", None), int):
         module.intermediate_dim //= n
+    if not own:
+        _batched_experts(module)
+
+
+def _batched_experts(module: nn.Module) -> None:
+    """Run ``module``'s experts with transformers' ``batched_mm`` (no data-dependent loop: vmap-able).
+
+    It gathers each (token, choice) row's expert weights, so its memory and time grow with the
+    rows: 24x DDP's step with every expert local (``grouped_mm``) on 2 processes
+    (``bench/hf_tp.py --family qwen3_moe --ep``), which is why a real mesh keeps the model's own.
+    """
     config = getattr(module, "config", None)
     if config is not None and getattr(config, "_experts_implementation", None) not in (None, "batched_mm"):
         config._experts_implementation = "batched_mm"

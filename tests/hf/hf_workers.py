@@ -38,12 +38,21 @@ def run(mesh: fpar.Mesh) -> dict:
     return out
 
 
-def expert_worker():
-    """Qwen3-MoE with its experts split over 2 processes (the exact-count exchange): loss, whole gradients."""
+def expert_worker(grouped: bool = False):
+    """Qwen3-MoE with its experts split over 2 processes (the exact-count exchange): loss, whole gradients.
+
+    ``grouped``: the model in float32 with transformers' ``grouped_mm`` experts (its default; no
+    float64 kernel), which the real mesh keeps (in-process they run ``batched_mm``).
+    """
     torch.set_num_threads(1)
     mesh = fpar.make_mesh((2, 1), ("expert", "tensor"))
     model = hf_models.qwen3_moe(num_hidden_layers=2)
+    if grouped:
+        model = model.float()
+        model.set_experts_implementation("grouped_mm")
     apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh, expert_axis="expert")
+    if grouped:
+        assert apply_fn.module.config._experts_implementation == "grouped_mm"
     params = fpar.device_put(params, mesh, specs)
 
     def per_device(p, ids):
