@@ -149,6 +149,19 @@ def build_qwen3_moe(cfg: dict):
     return model
 
 
+def sgd_step(grad_fn, params: dict, args: tuple, out: dict):
+    """fpar's step: ``grad_fn(params, *args) -> (grads, loss)``, then SGD in place; the loss in ``out``."""
+    names = list(params)
+    plist = [params[k] for k in names]
+
+    def step():
+        g, loss = grad_fn(params, *args)
+        torch._foreach_add_(plist, [g[k] for k in names], alpha=-LR)
+        out["fpar"] = float(loss)
+
+    return step
+
+
 def worker_ep(cfg: dict) -> dict:
     """fpar's expert-parallel step against DDP with every expert local, on this process's rows."""
     from torch.nn.parallel import DistributedDataParallel
@@ -170,15 +183,8 @@ def worker_ep(cfg: dict) -> dict:
         return fpar.pmean(apply_fn(p, x, labels=x, use_cache=False).loss, "expert")
 
     grad_fn = torch.func.grad_and_value(fpar.shard(per_device, mesh, (specs, P("expert")), P()))
-    x = fpar.device_put(ids, mesh, P("expert"))
-    names = list(params)
-    plist = [params[k] for k in names]
-    out = {}
-
-    def fpar_step():
-        g, loss = grad_fn(params, x)
-        torch._foreach_add_(plist, [g[k] for k in names], alpha=-LR)
-        out["fpar"] = float(loss)
+    out: dict = {}
+    fpar_step = sgd_step(grad_fn, params, (fpar.device_put(ids, mesh, P("expert")),), out)
 
     # (b) DDP: the whole model on every process, its rows, gradients all-reduced in buckets
     ddp = DistributedDataParallel(copy.deepcopy(model))
@@ -337,15 +343,8 @@ def worker(cfg: dict) -> dict:
     apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh, plan="auto" if qwen else PLAN)
     params = {k: v.clone() for k, v in fpar.device_put(params, mesh, specs).items()}
     loss_fn = fpar.shard(lambda p, x: apply_fn(p, x, labels=x, use_cache=False).loss, mesh, (specs, P()), P())
-    grad_fn = torch.func.grad_and_value(loss_fn)
-    names = list(params)
-    plist = [params[k] for k in names]
-    out = {}
-
-    def fpar_step():
-        g, loss = grad_fn(params, ids)
-        torch._foreach_add_(plist, [g[k] for k in names], alpha=-LR)
-        out["fpar"] = float(loss)
+    out: dict = {}
+    fpar_step = sgd_step(torch.func.grad_and_value(loss_fn), params, (ids,), out)
 
     # (a') fpar, differentiated with .backward() instead of torch.func.grad
     leaves = {k: v.detach().clone().requires_grad_() for k, v in params.items()}

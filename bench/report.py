@@ -125,6 +125,13 @@ JOBS: tuple[Job, ...] = (
     ),
     Job("tp_dtensor", "tp_dtensor.py", ("--repeats", "30"), ("--repeats", "10"), {"step": Target("<=", 1.0)}),
     Job("hf_tp", "hf_tp.py", ("--repeats", "15"), ("--repeats", "5"), {"step": Target("<=", 1.0)}),
+    Job(
+        "hf_tp_qwen3_moe_ep",
+        "hf_tp.py",
+        ("--family", "qwen3_moe", "--ep", "--repeats", "15"),
+        ("--family", "qwen3_moe", "--ep", "--repeats", "5"),
+        {"step": Target("<=", 1.0)},
+    ),
     Job("pipeline", "pipeline.py", ("--repeats", "10"), ("--repeats", "3", "--warmup", "1"), PIPE),
     Job(
         "pipeline_4",

@@ -214,6 +214,10 @@ def _ffn_exact(rows_RD: Tensor, counts: list, w_in: Tensor, w_out: Tensor) -> Te
 def _grouped_mm_fits(rows: Tensor, w_in: Tensor, w_out: Tensor) -> bool:
     if not _GROUPED_MM or rows.shape[0] == 0 or rows.dtype not in _GROUPED_DTYPES:
         return False
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace the functorch interpreter stack (``_top_is_vmap``) nor the sorted
+        # path's data-dependent group sizes: a compiled MoE runs the static tiles (the same values)
+        return False
     s = rows.element_size()
     if (w_in.shape[1] * s) % 16 or (w_in.shape[2] * s) % 16:  # its stride rule
         return False

@@ -426,7 +426,7 @@ def _batched_experts(module: nn.Module) -> None:
     """Run ``module``'s experts with transformers' ``batched_mm`` (no data-dependent loop: vmap-able).
 
     It gathers each (token, choice) row's expert weights, so its memory and time grow with the
-    rows: 24x DDP's step with every expert local (``grouped_mm``) on 2 processes
+    rows: 59x DDP's step with every expert local (``grouped_mm``) on 2 processes
     (``bench/hf_tp.py --family qwen3_moe --ep``), which is why a real mesh keeps the model's own.
     """
     config = getattr(module, "config", None)
