@@ -162,6 +162,28 @@ def sgd_step(grad_fn, params: dict, args: tuple, out: dict):
     return step
 
 
+def backward_sgd_step(loss_fn, groups: list, out: dict, key: str | None, allreduce: tuple = ()):
+    """A module's step: ``loss_fn().backward()``, an all-reduce of the gradients of ``allreduce``,
+    then SGD in place, one foreach call per group (foreach refuses DTensors mixed with tensors);
+    the loss in ``out[key]``."""
+
+    def step():
+        loss = loss_fn()
+        loss.backward()
+        for p in allreduce:
+            dist.all_reduce(p.grad)
+        with torch.no_grad():
+            for group in groups:
+                torch._foreach_add_(group, [p.grad for p in group], alpha=-LR)
+        for group in groups:
+            for p in group:
+                p.grad = None
+        if key is not None:
+            out[key] = float(loss.detach())
+
+    return step
+
+
 def worker_ep(cfg: dict) -> dict:
     """fpar's expert-parallel step against DDP with every expert local, on this process's rows."""
     from torch.nn.parallel import DistributedDataParallel
@@ -188,16 +210,9 @@ def worker_ep(cfg: dict) -> dict:
 
     # (b) DDP: the whole model on every process, its rows, gradients all-reduced in buckets
     ddp = DistributedDataParallel(copy.deepcopy(model))
-    dparams = list(ddp.parameters())
-
-    def ddp_step():
-        loss = ddp(mine, labels=mine, use_cache=False).loss
-        loss.backward()
-        with torch.no_grad():
-            torch._foreach_add_(dparams, [p.grad for p in dparams], alpha=-LR)
-        for p in dparams:
-            p.grad = None
-        out["ddp"] = float(loss.detach())
+    ddp_step = backward_sgd_step(
+        lambda: ddp(mine, labels=mine, use_cache=False).loss, [list(ddp.parameters())], out, "ddp"
+    )
 
     # Check: one step of each from the same values: the mean loss, an expert's and q_proj's update
     fpar_step()
@@ -348,15 +363,7 @@ def worker(cfg: dict) -> dict:
 
     # (a') fpar, differentiated with .backward() instead of torch.func.grad
     leaves = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
-    llist = list(leaves.values())
-
-    def fpar_backward_step():
-        loss = loss_fn(leaves, ids)
-        loss.backward()
-        with torch.no_grad():
-            torch._foreach_add_(llist, [p.grad for p in llist], alpha=-LR)
-        for p in llist:
-            p.grad = None
+    fpar_backward_step = backward_sgd_step(lambda: loss_fn(leaves, ids), [list(leaves.values())], out, None)
 
     # (b) DTensor parallelize_module
     dmodel, grad_allreduce = dtensor_from_hf_plan(model, n) if qwen else (dtensor_model(model, n), [])
@@ -368,17 +375,10 @@ def worker(cfg: dict) -> dict:
         [p for p in dparams if not isinstance(p, DTensor)],
     ]
 
-    def dtensor_step():
-        loss = dmodel(ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        for p in grad_allreduce:  # replicated_with_grad_allreduce: each rank saw its heads only
-            dist.all_reduce(p.grad)
-        with torch.no_grad():  # foreach refuses DTensors mixed with tensors: one call per kind
-            for group in groups:
-                torch._foreach_add_(group, [p.grad for p in group], alpha=-LR)
-        for p in dparams:
-            p.grad = None
-        out["dtensor"] = float(loss.detach())
+    # replicated_with_grad_allreduce: each rank saw its heads only, so those gradients are summed
+    dtensor_step = backward_sgd_step(
+        lambda: dmodel(ids, labels=ids, use_cache=False).loss, groups, out, "dtensor", tuple(grad_allreduce)
+    )
 
     # Check: one step of each from the same values gives the same loss and c_fc update.
     fpar_step()

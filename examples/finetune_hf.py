@@ -14,7 +14,7 @@ example first writes a small random-init Qwen3 (byte vocabulary, 256) with
   no pipeline.  The random model ties its embedding and head (as Qwen3-0.6B does): the pipeline
   uses the one weight at both ends and returns the sum of both gradients;
 * ``--ep N`` adds an ``expert`` axis of ``N`` devices (with no ``--model`` the random model is then
-  a Qwen3-MoE, 4 experts, top-2, as ``--moe`` writes): the model's own ``base_model_ep_plan``
+  a Qwen3-MoE, max(4, N) experts, top-2, as ``--moe`` writes): the model's own ``base_model_ep_plan``
   splits its experts over it (``from_pretrained(..., expert_axis="expert")``), each (token,
   choice) pair goes to its expert's device and back with ``all_to_all``, and the rows are split
   over ``data`` x ``expert``, with or without a pipeline;
