@@ -424,7 +424,7 @@ def claim(key: tuple) -> Deferred | None:
     return d
 
 
-def watch_unclaimed(fn, fname: str) -> Callable[[], None] | None:
+def watch_unclaimed(fn, fname: str, plan=None, inputs: list | None = None) -> Callable[[], None] | None:
     """For a call of ``fn`` outside the context that takes a gradient but claims no deferred sums.
 
     Such a call is a step's final call by position (after the deferred microbatches, outside the
@@ -436,7 +436,9 @@ def watch_unclaimed(fn, fname: str) -> Callable[[], None] | None:
     call's forward precedes the backward that reduces it, so at the end of this call's backward
     the sums still unclaimed are never reduced: the returned function, called from that backward,
     queues the check that raises then (on every rank alike: every rank runs the same calls).
-    ``None``: nothing to watch.
+    The error names both calls: how this one (``plan``, its replicated ``inputs`` as ``(slot,
+    tensor)``) differs from the deferred ones, in argument shapes or in tensors.  ``None``:
+    nothing to watch.
     """
     watched = [d for d in _LIVE if d.key[0] is fn and not d.final and not d.scope._checks_itself]
     if not watched:
@@ -454,9 +456,10 @@ def watch_unclaimed(fn, fname: str) -> Callable[[], None] | None:
             f"fpar.defer_reduction(), but {sum(d.calls for d in left)} earlier deferred call(s) of the "
             f"same sharded function were never reduced: no call outside the context passed their "
             f"input tensors with their argument shapes, so the step's gradient would miss theirs "
-            f"(they have been dropped). The step's last microbatch must pass the same parameter "
-            f"tensors with the same shapes as the deferred ones (cast or copy parameters once, before "
-            f"the loop; pad a short last microbatch to the others' shape)."
+            f"(they have been dropped). {_difference(left[0], plan, inputs or [])}The step's last "
+            f"microbatch must pass the same parameter tensors with the same shapes as the deferred "
+            f"ones (cast or copy parameters once, before the loop; pad a short last microbatch to the "
+            f"others' shape)."
         )
 
     def queue() -> None:
@@ -465,6 +468,40 @@ def watch_unclaimed(fn, fname: str) -> Callable[[], None] | None:
             Variable._execution_engine.queue_callback(check)
 
     return queue
+
+
+def _difference(d: Deferred, plan, inputs: list) -> str:
+    """How a final call differs from ``d``'s deferred calls, as a sentence (``""``: unknown).
+
+    The arguments whose shape, dtype or spec differ between ``plan`` and theirs, else the
+    replicated ``inputs`` (``(slot, tensor)``) that are other tensors than theirs.
+    """
+    theirs, mine = getattr(d.key[1], "sig", None), getattr(plan, "sig", None)
+    if theirs is not None and mine is not None and theirs != mine:
+        them = {path: rest for path, *rest in theirs}
+        here = {path: rest for path, *rest in mine}
+
+        def show(entry) -> str:
+            if entry is None:
+                return "nothing"
+            spec, shape, dtype, _ = entry
+            return f"{dtype.removeprefix('torch.')}{list(shape)} {spec}"
+
+        diffs = [
+            f"{path}: {show(them.get(path))} in the deferred call(s), {show(here.get(path))} in this one"
+            for path in dict.fromkeys([*them, *here])
+            if them.get(path) != here.get(path)
+        ]
+        return f"This call's arguments differ from the deferred calls': {'; '.join(diffs[:4])}. "
+    ids = {slot: identity(b) for slot, t in inputs if (b := base_of(t)) is not None}
+    other = [slot for slot, ident in d.key[2] if slot in ids and ids[slot] != ident]
+    if other:
+        where = ", ".join(f"#{slot}" for slot in other)
+        return (
+            f"This call passed the same argument shapes but other tensors than the deferred calls "
+            f"at replicated tensor argument(s) {where} (a copy or cast made for each microbatch?). "
+        )
+    return ""
 
 
 def _stale_message(stale: list[Deferred]) -> str:

@@ -36,6 +36,15 @@ def test_defer_unmatched_final_call_is_an_error_at_the_end_of_its_backward():
             assert isinstance(message, str), f"no error: {message}"
             assert "1 earlier deferred call(s) of the same sharded function were never reduced" in message
             assert "same parameter tensors with the same shapes" in message
+        # the error names both calls: how the final call differs from the deferred ones
+        assert (
+            "same argument shapes but other tensors than the deferred calls at replicated tensor argument(s) #0"
+            in other
+        )
+        assert (
+            "args[1]: float64[4, 4] P('data') in the deferred call(s), float64[2, 4] P('data') in this one"
+            in shorter
+        )
         # the matched step (and each layer of the shared function): the sum of both microbatches,
         # as in-process (where nothing is deferred)
         torch.testing.assert_close(matched[0], local[0][0], rtol=1e-12, atol=1e-12)

@@ -94,6 +94,11 @@ def features(p: TrainingProgram) -> set[str]:
     if p.driver != "pipeline" and size.get("pipe", 1) > 1:
         f.add("unreduced pipe>1")
     f.add("remat" if p.remat else "no remat")
+    if p.remat and size["data"] > 1:  # recomputation in the backward beside deferred data sums
+        if p.driver == "manual" and p.accumulation in ("defer", "accumulate"):
+            f.add("deferred x remat")
+        if p.driver == "pipeline" and p.schedule in ("zb_h1", "zb_v", "dualpipe_v"):
+            f.add("split backward x remat x data>1")
     f.add("checkpoint" if p.checkpoint else "no checkpoint")
     f.add("dropout" if p.dropout else "no dropout")
     f.add("clip" if p.clip is not None else "no clip")
@@ -115,11 +120,13 @@ REQUIRED = {
     "model=mlp", "model=gpt", "model=sp_gpt", "model=moe", "dropout", "clip", "donate", "several steps",
     "eval between steps", "remat", "checkpoint", "precision=bf16", "precision=fp16",
     "data x tensor x pipe", "3 axes, one of size 1", "data=1", "tensor=1", "pipe=1",
-    "pipeline x data>1", "pipeline x tensor>1",
+    "pipeline x data>1", "pipeline x tensor>1", "deferred x remat",
 }  # fmt: skip
 REQUIRED_AT = {
     2: REQUIRED,
-    4: REQUIRED | {"two axes larger than 1", "pipeline x data>1 x tensor>1", "pipe>1 x data>1"},
+    4: REQUIRED
+    | {"two axes larger than 1", "pipeline x data>1 x tensor>1", "pipe>1 x data>1"}
+    | {"split backward x remat x data>1"},  # the case that defeated an unmatched-deferral check
 }
 
 

@@ -394,17 +394,18 @@ def reduce_inputs(
     now, grads = _reduce_now(buckets, held, kept, rider)
     out.update(now)
     if scope is None and held is None and _defer._LIVE:
-        _watch(now.values(), owner, fname)
+        inputs = [(slot, x) for layout, xs in buckets for slot, x in zip(layout.slots, xs)]
+        _watch(now.values(), owner, fname, inputs)
     return out, grads
 
 
-def _watch(views, owner: tuple, fname: str) -> None:
+def _watch(views, owner: tuple, fname: str, inputs: list) -> None:
     """Watch a gradient-taking call outside the context that claimed no deferred sums.
 
     At the end of its backward, ``owner``'s sums left unclaimed are an error
-    (``_defer.watch_unclaimed``).
+    (``_defer.watch_unclaimed``; ``inputs``: this call's replicated ``(slot, tensor)``).
     """
-    queue = _defer.watch_unclaimed(owner[0], fname)
+    queue = _defer.watch_unclaimed(owner[0], fname, owner[1], inputs)
     view = next((v for v in views if v.requires_grad), None)
     if queue is not None and view is not None:
         view.register_hook(lambda ct: queue())
