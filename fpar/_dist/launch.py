@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import io
 import os
 import pickle
@@ -257,6 +258,10 @@ def _worker(fn, args, rank_: int, world: int, store_path: str, timeout: float, b
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
     os.environ.update(RANK=str(rank_), WORLD_SIZE=str(world), LOCAL_RANK=str(rank_))
     torch.set_num_threads(1)  # several processes share the cores
+    # What the process holds before ``fn`` (torch, fpar and their modules, imported once) is never
+    # garbage: frozen, every collection from here on, fpar's at the end and Python's own full ones,
+    # scans only what ``fn`` makes (0.1-0.2 s a collection of the whole heap).
+    gc.freeze()
     try:
         if backend == "nccl":  # one GPU per local rank, before any CUDA tensor exists
             torch.cuda.set_device(rank_ % torch.cuda.device_count())
@@ -275,8 +280,6 @@ def _worker(fn, args, rank_: int, world: int, store_path: str, timeout: float, b
         # Drop what still holds collectives' work handles (an unfinished backward's buckets, a
         # traceback's frames) while their process group is alive, then tear it down: no handle
         # outlives its group into interpreter exit.
-        import gc
-
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -229,17 +229,23 @@ def steady(step, args, *, repeats: int = 3) -> tuple[dict, list[int]]:
 
     rec = Recorder({})
     peaks = []
-    with rec:
-        out = step(*args)
-        del out
-        gc.collect()
-        for _ in range(repeats):
-            rec.start()
-            fpar.reset_comm_stats()
+    # every object made before the steps frozen: each collection below then scans only what the
+    # steps made (0.2 s a collection of the whole heap with torch imported: half the test's time)
+    gc.freeze()
+    try:
+        with rec:
             out = step(*args)
             del out
             gc.collect()
-            peaks.append(rec.peak)
+            for _ in range(repeats):
+                rec.start()
+                fpar.reset_comm_stats()
+                out = step(*args)
+                del out
+                gc.collect()
+                peaks.append(rec.peak)
+    finally:
+        gc.unfreeze()
     return fpar.comm_stats(), peaks
 
 
