@@ -16,8 +16,11 @@ Time bounds: every launch has a process-group timeout (a stuck collective raises
 from __future__ import annotations
 
 import math
+import os
 import random
 import re
+import subprocess
+import sys
 import time
 
 import dist_programs as D
@@ -828,6 +831,22 @@ def test_launched_processes_see_the_callers_environment_path_and_directory(tmp_p
     monkeypatch.setenv("FPAR_LATE_VAR", "set after the server started")
     monkeypatch.chdir(tmp_path)
     assert fpar.launch(late_module.where, 2) == [("set after the server started", str(tmp_path))] * 2
+
+
+def test_launched_processes_hash_with_the_callers_hash_seed(tmp_path, monkeypatch):
+    # Python fixes its string-hash seed when it starts, so a process forked from the server keeps
+    # the server's: after the caller sets another PYTHONHASHSEED, the launch spawns its processes.
+    (tmp_path / "hash_module.py").write_text("def hash_of():\n    return hash('fpar')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import hash_module
+
+    fpar.launch(hash_module.hash_of, 2)  # the server is up (if it was not already)
+    seed = "12345" if os.environ.get("PYTHONHASHSEED") != "12345" else "54321"
+    monkeypatch.setenv("PYTHONHASHSEED", seed)
+    want = subprocess.run(
+        [sys.executable, "-c", "print(hash('fpar'))"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert fpar.launch(hash_module.hash_of, 2) == [int(want)] * 2
 
 
 def test_launch_rejects_zero_processes():

@@ -159,20 +159,27 @@ def _context(fn: Callable, backend: str):
     once: a process starts in a fraction of a second instead of importing torch again (about
     2.5 s for two processes on a 2-core machine, most of a small launch).  The server never
     initialises CUDA or a process group, so a forked process is as clean as a spawned one.  A
-    function of the ``__main__`` script, and NCCL (untested here), are spawned as before.
+    function of the ``__main__`` script, and NCCL (untested here), are spawned as before; so is
+    every launch after the caller changed a variable Python reads only when it starts
+    (``_AT_START``: a forked process has the server's hash seed whatever ``PYTHONHASHSEED`` says).
     """
     import multiprocessing as mp
 
     if sys.platform != "linux" or backend == "nccl" or getattr(fn, "__module__", None) == "__main__":
         return mp.get_context("spawn"), False
+    at_start = {k: os.environ.get(k) for k in _AT_START}
+    if _PRELOADED and _PRELOADED[0] != at_start:
+        return mp.get_context("spawn"), False
     ctx = mp.get_context("forkserver")
     if not _PRELOADED:
         ctx.set_forkserver_preload(["torch", "torch.distributed", "fpar"])  # before the server starts
-        _PRELOADED.append(True)
+        _PRELOADED.append(at_start)  # the server starts with this environment
     return ctx, True
 
 
 _PRELOADED: list = []
+# Read by the interpreter once, when it starts: a forked process keeps the fork server's.
+_AT_START = ("PYTHONHASHSEED", "PYTHONOPTIMIZE", "PYTHONWARNINGS", "PYTHONMALLOC")
 
 
 def _forked_worker(payload: bytes, env: dict, rank_: int, *rest) -> None:
