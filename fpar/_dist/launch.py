@@ -192,6 +192,11 @@ def _forked_worker(payload: bytes, env: dict, rank_: int, *rest) -> None:
     """
     os.environ.clear()
     os.environ.update(env)
+    # What the server imported (torch, fpar and their modules) is never garbage: frozen, every
+    # collection from here on, fpar's at the end and Python's own full ones, scans only what this
+    # process makes (0.1-0.2 s a collection of the whole heap). Before unpickling ``fn``'s
+    # arguments, so that cycles among them are collected as ever.
+    gc.freeze()
     try:
         fn, args = pickle.loads(payload)
     except BaseException:
@@ -267,10 +272,6 @@ def _worker(fn, args, rank_: int, world: int, store_path: str, timeout: float, b
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
     os.environ.update(RANK=str(rank_), WORLD_SIZE=str(world), LOCAL_RANK=str(rank_))
     torch.set_num_threads(1)  # several processes share the cores
-    # What the process holds before ``fn`` (torch, fpar and their modules, imported once) is never
-    # garbage: frozen, every collection from here on, fpar's at the end and Python's own full ones,
-    # scans only what ``fn`` makes (0.1-0.2 s a collection of the whole heap).
-    gc.freeze()
     try:
         if backend == "nccl":  # one GPU per local rank, before any CUDA tensor exists
             torch.cuda.set_device(rank_ % torch.cuda.device_count())
