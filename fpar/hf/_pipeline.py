@@ -25,7 +25,7 @@ stage-major order (``fpar.pipeline.stage_major``), split over the pipe axis.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -125,6 +125,7 @@ class Stages:
         self.k = n_layers // (self.p * chunks)
         self._data = tuple(a for a in mesh.axis_names if a not in (pipe, self.axis))
         self._split_logits = apply_fn.plan.get(self._head_name) in ("vocab", "colwise")
+        self._explain = getattr(apply_fn, "explain", lambda e: None)
         self._build_specs(specs)
         self._build_fns(module)
 
@@ -277,10 +278,10 @@ class Stages:
         base._modules[self._layers_attr] = torch.nn.ModuleList(slots)
         base.config = config
         if self._base is self._module:
-            return _Shell(base, slots)
+            return _Shell(base, slots, self._explain)
         outer = copy.copy(self._module)
         outer._modules = {n: (base if m is self._base else m) for n, m in self._module._modules.items()}
-        return _Shell(outer, slots)
+        return _Shell(outer, slots, self._explain)
 
     # Between from_pretrained's params and the pipeline's -------------------------------------------
 
@@ -350,8 +351,8 @@ def decoder_layers(module: torch.nn.Module, api: str) -> tuple[torch.nn.Module, 
 class _Shell:
     """The causal LM ``outer`` whose decoder layers are ``slots`` (``_Shell.run`` runs its forward)."""
 
-    def __init__(self, outer: torch.nn.Module, slots: list):
-        self.outer = outer
+    def __init__(self, outer: torch.nn.Module, slots: list, explain: Callable):
+        self.outer, self.explain = outer, explain
         self.start = next((s for s in slots if isinstance(s, _Start)), None)
         self.steps = [s for s in slots if isinstance(s, _Step)]
 
@@ -368,6 +369,11 @@ class _Shell:
             return torch.func.functional_call(self.outer, dict(params), (), kwargs)
         except _Reached as stop:
             return stop.hidden
+        except RuntimeError as e:  # a module's shape error on this device's blocks, by name
+            better = self.explain(e)
+            if better is None:
+                raise
+            raise better from e
         finally:  # the slots hold no tensor between calls
             if self.start is not None:
                 self.start.__dict__["_hidden"] = None

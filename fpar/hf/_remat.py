@@ -82,7 +82,9 @@ def _remat_class(plain: type) -> type:
         def __call__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
             if self.__dict__.get("_fpar_inside"):  # the remat body's own call: the plain layer
                 return plain.__call__(self, *args, **kwargs)
-            named = list(self.named_parameters())
+            # buffers too (xIELU's beta, a rotary table): the model's call put this device's
+            # tensors in, which the recompute must take as inputs, not as captured constants
+            named = [*self.named_parameters(), *self.named_buffers()]
             return self.__dict__["_fpar_remat"](
                 self, [n for n, _ in named], [p for _, p in named], args, kwargs
             )

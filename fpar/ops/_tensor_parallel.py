@@ -246,27 +246,39 @@ class TensorParallelFn:
         try:
             return self._run(params, *args, **kwargs)
         except RuntimeError as e:
-            where = _failing_module(e, self._names)
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            if where is None:
+            better = self.explain(e)
+            if better is None:
                 raise
-            name, module = where
-            head = f"{_API}: the forward of {name or '<root>'!r} ({type(module).__name__})"
-            if "data-dependent control flow" in first:
-                raise ValueError(
-                    f"{head} tests a tensor's values in Python, which fpar.shard's vmap levels cannot: "
-                    f"{first} Hugging Face's attention-mask helpers do this with a 2-D padding mask: "
-                    f"pass the mask already in 4-D additive form [B, 1, T or 1, S] (0 where attended, "
-                    f"torch.finfo(dtype).min elsewhere; add the causal triangle for a decoder)."
-                ) from e
-            if not any(word in first for word in _SHAPE_WORDS):
-                raise
-            raise ValueError(
-                f"{head} failed on this device's blocks ({self.n}-way split over {self.axis!r}): {first} "
-                f"Its forward probably reshapes with a global size: use -1 for the head count in "
-                f"view/reshape, or keep the count in an attribute named one of {list(QUERY_ATTRS + KV_ATTRS)} "
-                f"(which tensor_parallel sets to per-device counts), or mark its layers 'replicate' in the plan."
-            ) from e
+            raise better from e
+
+    def explain(self, e: RuntimeError) -> ValueError | None:
+        """The error to raise for ``e``, raised by a module of the model on this device's blocks.
+
+        A shape error in a module's forward (a global head count in a ``view``) or a value tested in
+        Python becomes a ``ValueError`` naming the module and the fix; ``None`` for anything else.
+        ``fpar.hf.pipeline_stages``' stages, which run the same modules, explain their errors so too.
+        """
+        where = _failing_module(e, self._names)
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if where is None:
+            return None
+        name, module = where
+        head = f"{_API}: the forward of {name or '<root>'!r} ({type(module).__name__})"
+        if "data-dependent control flow" in first:
+            return ValueError(
+                f"{head} tests a tensor's values in Python, which fpar.shard's vmap levels cannot: "
+                f"{first} Hugging Face's attention-mask helpers do this with a 2-D padding mask: "
+                f"pass the mask already in 4-D additive form [B, 1, T or 1, S] (0 where attended, "
+                f"torch.finfo(dtype).min elsewhere; add the causal triangle for a decoder)."
+            )
+        if not any(word in first for word in _SHAPE_WORDS):
+            return None
+        return ValueError(
+            f"{head} failed on this device's blocks ({self.n}-way split over {self.axis!r}): {first} "
+            f"Its forward probably reshapes with a global size: use -1 for the head count in "
+            f"view/reshape, or keep the count in an attribute named one of {list(QUERY_ATTRS + KV_ATTRS)} "
+            f"(which tensor_parallel sets to per-device counts), or mark its layers 'replicate' in the plan."
+        )
 
     def source(self, name: str) -> tuple[int, Tensor] | None:
         """Where the global tensor ``params[name]`` comes from in the module's own tensor.

@@ -77,6 +77,7 @@ def resolve(
                     f"expert_axis= (e.g. expert_axis='expert')."
                 )
     _upgrade(modules, layers)
+    _packed_experts(modules, layers, rules)
     _heads_and_vocab(model, modules, layers, n)
     return layers, rules
 
@@ -252,6 +253,21 @@ def _upgrade(modules: dict, layers: dict) -> None:
             for norm, proj in norms.items():
                 layers[_join(name, norm)] = Layer("split_norm", layers[_join(name, proj)].pattern)
                 layers[_join(name, norm)].segments = [("of", _join(name, proj))]
+
+
+def _packed_experts(modules: dict, layers: dict, rules: dict) -> None:
+    """A ``moe_tp_experts`` module's fused ``gate_up_proj`` is ``[gate | up]``: split each half.
+
+    Its forward chunks the weight's rows in two (``is_concatenated``), so a contiguous ``colwise``
+    split would give one device the gates and the other the ups: Inkling's plan says ``colwise``
+    where every other family's says ``packed_colwise``.
+    """
+    for name, layer in layers.items():
+        if layer.kind != "moe_experts" or not getattr(modules[name], "is_concatenated", True):
+            continue
+        rule = rules.get(_join(name, "gate_up_proj"))
+        if rule is not None and rule.kind == "colwise":
+            rule.kind = "packed_colwise"
 
 
 def check_layer(name: str, module: nn.Module, layer: Layer, rules: dict) -> None:
