@@ -110,6 +110,12 @@ class Stages:
             )
         if not isinstance(mesh, Mesh):
             raise TypeError(f"{_API}: mesh must be a fpar.Mesh, got {mesh!r}.")
+        if "sequence_parallel" in getattr(apply_fn, "plan", {}).values():
+            raise ValueError(
+                f"{_API}: {type(module).__name__}'s plan names 'sequence_parallel' modules; a pipeline "
+                f"of a sequence-parallel model is not built (its stages would send sequence blocks). "
+                f"Leave 'sequence_parallel' out of the plan to cut it into stages."
+            )
         for a, what in ((pipe, "pipe"), (apply_fn.axis, "tensor")):
             if a not in mesh.axis_names:
                 raise ValueError(f"{_API}: the {what} axis {a!r} is not an axis of {mesh}.")

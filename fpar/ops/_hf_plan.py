@@ -46,12 +46,15 @@ STYLES = {
     # base_model_ep_plan's (with expert_axis=): experts split by expert, tokens sent by all_to_all
     "ep_dispatch_experts": "ep_experts",
     "grouped_gemm": "expert_rows",
+    # the module runs on this device's sequence block: Megatron-SP for the whole model (see
+    # fpar.ops.tensor_parallel: column-parallel inputs all-gathered, row-parallel outputs
+    # reduce-scattered along the sequence)
+    "sequence_parallel": "sequence_parallel",
     "colwise_rep": "colwise_gather",
     "rowwise_rep": "rowwise_split",
 }
 UNSUPPORTED = {
     "packed_rowwise": "a fused input dim split with a stride",
-    "sequence_parallel": "sequence parallelism (use fpar.ops's sequence-parallel layers)",
     "mla_kv_a_proj": "DeepSeek's multi-head latent attention split",
     "local_params": "a bare parameter sharded by its own rule",
     "moe_identity_expert": "longcat's identity experts",

@@ -351,6 +351,9 @@ def _local_copy(
     for name in parents - set(counts):  # a plain module's head counts: divided by n
         if not isinstance(modules[name], nn.Embedding):
             _divide_attrs(local_modules[name], name, QUERY_ATTRS + KV_ATTRS, n)
+    if any(layer.kind == "sequence_parallel" for layer in layers.values()):
+        _sequence_parallel(local, modules, local_modules, layers, axis, n)
+        return local
     for name, layer in layers.items():
         module, kind = local_modules[name], layer.kind
         if kind in ("colwise", "colwise_gather", "vocab") and is_conv1d(module):
@@ -381,15 +384,99 @@ def _local_copy(
                 _batched_experts(module)
             module.forward = functools.partial(tl.expert_parallel, module, forward, e_axis, e_n)
         elif kind == "split_norm":
-            source = modules[layer.segments[0][1]].weight.shape[0]
-            counts = attention_counts(modules, layers).get(name.rpartition(".")[0])
-            repeats = n // counts[1] if counts and source == counts[1] * counts[2] and counts[1] < n else 1
-            module.forward = functools.partial(tl.split_rms_norm, module, axis, source, repeats)
+            _split_norm(module, name, modules, layers, axis, n)
     head = local.get_output_embeddings() if hasattr(local, "get_output_embeddings") else None
     names = {id(m): name for name, m in local_modules.items()}
     if head is not None and layers.get(names.get(id(head)), Layer("replicate")).kind == "vocab":
         local.loss_function = functools.partial(tl.vocab_loss, axis, getattr(local, "loss_type", None))
     return local
+
+
+# Kinds a sequence-parallel model takes (its residual stream split along the sequence) and what
+# their modules do on the sequence block.
+_SP_KINDS = (
+    "sequence_parallel",
+    "replicate",
+    "colwise",
+    "packed_colwise",
+    "colwise_gather",
+    "rowwise",
+    "split_norm",
+)
+
+
+def _sequence_parallel(
+    local: nn.Module, modules: dict, local_modules: dict, layers: dict, axis: str, n: int
+) -> None:
+    """Megatron-SP for a model whose plan names ``sequence_parallel`` modules (HF's style for norms).
+
+    From the first decoder layer on, the residual stream is this device's sequence block: the
+    norms (and everything else replicated) run on it; a module holding column-parallel layers (an
+    attention, an MLP: a tensor-parallel region) all-gathers its input along the sequence, as
+    torchtitan's ``PrepareModuleInput`` does, and a row-parallel layer reduce-scatters its partial
+    product along the sequence instead of all-reducing it.  The embedding before the layers runs
+    on the whole sequence; a vocabulary-split head gathers its input.  Checked before anything
+    runs: a kind or a module this cannot split so is an error naming it.
+    """
+    from ..hf._pipeline import decoder_layers  # fpar.hf imports fpar.ops
+
+    cls = type(local).__name__
+    base, attr = decoder_layers(local, _API)
+    decoders = {id(m) for m in getattr(base, attr)}
+    head = local.get_output_embeddings() if hasattr(local, "get_output_embeddings") else None
+    regions: dict[str, nn.Module] = {}
+    for name, layer in layers.items():
+        module, kind = local_modules[name], layer.kind
+        embedding = kind == "vocab" and isinstance(module, nn.Embedding) and module is not head
+        if not embedding and (kind not in (*_SP_KINDS, "vocab") or is_conv1d(module)):
+            raise ValueError(
+                f"{_API}: {cls}'s plan names 'sequence_parallel' modules, so its residual stream is "
+                f"split along the sequence; {name!r} ({type(module).__name__}) is {layer.pattern!r}, "
+                f"which sequence parallelism does not take here (it takes nn.Linear 'colwise', "
+                f"'packed_colwise', 'colwise_gather_output' and 'rowwise' layers, a vocabulary-split "
+                f"embedding and head, and replicated modules). Leave 'sequence_parallel' out of the "
+                f"plan for this model."
+            )
+        if kind == "rowwise":
+            module.forward = functools.partial(tl.sp_row, module, axis)
+        elif kind == "split_norm":  # OLMo 2's q/k norms: inside attention, on the whole sequence
+            _split_norm(module, name, modules, layers, axis, n)
+        elif embedding:
+            pad, module.padding_idx = module.padding_idx, None
+            module.forward = functools.partial(tl.vocab_embedding, module, module.forward, axis, pad)
+        elif module is head:
+            regions[name] = module
+        elif kind in ("colwise", "packed_colwise", "colwise_gather"):
+            parent = name.rpartition(".")[0]
+            if id(local_modules[parent]) in decoders or parent == "":
+                raise ValueError(
+                    f"{_API}: {cls}'s plan names 'sequence_parallel' modules, but the column-parallel "
+                    f"{name!r} sits directly in {parent or 'the model'!r}, not in an attention or MLP "
+                    f"module whose input can be gathered along the sequence. Leave "
+                    f"'sequence_parallel' out of the plan for this model."
+                )
+            regions[parent] = local_modules[parent]
+            if kind == "colwise_gather":
+                module.forward = functools.partial(tl.gather_output, module.forward, axis)
+    for name, region in regions.items():
+        where = f"{name!r} ({type(region).__name__})"
+        region.register_forward_pre_hook(functools.partial(tl.gather_sequence, axis, where), with_kwargs=True)
+    getattr(base, attr)[0].register_forward_pre_hook(
+        functools.partial(tl.sequence_block, axis, n, f"{cls}'s first decoder layer"), with_kwargs=True
+    )
+    if head is not None and layers.get(_name_of(local_modules, head), Layer("replicate")).kind == "vocab":
+        local.loss_function = functools.partial(tl.vocab_loss, axis, getattr(local, "loss_type", None))
+
+
+def _split_norm(module: nn.Module, name: str, modules: dict, layers: dict, axis: str, n: int) -> None:
+    source = modules[layers[name].segments[0][1]].weight.shape[0]
+    counts = attention_counts(modules, layers).get(name.rpartition(".")[0])
+    repeats = n // counts[1] if counts and source == counts[1] * counts[2] and counts[1] < n else 1
+    module.forward = functools.partial(tl.split_rms_norm, module, axis, source, repeats)
+
+
+def _name_of(modules: dict, module: nn.Module) -> str | None:
+    return next((name for name, m in modules.items() if m is module), None)
 
 
 def _is_embedding(module: nn.Module) -> bool:

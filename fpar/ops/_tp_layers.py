@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .._collectives import all_gather_invariant, axis_index, psum
+from .._collectives import all_gather, all_gather_invariant, axis_index, psum, psum_scatter
 from ._megatron import _local_ids, vocab_cross_entropy
 
 Tensor = torch.Tensor
@@ -31,6 +31,55 @@ def row_conv1d(module: nn.Module, axis: str, x: Tensor) -> Tensor:
     """A row-parallel HF ``Conv1D`` (``[in/n, out]`` block): psum, then the bias."""
     y = psum(x @ module.weight, axis)
     return y if module.bias is None else y + module.bias
+
+
+def sp_row(module: nn.Linear, axis: str, x: Tensor) -> Tensor:
+    """Megatron-SP's exit: the partial product reduce-scattered along the sequence, then the bias.
+
+    ``x[B, T, F/n] -> [B, T/n, D]``.
+    """
+    y = psum_scatter(F.linear(x, module.weight), axis, scatter_dimension=1, tiled=True)
+    return y if module.bias is None else y + module.bias
+
+
+def gather_sequence(axis: str, where: str, module: nn.Module, args: tuple, kwargs: dict):
+    """A forward pre-hook of a tensor-parallel region (attention, MLP, the head): the input gathered.
+
+    Its sequence blocks all-gathered, as torchtitan's ``PrepareModuleInput(Shard(1) -> Replicate())``.
+
+    ``all_gather``, whose transpose reduce-scatters: each device's block gets the sum of every
+    device's gradient for it.  The region's own code then runs on the whole sequence.
+    """
+    if args:
+        return (all_gather(args[0], axis, axis=1, tiled=True), *args[1:]), kwargs
+    if isinstance(kwargs.get("hidden_states"), Tensor):
+        return args, {
+            **kwargs,
+            "hidden_states": all_gather(kwargs["hidden_states"], axis, axis=1, tiled=True),
+        }
+    raise TypeError(
+        f"{_API}: sequence parallelism gathers the input of {where}, but it was called with no "
+        f"positional argument and no hidden_states= tensor ({sorted(kwargs)})."
+    )
+
+
+def sequence_block(axis: str, n: int, where: str, module: nn.Module, args: tuple, kwargs: dict):
+    """A forward pre-hook of the first decoder layer: its hidden states cut to this device's block.
+
+    The model's own code before the layers (embedding, positions, masks) runs on the whole
+    sequence; from the first layer on the residual stream is split along the sequence.
+    """
+    x = args[0] if args else kwargs["hidden_states"]
+    if x.dim() < 2 or x.shape[1] % n:
+        raise ValueError(
+            f"{_API}: sequence parallelism splits the sequence over {axis!r} ({n} devices), but "
+            f"{where}'s hidden states have shape {tuple(x.shape)}: the sequence (dim 1) must be "
+            f"divisible by {n}. Pad the sequence."
+        )
+    block = x.unflatten(1, (n, -1)).movedim(1, 0)[axis_index(axis)]
+    if args:
+        return (block, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": block}
 
 
 def split_input(row, n: int, axis: str, x: Tensor) -> Tensor:

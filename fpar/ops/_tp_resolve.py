@@ -273,7 +273,7 @@ def _packed_experts(modules: dict, layers: dict, rules: dict) -> None:
 def check_layer(name: str, module: nn.Module, layer: Layer, rules: dict) -> None:
     """The module type fits the kind (before anything is built)."""
     kind, where = layer.kind, f"{_API}: {name!r} ({type(module).__name__}, plan {layer.pattern!r})"
-    if kind in ("replicate", "all_reduce", "split_norm"):
+    if kind in ("replicate", "all_reduce", "split_norm", "sequence_parallel"):
         return
     if isinstance(module, nn.Embedding):
         if kind == "rowwise":  # transformers' old name for a vocabulary-split embedding
@@ -384,7 +384,7 @@ def _module_layout(name, module, pname, p, layer, axis, n, attn, layers) -> tupl
         is_conv1d(module),
         f"{_API}: {name!r} ({type(module).__name__}, plan {layer.pattern!r})",
     )
-    if kind in ("replicate", "all_reduce", "moe_experts", "ep_experts"):
+    if kind in ("replicate", "all_reduce", "moe_experts", "ep_experts", "sequence_parallel"):
         return P(), None, None
     if isinstance(module, nn.Embedding):
         dim = 0 if kind == "vocab" else 1

@@ -119,6 +119,26 @@ FAMILIES = {
 }
 
 
+def sp_plan(model) -> dict:
+    """The model's own plan with its decoder layers' norms in HF's ``sequence_parallel`` style.
+
+    Keys of the model's plan that name nothing are dropped (``plan="auto"`` skips them; a user's
+    ``plan=`` dict may not hold them).
+    """
+    import re
+
+    names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
+
+    def used(key: str) -> bool:
+        return any(re.fullmatch(re.escape(key).replace(r"\*", r"\d+"), n) for n in names)
+
+    plan = {k: v for k, v in model.tp_plan.items() if used(k)}
+    for name, module in model.named_modules():
+        if "norm" in type(module).__name__.lower() and re.fullmatch(r"(.*\.)?\d+\.\w+", name):
+            plan[re.sub(r"\.\d+\.", ".*.", name)] = "sequence_parallel"
+    return plan
+
+
 def _ready(model):
     """float64, eager attention (sdpa differs from eager by ~1e-8 even in float64), no dropout."""
     torch.manual_seed(0)

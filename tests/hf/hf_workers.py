@@ -8,18 +8,43 @@ import torch
 import fpar
 
 # One launch covers the collectives fpar adds to Megatron's: kv heads replicated and tied through a
-# psum (Llama, kv=1), fused weights regrouped with a replicated kv head (Phi-3), experts (Mixtral).
+# psum (Llama, kv=1), fused weights regrouped with a replicated kv head (Phi-3), experts (Mixtral),
+# sequence parallelism (Llama with its norms 'sequence_parallel': gathers and reduce-scatters).
 # OLMo 2's split norms and Gemma 3 are checked in-process only (CI time).
 CASES = {
     "llama_kv1": ("llama", dict(num_key_value_heads=1)),
     "phi3_kv1": ("phi3", dict(num_key_value_heads=1)),
     "mixtral": ("mixtral", {}),
+    "llama_sp": ("llama", dict(num_key_value_heads=1)),
 }
 
 
 def worker():
     torch.set_num_threads(1)
-    return run(fpar.make_mesh((2,), ("tensor",)))
+    mesh = fpar.make_mesh((2,), ("tensor",))
+    return run(mesh), kept_bytes(mesh)
+
+
+def kept_bytes(mesh: fpar.Mesh) -> dict:
+    """The bytes this process keeps for the backward of a 4-layer Llama's loss, without and with SP."""
+    model = hf_models.llama(num_hidden_layers=4)
+    out = {}
+    for name, plan in (("tp", "auto"), ("sp", hf_models.sp_plan(model))):
+        apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh, plan=plan)
+        params = {k: v.requires_grad_() for k, v in fpar.device_put(params, mesh, specs).items()}
+        loss = hf_models.sharded_loss(apply_fn, mesh, specs, causal=True)
+        own = {p.untyped_storage().data_ptr() for p in params.values()}
+        seen: dict = {}
+
+        def pack(t, seen=seen, own=own):
+            if t.untyped_storage().data_ptr() not in own:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss(params, hf_models.batch())
+        out[name] = sum(seen.values())
+    return out
 
 
 def run(mesh: fpar.Mesh) -> dict:
@@ -27,7 +52,8 @@ def run(mesh: fpar.Mesh) -> dict:
     out = {}
     for case, (family, kw) in CASES.items():
         model = hf_models.FAMILIES[family](num_hidden_layers=1, **kw)
-        apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh)
+        plan = hf_models.sp_plan(model) if case.endswith("_sp") else "auto"
+        apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh, plan=plan)
         params = fpar.device_put(params, mesh, specs)
         loss = hf_models.sharded_loss(apply_fn, mesh, specs, causal=True)
         ids = hf_models.batch()

@@ -270,11 +270,14 @@ def test_error_unknown_plan_string():
 
 def test_error_unsupported_plan_string_names_the_module():
     model = hf_models.llama(meta=True)
-    model._tp_plan = {**model.tp_plan, "model.layers.*.mlp": "sequence_parallel"}  # as a config would give
+    model._tp_plan = {
+        **model.tp_plan,
+        "model.layers.*.mlp.down_proj": "packed_rowwise",
+    }  # as a config would give
     with pytest.raises(
         ValueError,
-        match=r"LlamaForCausalLM.tp_plan\['model.layers.\*.mlp'\] is 'sequence_parallel' \(sequence "
-        r"parallelism .*\), a transformers plan string fpar does not implement",
+        match=r"LlamaForCausalLM.tp_plan\['model.layers.\*.mlp.down_proj'\] is 'packed_rowwise' \(a fused "
+        r"input dim split with a stride\), a transformers plan string fpar does not implement",
     ):
         fpar.ops.tensor_parallel(model, MESH)
     with pytest.raises(ValueError, match=r"plan\['\*.mlp'\] is 'local_rowwise' \(transformers 4.x"):
@@ -308,6 +311,10 @@ def test_real_mesh_equals_in_process_and_unsharded():
     import hf_workers
 
     results = fpar.launch(hf_workers.worker, 2, timeout=240.0)
+    for rank, (_, kept) in enumerate(results):
+        # sequence parallelism: each process keeps its norms' and residuals' sequence block
+        assert kept["sp"] < 0.9 * kept["tp"], f"rank {rank}: bytes kept for the backward {kept}"
+    results = [got for got, _ in results]
     want = hf_workers.run(fpar.make_mesh((2,), ("tensor",)))
     for case, (family, kw) in hf_workers.CASES.items():
         model = hf_models.FAMILIES[family](num_hidden_layers=1, **kw)

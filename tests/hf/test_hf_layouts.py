@@ -211,3 +211,58 @@ def test_hf_lean_with_remat_and_zero3():
 def test_hf_lean_refuses_what_is_no_model():
     with pytest.raises(TypeError, match=r"fpar.hf.lean: apply_fn must be what fpar.hf.from_pretrained"):
         fpar.hf.lean(torch.nn.Linear(2, 2))
+
+
+# Sequence parallelism: HF's 'sequence_parallel' style on the layers' norms -------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "phi3", "olmo2", "gpt_neox"])
+def test_sequence_parallel_equals_unsharded(family):
+    """The residual stream split along the sequence (norms on blocks, attention and MLP gathering their
+    input, row-parallel outputs reduce-scattered), kv heads replicated where fewer than devices."""
+    kw = {} if family == "gpt_neox" else dict(num_key_value_heads=1)
+    model = hf_models.FAMILIES[family](num_hidden_layers=2, **kw)
+    ids = hf_models.batch()
+    loss, grads, _, apply_fn = hf_models.sharded(model, MESH, ids, plan=hf_models.sp_plan(model))
+    assert "sequence_parallel" in apply_fn.plan.values()
+    want_loss, want_grads = hf_models.unsharded(model, ids)
+    torch.testing.assert_close(loss, want_loss, **TOL)
+    hf_models.compare(grads, want_grads, f"{family} grads, sequence parallel", **TOL)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_sequence_parallel_with_remat_and_zero_equals_unsharded_adamw(stage):
+    model = hf_models.qwen3(num_hidden_layers=2, num_key_value_heads=1)
+    ids = hf_models.batch()
+    apply_fn, params, specs = fpar.ops.tensor_parallel(model, MESH, plan=hf_models.sp_plan(model))
+    fpar.hf.remat(apply_fn)
+    opt = fo.adamw(1e-2, weight_decay=0.1)
+    layout = fo.zero_layout(params, MESH, specs, stage=stage)
+    zparams, state = fo.zero_init(opt, params, layout)
+    zparams, state, _ = fo.zero_step(_hf_loss(apply_fn), opt, layout)(zparams, state, ids)
+    got = apply_fn.export(fo.zero_params(zparams, layout))
+    hf_models.compare(got, _reference_step(model, ids, opt), f"SP + remat ZeRO-{stage} step", **TOL)
+
+
+def test_sequence_parallel_refusals_name_the_module():
+    moe = hf_models.mixtral()
+    with pytest.raises(
+        ValueError,
+        match=r"MixtralForCausalLM's plan names 'sequence_parallel' .*'model\.layers\.0\.mlp\.experts'",
+    ):
+        fpar.ops.tensor_parallel(moe, MESH, plan=hf_models.sp_plan(moe))
+    model = hf_models.llama(num_hidden_layers=2)
+    mesh = fpar.make_mesh((2, 2), ("pipe", "tensor"))
+    apply_fn, _, specs = fpar.ops.tensor_parallel(model, mesh, plan=hf_models.sp_plan(model))
+    with pytest.raises(
+        ValueError, match=r"pipeline_stages: LlamaForCausalLM's plan names 'sequence_parallel'"
+    ):
+        fpar.hf.pipeline_stages(apply_fn, specs, mesh)
+    apply_fn, params, specs = fpar.ops.tensor_parallel(model, MESH, plan=hf_models.sp_plan(model))
+    loss = hf_models.sharded_loss(apply_fn, MESH, specs, causal=True)
+    odd = torch.randint(0, hf_models.V, (4, 7))
+    with pytest.raises(
+        ValueError,
+        match=r"first decoder layer's hidden states have shape \(2, 7, 32\): the sequence \(dim 1\) must be divisible by 2",
+    ):
+        loss(params, odd)
