@@ -105,6 +105,11 @@ def tiny(name: str, meta: bool = False):
     if hasattr(defaults, "layer_types") and defaults.layer_types is not None:
         kw["layer_types"] = None
     config = config_cls(**kw)
+    for sub in vars(config).values():  # a multimodal family's encoders (Phi-4's 870M): tiny too
+        if isinstance(sub, transformers.PretrainedConfig):
+            for k, v in SIZES.items():
+                if isinstance(getattr(sub, k, None), int) and k not in ("vocab_size", "pad_token_id"):
+                    setattr(sub, k, v)
     moved = scalings(config)
     for k, v in moved.items():
         setattr(config, k, v)
