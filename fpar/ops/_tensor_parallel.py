@@ -431,7 +431,7 @@ def _sequence_parallel(
         if not embedding and (kind not in (*_SP_KINDS, "vocab") or is_conv1d(module)):
             raise ValueError(
                 f"{_API}: {cls}'s plan names 'sequence_parallel' modules, so its residual stream is "
-                f"split along the sequence; {name!r} ({type(module).__name__}) is {layer.pattern!r}, "
+                f"split along the sequence; {name!r} ({type(module).__name__}) is {layer.kind!r}, "
                 f"which sequence parallelism does not take here (it takes nn.Linear 'colwise', "
                 f"'packed_colwise', 'colwise_gather_output' and 'rowwise' layers, a vocabulary-split "
                 f"embedding and head, and replicated modules). Leave 'sequence_parallel' out of the "

@@ -355,9 +355,17 @@ def _write(record: dict) -> None:
 
 
 def _general(detail: str, cls: str) -> str:
-    """A refusal's message with the model's own names taken out, so that one reason is one note."""
+    """A refusal's reason without the model's own names and sizes, so that one reason is one note.
+
+    Its first sentence (up to 240 characters), the model, module and class names and the sizes of a
+    shape error replaced by placeholders.
+    """
     text = detail.replace(cls, "<model>")
-    return re.sub(r"'[\w.]*\.(\*|\d+)\.[\w.*]+'", "'<module>'", text)
+    text = re.sub(r"'[\w.]*\.(\*|\d+)(\.[\w.*]+)?'|'lm_head'", "'<module>'", text)
+    text = re.sub(r"\((?:[A-Z][A-Za-z0-9_]*)\)", "(<class>)", text)
+    text = re.sub(r"\(\d+\)", "(n)", re.sub(r"dimension \d+", "dimension k", text))
+    first = re.split(r"(?<=\.) (?=[A-Z])", text, maxsplit=1)[0]
+    return first if len(first) <= 240 else first[:237] + "..."
 
 
 def render_table(record: dict) -> str:
