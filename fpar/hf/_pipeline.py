@@ -380,6 +380,15 @@ class _Shell:
             if better is None:
                 raise
             raise better from e
+        except ValueError as e:  # the model's loop unpacked a stage's hidden state as a tuple
+            if "values to unpack" not in str(e):
+                raise
+            raise ValueError(
+                f"{_API}: {type(self.outer).__name__}'s decoder layers return more than the hidden state "
+                f"(state for the next layer, such as GLM-DSA's top-k indices), which its forward unpacks; "
+                f"a pipeline stage passes on the hidden state only, so this model cannot be cut into "
+                f"stages ({e})."
+            ) from e
         finally:  # the slots hold no tensor between calls
             if self.start is not None:
                 self.start.__dict__["_hidden"] = None

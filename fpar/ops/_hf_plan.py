@@ -50,12 +50,15 @@ STYLES = {
     # fpar.ops.tensor_parallel: column-parallel inputs all-gathered, row-parallel outputs
     # reduce-scattered along the sequence)
     "sequence_parallel": "sequence_parallel",
+    # DeepSeek's latent attention: kv_a_proj_with_mqa replicated, the rotary part of its output
+    # (used by every device's heads, not through kv_b_proj) gradient-summed: what fpar.shard's
+    # transpose of a replicated value gives
+    "mla_kv_a_proj": "replicate",
     "colwise_rep": "colwise_gather",
     "rowwise_rep": "rowwise_split",
 }
 UNSUPPORTED = {
     "packed_rowwise": "a fused input dim split with a stride",
-    "mla_kv_a_proj": "DeepSeek's multi-head latent attention split",
     "local_params": "a bare parameter sharded by its own rule",
     "moe_identity_expert": "longcat's identity experts",
     "local": "transformers 4.x: a module left on local shards, reduced by a parent 'gather' rule",

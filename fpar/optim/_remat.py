@@ -326,11 +326,15 @@ class _Remat(torch.autograd.Function):
         # for a replicated input meeting varying values, a real all-reduce on a real mesh).
         diff = [i for i in range(n) if ctx.needs_input_grad[1 + i]]
 
+        floating: list[bool] = []  # which outputs are differentiated (an integer output is not)
+
         def again(*primals):
             full = list(tensors)
             for i, t in zip(diff, primals):
                 full[i] = t
-            return call.run(full)
+            outs = call.run(full)
+            floating[:] = [o.is_floating_point() or o.is_complex() for o in outs]
+            return tuple(o for o, f in zip(outs, floating) if f)
 
         kept = call.shared.pop("kept", None)  # the policy's outputs, used once and freed
         reuse = _Reuse(call.policy, kept, _name(call.f)) if kept is not None else contextlib.nullcontext()
@@ -342,6 +346,7 @@ class _Remat(torch.autograd.Function):
             RECOMPUTING[0] -= 1
         if kept is not None:
             reuse.done()
+        cts = tuple(c for c, f in zip(cts, floating) if f)
         cts = tuple(torch.zeros_like(o) if c is None else c for o, c in zip(outs, cts))
         grads = vjp_fn(cts)
         result: list = [None] * len(tensors)

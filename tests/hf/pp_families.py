@@ -104,6 +104,8 @@ def tiny(name: str, meta: bool = False):
     kw = {k: v for k, v in SIZES.items() if hasattr(defaults, k)}
     if hasattr(defaults, "layer_types") and defaults.layer_types is not None:
         kw["layer_types"] = None
+    if "qk_rope_head_dim" in kw:  # multi-head latent attention: as DeepSeek's configs set them
+        kw.update(head_dim=kw["qk_rope_head_dim"], num_key_value_heads=kw.get("num_attention_heads", 4))
     config = config_cls(**kw)
     for sub in vars(config).values():  # a multimodal family's encoders (Phi-4's 870M): tiny too
         if isinstance(sub, transformers.PretrainedConfig):

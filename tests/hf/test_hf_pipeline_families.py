@@ -7,7 +7,8 @@ them by default (15 tie them; 10 of those run here: Cohere 1/2, Gemma 1-3, Vault
 SmolLM3, StarCoder2, Cohere2-MoE), cut into 2 stages and run by GPipe over 2 microbatches.
 The pipeline's loss and every gradient must equal the unsharded model's own forward; or fpar
 refuses the model by name when it is built (``tensor_parallel`` / ``pipeline_stages``), before any
-step runs.  A family whose tiny model ``transformers`` itself cannot build or run from the shared
+step runs, or at its first forward where only running the layers tells (GLM-DSA's layers return
+their top-k indices for the next layer, which a stage cannot pass on).  A family whose tiny model ``transformers`` itself cannot build or run from the shared
 small sizes is skipped with the reason (a limit of this test's config, not of fpar).
 
 The tensor axis is 1 here, so that what is tested is the cut; tensor=2 x pipe=2 for the families
@@ -71,7 +72,11 @@ def test_every_pp_plan_family_equals_its_own_forward_or_is_refused(family):
     apply_fn, params, specs = fpar.ops.tensor_parallel(model, MESH)
     stages = fpar.hf.pipeline_stages(apply_fn, specs, MESH)
     step = pp.pipeline(stages.stage, pp.gpipe(2, M), MESH, loss=stages.loss, first=stages.first)
-    result = step(stages.split(params), xs, ys)
+    try:
+        result = step(stages.split(params), xs, ys)
+    except ValueError as e:  # refused by name at the first forward (layers passing state on: GLM-DSA)
+        assert str(e).startswith("fpar.hf.pipeline_stages") and cls in str(e), e
+        return
     torch.testing.assert_close(
         result.loss, want_loss, rtol=1e-7, atol=0, msg=lambda m: f"{family} {moved}: {m}"
     )

@@ -489,6 +489,24 @@ def test_remat_policy_refuses_a_recompute_that_runs_other_ops(second):
         out.backward()
 
 
+def test_remat_passes_integer_outputs_through_and_differentiates_the_rest():
+    """A body returning indices beside its values (GLM-DSA's decoder layer: hidden state, top-k ids):
+    the indices come out as they are, the gradient is the plain function's."""
+
+    def body(w, x):
+        y = torch.tanh(x @ w)
+        return y, torch.topk(y, 2, dim=-1).indices
+
+    w, x = torch.randn(4, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+
+    def loss(f):
+        return lambda w: (lambda y, ids: y.gather(-1, ids).sum() + y.square().sum())(*f(w, x))
+
+    got, want = torch.func.grad(loss(fo.remat(body)))(w), torch.func.grad(loss(body))(w)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.equal(fo.remat(body)(w, x)[1], body(w, x)[1])
+
+
 def test_remat_returns_pytrees_and_passes_constants():
     f = fo.remat(lambda d, k, scale=1.0: {"y": d["a"] * k * scale, "z": (d["a"].sum(),)})
     out = f({"a": torch.ones(3)}, 2, scale=3.0)
