@@ -58,6 +58,11 @@ def _sample() -> list[tuple[str, str]]:
         ("apertus", "remat"),  # xIELU's buffers were captured by the recompute: functorch's assert
         ("doge", "pp"),  # a shape error in a stage was a raw RuntimeError, not the refusal by name
         ("qwen3_moe", "ep"),
+        ("deepseek_v2", "tp"),  # latent attention (mla_kv_a_proj) with its heads split: was refused
+        ("deepseek_v3", "ep"),
+        ("glm_moe_dsa", "remat"),  # its layers return top-k indices beside the hidden state
+        ("glm_moe_dsa", "pp"),  # ... which a stage cannot pass on: refused by name
+        ("llama", "sp"),
     ]
 
 
