@@ -401,6 +401,7 @@ _SP_KINDS = (
     "packed_colwise",
     "colwise_gather",
     "rowwise",
+    "rowwise_split",
     "split_norm",
 )
 
@@ -433,19 +434,29 @@ def _sequence_parallel(
                 f"{_API}: {cls}'s plan names 'sequence_parallel' modules, so its residual stream is "
                 f"split along the sequence; {name!r} ({type(module).__name__}) is {layer.kind!r}, "
                 f"which sequence parallelism does not take here (it takes nn.Linear 'colwise', "
-                f"'packed_colwise', 'colwise_gather_output' and 'rowwise' layers, a vocabulary-split "
-                f"embedding and head, and replicated modules). Leave 'sequence_parallel' out of the "
-                f"plan for this model."
+                f"'packed_colwise', 'colwise_gather_output', 'rowwise' and 'rowwise_split_input' "
+                f"layers, a vocabulary-split embedding and head, and replicated modules). Leave "
+                f"'sequence_parallel' out of the plan for this model."
             )
-        if kind == "rowwise":
+        is_head = head is not None and module is head
+        if is_head:  # the whole sequence's logits: the head gathers its input
+            if kind == "rowwise_split":  # Inkling's: a slice of the gathered input, then psum
+                module.forward = functools.partial(
+                    tl.split_input, functools.partial(tl.row_linear, module, axis), n, axis
+                )
+            elif kind == "colwise_gather":
+                module.forward = functools.partial(tl.gather_output, module.forward, axis)
+        elif kind == "rowwise":
             module.forward = functools.partial(tl.sp_row, module, axis)
+        elif kind == "rowwise_split":  # after a gathered column-parallel output (GLM's MLP)
+            module.forward = functools.partial(
+                tl.split_input, functools.partial(tl.sp_row, module, axis), n, axis
+            )
         elif kind == "split_norm":  # OLMo 2's q/k norms: inside attention, on the whole sequence
             _split_norm(module, name, modules, layers, axis, n)
         elif embedding:
             pad, module.padding_idx = module.padding_idx, None
             module.forward = functools.partial(tl.vocab_embedding, module, module.forward, axis, pad)
-        elif module is head:
-            regions[name] = module
         elif kind in ("colwise", "packed_colwise", "colwise_gather"):
             parent = name.rpartition(".")[0]
             if id(local_modules[parent]) in decoders or parent == "":
@@ -455,16 +466,40 @@ def _sequence_parallel(
                     f"module whose input can be gathered along the sequence. Leave "
                     f"'sequence_parallel' out of the plan for this model."
                 )
+            if id(local_modules[parent.rpartition(".")[0]]) not in decoders:
+                raise ValueError(
+                    f"{_API}: {cls}'s plan names 'sequence_parallel' modules, but the column-parallel "
+                    f"{name!r} is not in a module of a decoder layer's own (an attention or MLP) whose "
+                    f"input can be gathered along the sequence. Leave 'sequence_parallel' out of the "
+                    f"plan for this model."
+                )
             regions[parent] = local_modules[parent]
             if kind == "colwise_gather":
                 module.forward = functools.partial(tl.gather_output, module.forward, axis)
+    # Every other module of a decoder layer (a linear attention, anything not named
+    # 'sequence_parallel') may mix along the sequence: it runs on the whole sequence, its output cut
+    # back to this device's block.
+    marked = {id(local_modules[k]) for k, layer in layers.items() if layer.kind == "sequence_parallel"}
+    regioned = {id(m) for m in regions.values()}
+    for layer_module in getattr(base, attr):
+        for child in layer_module.children():
+            if id(child) in marked or id(child) in regioned:
+                continue
+            where = f"{_name_of(local_modules, child)!r} ({type(child).__name__})"
+            child.register_forward_pre_hook(
+                functools.partial(tl.gather_sequence, axis, where), with_kwargs=True
+            )
+            child.register_forward_hook(functools.partial(tl.own_block, axis, n))
+    head_name = _name_of(local_modules, head) if head is not None else None
+    if head_name is not None:
+        regions[head_name] = head
     for name, region in regions.items():
         where = f"{name!r} ({type(region).__name__})"
         region.register_forward_pre_hook(functools.partial(tl.gather_sequence, axis, where), with_kwargs=True)
     getattr(base, attr)[0].register_forward_pre_hook(
         functools.partial(tl.sequence_block, axis, n, f"{cls}'s first decoder layer"), with_kwargs=True
     )
-    if head is not None and layers.get(_name_of(local_modules, head), Layer("replicate")).kind == "vocab":
+    if head_name is not None and layers.get(head_name, Layer("replicate")).kind == "vocab":
         local.loss_function = functools.partial(tl.vocab_loss, axis, getattr(local, "loss_type", None))
 
 

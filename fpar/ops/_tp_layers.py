@@ -63,6 +63,20 @@ def gather_sequence(axis: str, where: str, module: nn.Module, args: tuple, kwarg
     )
 
 
+def own_block(axis: str, n: int, module: nn.Module, args: tuple, output):
+    """A forward hook: the output's (or its first element's) sequence cut to this device's block.
+
+    With ``gather_sequence`` before it, a replicated module that mixes along the sequence (a
+    linear attention's convolution and scan) runs on the whole sequence, and the residual stream
+    takes back its block.
+    """
+    first = output[0] if isinstance(output, (tuple, list)) else output
+    block = first.unflatten(1, (n, -1)).movedim(1, 0)[axis_index(axis)]
+    if isinstance(output, (tuple, list)):
+        return type(output)((block, *output[1:]))
+    return block
+
+
 def sequence_block(axis: str, n: int, where: str, module: nn.Module, args: tuple, kwargs: dict):
     """A forward pre-hook of the first decoder layer: its hidden states cut to this device's block.
 

@@ -63,6 +63,8 @@ def _sample() -> list[tuple[str, str]]:
         ("glm_moe_dsa", "remat"),  # its layers return top-k indices beside the hidden state
         ("glm_moe_dsa", "pp"),  # ... which a stage cannot pass on: refused by name
         ("llama", "sp"),
+        ("olmo_hybrid", "sp"),  # its replicated linear attention ran on sequence blocks: 2.5e-3 off
+        ("glm", "sp"),  # rowwise_split_input after a gathered colwise output: reduce-scattered
     ]
 
 
