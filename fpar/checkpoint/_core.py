@@ -213,8 +213,10 @@ def merge(
       out_file: the file to write (atomically).
       step: which step of a run directory.
       transform: optional ``{name: full tensor} -> {name: full tensor}`` applied before writing,
-        keeping every name, shape and dtype (e.g. ``apply_fn.export`` of
-        ``fpar.ops.tensor_parallel``, which undoes GPT-2's per-device ``c_attn`` regrouping).
+        keeping every name and dtype (e.g. ``apply_fn.export`` of ``fpar.ops.tensor_parallel``,
+        which undoes GPT-2's per-device ``c_attn`` regrouping and keeps one copy of replicated kv
+        heads).  A tensor whose shape it changes is recorded with its new shape: the file holds
+        what the transform gave, and ``load`` reads it back so.
 
     Returns:
       ``out_file``.
@@ -230,6 +232,9 @@ def merge(
             leaves.append(record)
     if transform is not None:
         tensors = _transformed(transform, tensors, where)
+        for record in leaves:  # a transform may change shapes (replicated kv heads kept once)
+            if record["kind"] == "tensor":
+                record["shape"] = list(tensors[record["name"]].shape)
     header = _header(FORMAT + ".merged", meta.get("step"), meta.get("mesh"))
     header.update(tree=meta["tree"], leaves=leaves)
     out_file = os.fspath(out_file)
@@ -240,8 +245,12 @@ def merge(
 def _transformed(transform, tensors: dict, where: str) -> dict:
     out = transform(dict(tensors))
     same = isinstance(out, dict) and set(out) == set(tensors)
-    if not same or any(out[k].shape != t.shape or out[k].dtype != t.dtype for k, t in tensors.items()):
-        raise ValueError(f"{where}: transform must return the same names, shapes and dtypes it was given.")
+    if not same or any(
+        not isinstance(out[k], torch.Tensor) or out[k].dtype != t.dtype for k, t in tensors.items()
+    ):
+        raise ValueError(
+            f"{where}: transform must return a tensor of the same dtype for each name it was given."
+        )
     return out
 
 

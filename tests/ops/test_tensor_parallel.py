@@ -238,11 +238,19 @@ def test_remat_of_the_whole_forward():
     assert_tree_close(torch.func.grad(loss)(params, ids), want_grads, what="grads through remat")
 
 
-def test_checkpoint_merge_loads_with_from_pretrained(tmp_path):
-    model = tp_models.gpt2()
+@pytest.mark.parametrize("family", ["gpt2", "llama_kv1"])
+def test_checkpoint_merge_loads_with_from_pretrained(tmp_path, family):
+    """The merged file of a run, exported to the model's layout, loads with ``from_pretrained``:
+    GPT-2's regrouped ``c_attn``, and Llama's one kv head replicated on both tensor devices (its
+    rows twice in fpar's params, once in the file)."""
+    model = tp_models.gpt2() if family == "gpt2" else tp_models.llama(num_key_value_heads=1)
     ids = tp_models.batch()
     apply_fn, params, specs = fpar.ops.tensor_parallel(model, MESH)
+    assert bool(apply_fn.replicated) == (family == "llama_kv1")
     trained = {k: v + 0.01 * torch.randn_like(v) for k, v in params.items()}  # "after training"
+    for name in apply_fn.replicated:  # replicas stay equal in training (their gradients are summed)
+        dim, index = apply_fn.source(name)
+        trained[name] = apply_fn.export({name: trained[name]})[name].index_select(dim, index)
     fpar.checkpoint.save(tmp_path / "run", trained, MESH, specs, step=1)
     out = tmp_path / "export"
     out.mkdir()
@@ -257,15 +265,23 @@ def test_checkpoint_merge_loads_with_from_pretrained(tmp_path):
     )
     with torch.no_grad():
         assert_tree_close(loaded(ids, use_cache=False).logits, f(trained, ids), what="from_pretrained logits")
+    back = fpar.checkpoint.load(out / "model.safetensors", MESH, P())  # the file's own shapes
+    assert {k: tuple(v.shape) for k, v in back.items()} == {
+        k: tuple(v.shape) for k, v in apply_fn.export(trained).items()
+    }
 
 
-def test_merge_transform_must_keep_names_and_shapes(tmp_path):
+def test_merge_transform_must_keep_names_and_dtypes(tmp_path):
     mesh = fpar.make_mesh((2,), ("tensor",))
     fpar.checkpoint.save(tmp_path / "run", {"w": torch.ones(4, 2)}, mesh, {"w": P("tensor")}, step=1)
-    with pytest.raises(ValueError, match="transform must return the same names, shapes and dtypes"):
+    with pytest.raises(ValueError, match="transform must return a tensor of the same dtype for each name"):
+        fpar.checkpoint.merge(tmp_path / "run", tmp_path / "m.safetensors", transform=lambda t: {"v": t["w"]})
+    with pytest.raises(ValueError, match="transform must return a tensor of the same dtype for each name"):
         fpar.checkpoint.merge(
-            tmp_path / "run", tmp_path / "m.safetensors", transform=lambda t: {"w": t["w"][:2]}
+            tmp_path / "run", tmp_path / "m.safetensors", transform=lambda t: {"w": t["w"].double()}
         )
+    fpar.checkpoint.merge(tmp_path / "run", tmp_path / "m.safetensors", transform=lambda t: {"w": t["w"][:2]})
+    assert torch.equal(fpar.checkpoint.load(tmp_path / "m.safetensors", mesh, P())["w"], torch.ones(2, 2))
 
 
 # A plain nn.Module with a user plan --------------------------------------------------------------
