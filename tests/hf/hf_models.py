@@ -87,6 +87,16 @@ def qwen3_moe(meta=False, **kw):
     return _build("Qwen3MoeConfig", "Qwen3MoeForCausalLM", meta, **cfg)
 
 
+def deepseek_v2(meta=False, **kw):
+    """Multi-head latent attention (``mla_kv_a_proj``, heads split over q_b/kv_b) and routed + shared
+    experts; kv heads as many as heads and the rotary width as ``head_dim``, as DeepSeek's configs."""
+    cfg = _decoder(num_key_value_heads=4, head_dim=4, q_lora_rank=16, kv_lora_rank=16, **kw)
+    cfg.update(qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=4)
+    cfg.update(num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=0)
+    cfg.update(n_group=1, topk_group=1)
+    return _build("DeepseekV2Config", "DeepseekV2ForCausalLM", meta, **cfg)
+
+
 def gpt2(meta=False, **kw):
     cfg = dict(n_layer=1, n_embd=32, n_head=4, vocab_size=V, n_positions=16, bos_token_id=0, eos_token_id=0)
     return _build("GPT2Config", "GPT2LMHeadModel", meta, **{**cfg, **kw})
@@ -114,6 +124,7 @@ FAMILIES = {
     "olmo2": olmo2,
     "mixtral": mixtral,
     "qwen3_moe": qwen3_moe,
+    "deepseek_v2": deepseek_v2,
     "gpt2": gpt2,
     "bert": bert,
 }
@@ -153,8 +164,9 @@ def _ready(model):
 
 # Tolerances: float64 throughout, except where the HF modules themselves compute in float32 (Gemma 3's
 # RMSNorm runs in float32, so its weight gradient is a float32 sum whose order the split changes;
-# OLMo 2's q/k norms are float32 statistics, which fpar sums per device and then over the axis).
-FLOAT32_INSIDE = {"gemma3", "olmo2"}
+# OLMo 2's q/k norms are float32 statistics, which fpar sums per device and then over the axis;
+# DeepSeek's router scores in float32).
+FLOAT32_INSIDE = {"gemma3", "olmo2", "deepseek_v2"}
 
 
 def tolerances(family: str) -> dict:
