@@ -424,7 +424,7 @@ def claim(key: tuple) -> Deferred | None:
     return d
 
 
-def watch_unclaimed(fn, fname: str, plan=None, inputs: list | None = None) -> Callable[[], None] | None:
+def watch_unclaimed(fn, fname: str, plan, inputs: list) -> Callable[[], None] | None:
     """For a call of ``fn`` outside the context that takes a gradient but claims no deferred sums.
 
     Such a call is a step's final call by position (after the deferred microbatches, outside the
@@ -456,7 +456,7 @@ def watch_unclaimed(fn, fname: str, plan=None, inputs: list | None = None) -> Ca
             f"fpar.defer_reduction(), but {sum(d.calls for d in left)} earlier deferred call(s) of the "
             f"same sharded function were never reduced: no call outside the context passed their "
             f"input tensors with their argument shapes, so the step's gradient would miss theirs "
-            f"(they have been dropped). {_difference(left[0], plan, inputs or [])}The step's last "
+            f"(they have been dropped). {_difference(left[0], plan, inputs)}The step's last "
             f"microbatch must pass the same parameter tensors with the same shapes as the deferred "
             f"ones (cast or copy parameters once, before the loop; pad a short last microbatch to the "
             f"others' shape)."

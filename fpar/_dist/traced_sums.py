@@ -54,8 +54,10 @@ def traced_sums(
     if not torch.is_grad_enabled():
         return {}
     if scope is None:  # a new signature's call cannot claim deferred sums: watch those of its function
+        if not _defer._LIVE:
+            return {}
         mine = [(slot, x) for slot, x, _ in sources]
-        queue = _defer.watch_unclaimed(owner[0], fname, owner[1], mine) if _defer._LIVE else None
+        queue = _defer.watch_unclaimed(owner[0], fname, owner[1], mine)
         if queue is None:
             return {}
         return {slot: functools.partial(_watched, queue, axes, mg) for slot, _, axes in sources}

@@ -415,9 +415,11 @@ def _sequence_parallel(
     norms (and everything else replicated) run on it; a module holding column-parallel layers (an
     attention, an MLP: a tensor-parallel region) all-gathers its input along the sequence, as
     torchtitan's ``PrepareModuleInput`` does, and a row-parallel layer reduce-scatters its partial
-    product along the sequence instead of all-reducing it.  The embedding before the layers runs
-    on the whole sequence; a vocabulary-split head gathers its input.  Checked before anything
-    runs: a kind or a module this cannot split so is an error naming it.
+    product along the sequence instead of all-reducing it.  Every other module of a decoder layer
+    (not named ``sequence_parallel``; it may mix along the sequence, as a linear attention does)
+    runs on the gathered sequence and gives back its block.  The embedding before the layers runs
+    on the whole sequence; the head gathers its input.  Checked before anything runs: a kind or a
+    module this cannot split so is an error naming it.
     """
     from ..hf._pipeline import decoder_layers  # fpar.hf imports fpar.ops
 
