@@ -59,6 +59,10 @@ def pipeline_stages(
     microbatch's tokens (``targets`` are the next ids), averaged (``pmean``) over the mesh axes
     other than ``pipe`` and the tensor axis, which split the batch rows.
 
+    A sequence-parallel model (its norms ``sequence_parallel`` in the plan) is cut so too: chunk 0
+    takes the whole sequence and cuts it at its first layer, every chunk sends its sequence block
+    on, and the head gathers it (``.stage`` is then a list: chunk 0's function is its own).
+
     Tied input and output embeddings (Llama 3.2, Qwen3's small sizes, Gemma) are held once, in
     ``"first"`` under the embedding's name (``first`` and ``last`` are on every stage: replicated
     over the pipe axis); ``.loss`` takes it too and carries the pair as ``.tied``, so
@@ -110,12 +114,6 @@ class Stages:
             )
         if not isinstance(mesh, Mesh):
             raise TypeError(f"{_API}: mesh must be a fpar.Mesh, got {mesh!r}.")
-        if "sequence_parallel" in getattr(apply_fn, "plan", {}).values():
-            raise ValueError(
-                f"{_API}: {type(module).__name__}'s plan names 'sequence_parallel' modules; a pipeline "
-                f"of a sequence-parallel model is not built (its stages would send sequence blocks). "
-                f"Leave 'sequence_parallel' out of the plan to cut it into stages."
-            )
         for a, what in ((pipe, "pipe"), (apply_fn.axis, "tensor")):
             if a not in mesh.axis_names:
                 raise ValueError(f"{_API}: the {what} axis {a!r} is not an axis of {mesh}.")
@@ -132,6 +130,8 @@ class Stages:
         self._data = tuple(a for a in mesh.axis_names if a not in (pipe, self.axis))
         self._split_logits = apply_fn.plan.get(self._head_name) in ("vocab", "colwise")
         self._explain = getattr(apply_fn, "explain", lambda e: None)
+        # sequence parallelism: from the first layer on, stages send sequence blocks
+        self._sp = apply_fn.n if "sequence_parallel" in apply_fn.plan.values() else 0
         self._build_specs(specs)
         self._build_fns(module)
 
@@ -225,6 +225,12 @@ class Stages:
             hidden = first_shell.run(w, {"input_ids": ids_BT, "use_cache": False})
             return _reached(hidden, "its first decoder layer")
 
+        def inputs_like(h_BTD: Tensor, whole: bool = False) -> Tensor:
+            """Zeros of the whole sequence's shape, for the model's own positions and masks."""
+            if not self._sp or whole:
+                return torch.zeros_like(h_BTD)
+            return h_BTD.new_zeros(h_BTD.shape[0], h_BTD.shape[1] * self._sp, *h_BTD.shape[2:])
+
         def make_chunk(c: int):
             at = range(c * k, c * k + k)
             shell = self._shell(
@@ -237,16 +243,16 @@ class Stages:
             )
 
             def chunk(w, h_BTD):
-                kwargs = {"inputs_embeds": torch.zeros_like(h_BTD), "use_cache": False}
+                kwargs = {"inputs_embeds": inputs_like(h_BTD, whole=c == 0), "use_cache": False}
                 return _reached(shell.run({}, kwargs, h_BTD, w), f"the end of chunk {c}'s layers")
 
             return chunk
 
         def last(w, h_BTD, targets_BT):
-            kwargs = {"inputs_embeds": torch.zeros_like(h_BTD), "use_cache": False}
-            out = last_shell.run(w, kwargs, h_BTD)
+            whole = inputs_like(h_BTD)
+            out = last_shell.run(w, {"inputs_embeds": whole, "use_cache": False}, h_BTD)
             logits = out.logits if hasattr(out, "logits") else out[0]
-            if logits.shape[:2] != h_BTD.shape[:2]:
+            if logits.shape[:2] != whole.shape[:2]:
                 raise RuntimeError(
                     f"{_API}: the model's forward gave logits of shape {tuple(logits.shape)} for a hidden state "
                     f"of shape {tuple(h_BTD.shape)}; its head cannot run as the last pipeline stage."
@@ -260,12 +266,18 @@ class Stages:
 
         # One chunk function serves every chunk when all chunks run the same kinds of layer (the
         # common case); chunks of different kinds (Gemma 3's sliding and full layers) get one each.
+        # Under sequence parallelism chunk 0 takes the whole sequence (its first layer cuts it) and
+        # every chunk sends its block on: chunk 0 is a function of its own.
         pattern = lambda c: None if self._types is None else self._types[c * k : c * k + k]  # noqa: E731
-        alike = all(pattern(c) == pattern(0) for c in range(n_chunks))
-        wrap = lambda f: shard(f, sub, (self.chunk_specs, rows), rows)  # noqa: E731
-        self.stage = wrap(make_chunk(0)) if alike else [wrap(make_chunk(c)) for c in range(n_chunks)]
+        alike = all(pattern(c) == pattern(0) for c in range(n_chunks)) and not self._sp
+        block = P(self._data or None, self.axis) if self._sp else rows
+
+        def wrap(c: int):
+            return shard(make_chunk(c), sub, (self.chunk_specs, rows if c == 0 else block), block)
+
+        self.stage = wrap(0) if alike else [wrap(c) for c in range(n_chunks)]
         self.first = shard(first, sub, (self.first_specs, rows), rows)
-        self.loss = shard(last, sub, (self.last_specs, rows, rows), P())
+        self.loss = shard(last, sub, (self.last_specs, block, rows), P())
         self.loss.tied = self.tied  # type: ignore[attr-defined]  # read by fpar.pipeline.pipeline
 
     def _shell(self, slots: list, at: int) -> _Shell:

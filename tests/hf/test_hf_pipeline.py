@@ -278,3 +278,25 @@ def test_pipeline_on_two_processes_equals_the_unsharded_model(tmp_path, tied, re
         torch.testing.assert_close(loss, want_loss, rtol=0, atol=1e-12)
         for k, g in want_grads.items():
             torch.testing.assert_close(grads[k], g, rtol=0, atol=1e-12, msg=k)
+
+
+@pytest.mark.parametrize(
+    "shape,chunks",
+    [((2, 1, 2), 1), ((2, 1, 2), 2), ((2, 2, 2), 1)],
+    ids=["pipe2-tensor2-1f1b", "pipe2-tensor2-interleaved", "pipe2-data2-tensor2-1f1b"],
+)
+def test_sequence_parallel_pipeline_equals_the_unsharded_model(shape, chunks):
+    """The layers' norms 'sequence_parallel': chunk 0 cuts the sequence, every stage sends its block on,
+    the last stage's head gathers it; tied embeddings across the stages too."""
+    import hf_models
+
+    model = _model("Qwen3Config", "Qwen3ForCausalLM", tie_word_embeddings=True)
+    mesh = fpar.make_mesh(shape, ("pipe", "data", "tensor"))
+    apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh, plan=hf_models.sp_plan(model))
+    stages = fpar.hf.pipeline_stages(apply_fn, specs, mesh, chunks=chunks)
+    assert isinstance(stages.stage, list)  # chunk 0 takes the whole sequence, the others its blocks
+    sched = pp.one_f_one_b(2, M) if chunks == 1 else pp.interleaved_1f1b(2, M, 2)
+    step = pp.pipeline(stages.stage, sched, mesh, loss=stages.loss, first=stages.first)
+    xs, ys = batch()
+    result = step(stages.split(params), xs, ys)
+    check(result, stages, apply_fn, *reference(model, xs, ys))
