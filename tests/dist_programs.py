@@ -168,7 +168,9 @@ def program_backward(axes, steps, in_entries, out_entries, x, seed=7):
         return run_steps(steps, a)
 
     f = fpar.shard(per_device, mesh, in_specs=in_spec, out_specs=out_spec)
-    xb = fpar.device_put(x, mesh, in_spec).requires_grad_(True)
+    # a leaf of its own: in-process device_put gives x itself, whose requires_grad_ would change the
+    # caller's x (the test's kwargs, pickled later to the real mesh, where its slice is then no leaf)
+    xb = fpar.device_put(x, mesh, in_spec).detach().requires_grad_(True)
     out = f(xb)
     r = fpar.device_put(randn(global_shape_of(out, out_entries, mesh), seed), mesh, out_spec)
     (out * r).sum().backward()
