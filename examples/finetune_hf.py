@@ -22,8 +22,10 @@ example first writes a small random-init Qwen3 (byte vocabulary, 256) with
   the optimizer state split over ``data``; 3: FSDP, on one stage each parameter gathered at its
   first use and freed after its last, in a pipeline each stage gathered once a step) and
   global-norm clipping (``fpar.optim``); ``fpar.hf.lean`` lets the model's RMSNorms and SwiGLU
-  MLPs keep only their inputs for the backward, and ``--remat`` recomputes each decoder layer
-  (``fpar.hf.remat``), in every layout;
+  MLPs keep only their inputs for the backward, ``--remat`` recomputes each decoder layer
+  (``fpar.hf.remat``), and ``--sp`` splits the norms and residuals along the sequence over
+  ``tensor`` (Megatron sequence parallelism: ``from_pretrained(..., sequence_parallel=True)``), in
+  every layout;
 * at the end ``fpar.hf.save_pretrained`` writes the fine-tuned model (each process its own shard
   files, no process gathering the model), and the example loads it back with
   ``fpar.hf.from_pretrained`` and checks that it holds the trained weights and gives the same
@@ -270,6 +272,11 @@ def main(argv=None) -> list[float]:
     ap.add_argument(
         "--remat", action="store_true", help="recompute each decoder layer in the backward (fpar.hf.remat)"
     )
+    ap.add_argument(
+        "--sp",
+        action="store_true",
+        help="Megatron sequence parallelism over tensor: norms and residuals on sequence blocks",
+    )
     C.add_args(ap, steps=40, batch=16, lr=3e-3, warmup=4)
     args = ap.parse_args(argv)
     args.moe = args.moe or args.ep > 1
@@ -291,7 +298,9 @@ def main(argv=None) -> list[float]:
             quiet=quiet,
         )
     dtype = C.DTYPES[args.dtype]
-    apply_fn, params, specs = fpar.hf.from_pretrained(path, mesh, dtype=dtype, expert_axis=expert_axis(mesh))
+    apply_fn, params, specs = fpar.hf.from_pretrained(
+        path, mesh, dtype=dtype, expert_axis=expert_axis(mesh), sequence_parallel=args.sp
+    )
     # the model's RMSNorms and SwiGLU MLPs keep only their inputs for the backward (its own values)
     lean = fpar.hf.lean(apply_fn)
     if args.remat:  # keep each layer's input, run the layer again in the backward
@@ -341,7 +350,7 @@ def main(argv=None) -> list[float]:
     final = out / "final"
     fpar.hf.save_pretrained(final, apply_fn, params, mesh)
     apply_fn2, params2, specs2 = fpar.hf.from_pretrained(
-        final, mesh, dtype=dtype, expert_axis=expert_axis(mesh)
+        final, mesh, dtype=dtype, expert_axis=expert_axis(mesh), sequence_parallel=args.sp
     )
     diff = max((params2[k] - params[k]).abs().max().item() for k in params)
     val2 = held_out_loss(apply_fn2, specs2, mesh, params2, val_N, args)

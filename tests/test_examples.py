@@ -184,10 +184,14 @@ def test_finetune_hf_tied_pipeline_with_zero1_equals_one_stage(tmp_path):
     # each decoder layer recomputed in the backward (fpar.hf.remat), in the pipeline
     remat = finetune_hf.main([*common, "--devices", "4", "--pp", "2", "--dp", "1", "--tp", "2", "--zero", "1",
                               "--remat", "--out", str(tmp_path / "remat")])  # fmt: skip
-    assert len(piped) == len(one) == len(fsdp) == len(remat) == 4
+    # Megatron sequence parallelism over tensor, in the pipeline (stages send sequence blocks)
+    sp = finetune_hf.main([*common, "--devices", "4", "--pp", "2", "--dp", "1", "--tp", "2", "--zero", "1",
+                           "--sp", "--out", str(tmp_path / "sp")])  # fmt: skip
+    assert len(piped) == len(one) == len(fsdp) == len(remat) == len(sp) == 4
     assert_close(piped, one, rtol=1e-5)
     assert_close(fsdp, one, rtol=1e-5)
     assert_close(remat, one, rtol=1e-5)
+    assert_close(sp, one, rtol=1e-5)
     assert piped[-1] < piped[0]
 
 

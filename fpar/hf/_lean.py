@@ -129,7 +129,8 @@ def _as(m: torch.nn.Module, cls: type, plain: type) -> torch.nn.Module:
     """A shallow copy of ``m`` of class ``cls`` (``plain``'s lean subclass, or ``plain``).
 
     Its children are shallow copies with their class's forward (not one ``tensor_parallel``
-    installed, whose collectives run only inside ``fpar.shard``): the probe checks ``m``'s own
+    installed, whose collectives run only inside ``fpar.shard``), and none has the hooks
+    sequence parallelism puts on a module (all-gathers too): the probe checks ``m``'s own
     arithmetic.
     """
     other = _copy(m, _subclass(plain, cls) if cls is not plain else plain)
@@ -141,7 +142,18 @@ def _copy(m: torch.nn.Module, cls: type) -> torch.nn.Module:
     other: Any = object.__new__(cls)
     other.__dict__.update({k: v for k, v in m.__dict__.items() if k != "forward"})
     other._parameters = dict(m._parameters)
+    for hooks in _HOOKS:
+        setattr(other, hooks, type(getattr(m, hooks))())
     return other
+
+
+_HOOKS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
 
 
 _SUBCLASSES: dict[tuple[type, type], type] = {}

@@ -42,6 +42,7 @@ def from_pretrained(
     plan: Any = "auto",
     dtype=None,
     expert_axis: str | None = None,
+    sequence_parallel: bool = False,
 ) -> tuple:
     """Load a Hugging Face causal LM checkpoint onto ``mesh``, tensor parallel, shard by shard.
 
@@ -61,6 +62,7 @@ def from_pretrained(
       expert_axis: a mixture-of-experts model's experts split over this mesh axis (expert
         parallelism from the model's ``base_model_ep_plan``, as ``tensor_parallel``): each process
         reads only its own experts.
+      sequence_parallel: Megatron sequence parallelism over ``axis`` (as ``tensor_parallel``).
 
     Returns:
       ``(apply_fn, params, specs)`` as ``fpar.ops.tensor_parallel``: in-process ``params`` are the
@@ -89,7 +91,9 @@ def from_pretrained(
     model = meta_model(ckpt, dtype)
     loads = _plan_loads(model, ckpt)
     _materialize_buffers(model, loads)
-    apply_fn, meta_params, specs = tensor_parallel(model, mesh, axis=axis, plan=plan, expert_axis=expert_axis)
+    apply_fn, meta_params, specs = tensor_parallel(
+        model, mesh, axis=axis, plan=plan, expert_axis=expert_axis, sequence_parallel=sequence_parallel
+    )
     params = {}
     for name, meta in meta_params.items():
         params[name] = _read(loads[name], apply_fn, name, meta, specs[name], mesh)

@@ -69,7 +69,13 @@ _SHAPE_WORDS = ("shape", "size", "mat1", "dimension")
 
 
 def tensor_parallel(
-    model: nn.Module, mesh: Mesh, *, axis: str = "tensor", plan: Any = "auto", expert_axis: str | None = None
+    model: nn.Module,
+    mesh: Mesh,
+    *,
+    axis: str = "tensor",
+    plan: Any = "auto",
+    expert_axis: str | None = None,
+    sequence_parallel: bool = False,
 ) -> tuple:
     r"""Make an unmodified module tensor parallel (Megatron 1D) over the mesh axis ``axis``.
 
@@ -121,6 +127,11 @@ def tensor_parallel(
         "expert"))``), so the router's and the other replicated parameters' gradients are summed
         over it.  ``None``: the plan's ``ep_dispatch_experts`` / ``grouped_gemm`` strings are an
         error.
+      sequence_parallel: Megatron sequence parallelism over ``axis``: the norms of each decoder
+        layer (its children whose class name has ``Norm``) join the plan as ``"sequence_parallel"``,
+        as a plan would name them (a plan's own rule for a module wins).  From the first decoder
+        layer on the hidden states are each device's block of the sequence (dim 1, which the axis
+        size must divide); attention and MLP gather it, row-parallel layers reduce-scatter.
 
     Returns:
       ``(apply_fn, params, specs)``: ``apply_fn(params, *args, **kwargs)`` is the per-device
@@ -160,9 +171,12 @@ def tensor_parallel(
                 f"tensor axis {axis!r}; name one of {[a for a in mesh.axis_names if a != axis]}."
             )
         expert = (expert_axis, mesh.shape[expert_axis])
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"{_API}: sequence_parallel must be True or False, got {sequence_parallel!r}.")
     modules = dict(model.named_modules())
     params = {name: p.detach() for name, p in model.named_parameters()}
-    layers, rules = resolve(model, modules, params, plan, n, experts=expert is not None)
+    sp_norms = _sequence_norms(model) if sequence_parallel else None
+    layers, rules = resolve(model, modules, params, plan, n, experts=expert is not None, extra=sp_norms)
     for name, layer in layers.items():
         check_layer(name, modules[name], layer, rules)
     if expert is not None and not any(layer.kind == "ep_experts" for layer in layers.values()):
@@ -390,6 +404,27 @@ def _local_copy(
     if head is not None and layers.get(names.get(id(head)), Layer("replicate")).kind == "vocab":
         local.loss_function = functools.partial(tl.vocab_loss, axis, getattr(local, "loss_type", None))
     return local
+
+
+def _sequence_norms(model: nn.Module) -> dict[str, str]:
+    """``{"<layers>.*.<norm>": "sequence_parallel"}`` for the norm children of the decoder layers."""
+    from ..hf._pipeline import decoder_layers  # fpar.hf imports fpar.ops
+
+    base, attr = decoder_layers(model, _API)
+    prefix = _name_of(dict(model.named_modules()), getattr(base, attr))
+    norms = {
+        f"{prefix}.*.{child}": "sequence_parallel"
+        for layer in getattr(base, attr)
+        for child, module in layer.named_children()
+        if "norm" in type(module).__name__.lower()
+    }
+    if not norms:
+        raise ValueError(
+            f"{_API}: sequence_parallel=True, but the decoder layers of {type(model).__name__} "
+            f"({prefix}) have no norm module (a child whose class name has 'Norm') to run on "
+            f"sequence blocks; name the modules that may run on them 'sequence_parallel' in plan=."
+        )
+    return norms
 
 
 # Kinds a sequence-parallel model takes (its residual stream split along the sequence) and what

@@ -55,17 +55,31 @@ def is_attention(module: nn.Module) -> bool:
 
 
 def resolve(
-    model: nn.Module, modules: dict, params: dict, plan: Any, n: int, experts: bool = False
+    model: nn.Module,
+    modules: dict,
+    params: dict,
+    plan: Any,
+    n: int,
+    experts: bool = False,
+    extra: dict | None = None,
 ) -> tuple[dict, dict]:
-    """``({module: Layer}, {bare parameter: Layer})``; ``experts``: an expert axis is given."""
+    """``({module: Layer}, {bare parameter: Layer})`` of the model's plan.
+
+    ``experts``: an expert axis is given; ``extra``: rules the plan's own rules override
+    (``sequence_parallel=True``'s norms).
+    """
     if isinstance(plan, str) and plan == "auto":
         merged = hf.model_plan(model, experts)
         if merged is not None:
-            layers, rules = _match_hf(model, merged, modules, params)
+            layers, rules = _match_hf(model, {**(extra or {}), **merged}, modules, params)
         else:
             layers, rules = _fpar_auto(model, modules), {}
+            if extra:
+                layers.update(_match_user(extra, modules, params)[0])
     else:
-        layers, rules = _match_user(plan, modules, params)
+        layers, rules = _match_user(
+            {**(extra or {}), **plan} if isinstance(plan, Mapping) else plan, modules, params
+        )
         _fpar_fused(modules, layers)
     if not experts:
         for name, layer in (*layers.items(), *rules.items()):

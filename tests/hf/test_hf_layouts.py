@@ -260,3 +260,15 @@ def test_sequence_parallel_refusals_name_the_module():
         match=r"first decoder layer's hidden states have shape \(2, 7, 32\): the sequence \(dim 1\) must be divisible by 2",
     ):
         loss(params, odd)
+
+
+def test_sequence_parallel_keyword_names_the_layers_norms():
+    model = hf_models.gemma3(num_hidden_layers=2)  # four norms a layer
+    apply_fn, params, specs = fpar.ops.tensor_parallel(model, MESH, sequence_parallel=True)
+    by_hand, _, _ = fpar.ops.tensor_parallel(model, MESH, plan=hf_models.sp_plan(model))
+    assert apply_fn.plan == by_hand.plan and list(apply_fn.plan.values()).count("sequence_parallel") == 8
+    ids = hf_models.batch()
+    loss = hf_models.sharded_loss(apply_fn, MESH, specs, causal=True)
+    torch.testing.assert_close(loss(params, ids), hf_models.unsharded(model, ids)[0], **TOL)
+    with pytest.raises(TypeError, match=r"sequence_parallel must be True or False, got 'yes'"):
+        fpar.ops.tensor_parallel(model, MESH, sequence_parallel="yes")
