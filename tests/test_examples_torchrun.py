@@ -72,10 +72,11 @@ FINETUNE = ("--tiny", "--steps", "3", "--warmup", "1", "--log-every", "1", "--ma
 CASES = [
     # 2: tensor=2; 4: data=2 x tensor=2, ZeRO-3 (FSDP of an HF model: each parameter gathered at its first use)
     Case("finetune_hf.py", (*FINETUNE, "--zero", "3"), needs=("transformers",)),
-    # pipeline=2 x tensor=2, each decoder layer recomputed in the backward (fpar.hf.remat)
+    # pipeline=2 x tensor=2, each decoder layer recomputed in the backward (fpar.hf.remat), the norms
+    # and residuals split along the sequence (--sp: the stages send sequence blocks)
     Case(
         "finetune_hf.py",
-        (*FINETUNE, "--pp", "2", "--remat"),
+        (*FINETUNE, "--pp", "2", "--remat", "--sp"),
         sizes=(4,),
         needs=("transformers",),
         label="pipeline",
