@@ -15,6 +15,7 @@ Time bounds: every launch has a process-group timeout (a stuck collective raises
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import random
@@ -429,8 +430,10 @@ def dist_result(n: int, case_id: str) -> list:
 
 
 def local_result(n: int, case_id: str):
+    """The case run in-process, on a copy of its arguments: a program that changed them (a
+    ``requires_grad_`` on its input) must not change what the launch pickles for the real mesh."""
     name = next(job for cid, job, _ in JOBS[n] if cid == case_id)
-    return D.JOBS[name](**KWARGS[n][case_id])
+    return D.JOBS[name](**copy.deepcopy(KWARGS[n][case_id]))
 
 
 def check_same_as_local(n: int, case_id: str, axes=None) -> tuple[list, object]:
