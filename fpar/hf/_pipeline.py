@@ -19,7 +19,12 @@ logit scales and soft-caps, masks for each kind of layer, rotary embeddings) is 
 does it; the chunk's placeholder input embeddings are zeros and discarded.
 
 Chunks are stacked: ``params["stages"][name]`` is ``[p * v, K, ...]`` (``K`` layers per chunk) in
-stage-major order (``fpar.pipeline.stage_major``), split over the pipe axis.
+stage-major order (``fpar.pipeline.stage_major``), split over the pipe axis.  Layers whose
+parameters differ are cut by their pattern (``_cut``): the layers that repeat a *unit* of ``U``
+consecutive layers are stacked unit by unit (``params["stages"]["{j}.{name}"]`` is the unit's
+``j``-th layer's, when ``U > 1``), and the layers before the repetition (DeepSeek's dense first
+layers) run with the embedding in ``first``, those after it (a partial unit) with the head in
+``last``.
 """
 
 from __future__ import annotations
@@ -53,15 +58,20 @@ def pipeline_stages(
     The layers are split into ``p * chunks`` chunks of equal length (``p`` = the pipe axis' size),
     chunk ``k`` on stage ``k % p``; the embedding runs before chunk 0 and the final norm, head
     and loss after the last, each as the model's own forward code runs it (its scalings and
-    soft-caps included).  Where the layers' kinds differ from chunk to chunk (Gemma's sliding and
-    full attention layers), ``.stage`` is a list of one function per chunk, which
-    ``fpar.pipeline.pipeline`` takes as it is.  The loss is the mean next-token cross-entropy over the
-    microbatch's tokens (``targets`` are the next ids), averaged (``pmean``) over the mesh axes
+    soft-caps included).  Layers whose parameters differ in name or shape are cut by their
+    pattern: where the layers repeat a unit of a few kinds (MiniMax's linear and full attention
+    layers, OLMo-Hybrid's three linear to one full), each chunk holds whole units; layers before
+    the repetition (the dense first layers of DeepSeek-style MoE models) run on stage 0 with the
+    embedding (in ``"first"``), and a partial unit after it on the last stage with the head (in
+    ``"last"``); ``.lead``, ``.unit`` and ``.trail`` say how many.  ``.stage`` is a list of one
+    function per chunk (each runs its own layers' modules: their buffers and attributes, such as
+    an attention kind or a decay by depth, with their weights), which ``fpar.pipeline.pipeline``
+    takes as it is.  The loss is the mean next-token cross-entropy over the microbatch's tokens (``targets`` are the next ids), averaged (``pmean``) over the mesh axes
     other than ``pipe`` and the tensor axis, which split the batch rows.
 
     A sequence-parallel model (its norms ``sequence_parallel`` in the plan) is cut so too: chunk 0
     takes the whole sequence and cuts it at its first layer, every chunk sends its sequence block
-    on, and the head gathers it (``.stage`` is then a list: chunk 0's function is its own).
+    on, and the head gathers it.
 
     Tied input and output embeddings (Llama 3.2, Qwen3's small sizes, Gemma) are held once, in
     ``"first"`` under the embedding's name (``first`` and ``last`` are on every stage: replicated
@@ -86,10 +96,9 @@ def pipeline_stages(
     Raises:
       TypeError: ``apply_fn`` is not a tensor-parallel HF model, ``mesh`` not a ``fpar.Mesh``.
       ValueError: no ``base_model_pp_plan``, or one that names not exactly one layer list; a ``pipe``
-        axis missing or the tensor axis; layers that do not divide into ``p * chunks`` chunks;
-        layers whose parameters differ in name or shape (they cannot be stacked: dense and MoE
-        layers mixed, hybrid linear attention); parameters in none of the plan's pieces (they
-        are named).
+        axis missing or the tensor axis; layers (or units of layers) that do not divide into
+        ``p * chunks`` chunks; layers whose parameters differ with no repeating pattern; parameters
+        in none of the plan's pieces (they are named).
 
     Example:
       >>> mesh = fpar.make_mesh((2, 2), ("pipe", "tensor"))
@@ -119,14 +128,10 @@ class Stages:
                 raise ValueError(f"{_API}: the {what} axis {a!r} is not an axis of {mesh}.")
         self.mesh, self.pipe, self.v, self.axis = mesh, pipe, chunks, apply_fn.axis
         self.p = mesh.shape[pipe]
+        if not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"{_API}: chunks must be a positive int, got {chunks!r}.")
         self._find_pieces(module, type(module).__name__, specs)
-        n_layers = len(self._layers)
-        if chunks < 1 or n_layers % (self.p * chunks):
-            raise ValueError(
-                f"{_API}: {n_layers} decoder layers do not divide into {self.p} stages x {chunks} chunks; "
-                f"choose a pipe size and chunks whose product divides {n_layers}."
-            )
-        self.k = n_layers // (self.p * chunks)
+        self.k = self._units // (self.p * chunks)  # units per chunk
         self._data = tuple(a for a in mesh.axis_names if a not in (pipe, self.axis))
         self._split_logits = apply_fn.plan.get(self._head_name) in ("vocab", "colwise")
         self._explain = getattr(apply_fn, "explain", lambda e: None)
@@ -190,19 +195,32 @@ class Stages:
                 f"{_API}: {cls}'s parameters {left[:4]} belong to none of its pp plan's pieces {names} nor "
                 f"the output head, so no stage would hold them; this model cannot be cut by its pp plan."
             )
-        shapes = [[(k, tuple(t.shape)) for k, t in m.named_parameters()] for m in self._layers]
-        odd = [i for i, s in enumerate(shapes) if s != shapes[0]]
-        if odd:
-            raise ValueError(
-                f"{_API}: {cls}'s decoder layer {self._layers_name}.{odd[0]} has parameters of other names "
-                f"or shapes than layer 0's, so the layers cannot be stacked into pipeline chunks."
-            )
+        self.lead, self.unit, self.trail = _cut(
+            layer_kinds(self._layers), self.p, self.v, cls, self._layers_name
+        )
+        self._units = (len(self._layers) - self.lead - self.trail) // self.unit
+        n = len(self._layers)
+        self._first_keys += self._keys_of(range(self.lead))
+        self._last_keys = self._keys_of(range(n - self.trail, n)) + self._last_keys
         types = getattr(config, "layer_types", None)
         self._types = list(types) if types is not None else None
 
+    def _keys_of(self, layers: range) -> list[str]:
+        """The flat parameter names of decoder layers ``layers``."""
+        return [f"{self._layers_name}.{i}.{k}" for i in layers for k, _ in self._layers[i].named_parameters()]
+
+    def _slots(self) -> list[tuple[str, int, str]]:
+        """``(stacked name, position in the unit, the layer's own name)`` of each stacked leaf."""
+        out = []
+        for j in range(self.unit):
+            for k, _ in self._layers[self.lead + j].named_parameters():
+                out.append((k if self.unit == 1 else f"{j}.{k}", j, k))
+        return out
+
     def _build_specs(self, specs: Mapping[str, P]) -> None:
-        layer0 = f"{self._layers_name}.0."
-        self._layer_specs = {k[len(layer0) :]: s for k, s in specs.items() if k.startswith(layer0)}
+        self._layer_specs = {
+            key: specs[f"{self._layers_name}.{self.lead + j}.{k}"] for key, j, k in self._slots()
+        }
         self.first_specs = {k: specs[k] for k in self._first_keys}
         self.last_specs = {k: specs[k] for k in self._last_keys}
         chunk = {k: P(None, *s) for k, s in self._layer_specs.items()}
@@ -217,13 +235,29 @@ class Stages:
     def _build_fns(self, module: torch.nn.Module) -> None:
         sub = self.mesh.submesh(tuple(a for a in self.mesh.axis_names if a != self.pipe))
         rows = P(self._data) if self._data else P()
-        k, n_chunks = self.k, self.p * self.v
-        first_shell = self._shell([_Stop(self._layers[0])], 0)
-        last_shell = self._shell([_Start(self._layers[-1])], len(self._layers) - 1)
+        n_chunks, layers, lead, unit = self.p * self.v, self._layers, self.lead, self.unit
+        n, k = len(layers), self.k * unit  # k: layers per chunk
+        body = range(lead, n - self.trail)  # the stacked layers
+        tail = range(n - self.trail, n)
+        first_shell = self._shell(
+            [*(_Step(layers[i]) for i in range(lead)), _Stop(layers[min(lead, n - 1)])], [*range(lead), lead]
+        )
+        last_at = tail[0] if self.trail else n - 1
+        last_shell = self._shell(
+            [_Start(layers[last_at]), *(_Step(layers[i]) for i in tail)], [last_at, *tail]
+        )
+        prefix = f"{self._layers_name}."
+
+        def own_layers(w, at: range) -> tuple[dict, list[dict]]:
+            """``w`` without the layers ``at``'s weights, and those weights, a dict a layer."""
+            names = [f"{prefix}{i}." for i in at]
+            rest = {key: x for key, x in w.items() if not any(key.startswith(m) for m in names)}
+            return rest, [{key[len(m) :]: x for key, x in w.items() if key.startswith(m)} for m in names]
 
         def first(w, ids_BT):
-            hidden = first_shell.run(w, {"input_ids": ids_BT, "use_cache": False})
-            return _reached(hidden, "its first decoder layer")
+            rest, steps = own_layers(w, range(lead))
+            hidden = first_shell.run(rest, {"input_ids": ids_BT, "use_cache": False}, weights=steps)
+            return _reached(hidden, f"its decoder layer {lead}")
 
         def inputs_like(h_BTD: Tensor, whole: bool = False) -> Tensor:
             """Zeros of the whole sequence's shape, for the model's own positions and masks."""
@@ -231,26 +265,31 @@ class Stages:
                 return torch.zeros_like(h_BTD)
             return h_BTD.new_zeros(h_BTD.shape[0], h_BTD.shape[1] * self._sp, *h_BTD.shape[2:])
 
+        slots = self._slots()
+        whole0 = lead == 0  # chunk 0 takes the whole sequence under SP (its first layer cuts it)
+
         def make_chunk(c: int):
-            at = range(c * k, c * k + k)
+            at = body[c * k : c * k + k]
+            after = min(at[-1] + 1, n - 1)
             shell = self._shell(
-                [
-                    _Start(self._layers[c * k]),
-                    *(_Step(self._layers[i]) for i in at),
-                    _Stop(self._layers[at[-1]]),
-                ],
-                c * k,
+                [_Start(layers[at[0]]), *(_Step(layers[i]) for i in at), _Stop(layers[after])],
+                [at[0], *at, after],
             )
 
             def chunk(w, h_BTD):
-                kwargs = {"inputs_embeds": inputs_like(h_BTD, whole=c == 0), "use_cache": False}
-                return _reached(shell.run({}, kwargs, h_BTD, w), f"the end of chunk {c}'s layers")
+                steps: list[dict] = [{} for _ in at]
+                for key, j, name in slots:
+                    for u in range(self.k):
+                        steps[u * unit + j][name] = w[key][u]
+                kwargs = {"inputs_embeds": inputs_like(h_BTD, whole=c == 0 and whole0), "use_cache": False}
+                return _reached(shell.run({}, kwargs, h_BTD, steps), f"the end of chunk {c}'s layers")
 
             return chunk
 
         def last(w, h_BTD, targets_BT):
             whole = inputs_like(h_BTD)
-            out = last_shell.run(w, {"inputs_embeds": whole, "use_cache": False}, h_BTD)
+            rest, steps = own_layers(w, tail)
+            out = last_shell.run(rest, {"inputs_embeds": whole, "use_cache": False}, h_BTD, steps)
             logits = out.logits if hasattr(out, "logits") else out[0]
             if logits.shape[:2] != whole.shape[:2]:
                 raise RuntimeError(
@@ -264,33 +303,31 @@ class Stages:
                 tok = F.cross_entropy(wide.flatten(0, 1), targets_BT.flatten(), reduction="none")
             return pmean(tok.mean(), self._data) if self._data else tok.mean()
 
-        # One chunk function serves every chunk when all chunks run the same kinds of layer (the
-        # common case); chunks of different kinds (Gemma 3's sliding and full layers) get one each.
-        # Under sequence parallelism chunk 0 takes the whole sequence (its first layer cuts it) and
-        # every chunk sends its block on: chunk 0 is a function of its own.
-        pattern = lambda c: None if self._types is None else self._types[c * k : c * k + k]  # noqa: E731
-        alike = all(pattern(c) == pattern(0) for c in range(n_chunks)) and not self._sp
+        # One function a chunk, each running its own layers' modules: a layer's module may hold more
+        # than its parameters (MiniMax's linear attention keeps a decay by its layer's depth as a
+        # buffer; Gemma's layers their attention kind), so one chunk's modules cannot run another's
+        # weights.  Under sequence parallelism chunk 0 takes the whole sequence (its first layer
+        # cuts it) and every chunk sends its block on.
         block = P(self._data or None, self.axis) if self._sp else rows
 
         def wrap(c: int):
-            return shard(make_chunk(c), sub, (self.chunk_specs, rows if c == 0 else block), block)
+            return shard(make_chunk(c), sub, (self.chunk_specs, rows if c == 0 and whole0 else block), block)
 
-        self.stage = wrap(0) if alike else [wrap(c) for c in range(n_chunks)]
-        self.first = shard(first, sub, (self.first_specs, rows), rows)
+        self.stage = [wrap(c) for c in range(n_chunks)]
+        self.first = shard(first, sub, (self.first_specs, rows), rows if whole0 else block)
         self.loss = shard(last, sub, (self.last_specs, block, rows), P())
         self.loss.tied = self.tied  # type: ignore[attr-defined]  # read by fpar.pipeline.pipeline
 
-    def _shell(self, slots: list, at: int) -> _Shell:
+    def _shell(self, slots: list, at: list[int]) -> _Shell:
         """The model with its decoder layers replaced by ``slots``, sharing every other module.
 
         Its config is a copy that counts ``len(slots)`` layers, whose layer kinds are those of the
-        model's layers ``at, at, at+1, ...`` (the first slot stands where layer ``at`` stands).
+        model's layers ``at`` (slot ``i`` stands where layer ``at[i]`` stands).
         """
         config: Any = copy.copy(self._base.config)
         config.num_hidden_layers = len(slots)
         if self._types is not None:
-            n = len(self._types)
-            config.layer_types = [self._types[min(at + max(i - 1, 0), n - 1)] for i in range(len(slots))]
+            config.layer_types = [self._types[i] for i in at]
         base = copy.copy(self._base)
         base._modules = dict(self._base._modules)
         base._modules[self._layers_attr] = torch.nn.ModuleList(slots)
@@ -308,12 +345,12 @@ class Stages:
 
         On a real mesh each process keeps the rows of its own stage's chunks.
         """
-        n = len(self._layers)
+        at = lambda u, j: self.lead + u * self.unit + j  # noqa: E731  (unit u's j-th layer)
         stacked = {
-            k: torch.stack([params[f"{self._layers_name}.{i}.{k}"] for i in range(n)]).unflatten(
-                0, (-1, self.k)
-            )
-            for k in self._layer_specs
+            key: torch.stack(
+                [params[f"{self._layers_name}.{at(u, j)}.{k}"] for u in range(self._units)]
+            ).unflatten(0, (-1, self.k))
+            for key, j, k in self._slots()
         }
         stacked = stage_major(stacked, self.p, self.v)
         if self.mesh.backend != "local":
@@ -331,9 +368,9 @@ class Stages:
             stacked = gather(stacked, self.mesh, P(self.pipe))
         stacked = model_major(stacked, self.p, self.v)
         out = {**pipelined["first"]}
-        for k, t in stacked.items():
-            for i, layer in enumerate(t.flatten(0, 1)):
-                out[f"{self._layers_name}.{i}.{k}"] = layer
+        for key, j, k in self._slots():
+            for u, layer in enumerate(stacked[key].flatten(0, 1)):
+                out[f"{self._layers_name}.{self.lead + u * self.unit + j}.{k}"] = layer
         out.update(pipelined["last"])
         return out
 
@@ -374,15 +411,15 @@ class _Shell:
         self.start = next((s for s in slots if isinstance(s, _Start)), None)
         self.steps = [s for s in slots if isinstance(s, _Step)]
 
-    def run(self, params: Mapping, kwargs: dict, hidden=None, weights=None):
+    def run(self, params: Mapping, kwargs: dict, hidden=None, weights: list | None = None):
         """The forward with ``hidden`` fed to the ``_Start`` slot, ``weights[i]`` to step ``i``.
 
         Returns what the forward returns, or the hidden state that a ``_Stop`` slot reached.
         """
         if self.start is not None:
             self.start.__dict__["_hidden"] = hidden
-        for i, s in enumerate(self.steps):
-            s.__dict__["weights"] = {n: x[i] for n, x in weights.items()}
+        for s, w in zip(self.steps, weights or [], strict=True):
+            s.__dict__["weights"] = w
         try:
             return torch.func.functional_call(self.outer, dict(params), (), kwargs)
         except _Reached as stop:
@@ -463,3 +500,51 @@ class _Step(_Slot):
 
     def forward(self, *args, **kwargs):
         return torch.func.functional_call(self.__dict__["_like"], self.__dict__["weights"], args, kwargs)
+
+
+def layer_kinds(layers: torch.nn.ModuleList) -> list[int]:
+    """Each layer's kind: the index of the first layer whose parameters have its names and shapes."""
+    shapes = [tuple((k, tuple(t.shape)) for k, t in m.named_parameters()) for m in layers]
+    first = {sig: i for i, sig in reversed(list(enumerate(shapes)))}
+    return [first[sig] for sig in shapes]
+
+
+def _cut(kinds: list[int], p: int, v: int, cls: str, layers: str) -> tuple[int, int, int]:
+    """``(lead, unit, trail)``: how layers of kinds ``kinds`` stack into ``p`` stages x ``v`` chunks.
+
+    The stacked body repeats a unit of ``unit`` consecutive layers as often as it can (it could
+    not start a unit earlier nor end one later); the ``lead`` layers before it and the ``trail``
+    after it are left out.  Of the cuts whose count of units ``p * v`` divides: the one that leaves
+    the fewest layers out, then the shortest unit, then the fewest before it.  A uniform model is
+    ``(0, 1, 0)``.
+    """
+    n, chunks = len(kinds), p * v
+    fits: list[tuple[int, int, int]] = []
+    others: list[tuple[int, int, int]] = []  # (lead, unit, units) that ``chunks`` does not divide
+    for unit in range(1, n + 1):
+        for lead in range(n - unit + 1):
+            pattern = kinds[lead : lead + unit]
+            if lead >= unit and kinds[lead - unit : lead] == pattern:
+                continue  # the body could start a unit earlier
+            units = 1
+            while kinds[lead + units * unit : lead + (units + 1) * unit] == pattern:
+                units += 1
+            (others if units % chunks else fits).append((lead, unit, units))
+    out = lambda c: n - c[1] * c[2]  # noqa: E731  (the layers a cut leaves out)
+    if fits:
+        lead, unit, units = min(fits, key=lambda c: (out(c), c[1], c[0]))
+        return lead, unit, n - lead - unit * units
+    if len(set(kinds)) == 1:
+        raise ValueError(
+            f"{_API}: {n} decoder layers do not divide into {p} stages x {v} chunks; "
+            f"choose a pipe size and chunks whose product divides {n}."
+        )
+    lead, unit, units = min(others, key=lambda c: (-c[2], out(c), c[1]))  # the most units
+    letters = "".join(chr(ord("A") + sorted(set(kinds)).index(x)) for x in kinds)
+    raise ValueError(
+        f"{_API}: {cls}'s decoder layers ({layers}, one letter a layer, a letter a parameter layout: "
+        f"{letters}) do not cut into {p} stages x {v} chunks of whole repeating units: at "
+        f"best layers {lead} to {lead + unit * units - 1} repeat a unit of {unit} layer(s) {units} "
+        f"times, which {p} x {v} chunks do not divide. Choose a pipe size and chunks whose product "
+        f"divides {units}."
+    )

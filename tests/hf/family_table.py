@@ -8,7 +8,8 @@ with ``plan="auto"``:
 =========  ==================================================================================
 ``tp``     data=2 x tensor=2: the loss (HF's own ``labels=`` path) and every gradient
 ``sp``     tensor=2 with the family's norms given HF's ``sequence_parallel`` style in ``plan=``
-``pp``     pipe=2 x tensor=2, ``fpar.hf.pipeline_stages`` under 1F1B, 2 microbatches
+``pp``     pipe=2 x tensor=2, ``fpar.hf.pipeline_stages`` under 1F1B, 2 microbatches (the fewest
+           layers that cut into 2 stages: ``pp_families.pipeline_layers``)
 ``ep``     expert=2 x tensor=2 from ``base_model_ep_plan`` (``expert_axis=``); a dense family: n/a
 ``zero1``  one ``fpar.optim.zero_step`` of AdamW at data=2 x tensor=2, ZeRO stage 1 (2, 3 alike)
 ``remat``  data=2 x tensor=2 under ``fpar.hf.remat``: the loss and every gradient
@@ -251,7 +252,9 @@ def cell(family: str, layout: str) -> dict:
     import pp_families
 
     try:
-        model, _ = pp_families.tiny(family)
+        model, _ = pp_families.tiny(
+            family, layers=pp_families.pipeline_layers(family) if layout == "pp" else 2
+        )
         ids = _ids()
         _reference(model, ids)  # the model runs in transformers at all
     except Exception as e:  # noqa: BLE001 (transformers' own failure on the tiny sizes)

@@ -92,21 +92,23 @@ def scalings(config) -> dict[str, float]:
     return out
 
 
-def tiny(name: str, meta: bool = False):
+def tiny(name: str, meta: bool = False, layers: int = 2, **fields):
     """The family's causal LM, tiny, float64, eager attention, eval mode, scalings moved; and them.
 
     ``meta=True``: on the meta device (no values), for what needs only the structure.
+    ``layers``: how many decoder layers; ``fields``: more of the config's fields (``layer_types``).
     """
     import transformers
 
     config_cls, model_cls = families()[name]
     defaults = config_cls()
-    kw = {k: v for k, v in SIZES.items() if hasattr(defaults, k)}
+    sizes = {**SIZES, "num_hidden_layers": layers, "n_layer": layers}
+    kw = {k: v for k, v in sizes.items() if hasattr(defaults, k)}
     if hasattr(defaults, "layer_types") and defaults.layer_types is not None:
         kw["layer_types"] = None
     if "qk_rope_head_dim" in kw:  # multi-head latent attention: as DeepSeek's configs set them
         kw.update(head_dim=kw["qk_rope_head_dim"], num_key_value_heads=kw.get("num_attention_heads", 4))
-    config = config_cls(**kw)
+    config = config_cls(**{**kw, **fields})
     for sub in vars(config).values():  # a multimodal family's encoders (Phi-4's 870M): tiny too
         if isinstance(sub, transformers.PretrainedConfig):
             for k, v in SIZES.items():
@@ -126,6 +128,27 @@ def tiny(name: str, meta: bool = False):
     if getattr(model.config, "_experts_implementation", "none") not in ("none", None):
         model.set_experts_implementation("batched_mm")
     return model.double().eval(), moved
+
+
+def pipeline_layers(name: str, p: int = 2, most: int = 12) -> int:
+    """The fewest decoder layers (2 or more) with which the family's layers cut into ``p`` stages.
+
+    Two layers for a family whose layers are all alike; a family whose first layers differ (dense
+    before MoE) or whose layers repeat a unit of kinds (linear and full attention) needs as many
+    as make whole units per stage (``fpar.hf.pipeline_stages`` cuts them by their pattern).  ``2``
+    when no count up to ``most`` cuts (the pipeline then refuses the model by name).
+    """
+    from fpar.hf._pipeline import _cut, decoder_layers, layer_kinds
+
+    for n in range(2, most + 1):
+        structure, _ = tiny(name, meta=True, layers=n)
+        try:
+            base, attr = decoder_layers(structure, "pp_families")
+            _cut(layer_kinds(getattr(base, attr)), p, 1, name, attr)
+        except ValueError:  # no layer list (refused by pipeline_stages), or no cut with n layers
+            continue
+        return n
+    return 2
 
 
 def reference(model, xs, ys):

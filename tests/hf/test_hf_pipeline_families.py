@@ -5,6 +5,9 @@ every scaling its config has moved off its default (Granite's multipliers, Coher
 soft-caps, routed-expert scales, ...) and its embeddings tied or not as the family's config ties
 them by default (15 tie them; 10 of those run here: Cohere 1/2, Gemma 1-3, VaultGemma, ERNIE 4.5,
 SmolLM3, StarCoder2, Cohere2-MoE), cut into 2 stages and run by GPipe over 2 microbatches.
+Two layers each, or as few more as the family's layers need to cut into 2 stages
+(``pp_families.pipeline_layers``: 3 where a dense layer comes before the MoE layers, 4 where
+linear and full attention layers alternate).
 The pipeline's loss and every gradient must equal the unsharded model's own forward; or fpar
 refuses the model by name when it is built (``tensor_parallel`` / ``pipeline_stages``), before any
 step runs, or at its first forward where only running the layers tells (GLM-DSA's layers return
@@ -52,7 +55,8 @@ def _quiet():
 @pytest.mark.parametrize("family", list(pp_families.families()))
 def test_every_pp_plan_family_equals_its_own_forward_or_is_refused(family):
     try:
-        structure, _ = pp_families.tiny(family, meta=True)
+        layers = pp_families.pipeline_layers(family)
+        structure, _ = pp_families.tiny(family, meta=True, layers=layers)
     except Exception as e:  # noqa: BLE001 (transformers' own failure on this test's tiny sizes)
         pytest.skip(f"the tiny {family} model does not build in transformers: {type(e).__name__}: {e}")
     cls = type(structure).__name__
@@ -64,7 +68,7 @@ def test_every_pp_plan_family_equals_its_own_forward_or_is_refused(family):
         assert cls in str(e), f"the refusal does not name {cls}: {e}"
         return
     try:
-        model, moved = pp_families.tiny(family)
+        model, moved = pp_families.tiny(family, layers=layers)
         xs, ys = _batch()
         want_loss, want_grads = pp_families.reference(model, xs, ys)
     except Exception as e:  # noqa: BLE001 (transformers' own failure on this test's tiny sizes)
