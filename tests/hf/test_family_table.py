@@ -65,6 +65,8 @@ def _sample() -> list[tuple[str, str]]:
         ("llama", "sp"),
         ("olmo_hybrid", "sp"),  # its replicated linear attention ran on sequence blocks: 2.5e-3 off
         ("glm", "sp"),  # rowwise_split_input after a gathered colwise output: reduce-scattered
+        ("minimax", "pp"),  # units of 2 layers; a chunk ran chunk 0's decay buffers: 5e-3 off
+        ("glm4_moe_lite", "pp"),  # a dense layer before the MoE layers: on stage 0 with the embedding
     ]
 
 
