@@ -45,6 +45,7 @@ from torch import nn
 from .._functional import _stateless
 from .._mesh import Mesh
 from . import _tp_layers as tl
+from ._hf_plan import EXPERT_KINDS
 from ._tp_index import inverse, layout_index
 from ._tp_resolve import (
     KV_ATTRS,
@@ -366,44 +367,56 @@ def _local_copy(
         if not isinstance(modules[name], nn.Embedding):
             _divide_attrs(local_modules[name], name, QUERY_ATTRS + KV_ATTRS, n)
     if any(layer.kind == "sequence_parallel" for layer in layers.values()):
-        _sequence_parallel(local, modules, local_modules, layers, axis, n)
+        _sequence_parallel(local, modules, local_modules, layers, rules, axis, n, expert, own_experts)
         return local
     for name, layer in layers.items():
-        module, kind = local_modules[name], layer.kind
-        if kind in ("colwise", "colwise_gather", "vocab") and is_conv1d(module):
-            module.nf = module.weight.shape[1] // n if name + ".weight" not in rules else module.nf
-        forward = module.forward
-        if kind in ("replicate", "colwise", "packed_colwise") or (
-            kind == "vocab" and not _is_embedding(module)
-        ):
-            continue
-        if kind == "vocab":
-            pad, module.padding_idx = module.padding_idx, None
-            module.forward = functools.partial(tl.vocab_embedding, module, forward, axis, pad)
-        elif kind in ("rowwise", "rowwise_split"):
-            row = functools.partial(tl.row_conv1d if is_conv1d(module) else tl.row_linear, module, axis)
-            module.forward = (
-                functools.partial(tl.split_input, row, n, axis) if kind == "rowwise_split" else row
-            )
-        elif kind in ("colwise_gather", "embedding_colwise"):
-            module.forward = functools.partial(tl.gather_output, forward, axis)
-        elif kind in ("all_reduce", "moe_experts"):
-            module.forward = functools.partial(tl.all_reduce_output, forward, axis)
-            if kind == "moe_experts":
-                _local_experts(module, n, own_experts)
-        elif kind == "ep_experts":
-            e_axis, e_n = expert
-            module.num_experts //= e_n  # its forward runs on local expert ids
-            if not own_experts:
-                _batched_experts(module)
-            module.forward = functools.partial(tl.expert_parallel, module, forward, e_axis, e_n)
-        elif kind == "split_norm":
-            _split_norm(module, name, modules, layers, axis, n)
+        _plain(local_modules[name], name, layer.kind, modules, layers, rules, axis, n, expert, own_experts)
     head = local.get_output_embeddings() if hasattr(local, "get_output_embeddings") else None
     names = {id(m): name for name, m in local_modules.items()}
     if head is not None and layers.get(names.get(id(head)), Layer("replicate")).kind == "vocab":
         local.loss_function = functools.partial(tl.vocab_loss, axis, getattr(local, "loss_type", None))
     return local
+
+
+def _plain(
+    module: Any,
+    name: str,
+    kind: str,
+    modules: dict,
+    layers: dict,
+    rules: dict,
+    axis: str,
+    n: int,
+    expert: tuple[str, int] | None,
+    own_experts: bool,
+) -> None:
+    """A layer of the local copy made tensor parallel as the plan says (no sequence parallelism)."""
+    if kind in ("colwise", "colwise_gather", "vocab") and is_conv1d(module):
+        module.nf = module.weight.shape[1] // n if name + ".weight" not in rules else module.nf
+    forward = module.forward
+    if kind in ("replicate", "colwise", "packed_colwise") or (kind == "vocab" and not _is_embedding(module)):
+        return
+    if kind == "vocab":
+        pad, module.padding_idx = module.padding_idx, None
+        module.forward = functools.partial(tl.vocab_embedding, module, forward, axis, pad)
+    elif kind in ("rowwise", "rowwise_split"):
+        row = functools.partial(tl.row_conv1d if is_conv1d(module) else tl.row_linear, module, axis)
+        module.forward = functools.partial(tl.split_input, row, n, axis) if kind == "rowwise_split" else row
+    elif kind in ("colwise_gather", "embedding_colwise"):
+        module.forward = functools.partial(tl.gather_output, forward, axis)
+    elif kind in ("all_reduce", "moe_experts"):
+        module.forward = functools.partial(tl.all_reduce_output, forward, axis)
+        if kind == "moe_experts":
+            _local_experts(module, n, own_experts)
+    elif kind == "ep_experts":
+        assert expert is not None  # resolve() gives 'ep_experts' only with an expert axis
+        e_axis, e_n = expert
+        module.num_experts //= e_n  # its forward runs on local expert ids
+        if not own_experts:
+            _batched_experts(module)
+        module.forward = functools.partial(tl.expert_parallel, module, forward, e_axis, e_n)
+    elif kind == "split_norm":
+        _split_norm(module, name, modules, layers, axis, n)
 
 
 def _sequence_norms(model: nn.Module) -> dict[str, str]:
@@ -442,7 +455,15 @@ _SP_KINDS = (
 
 
 def _sequence_parallel(
-    local: nn.Module, modules: dict, local_modules: dict, layers: dict, axis: str, n: int
+    local: nn.Module,
+    modules: dict,
+    local_modules: dict,
+    layers: dict,
+    rules: dict,
+    axis: str,
+    n: int,
+    expert: tuple[str, int] | None,
+    own_experts: bool,
 ) -> None:
     """Megatron-SP for a model whose plan names ``sequence_parallel`` modules (HF's style for norms).
 
@@ -452,9 +473,13 @@ def _sequence_parallel(
     torchtitan's ``PrepareModuleInput`` does, and a row-parallel layer reduce-scatters its partial
     product along the sequence instead of all-reducing it.  Every other module of a decoder layer
     (not named ``sequence_parallel``; it may mix along the sequence, as a linear attention does)
-    runs on the gathered sequence and gives back its block.  The embedding before the layers runs
-    on the whole sequence; the head gathers its input.  Checked before anything runs: a kind or a
-    module this cannot split so is an error naming it.
+    runs on the gathered sequence and gives back its block.  A mixture of experts (a decoder
+    layer's module holding 'moe_experts', or experts over an expert axis) is such a module too: its
+    router picks experts per token of the whole sequence, and its experts and shared experts run
+    tensor parallel as without sequence parallelism (their sums all-reduced) before it gives back
+    its block.  The embedding before the layers runs on the whole sequence; the head gathers its
+    input.  Checked before anything runs: a kind or a module this cannot split so is an error
+    naming it.
     """
     from ..hf._pipeline import decoder_layers  # fpar.hf imports fpar.ops
 
@@ -463,8 +488,12 @@ def _sequence_parallel(
     decoders = {id(m) for m in getattr(base, attr)}
     head = local.get_output_embeddings() if hasattr(local, "get_output_embeddings") else None
     regions: dict[str, nn.Module] = {}
+    moe = _moe_regions(layers, local_modules, decoders)
     for name, layer in layers.items():
         module, kind = local_modules[name], layer.kind
+        if any(name == r or name.startswith(r + ".") for r in moe):  # in a mixture of experts: as without SP
+            _plain(module, name, kind, modules, layers, rules, axis, n, expert, own_experts)
+            continue
         embedding = kind == "vocab" and isinstance(module, nn.Embedding) and module is not head
         if not embedding and (kind not in (*_SP_KINDS, "vocab") or is_conv1d(module)):
             raise ValueError(
@@ -538,6 +567,19 @@ def _sequence_parallel(
     )
     if head_name is not None and layers.get(head_name, Layer("replicate")).kind == "vocab":
         local.loss_function = functools.partial(tl.vocab_loss, axis, getattr(local, "loss_type", None))
+
+
+def _moe_regions(layers: dict, local_modules: dict, decoders: set[int]) -> set[str]:
+    """The names of the decoder layers' modules (their direct children) that hold experts."""
+    out = set()
+    for name, layer in layers.items():
+        if layer.kind in ("moe_experts", *EXPERT_KINDS):
+            parts = name.split(".")
+            for i in range(2, len(parts) + 1):
+                if id(local_modules[".".join(parts[: i - 1])]) in decoders:
+                    out.add(".".join(parts[:i]))
+                    break
+    return out
 
 
 def _split_norm(module: nn.Module, name: str, modules: dict, layers: dict, axis: str, n: int) -> None:

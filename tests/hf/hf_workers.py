@@ -9,7 +9,8 @@ import fpar
 
 # One launch covers the collectives fpar adds to Megatron's: kv heads replicated and tied through a
 # psum (Llama, kv=1), fused weights regrouped with a replicated kv head (Phi-3), experts (Mixtral),
-# sequence parallelism (Llama with its norms 'sequence_parallel': gathers and reduce-scatters),
+# sequence parallelism (Llama with its norms 'sequence_parallel': gathers and reduce-scatters; Mixtral's
+# experts beside it),
 # DeepSeek's latent attention.
 # OLMo 2's split norms and Gemma 3 are checked in-process only (CI time).
 CASES = {
@@ -17,6 +18,7 @@ CASES = {
     "phi3_kv1": ("phi3", dict(num_key_value_heads=1)),
     "mixtral": ("mixtral", {}),
     "llama_sp": ("llama", dict(num_key_value_heads=1)),
+    "mixtral_sp": ("mixtral", {}),  # its experts on the gathered sequence, all-reduced, then its block
     "deepseek_v2": ("deepseek_v2", {}),  # latent attention: kv_a_proj replicated, its rope part summed
 }
 

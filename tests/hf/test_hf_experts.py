@@ -54,6 +54,25 @@ def test_expert_parallel_equals_unsharded(family, shape):
     hf_models.compare(grads, want_grads, f"{family} {shape} expert parallel", **tol)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_expert_parallel_with_sequence_parallelism_equals_unsharded(family):
+    """Experts over the expert axis beside Megatron-SP over the tensor axis: the MoE block gathers
+    the sequence, routes and exchanges the whole sequence's tokens, and keeps its block."""
+    model = hf_models.FAMILIES[family](num_hidden_layers=2, num_key_value_heads=2)
+    mesh = fpar.make_mesh((1, 2, 2), ("data", "expert", "tensor"))
+    apply_fn, params, specs = fpar.ops.tensor_parallel(
+        model, mesh, expert_axis="expert", sequence_parallel=True
+    )
+    assert "sequence_parallel" in apply_fn.plan.values() and apply_fn.experts
+    ids = hf_models.batch(rows=4)
+    loss = ep_loss(apply_fn, mesh, specs)
+    want_loss, want_grads = hf_models.unsharded(model, ids)
+    tol = hf_models.tolerances(family)
+    torch.testing.assert_close(loss(params, ids), want_loss, **tol)
+    grads = apply_fn.export(torch.func.grad(loss)(params, ids))
+    hf_models.compare(grads, want_grads, f"{family} expert parallel + SP", **tol)
+
+
 def test_every_expert_is_used_and_its_gradient_reaches_it():
     # Not a vacuous equality: at these sizes every expert gets tokens, so every expert block of
     # every device has a nonzero gradient, which only the dispatch and its transpose deliver.
