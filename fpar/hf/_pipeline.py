@@ -202,8 +202,13 @@ class Stages:
         n = len(self._layers)
         self._first_keys += self._keys_of(range(self.lead))
         self._last_keys = self._keys_of(range(n - self.trail, n)) + self._last_keys
-        types = getattr(config, "layer_types", None)
-        self._types = list(types) if types is not None else None
+        # the config's lists of one entry a layer (layer_types, layer_rope_theta, mlp_layer_types, ...),
+        # which the model's forward reads by a layer's position: a shell's are its slots' layers'
+        self._per_layer = {
+            k: v
+            for k, v in vars(config).items()
+            if isinstance(v, (list, tuple)) and len(v) == n and ("layer" in k or k.endswith("_types"))
+        }
 
     def _keys_of(self, layers: range) -> list[str]:
         """The flat parameter names of decoder layers ``layers``."""
@@ -321,13 +326,14 @@ class Stages:
     def _shell(self, slots: list, at: list[int]) -> _Shell:
         """The model with its decoder layers replaced by ``slots``, sharing every other module.
 
-        Its config is a copy that counts ``len(slots)`` layers, whose layer kinds are those of the
-        model's layers ``at`` (slot ``i`` stands where layer ``at[i]`` stands).
+        Its config is a copy that counts ``len(slots)`` layers, whose lists of one entry a layer
+        (kinds, rotary bases, ...) are those of the model's layers ``at`` (slot ``i`` stands where
+        layer ``at[i]`` stands).
         """
         config: Any = copy.copy(self._base.config)
         config.num_hidden_layers = len(slots)
-        if self._types is not None:
-            config.layer_types = [self._types[i] for i in at]
+        for key, values in self._per_layer.items():
+            setattr(config, key, type(values)(values[i] for i in at))
         base = copy.copy(self._base)
         base._modules = dict(self._base._modules)
         base._modules[self._layers_attr] = torch.nn.ModuleList(slots)

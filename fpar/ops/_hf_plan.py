@@ -56,10 +56,12 @@ STYLES = {
     "mla_kv_a_proj": "replicate",
     "colwise_rep": "colwise_gather",
     "rowwise_rep": "rowwise_split",
+    # an attention whose bare parameters (sinks, a gate's bias: one a query head) have plan entries of
+    # their own: its forward runs on its local blocks as every module of fpar's local copy does
+    "local_params": "replicate",
 }
 UNSUPPORTED = {
     "packed_rowwise": "a fused input dim split with a stride",
-    "local_params": "a bare parameter sharded by its own rule",
     "moe_identity_expert": "longcat's identity experts",
     "local": "transformers 4.x: a module left on local shards, reduced by a parent 'gather' rule",
     "gather": "transformers 4.x: the reduction of 'local_*' children",
@@ -191,6 +193,9 @@ def head_counts(module: nn.Module) -> tuple[int, int, int] | None:
     head_dim = getattr(module, "head_dim", None) or getattr(module, "head_size", None)
     if not isinstance(head_dim, int):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    k_proj = getattr(module, "k_proj", None)  # a layer's own count (MiMo-V2-Flash's sliding layers: 2x)
+    if isinstance(k_proj, nn.Linear) and k_proj.out_features % head_dim == 0:
+        kv = k_proj.out_features // head_dim
     return heads, kv, head_dim
 
 

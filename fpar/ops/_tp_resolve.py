@@ -428,10 +428,14 @@ def _bare_layout(name: str, p, rule: Layer, axis: str, n: int) -> tuple:
     where = f"{_API}: parameter {name!r} ({tuple(p.shape)}, plan {rule.pattern!r})"
     if rule.kind == "replicate":
         return P(), None, None
+    if rule.kind == "colwise" and p.dim() in (1, 2):  # one row a query head (attention sinks): dim 0
+        _divides(where, "rows", p.shape[0], n)
+        return P(axis, *([None] * (p.dim() - 1))), 0, [("split", p.shape[0])]
     if p.dim() != 3 or rule.kind not in ("colwise", "packed_colwise", "rowwise"):
         raise TypeError(
             f"{where}: a rule naming a parameter applies to 3-D expert weights [experts, out, in] with "
-            f"'colwise', 'packed_colwise' or 'rowwise'; got {rule.kind!r} on a {p.dim()}-D tensor. Name its "
+            f"'colwise', 'packed_colwise' or 'rowwise', or to a 1-D or 2-D parameter of one row a head "
+            f"(attention sinks) with 'colwise'; got {rule.kind!r} on a {p.dim()}-D tensor. Name its "
             f"module instead."
         )
     dim = 1 if rule.kind != "rowwise" else 2

@@ -67,6 +67,9 @@ def _sample() -> list[tuple[str, str]]:
         ("glm", "sp"),  # rowwise_split_input after a gathered colwise output: reduce-scattered
         ("minimax", "pp"),  # units of 2 layers; a chunk ran chunk 0's decay buffers: 5e-3 off
         ("glm4_moe_lite", "pp"),  # a dense layer before the MoE layers: on stage 0 with the embedding
+        ("granite_swa", "pp"),  # its forward reads config.layer_rope_theta[i]: a shell's own list
+        ("beam", "tp"),  # 'local_params' attention, its gate's bias split by its own rule: was refused
+        ("qwen3_moe", "sp"),  # experts on the gathered sequence: was refused
     ]
 
 

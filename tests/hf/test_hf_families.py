@@ -284,6 +284,32 @@ def test_error_unsupported_plan_string_names_the_module():
         fpar.ops.tensor_parallel(model, MESH, plan={"*.mlp": "local_rowwise"})
 
 
+def test_attention_sinks_split_by_their_own_rule_equal_unsharded():
+    """'local_params' on an attention and 'colwise' on its bare sinks (one a query head), as Granite-SWA,
+    MiMo-V2-Flash and HY-V4 plan them: each device keeps its heads' sinks."""
+    import pp_families
+
+    model, _ = pp_families.tiny("granite_swa")
+    apply_fn, params, specs = fpar.ops.tensor_parallel(model, MESH)
+    sinks = [k for k in params if k.endswith("self_attn.sinks")]
+    assert sinks and model.tp_plan["model.layers.*.self_attn"] == "local_params"
+    for k in sinks:
+        assert specs[k] == P("tensor"), k
+    ids = hf_models.batch()
+    loss = hf_models.sharded_loss(apply_fn, MESH, specs, causal=True)
+    want_loss, want_grads = hf_models.unsharded(model, ids)
+    torch.testing.assert_close(loss(params, ids), want_loss, rtol=1e-9, atol=1e-10)
+    grads = apply_fn.export(torch.func.grad(loss)(params, ids))
+    hf_models.compare(grads, want_grads, "granite_swa sinks", rtol=1e-9, atol=1e-10)
+    plan = {**model.tp_plan, "model.layers.*.self_attn.sinks": "rowwise"}
+    with pytest.raises(
+        TypeError,
+        match=r"parameter 'model.layers.0.self_attn.sinks' \(\(4,\), plan 'model.layers.\*.self_attn.sinks'\): a "
+        r"rule naming a parameter applies to 3-D expert weights .* got 'rowwise' on a 1-D tensor",
+    ):
+        fpar.ops.tensor_parallel(model, MESH, plan=plan)
+
+
 def test_error_plan_naming_no_module():
     model = hf_models.llama(meta=True)
     model._tp_plan = {"model.blocks.*.attn.wq": "colwise"}  # a plan written for another module tree

@@ -81,8 +81,9 @@ def test_every_pp_plan_family_equals_its_own_forward_or_is_refused(family):
     except ValueError as e:  # refused by name at the first forward (layers passing state on: GLM-DSA)
         assert str(e).startswith("fpar.hf.pipeline_stages") and cls in str(e), e
         return
+    rtol = 1e-7 if want_loss.dtype == torch.float64 else 1e-6  # Beam's loss is float32: a few ulps
     torch.testing.assert_close(
-        result.loss, want_loss, rtol=1e-7, atol=0, msg=lambda m: f"{family} {moved}: {m}"
+        result.loss, want_loss, rtol=rtol, atol=0, msg=lambda m: f"{family} {moved}: {m}"
     )
     grads = apply_fn.export(stages.merge(result.grads))
     assert set(grads) == set(want_grads)
