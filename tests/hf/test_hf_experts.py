@@ -45,13 +45,18 @@ def test_expert_parallel_equals_unsharded(family, shape):
     for name in experts:  # split by expert, not by width
         assert specs[name] == P("expert", None, None), name
     assert all("expert" not in specs[k].axes() for k in set(params) - experts)
+    check_equal(model, family, mesh, apply_fn, params, specs, f"{family} {shape} expert parallel")
+
+
+def check_equal(model, family, mesh, apply_fn, params, specs, what):
+    """The loss and every gradient of the expert-parallel model equal the unsharded model's."""
     ids = hf_models.batch(rows=4)
     loss = ep_loss(apply_fn, mesh, specs)
     want_loss, want_grads = hf_models.unsharded(model, ids)
     tol = hf_models.tolerances(family)
     torch.testing.assert_close(loss(params, ids), want_loss, **tol)
     grads = apply_fn.export(torch.func.grad(loss)(params, ids))
-    hf_models.compare(grads, want_grads, f"{family} {shape} expert parallel", **tol)
+    hf_models.compare(grads, want_grads, what, **tol)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -64,13 +69,7 @@ def test_expert_parallel_with_sequence_parallelism_equals_unsharded(family):
         model, mesh, expert_axis="expert", sequence_parallel=True
     )
     assert "sequence_parallel" in apply_fn.plan.values() and apply_fn.experts
-    ids = hf_models.batch(rows=4)
-    loss = ep_loss(apply_fn, mesh, specs)
-    want_loss, want_grads = hf_models.unsharded(model, ids)
-    tol = hf_models.tolerances(family)
-    torch.testing.assert_close(loss(params, ids), want_loss, **tol)
-    grads = apply_fn.export(torch.func.grad(loss)(params, ids))
-    hf_models.compare(grads, want_grads, f"{family} expert parallel + SP", **tol)
+    check_equal(model, family, mesh, apply_fn, params, specs, f"{family} expert parallel + SP")
 
 
 def test_every_expert_is_used_and_its_gradient_reaches_it():
