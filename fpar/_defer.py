@@ -227,6 +227,7 @@ class Deferred:
         # first call, for ``defer_reduction._take_local``
         self.parts: list[tuple[tuple[str, ...], list[tuple[Tensor, int, torch.Size]]]] = []
         self.final = False  # a final call has claimed the buffers
+        self.rows: dict[tuple[int, int], set[int]] = {}  # (bucket, slot) -> rows add_row copied in
         _LIVE.append(self)
 
     def check_unchanged(self) -> None:
@@ -261,14 +262,7 @@ class Deferred:
             raise self._too_late()
         ct = self._plain(ct)
         with torch._C._DisableFuncTorch():
-            flat = self.flats[b]
-            if flat is None:
-                _, dtype, device = metas[0]
-                self.sizes[b] = [m[0].numel() for m in metas]
-                flat = self.flats[b] = self.buffer(b, sum(self.sizes[b]), self._dtype(dtype), device)
-                self.filled[b] = [False] * len(metas)
-            at = sum(m[0].numel() for m in metas[:i])
-            slot = block(flat, at, metas[i][0])
+            slot = self._slot(b, i, metas)
             filled = self.filled[b]
             if filled is not None and not filled[i]:
                 slot.copy_(ct)  # the buffer is uninitialised there: no zero fill first
@@ -276,6 +270,52 @@ class Deferred:
             else:
                 slot.add_(ct)
         self.adds[b] += first
+
+    def add_row(self, b: int, i: int, r: int, g: Tensor, metas: list) -> None:
+        """Row ``r`` of bucket ``b``'s tensor ``i``'s cotangent, before the call's ``add``.
+
+        A stacked parameter's layer whose backward has ended (``fpar/pipeline/_unstack.py``): it
+        goes into the sum at once, so the call's backward never holds every layer's gradient and
+        their stack.  ``close_rows`` ends the tensor's rows; its cotangent in ``add`` is then
+        what reached it otherwise (``None`` if nothing did).
+        """
+        if self.taken[b]:
+            raise self._too_late()
+        with torch._C._DisableFuncTorch():
+            slot = self._slot(b, i, metas)[r]
+            filled = self.filled[b]
+            if filled is None or filled[i]:
+                slot.add_(g)
+                return
+            done = self.rows.setdefault((b, i), set())
+            if r in done:
+                slot.add_(g)
+            else:
+                slot.copy_(g)  # the buffer is uninitialised there: no zero fill first
+                done.add(r)
+
+    def close_rows(self, b: int, i: int, metas: list) -> None:
+        """Tensor ``i``'s rows are in: rows no gradient reached are zero, and its slot holds a sum."""
+        done = self.rows.pop((b, i), None)
+        filled = self.filled[b]
+        if filled is None or filled[i]:
+            return
+        with torch._C._DisableFuncTorch():
+            slot = self._slot(b, i, metas)
+            for r in range(slot.shape[0]):
+                if done is None or r not in done:
+                    slot[r].zero_()
+        filled[i] = True
+
+    def _slot(self, b: int, i: int, metas: list) -> Tensor:
+        """Tensor ``i``'s slot of bucket ``b``'s buffer, made (uninitialised, as ``add_one``'s) if need be."""
+        flat = self.flats[b]
+        if flat is None:
+            _, dtype, device = metas[0]
+            self.sizes[b] = [m[0].numel() for m in metas]
+            flat = self.flats[b] = self.buffer(b, sum(self.sizes[b]), self._dtype(dtype), device)
+            self.filled[b] = [False] * len(metas)
+        return block(flat, sum(m[0].numel() for m in metas[:i]), metas[i][0])
 
     def _add(self, b: int, cts: list, metas: list) -> None:
         if self.filled[b] is not None:  # add_one's buffer: every slot initialised before adding
@@ -364,6 +404,7 @@ class Deferred:
         """Forget this state (its sums are reported lost by the caller)."""
         self.taken = [True] * len(self.taken)
         self.flats = [None] * len(self.flats)
+        self.rows = {}
         self._forget()
 
     def _forget(self) -> None:

@@ -300,6 +300,7 @@ class _Defer(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         ctx.held, ctx.index = inputs[0], inputs[1]
         ctx.metas = [(x.shape, x.dtype, x.device) for x in inputs[2:]]
+        ctx.set_materialize_grads(False)  # no cotangent: nothing to add (``Deferred._add`` takes None)
 
     @staticmethod
     def backward(ctx, *cts):

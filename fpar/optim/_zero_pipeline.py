@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .._collectives import pmax, psum
+from .._defer import deferred_zeros, is_deferred_zero
 from .._mesh import Mesh
 from .._shard import shard
 from .._spec import P
@@ -183,7 +184,8 @@ def _combine(layout: ZeroLayout, extra: tuple, shared: list, masters: tuple, axi
         del grads
         out = []
         for c, o, sh, dt in zip(chunks, owns, shared, masters):
-            c = c + o
+            if not is_deferred_zero(o):  # a part summed already (else: a zero of no bytes)
+                c = c.add_(o)  # in place: the reduce-scatter's own output
             c = psum(c, axis) if sh else c
             out.append(c.to(dt))  # the parameters' dtype, as zero_update takes it
         return layout._tree(out)
@@ -265,8 +267,8 @@ def _own_slice(
     shared: bool,
 ) -> Tensor:
     """This device's chunk of a gradient already summed over the data axis (a slice), or zeros."""
-    if reduced is None:
-        out = torch.zeros(lf.chunk, dtype=dtype, device=device)
+    if reduced is None:  # the common case (every sum deferred): a zero that holds no chunk of memory
+        out = deferred_zeros(torch.Size([lf.chunk]), dtype, device)
     else:
         out = _padded(reduced, lf, layout.n).reshape(layout.n, lf.chunk)[rank].to(dtype)
     return out.unsqueeze(0) if shared else out

@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from .._compile import untraced
 from ._casts import Casts
+from ._unstack import ROWS, Unstack
 
 __all__ = ["Record", "capture", "weight_grads"]
 
@@ -57,6 +58,7 @@ class capture(TorchFunctionMode):
     def __init__(self, leaves: Iterable[Tensor], records: list, casts: Casts | None = None):
         super().__init__()
         self.leaves = {id(t): t for t in leaves}
+        self.unstack = Unstack()
         self.records = records
         self.casts = casts
 
@@ -64,6 +66,7 @@ class capture(TorchFunctionMode):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():  # a compiled stage function: its graph's backward does B and W
             return func(*args, **kwargs)
+        args, kwargs = self.unstack.tap(args, kwargs)  # a stacked parameter's row at its layer's first use
         if func in _LINEAR or func in _MATMUL:
             deferred = self._defer(func, args, kwargs)
             if deferred is not None:
@@ -72,6 +75,12 @@ class capture(TorchFunctionMode):
             shared = self.casts(func, args, kwargs)  # the step's one low-precision copy (``_casts``)
             if shared is not None:
                 return shared
+        elif func in ROWS and torch._C._functorch.maybe_current_level() is None:
+            rows = self.unstack.rows_of(
+                func, args, kwargs
+            )  # each layer's gradient into the sum (``_unstack``)
+            if rows is not None:
+                return rows
         return func(*args, **kwargs)
 
     def _defer(self, func, args, kwargs) -> Tensor | None:

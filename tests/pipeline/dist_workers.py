@@ -398,3 +398,76 @@ def model_step_job(kind: str, zero: int, dtype: str = "float64") -> list:
         (params, state), loss = step(params, state, xs, ys)
         losses.append(float(loss))
     return losses
+
+
+def rows_job(axes: tuple, name: str, p: int, m: int, v: int, how: str) -> dict:
+    """Chunks of 3 stacked layers, taken by ``unbind``, ``w[i]`` or ``select``: plain and ZeRO-2 pipeline gradients.
+
+    On a real mesh a deferred call adds each layer's gradient into the step's sum as its backward
+    ends (``fpar/pipeline/_unstack.py``).  ``"index"`` leaves layer 1 unused (its rows' gradient is
+    zero); ``"select"`` also uses ``w["b"]`` whole (a cotangent besides the rows').  Returns the
+    loss and gathered stage gradients of the plain pipeline and of the unpipelined model, and the
+    ZeRO-2 chunks beside the plain gradients' chunks.
+    """
+    import fpar.optim as fo
+
+    mesh = mesh_for(axes)
+    g = torch.Generator().manual_seed(1)
+    L, n, d, h = p * v, 3, M.D, M.H
+    prob = M.problem(p, m, v)
+    stages = {
+        "a": torch.randn(L, n, d, h, dtype=M.F64, generator=g) * 0.4,
+        "b": torch.randn(L, n, h, d, dtype=M.F64, generator=g) * 0.4,
+    }
+
+    def layers(w: dict) -> list:
+        if how == "unbind":
+            return list(zip(w["a"].unbind(0), w["b"].unbind(0)))
+        if how == "index":
+            return [(w["a"][i], w["b"][i]) for i in (0, 2)]
+        return [(w["a"].select(0, i), w["b"].select(0, -1 - i)) for i in range(n)]
+
+    def block(w: dict, x: torch.Tensor) -> torch.Tensor:
+        for a, b in layers(w):
+            x = x + torch.tanh(x @ a) @ b
+        return x + 0.01 * w["b"].sum() if how == "select" else x
+
+    fns = M.make_fns(("data",))
+    sub = mesh.submesh(tuple(a for a in mesh.axis_names if a != "pipe"))
+    stage = fpar.shard(block, sub, ({"a": P(), "b": P()}, P("data")), P("data"))
+    first = fpar.shard(fns["first"], sub, ({"emb": P()}, P("data")), P("data"))
+    loss = fpar.shard(fns["loss"], sub, ({"head": P()}, P("data"), P("data")), P())
+    specs = {"stages": {"a": P("pipe"), "b": P("pipe")}, "first": {"emb": P()}, "last": {"head": P()}}
+    rows = P(None, "data")
+    params = {"stages": pp.stage_major(stages, p, v), "first": prob["first"], "last": prob["last"]}
+    params = fpar.device_put(params, mesh, specs)
+    xs, ts = fpar.device_put(prob["xs"], mesh, rows), fpar.device_put(prob["ts"], mesh, rows)
+    step = pp.pipeline(stage, M.schedule(name, p, m, v), mesh, loss=loss, first=first)
+    layout = fo.zero_layout(params, mesh, specs, stage=2)
+    run = fo.zero_pipeline(step, layout)
+    step(params, xs, ts)  # the first calls plan the sharded calls
+    run(params, xs, ts)
+    plain, zero = step(params, xs, ts), run(params, xs, ts)
+    chunks = fpar.shard(
+        lambda g: fo._zero._map(fo._zero._own_chunk, g, layout), mesh, (specs,), layout.grad_specs
+    )(plain.grads)
+
+    def reference(st: dict) -> torch.Tensor:
+        total = 0.0
+        for j in range(m):
+            x = prob["first"]["emb"][prob["xs"][j]]
+            for k in range(L):
+                x = block({"a": st["a"][k], "b": st["b"][k]}, x)
+            total = total + ((x @ prob["last"]["head"] - prob["ts"][j]) ** 2).mean()
+        return total / m
+
+    ref_loss = reference(stages)
+    ref_grads = torch.func.grad(reference)(stages)
+    return {
+        "loss": plain.loss,
+        "stages": fpar.gather(plain.grads["stages"], mesh, specs["stages"]),
+        "ref_loss": ref_loss,
+        "ref_stages": pp.stage_major(ref_grads, p, v),
+        "chunks": fpar.gather(zero.grads, mesh, layout.grad_specs),
+        "plain_chunks": fpar.gather(chunks, mesh, layout.grad_specs),
+    }

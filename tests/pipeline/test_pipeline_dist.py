@@ -48,6 +48,11 @@ JOBS = [
     # the embedding's and head's sums are over tensor on the stage that uses them, and absent on
     # the other: the ranks agree on the axes before the reduce-scatter
     ("zero_pipeline_job", (PDT, "1f1b", 2, 4, 1, 3)),
+    # chunks of stacked layers: each layer's gradient goes into the deferred sum as its backward
+    # ends (fpar/pipeline/_unstack.py), whether the layers are taken by unbind, w[i] or select
+    ("rows_job", (PDT2, "1f1b", 2, 4, 1, "unbind")),
+    ("rows_job", (PDT2, "interleaved", 2, 4, 2, "index")),
+    ("rows_job", (PDT2, "gpipe", 2, 3, 1, "select")),
 ]
 
 
@@ -274,6 +279,33 @@ def test_zero_inside_a_pipeline_reduce_scatters_what_the_pipeline_all_reduces(la
                 ops = got["data_ops"]
                 assert "psum_scatter" in ops and "psum" not in ops, (args, where, ops)
                 assert ("all_gather_invariant" in ops) == (args[-1] == 3), (args, where, ops)
+
+
+def test_stacked_layers_give_the_unpipelined_gradients(launched):
+    """A chunk of stacked layers on the real mesh (each layer's gradient added into the deferred
+    sum as its backward ends): the unpipelined model's loss and gradients, unused layers' zero; and
+    ZeRO-2 in the pipeline gives bit for bit the chunks of the plain pipeline's gradients."""
+    for index, (kind, args) in enumerate(JOBS):
+        if kind != "rows_job":
+            continue
+        for rank, ranks in enumerate(launched):
+            status, got = ranks[index]
+            assert status == "ok", f"{args} rank {rank}:\n{got}"
+            torch.testing.assert_close(got["loss"], got["ref_loss"])
+            for k in ("a", "b"):
+                torch.testing.assert_close(
+                    got["stages"][k], got["ref_stages"][k], msg=lambda m, k=k, a=args: f"{a} {k}: {m}"
+                )
+            if args[-1] == "index":
+                assert not got["stages"]["a"][:, 1].any() and got["ref_stages"]["a"][:, 1].abs().sum() == 0
+            pairs = list(zip(tree_flatten(got["chunks"])[0], tree_flatten(got["plain_chunks"])[0]))
+            if args[-1] == "select":
+                # w["b"] used whole too: the last microbatch of the plain step adds the whole use's
+                # gradient to the rows' before its sum, ZeRO's each into the sum: another rounding
+                for a, b in pairs:
+                    torch.testing.assert_close(a, b)
+            else:
+                assert all(torch.equal(a, b) for a, b in pairs), (args, rank)
 
 
 def test_zero_pipeline_refuses_what_it_cannot_run():

@@ -347,6 +347,28 @@ def test_zero1_and_2_donated_hold_the_papers_bytes_and_one_bucket(stage):
     assert paper < est.peak_bytes < paper + 3 * leaf, (est.peak_bytes / n, paper / n)
 
 
+def test_fsdp_inside_a_pipeline_holds_one_gradient_sum_and_one_bucket():
+    """ZeRO-3 inside a pipeline (``zero_pipeline``: a stage gathered in bfloat16 once a step, its
+    gradients summed in float32 over 8 microbatches of 1F1B, reduce-scattered once): the planned
+    peak of each stage holds the formula's bytes a parameter (bf16 stage 2, fp32 sum 4, fp32
+    chunks of the parameters and AdamW 12/N) and about one bucket, not each microbatch's stacked
+    gradient beside the sum (a chunk's layers' gradients and their stack: 2.5 more) nor zero
+    chunks and copies at the reduce-scatter (1.6 more).  ``bench/pipeline_memory.py`` measures the
+    same step on 4 gloo processes."""
+    model = plan.Model("bench", 512, 8, 8, 8, 2048, 512, 16)
+    layout = plan.Layout(pipeline=2, data=2, zero=3, microbatches=8, batch=16)
+    est = plan.estimate(*_flat(plan.model_step(model, layout)))
+    per_stage = (model.n_params - 2 * model.vocab * model.d_model) / 2
+    bound = 2 + 4 + 12 / 2 + 25 * 2**20 / per_stage  # the formula and a 25 MiB bucket
+    for c in est.devices:
+        assert 12 < c.peak_bytes / per_stage < bound + 0.25, (c.coords, c.peak_bytes / per_stage, bound)
+
+
+def _flat(step_args):
+    step, args = step_args
+    return (step, *args)
+
+
 def _layer_activations(model, layout) -> tuple[float, float]:
     """One layer's bytes the forward leaves for the backward, less its bfloat16 weight copies, in
     units of ``s b h / t`` (``t`` the tensor size), with those copies' own share: the difference
