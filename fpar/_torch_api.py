@@ -227,7 +227,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     # autograd engine
     PrivateApi(
         "<autograd node>._set_sequence_nr",
-        ("_dist/buckets.py",),
+        ("_dist/buckets.py", "pipeline/_unstack.py"),
         "give a gradient bucket's hook node AccumulateGrad's priority, so its all-reduce starts as soon as "
         "its gradients are final (DDP's overlap)",
         probe=lambda: torch.ones(1, requires_grad=True).view_as(torch.ones(1)).grad_fn._set_sequence_nr,  # type: ignore[union-attr]  # grad_fn is a Node: x requires grad

@@ -115,6 +115,7 @@ class _State:
         "narrow",
         "rider",
         "wire",
+        "in_place",
     )
 
     def __init__(self, layout: _Layout, held=None, index: int = 0, kept: dict | None = None):
@@ -128,6 +129,7 @@ class _State:
         self.narrow = None  # (fp16/bf16 flat buffer, its float32 copy being summed)
         self.rider = None  # the call's shard._Agreement, when this bucket may ride in its first message
         self.wire = None  # that message's buffer, when ``flat`` is its tail (no copy in or out)
+        self.in_place: set[int] = set()  # slots whose cotangent was written into them (``put_row``)
 
     # -- the launch: a hook on each tensor's launch view, run as soon as its cotangent is final --
 
@@ -154,9 +156,44 @@ class _State:
         self._done(i)
         return slot
 
+    def put_row(self, i: int, r: int, g: Tensor, done: set[int]) -> None:
+        """Row ``r`` of tensor ``i``'s cotangent, into its slot before the cotangent arrives.
+
+        A stacked parameter's layer whose backward has ended (``fpar/pipeline/_unstack.py``);
+        ``done``: the rows written so far (a first write into a buffer not holding sums copies).
+        """
+        with torch._C._DisableFuncTorch():
+            row = self._slot(i)[r]
+            if self.adding or r in done:
+                row.add_(g)
+            else:
+                row.copy_(g)
+                done.add(r)
+
+    def rows_done(self, i: int, done: set[int], rest: Tensor | None) -> Tensor:
+        """Tensor ``i``'s rows are in: its slot, as the cotangent ``arrive`` then takes in place.
+
+        Rows nothing reached are zero (unless the slot holds deferred sums); ``rest``: what
+        reached the tensor other than through its rows, added in.
+        """
+        with torch._C._DisableFuncTorch():
+            slot = self._slot(i)
+            if not self.adding:
+                for r in range(slot.shape[0]):
+                    if r not in done:
+                        slot[r].zero_()
+            if rest is not None:
+                slot.add_(rest)
+        self.in_place.add(i)
+        return slot
+
     def _put(self, i: int, ct: Tensor) -> Tensor:
         slot = self._slot(i)
-        if self.adding:
+        if i in self.in_place:  # ``rows_done``'s slot: the cotangent is there already ...
+            self.in_place.discard(i)
+            if ct.data_ptr() != slot.data_ptr() or ct.stride() != slot.stride():
+                slot.copy_(ct)  # ... unless autograd added another use's gradient out of place
+        elif self.adding:
             slot.add_(ct)
         else:
             slot.copy_(ct)
@@ -167,6 +204,7 @@ class _State:
             self.waited(None)
         self.flat, self.adding, self.work = None, False, None
         self.arrived = [False] * len(self.layout.shapes)
+        self.in_place = set()
 
     def _slot(self, i: int) -> Tensor:
         if self.flat is None:
@@ -531,6 +569,7 @@ def _hooked(x: Tensor, state: _State, i: int) -> Tensor:
     node = v.grad_fn
     node.register_prehook(lambda cts: (state.arrive(i, cts[0]),))
     node._set_sequence_nr(_ASAP)
+    v._fpar_bucket = (state, i)  # a pipeline stage writes a stacked parameter's rows in place (``_unstack``)
     return v
 
 

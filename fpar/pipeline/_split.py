@@ -66,7 +66,6 @@ class capture(TorchFunctionMode):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():  # a compiled stage function: its graph's backward does B and W
             return func(*args, **kwargs)
-        args, kwargs = self.unstack.tap(args, kwargs)  # a stacked parameter's row at its layer's first use
         if func in _LINEAR or func in _MATMUL:
             deferred = self._defer(func, args, kwargs)
             if deferred is not None:

@@ -7,21 +7,24 @@ sum takes the stack: at the end of a microbatch's backward a stage held each lay
 their stacked copy and the sum, where one sum is needed (4 bytes a parameter each in float32:
 what `docs/performance.md`'s pipeline table had over the formula on every ZeRO stage).
 
-On a real mesh, a forward whose data-parallel sums are deferred (``fpar.defer_reduction()``:
-every microbatch but the last of a step, and every one under ``fpar.optim.zero_pipeline``)
-sees each replicated parameter as an output of its bucket's ``_Defer`` node.  While the stage
-runs such a forward with gradients, ``unbind(0)`` of one returns the same rows, but a row's
-gradient is added into the parameter's slot of the deferred sum (``Deferred.add_row``) as soon
-as its layer's backward has made it, and then freed; the parameter's own cotangent is then
-what reached it otherwise (nothing, usually).  Autograd runs the ready node made last first,
-so a row's node made at the ``unbind``, before any layer ran, would wait for the end of the
-backward: each row is handed to its layer through a *tap*, made at the layer's first use of it,
-whose backward is ready as that layer's ends and runs before the layers below.
+On a real mesh a stage function's replicated parameter reaches it as an output of its gradient
+bucket: ``_Defer``'s when the call's data-parallel sums are deferred (``fpar.defer_reduction()``:
+every microbatch but a chunk's last of a step, every one under ``fpar.optim.zero_pipeline``),
+the bucket's hooked view when the call all-reduces them (a chunk's last microbatch).  While the
+stage runs a forward with gradients, ``unbind(0)``, ``t[i]`` or ``t.select(0, i)`` of such a
+parameter ``t`` returns the same rows, but each row's gradient goes into ``t``'s slot of the
+bucket's buffer (the deferred sum, or the buffer the all-reduce sends) as soon as its layer's
+backward has made it, and is then freed; ``t``'s own cotangent is then what reached it
+otherwise (nothing, usually), or, for the all-reducing call, the slot itself.  A row's node gets
+``AccumulateGrad``'s sequence number, as the bucket's launch hook does (``_dist/buckets.py``):
+autograd runs the ready node numbered highest first, and a row's node, made at the ``unbind``
+before any layer ran, would otherwise wait for the end of the chunk's backward and every
+layer's gradient with it.
 
 The sums are the same, element for element, as adding the stacked gradient (rows no gradient
-reached are zero, as ``unbind``'s backward makes them).  Anything else ``unbind``s as before:
-a call that reduces at once (the step's last microbatch of a plain pipeline), the in-process
-mesh (``vmap``), a compiled region, a forward without gradients (recomputation's first pass).
+reached are zero, as ``unbind``'s backward makes them).  Anything else takes its rows as before:
+the in-process mesh (``vmap``), a compiled region, a forward without gradients (recomputation's
+first pass), a stage function outside ``fpar.shard``.
 """
 
 from __future__ import annotations
@@ -40,17 +43,16 @@ ROWS = _UNBIND | {Tensor.__getitem__, Tensor.select}  # the calls ``Unstack.rows
 
 
 class Unstack:
-    """One forward's ``unbind(0)``s of deferred stacked parameters (see the module's note)."""
+    """One forward's rows of a real mesh's stacked parameters (see the module's note)."""
 
     def __init__(self) -> None:
-        self.gates: dict[int, tuple[Tensor, Tensor, _Target]] = {}  # id(t) -> (t, its gate, its sum)
-        self.rows: dict[int, tuple[Tensor, _Target, int]] = {}  # id(row) -> (row, its sum, index)
-        self.taps: dict[int, Tensor] = {}  # id(row) -> the row as its layer first took it
+        self.gates: dict[int, tuple[Tensor, Tensor, Any]] = {}  # id(t) -> (t, its gate, its target)
 
     def rows_of(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Rows of a deferred parameter ``t`` (``t.unbind(0)``, ``t[r]``, ``t.select(0, r)``), or ``None``.
 
-        Each row's gradient is added into ``t``'s sum; ``None`` for any other call.
+        Each row's gradient goes into ``t``'s slot of its gradient bucket; ``None`` for any other
+        call, or a ``t`` that is not a bucket's output.
         """
         if not args or not isinstance(args[0], Tensor) or args[0].dim() == 0:
             return None
@@ -72,7 +74,7 @@ class Unstack:
             return None
         got = self.gates.get(id(t))
         if got is None:
-            target = _Target.of(t)
+            target = _target(t)
             if target is None:
                 return None
             got = self.gates[id(t)] = (t, _Gate.apply(t, target), target)
@@ -81,63 +83,62 @@ class Unstack:
             return tuple(self._row(gate, r, target) for r in at)
         return self._row(gate, at % n, target)
 
-    def _row(self, gate: Tensor, r: int, target: _Target) -> Tensor:
+    def _row(self, gate: Tensor, r: int, target: Any) -> Tensor:
         row = _Row.apply(gate, r, target)
-        self.rows[id(row)] = (row, target, r)
+        row.grad_fn._set_sequence_nr(_ASAP)  # run as soon as the row's gradient is complete
         return row
 
-    def tap(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """``args`` and ``kwargs`` with each row replaced by its tap, made at the row's first use."""
-        if not self.rows:
-            return args, kwargs
-        found = False
-        for a in (*args, *kwargs.values()):
-            if isinstance(a, Tensor):
-                found = found or id(a) in self.rows
-            elif isinstance(a, (list, tuple)):
-                found = found or any(isinstance(x, Tensor) and id(x) in self.rows for x in a)
-        if not found:
-            return args, kwargs
-        return tuple(self._tapped(a) for a in args), {k: self._tapped(a) for k, a in kwargs.items()}
 
-    def _tapped(self, a: Any) -> Any:
-        if isinstance(a, (list, tuple)):
-            return type(a)(self._tapped(x) for x in a)
-        if not isinstance(a, Tensor) or id(a) not in self.rows:
-            return a
-        got = self.taps.get(id(a))
-        if got is None:
-            row, target, r = self.rows[id(a)]
-            got = self.taps[id(a)] = _Row.apply(row, r, target)
-        return got
+_ASAP = 2**64 - 1  # AccumulateGrad's sequence number (UINT64_MAX)
 
 
-class _Target:
-    """Where a deferred parameter's cotangent goes: slot ``i`` of bucket ``b`` of ``held``."""
+def _target(t: Tensor) -> _Deferred | _Reducing | None:
+    """Where ``t``'s cotangent goes, if ``t`` is itself a real mesh's gradient bucket's output."""
+    from .._defer import Deferred
+
+    bucket = getattr(t, "_fpar_bucket", None)
+    if bucket is not None:  # the all-reducing call's hooked view (``_dist/buckets._hooked``)
+        state, i = bucket
+        return _Reducing(state, i) if tuple(state.layout.shapes[i]) == tuple(t.shape) else None
+    fn = t.grad_fn
+    held = getattr(fn, "held", None)
+    if not isinstance(held, Deferred) or type(fn).__name__ != "_DeferBackward":
+        return None
+    i = t.output_nr
+    metas = fn.metas  # type: ignore[union-attr]
+    if not 0 <= i < len(metas) or tuple(metas[i][0]) != tuple(t.shape):
+        return None
+    return _Deferred(held, fn.index, i, metas)  # type: ignore[union-attr]
+
+
+class _Deferred:
+    """Slot ``i`` of bucket ``b`` of a deferred sum (``_defer.Deferred``)."""
 
     def __init__(self, held: Any, b: int, i: int, metas: list) -> None:
         self.held, self.b, self.i, self.metas = held, b, i, metas
 
-    @classmethod
-    def of(cls, t: Tensor) -> _Target | None:
-        """``t``'s slot, if ``t`` is itself an output of a deferred bucket (``_dist/buckets._Defer``)."""
-        from .._defer import Deferred
-
-        fn = t.grad_fn
-        held = getattr(fn, "held", None)
-        if not isinstance(held, Deferred) or type(fn).__name__ != "_DeferBackward":
-            return None
-        i = t.output_nr
-        metas = fn.metas  # type: ignore[union-attr]
-        if not 0 <= i < len(metas) or tuple(metas[i][0]) != tuple(t.shape):
-            return None
-        return cls(held, fn.index, i, metas)  # type: ignore[union-attr]
-
     def add(self, r: int, g: Tensor) -> None:
         self.held.add_row(self.b, self.i, r, g, self.metas)
 
-    def close(self) -> None:
+    def close(self, rest: Tensor | None) -> Tensor | None:
+        """The rows are in; ``t``'s cotangent is the rest (``Deferred.add`` adds it)."""
         self.held.close_rows(self.b, self.i, self.metas)
+        return rest
+
+
+class _Reducing:
+    """Slot ``i`` of an all-reducing call's bucket (``_dist/buckets._State``)."""
+
+    def __init__(self, state: Any, i: int) -> None:
+        self.state, self.i = state, i
+        self.done: set[int] = set()
+
+    def add(self, r: int, g: Tensor) -> None:
+        self.state.put_row(self.i, r, g, self.done)
+
+    def close(self, rest: Tensor | None) -> Tensor:
+        """The rows are in; ``t``'s cotangent is its slot, which the bucket takes in place."""
+        return self.state.rows_done(self.i, self.done, rest)
 
 
 @untraced
@@ -145,26 +146,25 @@ class _Gate(torch.autograd.Function):
     """``t`` itself; its backward runs after every row's, ends the rows and passes on the rest."""
 
     @staticmethod
-    def forward(ctx: Any, t: Tensor, target: _Target) -> Tensor:
+    def forward(ctx: Any, t: Tensor, target: Any) -> Tensor:
         ctx.target = target
         ctx.set_materialize_grads(False)
         return t.view_as(t)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor | None) -> tuple[Tensor | None, None]:
-        ctx.target.close()
-        return g, None  # what reached the gated tensor other than through its rows (or None)
+        return ctx.target.close(g), None
 
 
 @untraced
 class _Row(torch.autograd.Function):
-    """Row ``r`` of the gated tensor (or a tap of one); its backward adds the gradient into the sum."""
+    """Row ``r`` of the gated tensor; its backward adds the row's gradient into the bucket."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, r: int, target: _Target) -> Tensor:
-        ctx.r, ctx.target, ctx.whole = r, target, x.dim() == len(target.metas[target.i][0])
+    def forward(ctx: Any, gate: Tensor, r: int, target: Any) -> Tensor:
+        ctx.r, ctx.target = r, target
         ctx.set_materialize_grads(False)
-        return x.select(0, r) if ctx.whole else x.view_as(x)
+        return gate.select(0, r)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor | None) -> tuple[None, None, None]:
