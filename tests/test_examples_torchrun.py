@@ -81,6 +81,16 @@ CASES = [
         needs=("transformers",),
         label="pipeline",
     ),
+    # pipeline=2 x tensor=2 as a user first runs it (no --sp, no --remat): the norms as fused
+    # kernels (fpar.hf.lean) in a stage whose sharded call stays traced, the AdamW state split over
+    # data (ZeRO-1 in the pipeline); its own check saves, reloads and compares every weight
+    Case(
+        "finetune_hf.py",
+        (*FINETUNE, "--pp", "2", "--zero", "1"),
+        sizes=(4,),
+        needs=("transformers",),
+        label="pipeline-tp",
+    ),
     # FSDP x pipeline: pipeline=2 x data=2, ZeRO-3 inside each stage (fpar.optim.zero_pipeline)
     Case(
         "finetune_hf.py",

@@ -60,7 +60,12 @@ def rms_norm(
     dt = compute_dtype or torch.promote_types(x.dtype, torch.float32)
     if weight is None:
         return _RmsNorm.apply(x, float(eps), dt)[0]
-    return _ScaledRmsNorm.apply(x, weight, float(eps), dt)[0]
+    # The weight meets x in an op of its own first (the cast the forward makes anyway): on a real
+    # mesh a replicated weight scaling a varying x is pvaried there, where autograd records it.  A
+    # custom Function's apply is not an op the real mesh's tracker sees, and inside its forward
+    # autograd is off: where a sharded call stays traced (a pipeline stage's), the sum over the
+    # axes x varies over would be lost (per-head q/k norms under tensor parallelism).
+    return _ScaledRmsNorm.apply(x, weight.type_as(x), float(eps), dt)[0]
 
 
 def _wide(x: Tensor, dt: torch.dtype) -> Tensor:
