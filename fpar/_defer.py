@@ -227,7 +227,6 @@ class Deferred:
         # first call, for ``defer_reduction._take_local``
         self.parts: list[tuple[tuple[str, ...], list[tuple[Tensor, int, torch.Size]]]] = []
         self.final = False  # a final call has claimed the buffers
-        self.rows: dict[tuple[int, int], set[int]] = {}  # (bucket, slot) -> rows add_row copied in
         _LIVE.append(self)
 
     def check_unchanged(self) -> None:
@@ -271,41 +270,23 @@ class Deferred:
                 slot.add_(ct)
         self.adds[b] += first
 
-    def add_row(self, b: int, i: int, r: int, g: Tensor, metas: list) -> None:
-        """Row ``r`` of bucket ``b``'s tensor ``i``'s cotangent, before the call's ``add``.
+    def row_slot(self, b: int, i: int, metas: list) -> tuple[Tensor, bool]:
+        """Tensor ``i``'s slot of bucket ``b``, for a cotangent written into it row by row before ``add``.
 
-        A stacked parameter's layer whose backward has ended (``fpar/pipeline/_unstack.py``): it
-        goes into the sum at once, so the call's backward never holds every layer's gradient and
-        their stack.  ``close_rows`` ends the tensor's rows; its cotangent in ``add`` is then
-        what reached it otherwise (``None`` if nothing did).
+        (A stacked parameter's layers, each as its backward ends: ``fpar/pipeline/_unstack.py``.)
+        Returns the slot and whether it holds a sum already (else it is uninitialised: the first
+        write of a row copies); ``mark_summed`` once every row is in.
         """
         if self.taken[b]:
             raise self._too_late()
-        with torch._C._DisableFuncTorch():
-            slot = self._slot(b, i, metas)[r]
-            filled = self.filled[b]
-            if filled is None or filled[i]:
-                slot.add_(g)
-                return
-            done = self.rows.setdefault((b, i), set())
-            if r in done:
-                slot.add_(g)
-            else:
-                slot.copy_(g)  # the buffer is uninitialised there: no zero fill first
-                done.add(r)
+        slot = self._slot(b, i, metas)
+        filled = self.filled[b]  # None: every slot initialised (``_add``'s buffer)
+        return slot, filled is None or filled[i]
 
-    def close_rows(self, b: int, i: int, metas: list) -> None:
-        """Tensor ``i``'s rows are in: rows no gradient reached are zero, and its slot holds a sum."""
-        done = self.rows.pop((b, i), None)
-        filled = self.filled[b]
-        if filled is None or filled[i]:
-            return
-        with torch._C._DisableFuncTorch():
-            slot = self._slot(b, i, metas)
-            for r in range(slot.shape[0]):
-                if done is None or r not in done:
-                    slot[r].zero_()
-        filled[i] = True
+    def mark_summed(self, b: int, i: int) -> None:
+        """Tensor ``i``'s slot of bucket ``b`` holds its sum: the call's ``add`` adds into it."""
+        if self.filled[b] is not None:
+            self.filled[b][i] = True
 
     def _slot(self, b: int, i: int, metas: list) -> Tensor:
         """Tensor ``i``'s slot of bucket ``b``'s buffer, made (uninitialised, as ``add_one``'s) if need be."""
@@ -404,7 +385,6 @@ class Deferred:
         """Forget this state (its sums are reported lost by the caller)."""
         self.taken = [True] * len(self.taken)
         self.flats = [None] * len(self.flats)
-        self.rows = {}
         self._forget()
 
     def _forget(self) -> None:

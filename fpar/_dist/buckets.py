@@ -129,7 +129,7 @@ class _State:
         self.narrow = None  # (fp16/bf16 flat buffer, its float32 copy being summed)
         self.rider = None  # the call's shard._Agreement, when this bucket may ride in its first message
         self.wire = None  # that message's buffer, when ``flat`` is its tail (no copy in or out)
-        self.in_place: set[int] = set()  # slots whose cotangent was written into them (``put_row``)
+        self.in_place: set[int] = set()  # slots whose cotangent was written into them (``written``)
 
     # -- the launch: a hook on each tensor's launch view, run as soon as its cotangent is final --
 
@@ -156,40 +156,22 @@ class _State:
         self._done(i)
         return slot
 
-    def put_row(self, i: int, r: int, g: Tensor, done: set[int]) -> None:
-        """Row ``r`` of tensor ``i``'s cotangent, into its slot before the cotangent arrives.
+    def row_slot(self, i: int) -> tuple[Tensor, bool]:
+        """Tensor ``i``'s slot, for a cotangent written into it row by row before it arrives.
 
-        A stacked parameter's layer whose backward has ended (``fpar/pipeline/_unstack.py``);
-        ``done``: the rows written so far (a first write into a buffer not holding sums copies).
+        (A stacked parameter's layers, each as its backward ends: ``fpar/pipeline/_unstack.py``.)
+        Returns the slot and whether it holds deferred sums already (else the first write of a row
+        copies); ``written(i)`` once every row is in, and the slot itself arrives as the cotangent.
         """
-        with torch._C._DisableFuncTorch():
-            row = self._slot(i)[r]
-            if self.adding or r in done:
-                row.add_(g)
-            else:
-                row.copy_(g)
-                done.add(r)
+        return self._slot(i), self.adding
 
-    def rows_done(self, i: int, done: set[int], rest: Tensor | None) -> Tensor:
-        """Tensor ``i``'s rows are in: its slot, as the cotangent ``arrive`` then takes in place.
-
-        Rows nothing reached are zero (unless the slot holds deferred sums); ``rest``: what
-        reached the tensor other than through its rows, added in.
-        """
-        with torch._C._DisableFuncTorch():
-            slot = self._slot(i)
-            if not self.adding:
-                for r in range(slot.shape[0]):
-                    if r not in done:
-                        slot[r].zero_()
-            if rest is not None:
-                slot.add_(rest)
+    def written(self, i: int) -> None:
+        """Tensor ``i``'s cotangent is in its slot: ``arrive`` takes it there."""
         self.in_place.add(i)
-        return slot
 
     def _put(self, i: int, ct: Tensor) -> Tensor:
         slot = self._slot(i)
-        if i in self.in_place:  # ``rows_done``'s slot: the cotangent is there already ...
+        if i in self.in_place:  # ``written``: the cotangent is there already ...
             self.in_place.discard(i)
             if ct.data_ptr() != slot.data_ptr() or ct.stride() != slot.stride():
                 slot.copy_(ct)  # ... unless autograd added another use's gradient out of place

@@ -75,9 +75,8 @@ class capture(TorchFunctionMode):
             if shared is not None:
                 return shared
         elif func in ROWS and torch._C._functorch.maybe_current_level() is None:
-            rows = self.unstack.rows_of(
-                func, args, kwargs
-            )  # each layer's gradient into the sum (``_unstack``)
+            # a stacked parameter's layers, each one's gradient into its bucket (``_unstack``)
+            rows = self.unstack.rows_of(func, args, kwargs)
             if rows is not None:
                 return rows
         return func(*args, **kwargs)

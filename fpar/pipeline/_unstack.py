@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from .._compile import untraced
+from .._dist.buckets import _ASAP  # AccumulateGrad's sequence number, as the buckets' launch hooks
 
 __all__ = ["ROWS", "Unstack"]
 
@@ -46,7 +47,7 @@ class Unstack:
     """One forward's rows of a real mesh's stacked parameters (see the module's note)."""
 
     def __init__(self) -> None:
-        self.gates: dict[int, tuple[Tensor, Tensor, Any]] = {}  # id(t) -> (t, its gate, its target)
+        self.gates: dict[int, tuple[Tensor, Tensor, _Target]] = {}  # id(t) -> (t, its gate, its target)
 
     def rows_of(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Rows of a deferred parameter ``t`` (``t.unbind(0)``, ``t[r]``, ``t.select(0, r)``), or ``None``.
@@ -83,16 +84,13 @@ class Unstack:
             return tuple(self._row(gate, r, target) for r in at)
         return self._row(gate, at % n, target)
 
-    def _row(self, gate: Tensor, r: int, target: Any) -> Tensor:
+    def _row(self, gate: Tensor, r: int, target: _Target) -> Tensor:
         row = _Row.apply(gate, r, target)
         row.grad_fn._set_sequence_nr(_ASAP)  # run as soon as the row's gradient is complete
         return row
 
 
-_ASAP = 2**64 - 1  # AccumulateGrad's sequence number (UINT64_MAX)
-
-
-def _target(t: Tensor) -> _Deferred | _Reducing | None:
+def _target(t: Tensor) -> _Target | None:
     """Where ``t``'s cotangent goes, if ``t`` is itself a real mesh's gradient bucket's output."""
     from .._defer import Deferred
 
@@ -111,34 +109,73 @@ def _target(t: Tensor) -> _Deferred | _Reducing | None:
     return _Deferred(held, fn.index, i, metas)  # type: ignore[union-attr]
 
 
-class _Deferred:
+class _Target:
+    """Where a gated tensor's rows go: its slot of a bucket's buffer, written row by row.
+
+    A row's first write into a slot that holds no sum yet copies (the buffer is uninitialised
+    there); rows no gradient reached are then zero.
+    """
+
+    def __init__(self) -> None:
+        self.done: set[int] = set()  # rows written into a slot that held no sum
+
+    def add(self, r: int, g: Tensor) -> None:
+        with torch._C._DisableFuncTorch():
+            slot, summed = self._slot()
+            if summed or r in self.done:
+                slot[r].add_(g)
+            else:
+                slot[r].copy_(g)
+                self.done.add(r)
+
+    def close(self, rest: Tensor | None) -> Tensor | None:
+        """Every row is in (the gate's backward); the gated tensor's cotangent is returned."""
+        with torch._C._DisableFuncTorch():
+            slot, summed = self._slot()
+            if not summed:
+                for r in range(slot.shape[0]):
+                    if r not in self.done:
+                        slot[r].zero_()
+        return self._closed(slot, rest)
+
+    def _slot(self) -> tuple[Tensor, bool]:
+        raise NotImplementedError
+
+    def _closed(self, slot: Tensor, rest: Tensor | None) -> Tensor | None:
+        raise NotImplementedError
+
+
+class _Deferred(_Target):
     """Slot ``i`` of bucket ``b`` of a deferred sum (``_defer.Deferred``)."""
 
     def __init__(self, held: Any, b: int, i: int, metas: list) -> None:
+        super().__init__()
         self.held, self.b, self.i, self.metas = held, b, i, metas
 
-    def add(self, r: int, g: Tensor) -> None:
-        self.held.add_row(self.b, self.i, r, g, self.metas)
+    def _slot(self) -> tuple[Tensor, bool]:
+        return self.held.row_slot(self.b, self.i, self.metas)
 
-    def close(self, rest: Tensor | None) -> Tensor | None:
-        """The rows are in; ``t``'s cotangent is the rest (``Deferred.add`` adds it)."""
-        self.held.close_rows(self.b, self.i, self.metas)
-        return rest
+    def _closed(self, slot: Tensor, rest: Tensor | None) -> Tensor | None:
+        self.held.mark_summed(self.b, self.i)
+        return rest  # what reached the tensor other than through its rows: ``Deferred.add`` adds it
 
 
-class _Reducing:
+class _Reducing(_Target):
     """Slot ``i`` of an all-reducing call's bucket (``_dist/buckets._State``)."""
 
     def __init__(self, state: Any, i: int) -> None:
+        super().__init__()
         self.state, self.i = state, i
-        self.done: set[int] = set()
 
-    def add(self, r: int, g: Tensor) -> None:
-        self.state.put_row(self.i, r, g, self.done)
+    def _slot(self) -> tuple[Tensor, bool]:
+        return self.state.row_slot(self.i)
 
-    def close(self, rest: Tensor | None) -> Tensor:
-        """The rows are in; ``t``'s cotangent is its slot, which the bucket takes in place."""
-        return self.state.rows_done(self.i, self.done, rest)
+    def _closed(self, slot: Tensor, rest: Tensor | None) -> Tensor:
+        if rest is not None:
+            with torch._C._DisableFuncTorch():
+                slot.add_(rest)
+        self.state.written(self.i)
+        return slot  # the cotangent: the bucket's ``arrive`` takes it in place
 
 
 @untraced
