@@ -146,6 +146,9 @@ class _Tracker(TorchFunctionMode):
         self.carried: Tensor | None = None  # the sum the call's first message carried, until an op reads it
         self.late: dict = {}  # input slot -> its cotangent's deferral (set after the forward: traced_sums)
         self.remat: str | None = None  # the name of the remat function whose body is being typed
+        # The grad mode the function asked for (``torch.no_grad`` and its kin go through this mode):
+        # autograd off while it is on means a custom ``torch.autograd.Function``'s forward
+        self.grad_wanted = torch.is_grad_enabled()
 
     # bookkeeping
 
@@ -234,6 +237,8 @@ class _Tracker(TorchFunctionMode):
         if self.remat is not None and func in _CONTROL_READS and _by_user():
             # the in-process mesh (vmap) cannot read a value here: refuse it alike
             raise ValueError(remat_reads_message(self.remat, f"Tensor.{func.__name__}"))
+        if func is torch._C._set_grad_enabled:
+            self.grad_wanted = bool(args[0])
         if func in NOT_OPS:
             self.inner = True
             return func(*args, **kwargs)
@@ -248,7 +253,7 @@ class _Tracker(TorchFunctionMode):
         if not idx:
             return func(*args, **kwargs)
         reads = self.carried is not None and any(leaves[i] is self.carried for i in idx)
-        met, union, deps = self._meet([leaves[i] for i in idx])
+        met, union, deps = self._meet([leaves[i] for i in idx], func)
         if any(t is not leaves[i] for i, t in zip(idx, met)):
             for i, t in zip(idx, met):
                 leaves[i] = t
@@ -259,7 +264,7 @@ class _Tracker(TorchFunctionMode):
             self.plan.read_inside, self.carried = True, None
         return result
 
-    def _meet(self, ts: list) -> tuple[list, frozenset, frozenset]:
+    def _meet(self, ts: list, func: Any = None) -> tuple[list, frozenset, frozenset]:
         """Tensors ``ts`` meet in one op: pvary each over the axes others vary over and it does not.
 
         Returns the operands to use, the result's varying axes and its sources.
@@ -272,10 +277,34 @@ class _Tracker(TorchFunctionMode):
             missing = union - v
             if missing and _diff(t):
                 axes = tuple(a for a in self.axes if a in missing)
+                self._refuse_inside_function(func, d, axes)
                 self._use(t, d, axes)
                 out[i] = self._pvary(t, axes)
             deps.update(x for x in d if x[1] not in missing)
         return out, union, frozenset(deps)
+
+    def _refuse_inside_function(self, func: Any, deps: frozenset, axes: tuple[str, ...]) -> None:
+        """Refuse an implicit pvary whose sum autograd would never run.
+
+        Inside a custom ``torch.autograd.Function``'s forward (autograd off, though the function
+        asked for it; not a remat body, which fpar types itself) nothing is recorded: the
+        Function's own backward returns the replicated operand's cotangent unsummed, where the
+        in-process mesh (vmap) sums it.  Only a value with a gradient source over ``axes`` needs it.
+        """
+        if self.remat is not None or torch.is_grad_enabled() or not self.grad_wanted:
+            return
+        if torch.is_inference_mode_enabled() or not any(a in axes and a in self.summed for _, a in deps):
+            return
+        op = getattr(func, "__name__", repr(func))
+        raise ValueError(
+            f"fpar.shard({self.owner.fname}): inside a custom torch.autograd.Function's forward, "
+            f"{op} combines a value replicated over {axes} whose gradient is summed over them with one "
+            f"varying over {axes}. Autograd records nothing inside that forward, so on a real mesh "
+            f"the Function's backward would return the replicated value's gradient without its sum "
+            f"over {axes} (the in-process mesh sums it). Make the value vary before the Function: "
+            f"pass fpar.pvary(value, {axes!r}) to it, or combine the two in an op of their own "
+            f"before the call."
+        )
 
     def _foreach(self, func, args: tuple, kwargs: dict) -> Any:
         """A ``torch._foreach_*`` op: element ``j`` of its result meets only element ``j`` of each list.
@@ -293,7 +322,7 @@ class _Tracker(TorchFunctionMode):
         for j in range(len(args[lists[0]])):
             mine = [a[j] if k in lists else a for k, a in enumerate(args)]
             at = [k for k, a in enumerate(mine) if isinstance(a, Tensor)]
-            met, union, deps = self._meet([mine[k] for k in at])
+            met, union, deps = self._meet([mine[k] for k in at], func)
             for k, t in zip(at, met):
                 mine[k] = t
             elements.append(mine)
