@@ -97,6 +97,10 @@ class defer_reduction:
     # cotangent is added into it exactly), as FSDP2 reduces bfloat16 parameters' gradients in
     # float32.  ``None``: the cotangents' own dtype.
     _accumulate_dtype: torch.dtype | None = None
+    # Set by ``fpar.optim.zero_pipeline`` too: each step's sums in buffers of their own, not the
+    # plan's kept ones, so that they are freed once reduce-scattered (a kept buffer, the size of
+    # the stage's gradients, would stay through the update: 4 bytes a parameter in float32).
+    _fresh_buffers = False
 
     def __enter__(self) -> defer_reduction:
         if not _ACTIVE:
@@ -431,7 +435,9 @@ def open_deferred(
         d.drop()
         raise RuntimeError(_stale_message(stale))
     if d is None:
-        d = _PENDING[key] = Deferred(scope, fname, key, bases, n_buckets, buffer)
+        d = _PENDING[key] = Deferred(
+            scope, fname, key, bases, n_buckets, None if scope._fresh_buffers else buffer
+        )
     d.check_unchanged()
     return d
 

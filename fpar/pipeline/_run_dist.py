@@ -99,6 +99,7 @@ class DistDriver:
         st.deferral._checks_itself = True  # _check_reduced at the step's end
         if unreduced is not None:  # every forward deferred; the sums are taken unreduced at the end
             st.finals = set()
+            st.deferral._fresh_buffers = True  # freed once reduce-scattered, not kept through the update
             if accumulate is not None:
                 st.deferral._accumulate_dtype = accumulate
                 _widen(st, accumulate)

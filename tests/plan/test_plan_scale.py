@@ -26,18 +26,21 @@ GPT = plan.Model("gpt-small", 32, 4, 2, 2, 128, 64, 16, "gpt")
 
 
 @pytest.mark.parametrize(
-    "schedule, virtual, model",
-    [("1f1b", 1, SMALL), ("zb", 1, SMALL), ("1f1b", 2, GPT)],
-    ids=["1f1b", "zb", "interleaved-gpt"],
+    "schedule, virtual, model, m",
+    [("1f1b", 1, SMALL, 6), ("zb", 1, SMALL, 6), ("1f1b", 2, GPT, 10), ("1f1b", 2, GPT, 8)],
+    ids=["1f1b", "zb", "interleaved-gpt", "interleaved-gpt-8"],
 )
-def test_repeating_the_steady_microbatch_equals_simulating_every_one(schedule, virtual, model):
+def test_repeating_the_steady_microbatch_equals_simulating_every_one(schedule, virtual, model, m):
     # every microbatch runs the same program: a stage simulates the first few and the last, and
-    # the steady one's ops and messages stand for the others; nothing an estimate reports moves
+    # the steady one's ops and messages stand for the others; nothing an estimate reports moves.
+    # With 2 chunks a stage the peak's state (which chunks are in flight, the first holding the
+    # embedding) took more microbatches than their count in flight: 8 of 10 on stage 0, where 5
+    # planned its peak 656 bytes low (ZeRO-1's sums in buffers of their own)
     layout = plan.Layout(
-        pipeline=2, data=2, tensor=2, microbatches=6, batch=12, schedule=schedule, virtual=virtual
+        pipeline=2, data=2, tensor=2, microbatches=m, batch=2 * m, schedule=schedule, virtual=virtual
     )
     kept = [_repeat.kept_microbatches(_schedule(layout), s) for s in range(2)]
-    assert all(k is not None and len(k) < 6 for k in kept), kept
+    assert any(k is not None and len(k) < m for k in kept), kept
     fast, full = _estimate(layout, model), _estimate(layout, model, repeat=False)
     assert [c.peak_bytes for c in fast.devices] == [c.peak_bytes for c in full.devices]
     assert [c.comm for c in fast.devices] == [c.comm for c in full.devices]
@@ -60,8 +63,9 @@ def test_the_kept_microbatches_reach_the_schedules_most_in_flight():
     import fpar.pipeline as pp
 
     sch = pp.one_f_one_b(4, 32)
-    # 1F1B: stage s holds p - s microbatches at most; it simulates that many, one steady, the last
-    assert [len(_repeat.kept_microbatches(sch, s)) for s in range(4)] == [6, 5, 4, 3]
+    # 1F1B: stage s holds p - s microbatches at most, also in a forward after its first backward
+    # (its gradient sums made): it simulates that many and one more (at most), one steady, the last
+    assert [len(_repeat.kept_microbatches(sch, s)) for s in range(4)] == [7, 6, 5, 3]
     assert all(31 in _repeat.kept_microbatches(sch, s) for s in range(4))
     assert _repeat.kept_microbatches(pp.one_f_one_b(2, 3), 0) is None  # too few to save any
 
