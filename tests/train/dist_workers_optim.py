@@ -128,11 +128,22 @@ def stacked_remat_loss(params, batch):
     return ((h - y) ** 2).mean()
 
 
+def stacked_loss(params, batch):
+    """``deep_loss`` over stacked leaves, the weights' rows by ``unbind``, the biases' by indexing."""
+    x, y = batch
+    h = x
+    for i, w in enumerate(params["w"].unbind(0)):
+        h = h + torch.tanh(h @ w + params["b"][i])
+    return ((h - y) ** 2).mean()
+
+
 _LOSSES = {
     "mlp": (mlp_problem, mlp_loss),
     "remat": (mlp_problem, remat_mlp_loss),
     "deep": (deep_problem, deep_loss),
     "stacked": (stacked_problem, stacked_remat_loss),
+    "stacked_plain": (stacked_problem, stacked_loss),
+    "stacked_odd": (lambda: stacked_problem(d=3, layers=5), stacked_loss),  # rows across chunk bounds
     "odd": (lambda: mlp_problem(hidden=5), mlp_loss),  # blocks of odd sizes: padded chunks
 }
 

@@ -365,6 +365,9 @@ def test_real_mesh_zero_equals_in_process():
     jobs = [(2, 3, "mlp"), (3, 2, "mlp"), (3, 2, "remat"), (3, 2, "deep"), (0, 2, "remat"), (3, 2, "odd")]
     jobs += [(3, 2, "stacked")]  # stacked leaves, a remat'd layer each: one re-gather a leaf
     jobs += [(2, 2, "odd"), (2, 2, "remat")]
+    # ZeRO-2 over stacked leaves (``[layers, ...]``, as fpar.plan.model_step holds them): rows by
+    # unbind, by index, under remat, and rows across the chunks' bounds (5 layers on 2 ranks)
+    jobs += [(2, 2, "stacked"), (2, 2, "stacked_plain"), (2, 3, "stacked_odd", True)]
     jobs += [
         (3, 3, "deep", True),
         (0, 2, "mlp", True),
