@@ -158,6 +158,13 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "no wrapper leaks into a buffer kept across steps)",
     ),
     PrivateApi(
+        "torch._C._set_grad_enabled",
+        ("_dist/tracker.py",),
+        "the grad mode a sharded function asks for (torch.no_grad and its kin call it through the "
+        "torch-function mode): autograd off while it is on is a custom autograd.Function's forward, "
+        "where an implicit pvary's sum would be lost (refused)",
+    ),
+    PrivateApi(
         "torch._functorch.autograd_function.custom_function_call",
         ("_local/mode.py", "_dist/tracker.py"),
         "recognise fpar's own autograd.Functions when torch.func dispatches them through the mode",
