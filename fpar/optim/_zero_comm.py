@@ -66,6 +66,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _defer, _stats
 from .._tree import tree_flatten, tree_unflatten
+from ._zero_rows import RowScatter
 
 __all__ = ["Regather", "Uses", "gathered_grad", "regather_supported", "scattered_grad"]
 
@@ -566,7 +567,7 @@ def scattered_grad(
 
     def launch(k: int) -> None:
         rows = []
-        for i in buckets[k]:
+        for i in scattered[k]:
             g = got.pop(i, None)
             g = torch.zeros_like(leaves[i]) if g is None else g
             flat = g.reshape(-1)
@@ -584,36 +585,68 @@ def scattered_grad(
             work = dist.reduce_scatter(
                 out, _in_group_order(list(full.chunk(n)), members, group), group=group, async_op=True
             )
-        _stats.record("psum_scatter", (axis,), n, full, overlap=True)
         done[k] = _InFlight(work, out, full)
         inflight.append(k)
 
+    # Traffic is counted a bucket at a time, once its every leaf is in (those reduced by rows too).
+    uncounted = [len(b) for b in buckets]
+
+    def count(k: int, leaves_in: int = 1) -> None:
+        uncounted[k] -= leaves_in
+        if uncounted[k] == 0:
+            like = leaves[buckets[k][0]]
+            whole = torch.empty(n * sum(chunks[i] for i in buckets[k]), dtype=like.dtype, device="meta")
+            _stats.record("psum_scatter", (axis,), n, whole, overlap=True)
+
     def accumulated(i: int, leaf: Tensor) -> None:
+        if (
+            i in rows.reached
+        ):  # its rows went on their own (the gate passes on nothing, or what else reached it)
+            rows.add_whole(i, leaf.grad)
+            leaf.grad = None
+            return
         got[i], leaf.grad = leaf.grad, None
         k = bucket_of[i]
         missing[k] -= 1
         if missing[k] == 0:
             launch(k)
+        count(k)
 
     inputs = []
     for i, x in enumerate(leaves):
         leaf = x.detach().requires_grad_(True)
         leaf.register_post_accumulate_grad_hook(lambda a, i=i: accumulated(i, a))
         inputs.append(leaf)
+    scattered = [list(b) for b in buckets]  # each bucket's leaves reduce-scattered whole
+
+    def by_rows(i: int) -> None:  # a stacked leaf's rows are reduced one by one (``_zero_rows``)
+        k = bucket_of[i]
+        scattered[k].remove(i)
+        missing[k] -= 1
+
+    rows = RowScatter(inputs, chunks, groups, axis, by_rows, lambda i: count(bucket_of[i]))
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), rows:
             scaled, loss = objective(tree_unflatten(treedef, inputs), batch, scale)
         torch.autograd.backward(scaled, inputs=inputs)
         for k, left in enumerate(missing):
             if left:  # some gradient never came (an unused parameter): zeros, as autograd's
                 missing[k] = 0
                 launch(k)
+        for k, left in enumerate(uncounted):
+            if left:
+                count(k, left)
     finally:
         for j in inflight:
             done[j] = done[j].wait()
         inflight.clear()
+        rows.wait()
+        outs = rows.release()
     grads: list[Tensor] = [None] * len(leaves)  # type: ignore[list-item]
-    for k, group_ in enumerate(buckets):
-        for i, piece in zip(group_, done[k].split([chunks[i] for i in group_])):
-            grads[i] = piece
+    for k, group_ in enumerate(scattered):
+        if group_:
+            for i, piece in zip(group_, done[k].split([chunks[i] for i in group_])):
+                grads[i] = piece
+    for i in rows.reached:  # a leaf no row of which reached this rank's chunk: zeros, as autograd's
+        grads[i] = outs[i] if i in outs else leaves[i].new_zeros(chunks[i])
     return tree_unflatten(treedef, grads), loss.detach()

@@ -29,6 +29,7 @@ first pass), a stage function outside ``fpar.shard``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,8 +47,10 @@ ROWS = _UNBIND | {Tensor.__getitem__, Tensor.select}  # the calls ``Unstack.rows
 class Unstack:
     """One forward's rows of a real mesh's stacked parameters (see the module's note)."""
 
-    def __init__(self) -> None:
+    def __init__(self, target_of: Callable[[Tensor], _Target | None] | None = None) -> None:
         self.gates: dict[int, tuple[Tensor, Tensor, _Target]] = {}  # id(t) -> (t, its gate, its target)
+        # where a tensor's rows go (``None``: it keeps its rows); default a gradient bucket's slot
+        self.target_of = target_of or _target
 
     def rows_of(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Rows of a deferred parameter ``t`` (``t.unbind(0)``, ``t[r]``, ``t.select(0, r)``), or ``None``.
@@ -75,7 +78,7 @@ class Unstack:
             return None
         got = self.gates.get(id(t))
         if got is None:
-            target = _target(t)
+            target = self.target_of(t)
             if target is None:
                 return None
             got = self.gates[id(t)] = (t, _Gate.apply(t, target), target)

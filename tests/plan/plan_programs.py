@@ -34,6 +34,7 @@ MESHES = {
     "zero2": ((2,), ("data",)),
     "zero3": ((2,), ("data",)),
     "zero3_remat": ((2,), ("data",)),
+    "zero2_stacked": ((2,), ("data",)),
     "zero3_micro": ((2,), ("data",)),
     "dp_donate": ((2,), ("data",)),
     "zero1_donate": ((2,), ("data",)),
@@ -92,6 +93,7 @@ ZERO_PROGRAMS = (
     "zero2",
     "zero3",
     "zero3_remat",
+    "zero2_stacked",
     "zero3_micro",
     "dp_donate",
     "zero1_donate",
@@ -104,10 +106,18 @@ def build(name: str, mesh: fpar.Mesh):
     """``(step, args)`` of program ``name`` on ``mesh``."""
     g = torch.Generator().manual_seed(0)
     if name in ZERO_PROGRAMS:
-        stage = {"dp": 0, "dp_donate": 0, "zero1": 1, "zero2": 2, "zero1_donate": 1, "zero2_donate": 2}.get(
-            name, 3
-        )
-        if name == "zero3_remat":  # ZeRO-3 with recomputation: each stacked leaf re-gathered once
+        stage = {
+            "dp": 0,
+            "dp_donate": 0,
+            "zero1": 1,
+            "zero2": 2,
+            "zero1_donate": 1,
+            "zero2_donate": 2,
+            "zero2_stacked": 2,
+        }.get(name, 3)
+        if name in ("zero3_remat", "zero2_stacked"):
+            # ZeRO-3 with recomputation: each stacked leaf re-gathered once; ZeRO-2: each layer's
+            # gradient reduced onto its chunk's rank as its backward ends (``_zero_rows``)
             layers, loss = 4, _stacked_remat_loss
             params = {
                 "w": torch.randn(layers, D, D, generator=g) * 0.05,
@@ -132,7 +142,8 @@ def build(name: str, mesh: fpar.Mesh):
         # zero3_micro: FSDP with gradient accumulation, 2 microbatches a step
         # *_donate: the update writes the parameters and AdamW state in place (what the planner
         # must see on its meta tensors too: one copy of the state, not the old and the new)
-        micro, donate = 2 if name == "zero3_micro" else 1, name.endswith("_donate")
+        micro = 2 if name == "zero3_micro" else 1
+        donate = name.endswith("_donate") or name == "zero2_stacked"
         buckets = {"bucket_bytes": SMALL_BUCKET} if name in ("zero1_donate", "zero2_donate") else {}
         step = fo.zero_step(loss, opt, layout, n_micro=micro, donate=donate, **buckets)
         batch = fpar.device_put(
