@@ -26,9 +26,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 
-from ..pipeline._unstack import ROWS, Unstack, _Target
+from ..pipeline._unstack import Rows, Unstack, _Target
 
 __all__ = ["RowScatter"]
 
@@ -36,7 +35,7 @@ Tensor = torch.Tensor
 _IN_FLIGHT = 2  # row reductions in flight at once (their pieces freed as they end)
 
 
-class RowScatter(TorchFunctionMode):
+class RowScatter(Rows):
     """While ``scattered_grad``'s forward runs: the rows of its stacked leaves, reduced row by row.
 
     Args:
@@ -50,24 +49,15 @@ class RowScatter(TorchFunctionMode):
     def __init__(
         self, leaves: list[Tensor], chunks: list[int], groups: Any, axis: str, on_rows: Any, on_closed: Any
     ):
-        super().__init__()
+        super().__init__(Unstack(self._target))
         self.index = {id(t): i for i, t in enumerate(leaves)}
         self.leaves, self.chunks, self.on_rows, self.on_closed = leaves, chunks, on_rows, on_closed
         self.group, self.members = groups.group((axis,)), groups.members((axis,))
         self.n = len(self.members)
         self.me = self.members.index(dist.get_rank())
-        self.unstack = Unstack(self._target)
         self.reached: set[int] = set()  # the leaves whose rows were taken
         self.outs: dict[int, Tensor] = {}  # leaf -> this rank's chunk of its summed gradient
         self.pending: list[tuple[Any, Tensor, tuple[int, int] | None]] = []  # (work, piece, where it adds)
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func in ROWS:
-            got = self.unstack.rows_of(func, args, kwargs)
-            if got is not None:
-                return got
-        return func(*args, **kwargs)
 
     def _target(self, t: Tensor) -> _Target | None:
         i = self.index.get(id(t))

@@ -33,11 +33,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .._compile import untraced
 from .._dist.buckets import _ASAP  # AccumulateGrad's sequence number, as the buckets' launch hooks
 
-__all__ = ["ROWS", "Unstack"]
+__all__ = ["ROWS", "Rows", "Unstack"]
 
 Tensor = torch.Tensor
 _UNBIND = {Tensor.unbind, torch.unbind}
@@ -91,6 +92,22 @@ class Unstack:
         row = _Row.apply(gate, r, target)
         row.grad_fn._set_sequence_nr(_ASAP)  # run as soon as the row's gradient is complete
         return row
+
+
+class Rows(TorchFunctionMode):
+    """While a forward runs: ``Unstack.rows_of`` for the row calls it makes (``ROWS``)."""
+
+    def __init__(self, unstack: Unstack | None = None) -> None:
+        super().__init__()
+        self.unstack = unstack or Unstack()
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in ROWS:
+            got = self.unstack.rows_of(func, args, kwargs)
+            if got is not None:
+                return got
+        return func(*args, **kwargs)
 
 
 def _target(t: Tensor) -> _Target | None:
