@@ -368,6 +368,8 @@ def test_real_mesh_zero_equals_in_process():
     # ZeRO-2 over stacked leaves (``[layers, ...]``, as fpar.plan.model_step holds them): rows by
     # unbind, by index, under remat, and rows across the chunks' bounds (5 layers on 2 ranks)
     jobs += [(2, 2, "stacked"), (2, 2, "stacked_plain"), (2, 3, "stacked_odd", True)]
+    jobs += [(2, 2, "stacked_plain", True, "bf16"), (2, 2, "stacked_plain", True, "sgdm")]
+    jobs += [(2, 2, "stacked_plain", True, "adamw", 2)]  # 2 microbatches a step, each reduced
     jobs += [
         (3, 3, "deep", True),
         (0, 2, "mlp", True),
