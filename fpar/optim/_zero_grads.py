@@ -22,7 +22,8 @@ from ._accumulate import accumulate
 from ._precision import cast_floating
 from ._remat import remat
 from ._zero import BUCKET_BYTES, ZeroLayout, _buckets, _gather, _Leaf, _map, _reduce_scatter_all
-from ._zero_comm import Regather, Uses, gathered_grad, regather_supported, scattered_grad
+from ._zero_comm import Regather, Uses, gathered_grad, regather_supported
+from ._zero_rows import scattered_grad
 
 __all__ = ["zero_grads"]
 
@@ -67,7 +68,7 @@ def zero_grads(
         per device (leaves of one dtype and layout, in order), one collective per bucket.  On a
         real mesh (not under a ``torch.func`` transform) each bucket's reduce-scatter starts,
         asynchronously, as soon as autograd has its gradients, overlapping the rest of the
-        backward (``fpar.optim._zero_comm.scattered_grad``).
+        backward (``fpar.optim._zero_rows.scattered_grad``).
     """
     mesh, data, n = layout.mesh, layout.data_axis, layout.n
     batch_specs = P(data) if batch_specs is None else batch_specs

@@ -1,4 +1,7 @@
-"""ZeRO-2 on a real mesh: a stacked parameter's gradient reduced layer by layer as each layer's backward ends.
+"""ZeRO-2 on a real mesh: each bucket reduce-scattered, each stacked layer reduced, as its gradient is made.
+
+``scattered_grad`` runs stage 2's backward with a hook on every parameter: a bucket of them is
+reduce-scattered (asynchronously) as soon as its last gradient is accumulated.
 
 A model over stacked layers (``w[layers, ...]``, as ``fpar.plan.model_step`` builds one below
 ZeRO-3) takes its layers with ``w.unbind(0)`` (or ``w[i]``, ``w.select(0, i)``).  Autograd's
@@ -27,9 +30,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _stats
+from .._tree import tree_flatten, tree_unflatten
 from ..pipeline._unstack import Rows, Unstack, _Target
+from ._zero_comm import _InFlight
 
-__all__ = ["RowScatter"]
+__all__ = ["RowScatter", "scattered_grad"]
 
 Tensor = torch.Tensor
 _IN_FLIGHT = 2  # row reductions in flight at once (their pieces freed as they end)
@@ -132,3 +138,122 @@ class _Scattered(_Target):
         """Every row is in: the gradient that reached the leaf otherwise goes on to the leaf."""
         self.owner.on_closed(self.i)
         return rest  # ``scattered_grad``'s hook on the leaf reduces it row by row (``add_whole``)
+
+
+def scattered_grad(
+    objective: Any, layout: Any, params: Any, batch: Any, scale: Tensor, buckets: list[list[int]]
+) -> tuple[Any, Tensor]:
+    """Stage 2's gradient on a real mesh: each bucket reduce-scattered as soon as it is complete.
+
+    Args:
+      objective: ``(params, batch, scale) -> (scaled loss, loss)``, a sharded function taking
+        each rank's parameter blocks as its own copies (in_specs varying over the data axis).
+      layout: the stage-2 ``ZeroLayout``.
+      params: this process's (replicated) parameter blocks.
+      batch: the batch, as ``objective`` takes it.
+      scale: the loss scale (0-d).
+      buckets: leaf indices per bucket (``_zero._buckets``): one reduce-scatter each, the
+        leaves' padded gradients side by side per rank, as ``_zero._reduce_scatter_all``.
+
+    Returns:
+      ``(grads, loss)``: this process's chunk of each reduced gradient, and the loss.
+    """
+    import torch.distributed as dist
+
+    from .._dist.exchange import _in_group_order, _ordered, reduce_scatter_single
+
+    axis, n = layout.data_axis, layout.n
+    groups = layout.mesh._dist
+    group, members = groups.group((axis,)), groups.members((axis,))
+    direct = _ordered(members, group) and dist.get_backend(group) != "gloo"
+    leaves, treedef = tree_flatten(params)
+    chunks = [lf.chunk for lf in layout.leaves]
+    bucket_of = {i: k for k, group_ in enumerate(buckets) for i in group_}
+    missing = [len(b) for b in buckets]
+    got: dict[int, Tensor | None] = {}
+    done: dict[int, Any] = {}  # bucket -> its reduced chunks (an _InFlight until waited on)
+    inflight: list[int] = []
+
+    def launch(k: int) -> None:
+        rows = []
+        for i in scattered[k]:
+            g = got.pop(i, None)
+            g = torch.zeros_like(leaves[i]) if g is None else g
+            flat = g.reshape(-1)
+            pad = n * chunks[i] - flat.numel()
+            rows.append((torch.cat([flat, flat.new_zeros(pad)]) if pad else flat).reshape(n, chunks[i]))
+        full = (torch.cat(rows, dim=1) if len(rows) > 1 else rows[0].contiguous()).reshape(-1)
+        for j in inflight:  # one in flight: the previous bucket's buffer is freed
+            done[j] = done[j].wait()
+        inflight.clear()
+        out = full.new_empty(full.numel() // n)
+        groups.group((axis,))  # as every collective fpar issues: held messages go first (pending.py)
+        if direct:
+            work = reduce_scatter_single(out, full, group=group, async_op=True)
+        else:
+            work = dist.reduce_scatter(
+                out, _in_group_order(list(full.chunk(n)), members, group), group=group, async_op=True
+            )
+        done[k] = _InFlight(work, out, full)
+        inflight.append(k)
+
+    # Traffic is counted a bucket at a time, once its every leaf is in (those reduced by rows too).
+    uncounted = [len(b) for b in buckets]
+
+    def count(k: int, leaves_in: int = 1) -> None:
+        uncounted[k] -= leaves_in
+        if uncounted[k] == 0:
+            like = leaves[buckets[k][0]]
+            whole = torch.empty(n * sum(chunks[i] for i in buckets[k]), dtype=like.dtype, device="meta")
+            _stats.record("psum_scatter", (axis,), n, whole, overlap=True)
+
+    def accumulated(i: int, leaf: Tensor) -> None:
+        if i in rows.reached:  # its rows went on their own; this is what reached it otherwise
+            rows.add_whole(i, leaf.grad)
+            leaf.grad = None
+            return
+        got[i], leaf.grad = leaf.grad, None
+        k = bucket_of[i]
+        missing[k] -= 1
+        if missing[k] == 0:
+            launch(k)
+        count(k)
+
+    inputs = []
+    for i, x in enumerate(leaves):
+        leaf = x.detach().requires_grad_(True)
+        leaf.register_post_accumulate_grad_hook(lambda a, i=i: accumulated(i, a))
+        inputs.append(leaf)
+    scattered = [list(b) for b in buckets]  # each bucket's leaves reduce-scattered whole
+
+    def by_rows(i: int) -> None:  # a stacked leaf's rows are reduced one by one (``_zero_rows``)
+        k = bucket_of[i]
+        scattered[k].remove(i)
+        missing[k] -= 1
+
+    rows = RowScatter(inputs, chunks, groups, axis, by_rows, lambda i: count(bucket_of[i]))
+    try:
+        with torch.enable_grad(), rows:
+            scaled, loss = objective(tree_unflatten(treedef, inputs), batch, scale)
+        torch.autograd.backward(scaled, inputs=inputs)
+        for k, left in enumerate(missing):
+            if left:  # some gradient never came (an unused parameter): zeros, as autograd's
+                missing[k] = 0
+                launch(k)
+        for k, left in enumerate(uncounted):
+            if left:
+                count(k, left)
+    finally:
+        for j in inflight:
+            done[j] = done[j].wait()
+        inflight.clear()
+        rows.wait()
+        outs = rows.release()
+    grads: list[Tensor] = [None] * len(leaves)  # type: ignore[list-item]
+    for k, group_ in enumerate(scattered):
+        if group_:
+            for i, piece in zip(group_, done[k].split([chunks[i] for i in group_])):
+                grads[i] = piece
+    for i in rows.reached:  # a leaf no row of which reached this rank's chunk: zeros, as autograd's
+        grads[i] = outs[i] if i in outs else leaves[i].new_zeros(chunks[i])
+    return tree_unflatten(treedef, grads), loss.detach()
