@@ -16,6 +16,7 @@ fp32 parameters and gradients (Rajbhandari et al. 2019, with K=8 for AdamW's two
 Run:
     python bench/zero_memory.py                    # L=8 D=1024 H=4096 B=4 (67M parameters)
     python bench/zero_memory.py --layers 4 --dim 256 --hidden 1024
+    python bench/zero_memory.py --stacked          # each kind of weight one [L, ...] leaf (a scanned model)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 try:
     import fpar
@@ -46,12 +48,28 @@ def paper(stage: int, n: int = N) -> float:
     return {0: 16.0, 1: 8 + 8 / n, 2: 4 + 12 / n, 3: 16 / n}[stage]
 
 
+def stacked_params(L: int, D: int, H: int) -> dict[str, torch.Tensor]:
+    """``make_params``' values with each kind stacked over the layers: ``w1[L, H, D]`` and so on."""
+    flat = make_params(L, D, H)
+    return {k: torch.stack([flat[f"{i}.{k}"] for i in range(L)]) for k in ("w1", "b1", "w2", "b2")}
+
+
+def stacked_loss(params, batch):
+    """``loss_local`` over stacked leaves, each layer's slice taken with ``unbind`` (a scanned model)."""
+    x_BD, y_BD = batch
+    h = x_BD
+    for w1, b1, w2, b2 in zip(*(params[k].unbind(0) for k in ("w1", "b1", "w2", "b2"))):
+        h = h + F.linear(torch.relu(F.linear(h, w1, b1)), w2, b2)
+    return F.mse_loss(h, y_BD)
+
+
 def build(mesh, cfg: dict, stage: int, donate: bool):
-    params = fpar.device_put(make_params(cfg["layers"], cfg["dim"], cfg["hidden"]), mesh, P())
+    make, loss = (stacked_params, stacked_loss) if cfg["stacked"] else (make_params, loss_local)
+    params = fpar.device_put(make(cfg["layers"], cfg["dim"], cfg["hidden"]), mesh, P())
     layout = fo.zero_layout(params, mesh, stage=stage, data_axis="data")
     opt = fo.adamw(1e-3, weight_decay=0.01)
     params, state = fo.zero_init(opt, params, layout)
-    step = fo.zero_step(loss_local, opt, layout, batch_specs=P("data"), donate=donate)
+    step = fo.zero_step(loss, opt, layout, batch_specs=P("data"), donate=donate)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(cfg["batch"], cfg["dim"], generator=gen)
     batch = fpar.device_put((x, torch.randn(x.shape, generator=gen)), mesh, P("data"))
@@ -78,12 +96,16 @@ def main(argv=None) -> None:
     parser.add_argument("--dim", type=int, default=1024, help="D, the model width")
     parser.add_argument("--hidden", type=int, default=4096, help="H, the hidden width")
     parser.add_argument("--batch", type=int, default=4, help="B, the global batch (split over 2)")
+    parser.add_argument(
+        "--stacked", action="store_true", help="each kind of weight one [L, ...] leaf, layers by unbind"
+    )
     args = parser.parse_args(argv)
     cfg = vars(args)
     n_params = sum(t.numel() for t in make_params(cfg["layers"], cfg["dim"], cfg["hidden"]).values())
     print(
         f"# ZeRO memory, AdamW, 2 gloo processes, L={cfg['layers']} D={cfg['dim']} H={cfg['hidden']} "
-        f"B={cfg['batch']}: {n_params / 1e6:.1f}M parameters; torch {torch.__version__}, "
+        f"B={cfg['batch']}{' stacked' if cfg['stacked'] else ''}: {n_params / 1e6:.1f}M parameters; "
+        f"torch {torch.__version__}, "
         f"{platform.machine()}"
     )
     ranks = fpar.launch(worker, N, cfg, timeout=900.0)
