@@ -98,7 +98,7 @@ class RowScatter(Rows):
         work.wait()
         if where is not None:
             i, at = where
-            if i not in self.outs:  # made at the first row in: a chunk of every leaf from the forward on
+            if i not in self.outs:  # made when its first piece is in, not in the forward
                 self.outs[i] = piece.new_zeros(self.chunks[i])
             self.outs[i][at : at + piece.numel()].add_(piece)
 
@@ -127,10 +127,8 @@ class _Scattered(_Target):
     def __init__(self, owner: RowScatter, i: int) -> None:
         super().__init__()
         self.owner, self.i = owner, i
-        self.reached: set[int] = set()
 
     def add(self, r: int, g: Tensor) -> None:
-        self.reached.add(r)
         with torch._C._DisableFuncTorch():
             self.owner.reduce_row(self.i, r, g)
 
