@@ -45,8 +45,15 @@ step waits on them all at the end.  (Through ``fpar.all_gather``'s transpose ins
 reduce-scatter would wait for the end of the backward: the gather nodes are the oldest in the
 graph, and autograd runs ready nodes newest first, so the full-size gradients of every
 parameter would pile up.)  The same sums, the same values; ``comm_stats`` counts the same
-collectives as the in-process path (every parameter gathered once a forward).  A stacked leaf
-(``[layers, ...]``) is one parameter here: gathered whole at its first read.
+collectives as the in-process path (every parameter gathered once a forward).
+
+A stacked leaf (``[layers, ...]``, a scanned model's) taken by its rows (``w.unbind(0)``, ``w[r]``)
+is gathered a row at a time (``_zero_rows.RowGather``): each row has a buffer of its own that
+``_Lazy`` and the backward's re-gather treat as a parameter of its own, and each row's gradient is
+reduced as soon as it is made.  So a unit is a layer's slice of each stacked leaf, as FSDP2's is
+the layer's module.  ``comm_stats`` counts the leaf, as the in-process mesh does: one all-gather a
+forward, one re-gather a backward if any row was saved, one reduce-scatter.  The buffers (the
+leaves' and the rows') are made once a signature and hold bytes only while gathered.
 
 This module talks to ``torch.distributed`` directly for the asynchronous collectives (no
 exchange of ``fpar._dist`` is asynchronous): the process group and member order come from the
@@ -106,6 +113,8 @@ class _Param:
     left: int = 0  # its saved views the backward has not unpacked yet
     storage: Tensor | None = None  # re-gathered, while ``left`` views still need it
     live: bool = False  # in-process: counted as re-gathered, while ``left`` views still need it
+    gather: Callable[[], Any] | None = None  # a stacked leaf's row: how to gather it (``RowGather``)
+    leaf: int | None = None  # ... and its leaf (counted once a backward, as the whole leaf)
 
 
 @dataclasses.dataclass(eq=False)
@@ -137,16 +146,28 @@ class Regather:
         self._saved: list[_Saved] = []
         self._inflight: dict[int, _Pending] = {}  # id of a _Param -> its prefetched gather
         self._todo: set[_Param] = set()  # saved parameters the backward has not gathered yet
+        self._counted: set[int] = set()  # stacked leaves whose rows' re-gathers are counted
 
-    def track(self, chunk: Tensor, full: Tensor) -> None:
-        """Remember that ``full`` (inside shard) was all-gathered from ``chunk`` over the axis."""
+    def track(self, chunk: Tensor, full: Tensor, *, flat: bool = False) -> None:
+        """Remember that ``full`` (inside shard) was all-gathered from ``chunk`` over the axis.
+
+        ``flat``: ``full`` is known to view a flat gathered buffer (its storage may hold 0 bytes now).
+        """
         c, f = _physical(chunk).detach().reshape(-1), _physical(full)
         key = _storage_key(f)
         if key is None:
             return
-        if self.groups is not None and f.untyped_storage().nbytes() != self.n * c.numel() * c.element_size():
+        whole = flat or f.untyped_storage().nbytes() == self.n * c.numel() * c.element_size()
+        if self.groups is not None and not whole:
             return  # not the flat gathered buffer a re-gather rebuilds: autograd keeps it
         self._params[key] = _Param(c, chunk.numel() * chunk.element_size())
+
+    def track_row(self, row: Tensor, leaf: int, nbytes: int, gather: Callable[[], Any]) -> None:
+        """Remember that ``row`` (its own buffer) is a row of stacked leaf ``leaf`` (``RowGather``).
+
+        ``nbytes``: the leaf's chunk's bytes; ``gather()`` starts gathering the row into a new buffer.
+        """
+        self._params[_storage_key(row)] = _Param(row, nbytes, gather=gather, leaf=leaf)  # type: ignore[index]
 
     @contextlib.contextmanager
     def hooks(self) -> Iterator[None]:
@@ -188,8 +209,11 @@ class Regather:
         if storage is None:
             self._todo.discard(param)
             # Counted as the all-gather it is (the forward's own gather is counted by
-            # fpar.all_gather): (N-1) x one device's chunk.
-            _stats.record_bytes("all_gather", (self.axis,), self.n, param.nbytes, overlap=True)
+            # fpar.all_gather): (N-1) x one device's chunk; a stacked leaf's rows once, as the leaf.
+            if param.leaf not in self._counted:
+                _stats.record_bytes("all_gather", (self.axis,), self.n, param.nbytes, overlap=True)
+            if param.leaf is not None:
+                self._counted.add(param.leaf)
             pending = self._inflight.pop(id(param), None)
             storage = (pending or self._start(param)).wait()
         # One re-gather a parameter a backward: it stays gathered until its last saved view is
@@ -214,8 +238,8 @@ class Regather:
                 self._inflight[id(saved.param)] = self._start(saved.param)
                 return
 
-    def _start(self, param: _Param) -> _Pending:
-        return _Pending.start(param, self.groups, self.axis)
+    def _start(self, param: _Param) -> Any:
+        return param.gather() if param.gather is not None else _Pending.start(param, self.groups, self.axis)
 
     def close(self) -> None:
         """Wait for a prefetch the backward did not use (e.g. a gradient not asked for)."""
@@ -313,6 +337,10 @@ def gathered_grad(
     inflight: list[int] = []
 
     def reduce_scatter(i: int, leaf: Tensor) -> None:
+        if i in rows.reached:  # its rows went on their own; this is what reached it otherwise
+            rows.add_whole(i, leaf.grad)
+            leaf.grad = None
+            return
         g, leaf.grad = leaf.grad.reshape(-1), None
         pad = n * flat[i].numel() - g.numel()
         g = torch.cat([g, g.new_zeros(pad)]) if pad else g.contiguous()
@@ -333,30 +361,66 @@ def gathered_grad(
     # Every gathered parameter has its buffer and its leaf from the start, but the buffer's
     # storage holds 0 bytes until the forward's first op on it (or on a view of it): ``_Lazy``
     # gathers it then, one ahead, and frees it after its last use (FSDP2's units, a leaf each).
-    fulls: list[Tensor] = []
-    for i, lf in enumerate(layout.leaves):
-        full = torch.empty(n * flat[i].numel(), dtype=flat[i].dtype, device=flat[i].device)
+    # The buffers are made once a signature (each then holds bytes only while gathered).
+    if not uses.bufs:
+        for i, lf in enumerate(layout.leaves):
+            full = torch.empty(n * flat[i].numel(), dtype=flat[i].dtype, device=flat[i].device)
+            uses.views.append(full[: lf.numel].view(lf.block))
+            _resize(full, 0)
+            uses.bufs.append(full)
+    nleaves = len(layout.leaves)
+    bufs = uses.bufs
+    for i in range(nleaves):
         # The leaf autograd accumulates into (AccumulateGrad runs as soon as the gradient is
         # complete; a node between it and its uses would run only at the end of the backward).
-        leaf = full[: lf.numel].view(lf.block).detach().requires_grad_(True)
+        leaf = uses.views[i].detach().requires_grad_(True)
         leaf.register_post_accumulate_grad_hook(lambda a, i=i: reduce_scatter(i, a))
-        rg.track(flat[i], leaf)
-        _resize(full, 0)
-        fulls.append(full)
+        rg.track(flat[i], leaf, flat=True)
         gathered.append(leaf)
 
-    def start(i: int) -> _Pending:
-        _resize(fulls[i], fulls[i].numel() * fulls[i].element_size())
-        _stats.record_bytes("all_gather", (axis,), n, params[i].nbytes, overlap=True)
-        return _Pending.start(params[i], groups, axis, out=fulls[i])
+    def start(j: int) -> Any:
+        _resize(bufs[j], bufs[j].numel() * bufs[j].element_size())
+        if j >= nleaves:  # a stacked leaf's row (its gather counted as the leaf's, ``taken``)
+            return rows.gather_row(*row_of[j], bufs[j].view(-1))
+        _stats.record_bytes("all_gather", (axis,), n, params[j].nbytes, overlap=True)
+        return _Pending.start(params[j], groups, axis, out=bufs[j])
 
-    lazy = _Lazy(fulls, start, uses)
+    # A stacked leaf (``[layers, ...]``) taken by its rows (``unbind``, ``t[r]``): a row at a time
+    # (``_zero_rows.RowGather``), each row a buffer of its own, gathered and freed as a leaf is.
+    row_of = {j: ir for ir, j in uses.rows.items()}
+
+    def track(j: int) -> None:
+        i, r = row_of[j]
+        rg.track_row(bufs[j], i, params[i].nbytes, lambda: rows.gather_row(i, r))
+
+    def row(i: int, r: int) -> Tensor:
+        j = uses.rows.get((i, r))
+        if j is None:  # first taken: its buffer, kept for the next forwards
+            b = flat[i].new_empty(layout.leaves[i].block[1:])
+            _resize(b, 0)
+            bufs.append(b)
+            j = uses.rows[(i, r)] = len(bufs) - 1
+            row_of[j] = (i, r)
+            lazy.add(b)
+            track(j)
+        return bufs[j]
+
+    def taken(i: int) -> None:  # the leaf's gather, counted once a forward (its rows travel instead)
+        if not lazy.taken_by_rows(i):
+            _stats.record_bytes("all_gather", (axis,), n, params[i].nbytes, overlap=True)
+
+    from ._zero_rows import RowGather
+
+    rows = RowGather(gathered, [f.numel() for f in flat], flat, groups, axis, row, taken)
+    for j in range(nleaves, len(bufs)):
+        track(j)
+    lazy = _Lazy(bufs, start, uses, nleaves)
     try:
         # Not deferred under fpar.optim.accumulate's defer_reduction(): the gathered leaves are new
         # tensors every microbatch, so a later microbatch could never claim their sums over the
         # axes they are replicated on (a tensor axis); this gradient is reduce-scattered now anyway.
         with torch.enable_grad(), rg.hooks(), _defer.suspended():
-            with lazy:
+            with lazy, rows:
                 scaled, loss = objective(tree_unflatten(treedef, gathered), batch, scale)
             # Free what the forward still holds: autograd keeps the leaves, never their values
             # (every saved view of one is a re-gather token).
@@ -368,9 +432,12 @@ def gathered_grad(
         for j in inflight:
             done[j] = done[j].wait()
         inflight.clear()
+        rows.wait()
+        uses.by_rows = set(rows.reached)
+        outs = rows.release()
     grads = []
     for i, c in enumerate(leaves):
-        got = done.get(i)
+        got = done.get(i, outs.get(i))
         grads.append(got.to(c.dtype) if got is not None else torch.zeros_like(c))
     return tree_unflatten(treedef, grads), loss.detach()
 
@@ -392,6 +459,12 @@ class Uses:
 
     first: list[int] = dataclasses.field(default_factory=list)
     reads: dict[int, int] = dataclasses.field(default_factory=dict)
+    # The gathered buffers, made once (each holds 0 bytes but while gathered): the leaves' flat
+    # buffers and their leaves' views, then stacked leaves' rows (``RowGather``) as first taken.
+    bufs: list[Tensor] = dataclasses.field(default_factory=list)
+    views: list[Tensor] = dataclasses.field(default_factory=list)
+    rows: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)  # (leaf, row) -> buffer
+    by_rows: set[int] = dataclasses.field(default_factory=set)  # leaves taken by rows last time
 
 
 # Reading these reads no parameter's values (no all-gather for them).
@@ -428,13 +501,16 @@ class _Lazy(TorchFunctionMode):
     in-process mesh and ``fpar.plan`` count.
     """
 
-    def __init__(self, fulls: list[Tensor], start: Callable[[int], _Pending], uses: Uses):
+    def __init__(self, fulls: list[Tensor], start: Callable[[int], Any], uses: Uses, leaves: int):
         super().__init__()
-        self.fulls, self.start, self.uses = fulls, start, uses
+        self.fulls, self.start, self.uses, self.leaves = list(fulls), start, uses, leaves
         self.keys = {_storage_key(f): i for i, f in enumerate(fulls)}
         n = len(fulls)
         seen = set(uses.first)
-        self.order = list(uses.first) + [i for i in range(n) if i not in seen]
+        # Rows (indices from ``leaves`` on) only as the last forward first used them; a leaf taken
+        # by its rows last time is not gathered whole ahead of its use.
+        skip = seen | uses.by_rows
+        self.order = [i for i in uses.first if i < n] + [i for i in range(leaves) if i not in skip]
         self.ready = [False] * n
         self.gathered = [False] * n  # gathered in this forward (a later gather is a re-gather)
         self.pending: dict[int, _Pending] = {}
@@ -459,6 +535,25 @@ class _Lazy(TorchFunctionMode):
                 if self.reads[i] == self.uses.reads.get(i):
                     self._free(i)
         return out
+
+    def add(self, full: Tensor) -> int:
+        """One more buffer (a stacked leaf's row, first taken in this forward); its index."""
+        self.keys[_storage_key(full)] = len(self.fulls)
+        self.fulls.append(full)
+        self.ready.append(False)
+        self.gathered.append(False)
+        return len(self.fulls) - 1
+
+    def taken_by_rows(self, i: int) -> bool:
+        """Leaf ``i`` is taken by its rows: never gathered whole for that; whether it was already."""
+        was = self.gathered[i] or i in self.pending
+        pending = self.pending.pop(i, None)
+        if pending is not None:  # prefetched whole (the first forward knows no better): freed
+            self._wait(i, pending)
+            self._free(i)
+            self._prefetch()
+        self.gathered[i] = True
+        return was
 
     def _hits(self, tree: Any) -> tuple[int, ...]:
         found: list[int] = []
@@ -512,7 +607,8 @@ class _Lazy(TorchFunctionMode):
         ``complete``: gather the parameters it never used first (each once a forward, as the
         in-process mesh and the planner count); ``False`` after an error: no new gathers.
         """
-        if complete:
+        if complete:  # every leaf gathered once (rows not taken need no gather)
+            self.order[self.next :] = [j for j in self.order[self.next :] if j < self.leaves]
             while self.pending or self.next < len(self.order):
                 if not self.pending:
                     self._prefetch()

@@ -1,4 +1,4 @@
-"""ZeRO-2 on a real mesh: each bucket reduce-scattered, each stacked layer reduced, as its gradient is made.
+"""ZeRO-2 and 3 on a real mesh: each bucket reduce-scattered, each stacked layer reduced, as its gradient is made.
 
 ``scattered_grad`` runs stage 2's backward with a hook on every parameter: a bucket of them is
 reduce-scattered (asynchronously) as soon as its last gradient is accumulated.
@@ -21,6 +21,10 @@ stacked gradient: each element is one rank's sum of every rank's value, as there
 
 The rows come from ``fpar.pipeline._unstack``'s gate: a leaf used otherwise as well (not only
 through its rows) has that gradient reduced row by row too, once every row is in.
+
+Stage 3 (``RowGather``, for ``_zero_comm.gathered_grad``): the stacked leaf is not gathered at
+all; each row is gathered on its own, at its first read, by a broadcast from each rank whose
+chunk holds a piece of it, and its gradient is reduced onto those ranks in the same way.
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ import torch
 import torch.distributed as dist
 
 from .. import _stats
+from .._compile import untraced
+from .._dist.buckets import _ASAP
 from .._tree import tree_flatten, tree_unflatten
-from ..pipeline._unstack import Rows, Unstack, _Target
+from ..pipeline._unstack import ROWS, Rows, Unstack, _Target, rows_at
 from ._zero_comm import _InFlight
 
-__all__ = ["RowScatter", "scattered_grad"]
+__all__ = ["RowGather", "RowScatter", "scattered_grad"]
 
 Tensor = torch.Tensor
 _IN_FLIGHT = 2  # row reductions in flight at once (their pieces freed as they end)
@@ -119,6 +125,124 @@ class RowScatter(Rows):
         self.unstack.target_of = lambda t: None
         self.leaves, self.index = [], {}  # their hooks hold the step's buckets
         return outs
+
+
+class RowGather(RowScatter):
+    """While stage 3's forward runs (``gathered_grad``): a stacked leaf's rows, each gathered on its own.
+
+    ``t.unbind(0)``, ``t[r]`` or ``t.select(0, r)`` of a stacked gathered leaf ``t`` (its storage
+    holds no bytes) returns, for row ``r``, a tensor on a buffer of the row's own (``row(i, r)``,
+    also of 0 bytes) that ``_Lazy`` gathers at its first read and frees after its last, and the
+    backward's ``Regather`` gathers again where autograd saved it: FSDP2's units, a layer's slice
+    of each leaf, where the leaf was gathered whole before.  A row is gathered by a
+    ``torch.distributed.broadcast`` from each rank whose chunk holds a piece of it (one, or two
+    where it crosses into the next chunk), and its gradient is reduced onto those ranks as soon
+    as the row's backward has made it (``RowScatter.reduce_row``).  The same values, the same
+    sums: each element of the gradient is one rank's sum of every rank's value.
+
+    Args:
+      leaves, chunks, groups, axis: as ``RowScatter``'s.
+      flat: this rank's chunk of each leaf, flat, in the dtype the rows are gathered in.
+      row: ``(i, r) -> the buffer of row r of leaf i`` (made once, then the same each forward).
+      on_rows: called with a leaf's index when its rows are first taken in this forward.
+    """
+
+    def __init__(
+        self,
+        leaves: list[Tensor],
+        chunks: list[int],
+        flat: list[Tensor],
+        groups: Any,
+        axis: str,
+        row: Any,
+        on_rows: Any,
+    ):
+        super().__init__(leaves, chunks, groups, axis, on_rows, None)
+        self.flat, self.row, self.groups, self.axis = flat, row, groups, axis
+        self.rows: dict[tuple[int, int], Tensor] = {}  # the rows handed out in this forward
+        self.counted: set[int] = set()  # leaves whose gradient's reduce-scatter is counted
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        taken = rows_at(func, args, kwargs) if func in ROWS else None
+        if taken is not None:
+            t, at = taken
+            i = self.index.get(id(t))
+            if i is not None and self.leaves[i] is t and t.dim() >= 2 and t.shape[0] >= 2:
+                # What follows reads no buffer: the modes below (``_Lazy``) must not see it
+                with torch._C.DisableTorchFunction():
+                    if i not in self.reached:
+                        self.reached.add(i)
+                        self.on_rows(i)
+                    return tuple(self._row(i, r) for r in at) if isinstance(at, range) else self._row(i, at)
+        return func(*args, **kwargs)
+
+    def _row(self, i: int, r: int) -> Tensor:
+        got = self.rows.get((i, r))
+        if got is None:
+            got = self.rows[(i, r)] = _GatheredRow.apply(self.leaves[i], (self, i, r))
+            got.grad_fn._set_sequence_nr(_ASAP)  # run as soon as the row's gradient is complete
+        return got
+
+    def gather_row(self, i: int, r: int, out: Tensor | None = None) -> _Broadcasts:
+        """Start gathering row ``r`` of leaf ``i`` into ``out`` (flat; a new buffer if ``None``)."""
+        chunk = self.flat[i]
+        width = self.row(i, r).numel()
+        if out is None:
+            out = chunk.new_empty(width)
+        c, start, works = self.chunks[i], r * width, []
+        self.groups.group((self.axis,))  # as every collective fpar issues: held messages go first
+        for k in range(start // c, (start + width - 1) // c + 1):
+            a, b = max(start, k * c), min(start + width, (k + 1) * c)
+            piece = out[a - start : b - start]
+            if k == self.me:
+                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
+                    piece.copy_(chunk[a - k * c : b - k * c])
+            works.append(dist.broadcast(piece, src=self.members[k], group=self.group, async_op=True))
+        return _Broadcasts(works, out)
+
+    def reduce_row(self, i: int, r: int, g: Tensor) -> None:
+        if i not in self.counted:  # the leaf's one reduce-scatter, as the in-process mesh counts it
+            self.counted.add(i)
+            whole = torch.empty(self.n * self.chunks[i], dtype=g.dtype, device="meta")
+            _stats.record("psum_scatter", (self.axis,), self.n, whole, overlap=True)
+        super().reduce_row(i, r, g)
+
+    def release(self) -> dict[int, Tensor]:
+        self.rows.clear()
+        return super().release()
+
+
+class _Broadcasts:
+    """A row's gather in flight: its pieces' broadcasts (``_Pending``'s interface)."""
+
+    def __init__(self, works: list[Any], out: Tensor) -> None:
+        self.works, self.out = works, out
+
+    def wait(self) -> Tensor:
+        for work in self.works:
+            work.wait()
+        return self.out
+
+
+@untraced
+class _GatheredRow(torch.autograd.Function):
+    """Row ``r`` of stacked leaf ``i``: its own buffer; its backward reduces the row's gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, where: tuple[RowGather, int, int]) -> Tensor:
+        ctx.where = where
+        ctx.set_materialize_grads(False)
+        owner, i, r = where
+        return owner.row(i, r).detach()  # not a read of the buffer (torch functions are off here)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor | None) -> tuple[None, None]:
+        if g is not None:
+            owner, i, r = ctx.where
+            with torch._C._DisableFuncTorch():
+                owner.reduce_row(i, r, g)
+        return None, None
 
 
 class _Scattered(_Target):

@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 from .._compile import untraced
 from .._dist.buckets import _ASAP  # AccumulateGrad's sequence number, as the buckets' launch hooks
 
-__all__ = ["ROWS", "Rows", "Unstack"]
+__all__ = ["ROWS", "Rows", "Unstack", "rows_at"]
 
 Tensor = torch.Tensor
 _UNBIND = {Tensor.unbind, torch.unbind}
@@ -59,24 +59,10 @@ class Unstack:
         Each row's gradient goes into ``t``'s slot of its gradient bucket; ``None`` for any other
         call, or a ``t`` that is not a bucket's output.
         """
-        if not args or not isinstance(args[0], Tensor) or args[0].dim() == 0:
+        taken = rows_at(func, args, kwargs)
+        if taken is None:
             return None
-        t, n = args[0], args[0].shape[0]
-        if func in _UNBIND:
-            dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-            if len(args) > 2 or set(kwargs) - {"dim"} or not isinstance(dim, int) or dim % t.dim():
-                return None
-            at: Any = range(n)
-        elif func is Tensor.__getitem__ and len(args) == 2 and not kwargs:
-            at = args[1]
-        elif func is Tensor.select and len(args) == 3 and not kwargs and isinstance(args[1], int):
-            at = args[2] if args[1] % t.dim() == 0 else None
-        else:
-            return None
-        if not isinstance(at, range) and not (type(at) is int and -n <= at < n):
-            return None  # a slice, a tensor index, out of range (torch's own error): as before
-        if not (t.requires_grad and torch.is_grad_enabled()):
-            return None
+        t, at = taken
         got = self.gates.get(id(t))
         if got is None:
             target = self.target_of(t)
@@ -86,12 +72,38 @@ class Unstack:
         _, gate, target = got
         if isinstance(at, range):
             return tuple(self._row(gate, r, target) for r in at)
-        return self._row(gate, at % n, target)
+        return self._row(gate, at, target)
 
     def _row(self, gate: Tensor, r: int, target: _Target) -> Tensor:
         row = _Row.apply(gate, r, target)
         row.grad_fn._set_sequence_nr(_ASAP)  # run as soon as the row's gradient is complete
         return row
+
+
+def rows_at(func: Any, args: tuple, kwargs: dict) -> tuple[Tensor, range | int] | None:
+    """``(t, rows)`` for a row call of a tensor ``t`` that takes gradients here; ``None`` otherwise.
+
+    ``rows`` is a ``range`` for ``t.unbind(0)``, ``r >= 0`` for ``t[r]`` or ``t.select(0, r)``.
+    """
+    if not args or not isinstance(args[0], Tensor) or args[0].dim() == 0:
+        return None
+    t, n = args[0], args[0].shape[0]
+    if func in _UNBIND:
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        if len(args) > 2 or set(kwargs) - {"dim"} or not isinstance(dim, int) or dim % t.dim():
+            return None
+        at: Any = range(n)
+    elif func is Tensor.__getitem__ and len(args) == 2 and not kwargs:
+        at = args[1]
+    elif func is Tensor.select and len(args) == 3 and not kwargs and isinstance(args[1], int):
+        at = args[2] if args[1] % t.dim() == 0 else None
+    else:
+        return None
+    if not isinstance(at, range) and not (type(at) is int and -n <= at < n):
+        return None  # a slice, a tensor index, out of range (torch's own error): as before
+    if not (t.requires_grad and torch.is_grad_enabled()):
+        return None
+    return t, at if isinstance(at, range) else at % n
 
 
 class Rows(TorchFunctionMode):

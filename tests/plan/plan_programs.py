@@ -35,6 +35,7 @@ MESHES = {
     "zero3": ((2,), ("data",)),
     "zero3_remat": ((2,), ("data",)),
     "zero2_stacked": ((2,), ("data",)),
+    "zero3_stacked": ((2,), ("data",)),
     "zero3_micro": ((2,), ("data",)),
     "dp_donate": ((2,), ("data",)),
     "zero1_donate": ((2,), ("data",)),
@@ -78,6 +79,14 @@ def _tp_loss(params, batch):
     return ((out - y) ** 2).mean()
 
 
+def _stacked_loss(params, batch):
+    """A residual MLP whose layers are stacked leaves (a scanned model), no recomputation."""
+    x, y = batch
+    for w, b in zip(params["w"].unbind(0), params["b"].unbind(0)):
+        x = x + torch.relu(x @ w + b)
+    return ((x - y) ** 2).mean()
+
+
 def _stacked_remat_loss(params, batch):
     """A residual MLP whose layers are stacked leaves, each layer checkpointed (model_step's form)."""
     x, y = batch
@@ -94,6 +103,7 @@ ZERO_PROGRAMS = (
     "zero3",
     "zero3_remat",
     "zero2_stacked",
+    "zero3_stacked",
     "zero3_micro",
     "dp_donate",
     "zero1_donate",
@@ -115,10 +125,12 @@ def build(name: str, mesh: fpar.Mesh):
             "zero2_donate": 2,
             "zero2_stacked": 2,
         }.get(name, 3)
-        if name in ("zero3_remat", "zero2_stacked"):
-            # ZeRO-3 with recomputation: each stacked leaf re-gathered once; ZeRO-2: each layer's
-            # gradient reduced onto its chunk's rank as its backward ends (``_zero_rows``)
-            layers, loss = 4, _stacked_remat_loss
+        if name in ("zero3_remat", "zero2_stacked", "zero3_stacked"):
+            # Stacked leaves, taken by rows: ZeRO-3 gathers a layer's rows at a time (with
+            # recomputation too); ZeRO-2 reduces each layer's gradient onto its chunk's rank as its
+            # backward ends (``_zero_rows``)
+            layers = 4
+            loss = _stacked_loss if name == "zero3_stacked" else _stacked_remat_loss
             params = {
                 "w": torch.randn(layers, D, D, generator=g) * 0.05,
                 "b": torch.randn(layers, D, generator=g) * 0.05,
@@ -143,7 +155,7 @@ def build(name: str, mesh: fpar.Mesh):
         # *_donate: the update writes the parameters and AdamW state in place (what the planner
         # must see on its meta tensors too: one copy of the state, not the old and the new)
         micro = 2 if name == "zero3_micro" else 1
-        donate = name.endswith("_donate") or name == "zero2_stacked"
+        donate = name.endswith(("_donate", "_stacked"))
         buckets = {"bucket_bytes": SMALL_BUCKET} if name in ("zero1_donate", "zero2_donate") else {}
         step = fo.zero_step(loss, opt, layout, n_micro=micro, donate=donate, **buckets)
         batch = fpar.device_put(

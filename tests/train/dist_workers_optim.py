@@ -222,6 +222,43 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 2
 
 
+def zero3_rows_run(layers: int = 6, steps: int = 3, dtype=F64):
+    """ZeRO-3 AdamW over ``stacked_problem``'s leaves (``w[layers, d, d]``, ``b[layers, d]``), each
+    layer's rows taken by ``unbind`` (a scanned model): per step, the most rows the loss found holding
+    values at once and whether a whole stacked leaf ever held values (real mesh only: each row is
+    gathered at its first read and freed after its last; in-process ``None``), and the full
+    parameters after each step.
+    """
+    params, batch = stacked_problem(layers=layers, dtype=dtype)
+    mesh = fpar.make_mesh((-1,), ("data",), devices=_world())
+    layout = fo.zero_layout(params, mesh, P(), stage=3)
+    opt = fo.adamw(1e-2, weight_decay=0.1)
+    params, state = fo.zero_init(opt, params, layout)
+    batch = fpar.device_put(batch, mesh, P("data"))
+    resident = []
+
+    def loss(p, batch):
+        x, y = batch
+        rows = list(zip(p["w"].unbind(0), p["b"].unbind(0)))
+        held, whole = [], False
+        h = x
+        for w, b in rows:
+            if mesh.backend == "dist":
+                held.append(sum(t.untyped_storage().nbytes() > 0 for row in rows for t in row))
+                whole = whole or any(t.untyped_storage().nbytes() > 0 for t in p.values())
+            h = h + torch.tanh(h @ w + b)
+        resident.append((max(held), whole) if held else None)
+        return ((h - y) ** 2).mean()
+
+    step = fo.zero_step(loss, opt, layout, batch_specs=P("data"))
+    history = []
+    for _ in range(steps):
+        params, state, _ = step(params, state, batch)
+        full = fpar.gather(fo.zero_params(params, layout), mesh, P())
+        history.append({k: v.clone() for k, v in full.items()})
+    return resident, history
+
+
 def zero3_lazy_run(layers: int = 6, steps: int = 3):
     """ZeRO-3 AdamW over ``deep_problem``'s residual layers: per step, the most parameters the loss
     found holding their values at once (real mesh only: there each is gathered at its first read

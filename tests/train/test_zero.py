@@ -370,6 +370,10 @@ def test_real_mesh_zero_equals_in_process():
     jobs += [(2, 2, "stacked"), (2, 2, "stacked_plain"), (2, 3, "stacked_odd", True)]
     jobs += [(2, 2, "stacked_plain", True, "bf16"), (2, 2, "stacked_plain", True, "sgdm")]
     jobs += [(2, 2, "stacked_plain", True, "adamw", 2)]  # 2 microbatches a step, each reduced
+    # ZeRO-3 over stacked leaves: a row at a time (gathered by broadcasts from the ranks whose
+    # chunks hold it, its gradient reduced onto them), also across the chunks' bounds
+    jobs += [(3, 2, "stacked_plain"), (3, 3, "stacked_odd", True), (3, 2, "stacked_plain", True, "bf16")]
+    jobs += [(3, 2, "stacked_plain", True, "adamw", 2)]
     jobs += [
         (3, 3, "deep", True),
         (0, 2, "mlp", True),
@@ -411,6 +415,22 @@ def test_real_mesh_zero3_holds_one_parameter_ahead_not_the_model():
     for resident, hist in ranks:
         assert resident[0] >= 2 * 5  # layer 5 of the first forward: layers 0-4 still held
         assert resident[1:] == [1, 2]
+        _assert_same(hist, local, tol=1e-13)
+
+
+@pytest.mark.multiprocess
+def test_real_mesh_zero3_gathers_a_stacked_leaf_a_row_at_a_time():
+    # A scanned model's stacked leaves (w[6, d, d], b[6, d], rows by unbind): FSDP2's units are its
+    # layers, so each row is gathered at its first read (one ahead) and freed after its last; no
+    # stacked leaf is ever gathered whole.  The first forward knows no reads yet (nor which row
+    # comes next) and keeps every row it gathered; in later ones, as a layer starts, the previous
+    # layer's rows are freed and only the prefetched row (its w) holds values.
+    ranks = fpar.launch(W.zero3_rows_run, 2, timeout=120.0)
+    local_resident, local = W.zero3_rows_run()
+    assert local_resident == [None, None, None]
+    for resident, hist in ranks:
+        assert resident[0] == (2 * 5, False)  # before the last layer: layers 0-4's rows
+        assert resident[1:] == [(1, False), (1, False)]
         _assert_same(hist, local, tol=1e-13)
 
 
