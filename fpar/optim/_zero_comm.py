@@ -35,8 +35,10 @@ The forward runs under ``_Lazy``, a ``TorchFunctionMode``: the first op that rea
 (or a view of it) waits for its all-gather, which was started one parameter ahead in the order
 the previous forward of the same shapes first used them; once as many ops have read it as
 read it in that forward, its storage is freed again.  So the forward holds the parameter in
-use and the next one (FSDP2's units, a leaf each), not the whole model; the first forward of a
-signature, which knows no counts, frees each at the forward's end.  Autograd saves no gathered
+use and the next one (FSDP2's units, a leaf each), not the whole model.  The first forward of a
+signature knows no counts: it frees each parameter after its first read and gathers it again if it
+is read again (counted; most parameters are read once), so that a first step fits where the
+steady ones do (the first-use order it learns is what later forwards prefetch by).  Autograd saves no gathered
 value (the saved-tensor hooks above replace each by a token and the backward re-gathers it).
 Autograd accumulates a leaf's gradient as soon as it is complete (``AccumulateGrad`` runs
 before any other ready node), and its post-accumulate hook starts an asynchronous
@@ -474,7 +476,9 @@ _METADATA = frozenset(
         "size", "dim", "numel", "nelement", "ndimension", "element_size", "stride",
         "storage_offset", "is_contiguous", "is_floating_point", "is_complex", "get_device",
         "__len__", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
-        "untyped_storage", "data_ptr",
+        "untyped_storage", "data_ptr", "is_sparse", "is_sparse_csr", "is_cuda", "is_cpu", "is_meta",
+        "is_mkldnn", "is_quantized", "is_nested", "is_inference", "is_mps", "is_xpu", "_version",
+        "names", "itemsize", "nbytes", "is_conj", "is_neg", "is_signed", "_is_view", "device_type",
     }
 )  # fmt: skip
 
@@ -492,8 +496,9 @@ class _Lazy(TorchFunctionMode):
     Each gathered parameter's buffer starts with a storage of 0 bytes.  The first op that takes
     it, or any view of it (found by its storage), waits for its all-gather (started one ahead,
     in the order the previous forward of this signature first used them, at first in leaf
-    order).  Once as many ops have read it as read it in the previous forward (an op whose
-    outputs are all views of it reads nothing), its storage is freed again.  So the forward
+    order).  Once as many ops have read it as read it in the previous forward (once, in a
+    signature's first forward; an op whose outputs are all views of it reads nothing), its
+    storage is freed again.  So the forward
     holds the parameter in use and the next one, not the whole model.  A forward that reads a
     parameter more often (its ops depend on values) gathers it again, counted: never a wrong
     value, only more traffic; the next forward learns.  Reading metadata (shape, dtype, ...)
@@ -517,6 +522,7 @@ class _Lazy(TorchFunctionMode):
         self.next = 0  # position in ``order`` of the next parameter to prefetch
         self.first: list[int] = []
         self.reads: dict[int, int] = {}
+        self.learning = not uses.first  # no forward of this signature ran yet: one read each assumed
         if n:
             self._prefetch()
 
@@ -532,7 +538,7 @@ class _Lazy(TorchFunctionMode):
                 if made == (i,):  # a view of the parameter (or an in-place op on it): no read
                     continue
                 self.reads[i] = self.reads.get(i, 0) + 1
-                if self.reads[i] == self.uses.reads.get(i):
+                if self.reads[i] == self.uses.reads.get(i, 1 if self.learning else None):
                     self._free(i)
         return out
 
