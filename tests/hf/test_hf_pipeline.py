@@ -315,8 +315,11 @@ def test_lean_norms_in_a_tensor_parallel_pipeline_on_four_processes_equal_the_mo
     stage, whose sharded call stays traced: each norm weight's gradient is summed over the tensor
     axis its heads are split over (it was not: 3.4e-3 off, both tensor ranks' copies diverging),
     as with the model's own norms.  Both against the unsharded model, to the same tolerance: the
-    real mesh's tensor-parallel attention gradients differ from it by up to 2e-7 of their largest
-    entry either way (the in-process mesh: 1e-12)."""
+    real mesh's gradients differ from it by up to 2e-7 of their largest entry either way (the
+    in-process mesh: 1e-12).  The cause: the real mesh sums a replicated value's gradient at its
+    source, not at each use, so each device's share passes through the replicated computation
+    between them, where HF's norms round to float32 inside the float64 model (docs/real-mesh.md).
+    """
     import tempfile
 
     model = qwen3()
