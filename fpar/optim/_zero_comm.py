@@ -75,6 +75,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _defer, _stats
 from .._tree import tree_flatten, tree_unflatten
+from ._zero_rows import RowGather, _InFlight
 
 __all__ = ["Regather", "Uses", "gathered_grad", "regather_supported"]
 
@@ -286,20 +287,6 @@ class _Pending:
         return self.out
 
 
-@dataclasses.dataclass
-class _InFlight:
-    """An asynchronous reduce-scatter into ``out`` of the gradient ``g``."""
-
-    work: Any
-    out: Tensor
-    g: Tensor | None
-
-    def wait(self) -> Tensor:
-        self.work.wait()
-        self.g = None
-        return self.out
-
-
 def gathered_grad(
     objective, layout: Any, chunks: Any, batch: Any, scale: Tensor, compute_dtype, uses: Uses | None = None
 ) -> tuple[Any, Tensor]:
@@ -410,8 +397,6 @@ def gathered_grad(
     def taken(i: int) -> None:  # the leaf's gather, counted once a forward (its rows travel instead)
         if not lazy.taken_by_rows(i):
             _stats.record_bytes("all_gather", (axis,), n, params[i].nbytes, overlap=True)
-
-    from ._zero_rows import RowGather
 
     rows = RowGather(gathered, [f.numel() for f in flat], flat, groups, axis, row, taken)
     for j in range(nleaves, len(bufs)):

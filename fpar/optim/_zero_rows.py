@@ -29,6 +29,7 @@ chunk holds a piece of it, and its gradient is reduced onto those ranks in the s
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -39,12 +40,25 @@ from .._compile import untraced
 from .._dist.buckets import _ASAP
 from .._tree import tree_flatten, tree_unflatten
 from ..pipeline._unstack import ROWS, Rows, Unstack, _Target, rows_at
-from ._zero_comm import _InFlight
 
 __all__ = ["RowGather", "RowScatter", "scattered_grad"]
 
 Tensor = torch.Tensor
 _IN_FLIGHT = 2  # row reductions in flight at once (their pieces freed as they end)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """An asynchronous reduce-scatter into ``out`` of the gradient ``g``."""
+
+    work: Any
+    out: Tensor
+    g: Tensor | None
+
+    def wait(self) -> Tensor:
+        self.work.wait()
+        self.g = None
+        return self.out
 
 
 class RowScatter(Rows):
