@@ -22,6 +22,10 @@ chunks are cut from), so a run can resume on another mesh, or ``--single-device`
 ``torchrun --nnodes 1:2`` a job that loses or gains a node continues on the layout that fits
 (``tests/test_elastic.py``).  Checkpoints are written in the background
 (``fpar.checkpoint.save(..., blocking=False)``) while the next steps run.
+``--compute-dtype bfloat16`` computes the layers in bfloat16 on float32 master weights (the stages
+send bfloat16 activations; the loss accumulates in float32); ``--sums native`` then sums the
+tensor-parallel all-reduces in bfloat16 as Megatron-LM does (``fpar.low_precision_sums``), where
+fpar's default sums them in float32, rounded once.
 
 Meters: tokens/s; MFU = model FLOPs per step (6 per weight per token, plus PaLM's attention term
 12 L T D per token) / step time / the peak: one device's FLOP/s (a 512x512 matmul measured at
@@ -112,8 +116,12 @@ LAST_SPECS = {"ln_f": ops.layer_norm_specs(), "w_head": P(None, TENSOR)}  # voca
 SPECS = {"stages": C.stacked_specs(BLOCK_SPECS), "first": FIRST_SPECS, "last": LAST_SPECS}
 
 
-def build_step(mesh: fpar.Mesh, schedule, n_heads: int, k: int, dropout: float = 0.0):
+def build_step(mesh: fpar.Mesh, schedule, n_heads: int, k: int, dropout: float = 0.0, compute=None):
     """The pipelined training step: ``step(params, xs_MBT, targets_MBT, key) -> StepResult``.
+
+    ``compute``: the dtype the layers compute in (``None``: the parameters'); the parameters stay
+    in theirs (float32 masters with bfloat16 compute: each layer casts its weights, the stages
+    send bfloat16 activations, the loss accumulates in float32).
 
     ``key`` is this step's ``fpar.random`` key for GPT-2's dropout (``dropout > 0``).  The pipeline
     executor hands microbatch ``j`` the key ``key_j = fold_in(key, j)`` (the embedding's dropout
@@ -124,21 +132,27 @@ def build_step(mesh: fpar.Mesh, schedule, n_heads: int, k: int, dropout: float =
     sub = mesh.submesh((DATA, TENSOR))  # each stage's devices
     rows = P(DATA)
 
+    def cast(tree):
+        return tree if compute is None else optree.tree_map(lambda t: t.to(compute), tree)
+
     def embed(w, ids_BT, key):  # stage 0, before its blocks: [B, T] -> [B, T, D]
+        w = cast(w)
         x_BTD = ops.vocab_embedding(ids_BT, w["w_emb"], axis=TENSOR)
         x_BTD = x_BTD + w["w_pos"][: ids_BT.shape[1]]
         return ops.dropout(key, x_BTD, dropout, spec=rows) if dropout else x_BTD
 
     def blocks(w, x_BTD, key):  # one stage: its K blocks, each leaf of w stacked [K, ...]
         for i in range(k):
-            layer = optree.tree_map(lambda t, i=i: t[i], w)
+            layer = cast(optree.tree_map(lambda t, i=i: t[i], w))
             drop = dict(dropout=dropout, key=fpar.random.fold_in(key, i), batch_axes=DATA) if dropout else {}
             x_BTD = ops.gpt_block(layer, x_BTD, axis=TENSOR, n_heads=n_heads, **drop)
         return x_BTD
 
     def head_loss(w, x_BTD, targets_BT):  # the last stage, after its blocks: mean next-byte loss
+        w = cast(w)
         logits_BTV = ops.column_linear(ops.layer_norm(w["ln_f"], x_BTD), w["w_head"], axis=TENSOR)
-        return fpar.pmean(ops.vocab_cross_entropy(logits_BTV, targets_BT, axis=TENSOR).mean(), DATA)
+        ce_BT = ops.vocab_cross_entropy(logits_BTV, targets_BT, axis=TENSOR)
+        return fpar.pmean((ce_BT if compute is None else ce_BT.float()).mean(), DATA)
 
     stage_k = fpar.shard(blocks, sub, (C.stacked_specs(BLOCK_SPECS, pipe_dim=False), rows, P()), rows)
     first_k = fpar.shard(embed, sub, (FIRST_SPECS, rows, P()), rows)
@@ -256,6 +270,18 @@ def main(argv=None) -> Result:
         "--dropout", type=float, default=0.0, help="GPT-2 dropout (GPT-2 used 0.1); fpar.random masks"
     )
     ap.add_argument(
+        "--compute-dtype",
+        choices=("float32", "bfloat16"),
+        help="the dtype the layers compute in (default: --dtype's); bfloat16 keeps float32 master weights",
+    )
+    ap.add_argument(
+        "--sums",
+        default="float32",
+        choices=("float32", "native"),
+        help="bf16 sums over devices in float32, rounded once (fpar's rule) or in bf16 (Megatron's): "
+        "fpar.low_precision_sums",
+    )
+    ap.add_argument(
         "--zero",
         type=int,
         default=0,
@@ -282,7 +308,8 @@ def main(argv=None) -> Result:
     train_N, val_N = tokens_N[:split], tokens_N[split:]
     n_params, flops_per_token = model_flops(args)
     tokens_per_step = args.batch * args.seq
-    peak = C.peak_flops(args, mesh, dtype)
+    compute = None if args.compute_dtype in (None, args.dtype) else getattr(torch, args.compute_dtype)
+    peak = C.peak_flops(args, mesh, compute or dtype)  # the layers' matmuls run in the compute dtype
     C.say(f"corpus: {len(tokens_N):,} bytes from {source}", quiet=quiet)
     C.say(
         f"mesh {dict(mesh.shape)} ({'real: one process per device' if mesh.backend == 'dist' else 'in-process'}); "
@@ -290,9 +317,13 @@ def main(argv=None) -> Result:
         f"{n_params:,} parameters; batch {args.batch} = {m} microbatches, {args.schedule} schedule",
         quiet=quiet,
     )
-    C.say(f"peak {peak / 1e9:.1f} GFLOP/s ({C.flops_note(args, mesh, peak)}), {args.dtype}", quiet=quiet)
+    precision = args.dtype + (f", {args.compute_dtype} compute, {args.sums} sums" if compute else "")
+    C.say(f"peak {peak / 1e9:.1f} GFLOP/s ({C.flops_note(args, mesh, peak)}), {precision}", quiet=quiet)
 
-    step_fn = build_step(mesh, SCHEDULES[args.schedule](s, m), args.heads, args.layers // s, args.dropout)
+    fpar.low_precision_sums(args.sums)  # for the whole run
+    step_fn = build_step(
+        mesh, SCHEDULES[args.schedule](s, m), args.heads, args.layers // s, args.dropout, compute
+    )
     run_key = fpar.random.key(args.seed)  # dropout: step t uses fold_in(run_key, t)
     params = init_params(args, mesh, dtype)
     warmup = min(args.warmup, args.steps // 2)

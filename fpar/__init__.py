@@ -47,6 +47,7 @@ from ._spec import P as P
 from ._spec import PartitionSpec as PartitionSpec
 from ._stats import comm_stats as comm_stats
 from ._stats import reset_comm_stats as reset_comm_stats
+from ._sums import low_precision_sums as low_precision_sums
 
 # Subpackages last. They import the core modules above directly, never this facade
 # (tests/test_tree.py).
@@ -91,6 +92,7 @@ __all__ = [
     "init",
     "init_distributed",
     "launch",
+    "low_precision_sums",
     "make_mesh",
     "mesh_from_config",
     "normal",

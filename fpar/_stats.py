@@ -41,6 +41,8 @@ from collections.abc import Iterator
 import torch
 from torch._C._functorch import get_unwrapped, is_gradtrackingtensor, maybe_get_level
 
+from ._sums import wire_itemsize
+
 __all__ = ["comm_stats", "record", "reset_comm_stats"]
 
 _LOCK = threading.Lock()
@@ -93,7 +95,8 @@ def record(
     ``overlap``: issued asynchronously, to overlap with compute (gradient buckets, ZeRO's
     prefetches and reduce-scatters); only ``fpar.plan``'s time model reads it.
     """
-    _add(kind, axes, bytes_sent(kind, n, block.numel() * block.element_size(), pairs), overlap=overlap, n=n)
+    nbytes = block.numel() * wire_itemsize(kind, block.dtype)  # fp16/bf16 sums: their float32 wire
+    _add(kind, axes, bytes_sent(kind, n, nbytes, pairs), overlap=overlap, n=n)
 
 
 def record_bytes(kind: str, axes: tuple[str, ...], n: int, nbytes: int, *, overlap: bool = False) -> None:
@@ -165,7 +168,8 @@ def count_transpose(
     flow" means ``x`` is tracked by a grad transform or requires grad.
     """
     if TRANSPOSE[kind] is not None and x.is_floating_point() and _tracked(x):
-        _add(TRANSPOSE[kind], axes, bytes_sent(TRANSPOSE[kind], n, x.numel() * x.element_size(), pairs))
+        nbytes = x.numel() * wire_itemsize(TRANSPOSE[kind], x.dtype)
+        _add(TRANSPOSE[kind], axes, bytes_sent(TRANSPOSE[kind], n, nbytes, pairs))
 
 
 def _tracked(t: torch.Tensor) -> bool:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from .. import _defer
 from .._buffers import block, kept_or_new
 from .._compile import untraced
+from .._sums import widened
 from . import pending
 from .agree import _CHUNKS, agreed, failed_bit, failed_error, hash_values
 from .groups import _device, simulated
@@ -395,8 +396,11 @@ class _First:
 def _rides(dtype: torch.dtype, wire: torch.dtype) -> bool:
     """Whether a float block of ``dtype`` may be summed in a wire of dtype ``wire``.
 
-    fp16/bf16 in float32 or wider, rounded once, as fpar's sums over devices; float64 only in float64.
+    fp16/bf16 in float32 or wider, rounded once, as fpar's sums over devices; float64 only in float64;
+    fp16/bf16 never under ``fpar.low_precision_sums("native")`` (summed in their own dtype).
     """
+    if dtype in (torch.float16, torch.bfloat16) and not widened(dtype):
+        return False
     return dtype.is_floating_point and (wire == torch.float64 or dtype != torch.float64)
 
 

@@ -57,6 +57,7 @@ from .. import _stats as stats
 from .._buffers import block, contiguous_strides, kept_or_new
 from .._compile import untraced
 from .._registry import bound_once
+from .._sums import widened, wire_itemsize
 from . import pending
 from .exchange import _Exchange, _first_order_level
 
@@ -80,7 +81,6 @@ class _Layout:
         "numel",
         "dtype",
         "device",
-        "summed_bytes",
     )
 
     def __init__(self, slots: list[int], bucket: tuple, xs: list[Tensor]):
@@ -94,9 +94,11 @@ class _Layout:
             self.offsets.append(at)
             at += x.numel()
         self.numel, self.dtype, self.device = at, xs[0].dtype, xs[0].device
-        low = self.dtype in (torch.float16, torch.bfloat16)
-        # What its all-reduce sums (fp16/bf16 in float32): what ``comm_stats`` counts.
-        self.summed_bytes = at * (4 if low else self.dtype.itemsize)
+
+    @property
+    def summed_bytes(self) -> int:
+        """What its all-reduce sums (fp16/bf16 in float32, unless native sums): what ``comm_stats`` counts."""
+        return self.numel * wire_itemsize("psum", self.dtype)
 
 
 @untraced
@@ -274,7 +276,7 @@ class _State:
             self._fill()
             flat = self.flat
             wire = flat
-            if flat.dtype in (torch.float16, torch.bfloat16):
+            if widened(flat.dtype):
                 # fpar's rule for sums over devices (README "Low precision"), as the in-process
                 # mesh and every other psum: fp16/bf16 summed in float32 and rounded once.
                 wire = flat.float()

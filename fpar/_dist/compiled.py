@@ -33,6 +33,7 @@ import torch.distributed._functional_collectives as fc
 from .._collectives import Frame, frames
 from .._compile import TRACED, answered_in_order
 from .._registry import internal
+from .._sums import widened
 from .._tree import tree_flatten, tree_unflatten
 from .groups import MeshGroups
 
@@ -164,7 +165,7 @@ def _run(kind: str, params: tuple, x: Tensor, axes: tuple, mg: _Groups) -> Tenso
     """One collective on the local block, as ``_c10d_functional`` ops (``exchange._run``'s semantics)."""
     group, order, _ = mg.groups[axes]
     n = len(order)
-    if kind in ("psum", "pmean", "psum_scatter") and x.dtype in _LOW_PRECISION:
+    if kind in ("psum", "pmean", "psum_scatter") and widened(x.dtype):
         wide = x.to(torch.float32)  # summed in float32, rounded once (exchange._widened)
         if kind == "pmean":
             wide, kind = wide / n, "psum"

@@ -15,6 +15,7 @@ from torch._C import _functorch
 from .. import _stats as stats
 from .._compile import untraced
 from .._registry import internal
+from .._sums import widened
 from .groups import MeshGroups
 from .pending import Pending, Stand
 
@@ -50,16 +51,19 @@ _REDUCE = {
 }
 
 
-def _run(kind: str, params: tuple, x: Tensor, nb: int, axes, mg: MeshGroups) -> Tensor:
+def _run(
+    kind: str, params: tuple, x: Tensor, nb: int, axes, mg: MeshGroups, count_as: str | None = None
+) -> Tensor:
     """One collective on this process's local ``x`` (``nb`` batch dims, then the block).
 
-    Counted in ``fpar.comm_stats`` here, where it is issued (forward and backward alike).
+    Counted in ``fpar.comm_stats`` here, where it is issued (forward and backward alike), as
+    ``count_as`` if given (a widened ``pmean`` runs as the ``psum`` of its divided blocks).
     """
     group, members = mg.group(axes), mg.members(axes)
     n = len(members)
     if kind == "all_to_all_v":  # fpar.ops.moe's exact-count exchange (counted by the rows it sends)
         return _all_to_all_v(x, nb, *params, members, mg.rank, group, axes)
-    stats.record(kind, axes, n, x, len(params[0]) if kind == "ppermute" else None)
+    stats.record(count_as or kind, axes, n, x, len(params[0]) if kind == "ppermute" else None)
     if kind in _REDUCE:
         if params:  # psum/pmean carried by the call's first message (shard.py's _Agreement)
             y = params[0].reduce(x, kind, n)
@@ -173,7 +177,7 @@ class _Exchange(torch.autograd.Function):
     def forward(x: Tensor, kind: str, params: tuple, nb: int, axes: tuple, mg: MeshGroups) -> Tensor:
         if kind == "pvary":
             return x.view_as(x)
-        if kind in _SUMS and (x.dtype in _LOW_PRECISION or x.dtype == torch.bool):
+        if kind in _SUMS and (widened(x.dtype) or x.dtype == torch.bool):
             return _widened(kind, params, x, nb, axes, mg)
         return _run(kind, params, x, nb, axes, mg)
 
@@ -434,7 +438,8 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 def _widened(kind: str, params: tuple, x: Tensor, nb: int, axes, mg: MeshGroups) -> Tensor:
     """Fpar's rule for sums over devices, as in-process (``_local._reduce``, README "Low precision").
 
-    fp16/bf16 blocks are summed in float32 and rounded once to their dtype; a mean divides each
+    fp16/bf16 blocks are summed in float32 and rounded once to their dtype (unless
+    ``fpar.low_precision_sums("native")``: then not widened at all); a mean divides each
     block by the device count first, so it does not overflow where the mean fits.  Bools are
     counted (int32, as JAX's psum of bools; a mean of them is a float).
     """
@@ -442,5 +447,5 @@ def _widened(kind: str, params: tuple, x: Tensor, nb: int, axes, mg: MeshGroups)
         return _run(kind, params, x.to(torch.int64 if kind == "pmean" else torch.int32), nb, axes, mg)
     wide = x.to(torch.float32)
     if kind == "pmean":
-        wide, kind = wide / len(mg.members(axes)), "psum"
+        return _run("psum", params, wide / len(mg.members(axes)), nb, axes, mg, count_as="pmean").to(x.dtype)
     return _run(kind, params, wide, nb, axes, mg).to(x.dtype)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .._spec import PartitionSpec, check_spec, global_shape
+from .._sums import widened
 
 __all__ = ["EXCHANGES", "LocalBackend", "vmap_dims"]
 
@@ -21,7 +22,8 @@ Tensor = torch.Tensor
 
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
-"""Dtypes the reductions accumulate in float32 (fpar's rule, docs/concepts.md, "Low precision")."""
+"""Dtypes the reductions accumulate in float32 (fpar's rule, docs/concepts.md, "Low precision"),
+unless ``fpar.low_precision_sums("native")`` (``fpar/_sums.py``)."""
 
 
 def _reduce(x: Tensor, kind: str) -> Tensor:
@@ -33,15 +35,27 @@ def _reduce(x: Tensor, kind: str) -> Tensor:
     if kind == "sum":
         if x.dtype == torch.bool:  # as in JAX: psum of bools counts them
             return x.to(torch.int32).sum(0, dtype=torch.int32)
-        if x.dtype in LOW_PRECISION:
+        if widened(x.dtype):
             return x.sum(0, dtype=torch.float32).to(x.dtype)
+        if x.dtype in LOW_PRECISION:  # fpar.low_precision_sums("native"): rank order, each step rounded
+            return _folded(x)
         return x.sum(0, dtype=x.dtype)
     if kind == "mean":
-        if x.dtype in LOW_PRECISION:  # each block divided first: bf16 has float32's range
+        if widened(x.dtype):  # each block divided first: bf16 has float32's range
             return (x.to(torch.float32) / x.shape[0]).sum(0).to(x.dtype)
+        if x.dtype in LOW_PRECISION:  # native: the sum, then the division (as the real mesh)
+            return _folded(x) / x.shape[0]
         return x.sum(0) / x.shape[0] if not x.is_floating_point() else x.mean(0)
     # amax/amin split the gradient evenly between ties, which is the rule fpar promises.
     return x.amax(0) if kind == "max" else x.amin(0)
+
+
+def _folded(x: Tensor) -> Tensor:
+    """The blocks' sum in their own dtype, added in rank order (each addition rounded)."""
+    acc = x[0]
+    for k in range(1, x.shape[0]):
+        acc = acc + x[k]
+    return acc
 
 
 def psum(x: Tensor, nb: int) -> Tensor:

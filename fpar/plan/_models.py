@@ -31,6 +31,8 @@ from .._global import device_put, init, normal, ones, zeros
 from .._mesh import Mesh
 from .._shard import shard
 from .._spec import P
+from .._sums import MODES as SUM_MODES
+from .._sums import low_precision_sums
 from ._paper import abstract_mesh
 
 __all__ = ["MODELS", "Layout", "Model", "model_step"]
@@ -108,6 +110,8 @@ class Layout:
     ``remat``: recompute each layer in the backward (True), or selectively (``"dots"``: keep the
     matmuls' and attention's outputs, ``fpar.optim.save_dots``; ``"alternate_dots"``: keep
     attention's and every other matmul's, torchtitan's "op" policy, ``fpar.optim.save_alternate_dots``).
+    ``sums``: how the step's bf16 sums over devices accumulate (``fpar.low_precision_sums``):
+    ``"float32"`` (fpar's rule, twice the bytes) or ``"native"`` (Megatron-LM's 16-bit all-reduces).
     """
 
     pipeline: int = 1
@@ -120,6 +124,7 @@ class Layout:
     schedule: str = "1f1b"
     sequence_parallel: bool = True
     virtual: int = 1
+    sums: str = "float32"
 
     @property
     def devices(self) -> int:
@@ -137,6 +142,7 @@ class Layout:
             + ("" if self.sequence_parallel or self.tensor == 1 else " sp=False")
             + (f" schedule={self.schedule}" if self.pipeline > 1 else "")
             + (f" virtual={self.virtual}" if self.virtual > 1 else "")
+            + (f" sums={self.sums}" if self.sums != "float32" else "")
         )
 
     def mesh(self) -> Mesh:
@@ -146,6 +152,11 @@ class Layout:
 
 def check_layout(model: Model, layout: Layout) -> None:
     """Raise ``ValueError`` naming the dimension a layout does not divide, before any work."""
+    if layout.sums not in SUM_MODES:
+        raise ValueError(
+            f"fpar.plan: sums={layout.sums!r}; choose 'float32' (fpar's rule) or 'native' "
+            f"(bf16 sums in bf16, as Megatron-LM's): fpar.low_precision_sums."
+        )
     if not isinstance(layout.remat, bool) and layout.remat not in REMAT_POLICIES:
         raise ValueError(
             f"fpar.plan: remat={layout.remat!r}; choose True, False or a selective policy: "
@@ -448,7 +459,8 @@ def model_step(model: Model | str, layout: Layout, mesh: Mesh | None = None, *, 
         batch = device_put(batch, mesh, P(DATA))
 
         def step(params, state, batch):
-            return zstep(params, state, batch)
+            with low_precision_sums(layout.sums):
+                return zstep(params, state, batch)
 
         return step, (params, state, batch)
 
@@ -486,8 +498,9 @@ def model_step(model: Model | str, layout: Layout, mesh: Mesh | None = None, *, 
     xs = device_put(ids, mesh, P(None, DATA))
 
     def step(params, state, xs, ys):
-        res = run(params, xs, ys)
-        return update(res.grads, state, params), res.loss
+        with low_precision_sums(layout.sums):
+            res = run(params, xs, ys)
+            return update(res.grads, state, params), res.loss
 
     return step, (params, state, xs, xs)
 
