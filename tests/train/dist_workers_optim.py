@@ -222,6 +222,24 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 2
 
 
+def _stage3_history(params, batch, loss_of, steps: int) -> list:
+    """ZeRO-3 AdamW on a data mesh of the world's size: the full parameters after each step.
+
+    ``loss_of(mesh)`` makes the loss (it may look at the real mesh's gathered buffers)."""
+    mesh = fpar.make_mesh((-1,), ("data",), devices=_world())
+    layout = fo.zero_layout(params, mesh, P(), stage=3)
+    opt = fo.adamw(1e-2, weight_decay=0.1)
+    params, state = fo.zero_init(opt, params, layout)
+    batch = fpar.device_put(batch, mesh, P("data"))
+    step = fo.zero_step(loss_of(mesh), opt, layout, batch_specs=P("data"))
+    history = []
+    for _ in range(steps):
+        params, state, _ = step(params, state, batch)
+        full = fpar.gather(fo.zero_params(params, layout), mesh, P())
+        history.append({k: v.clone() for k, v in full.items()})
+    return history
+
+
 def zero3_rows_run(layers: int = 6, steps: int = 3, dtype=F64):
     """ZeRO-3 AdamW over ``stacked_problem``'s leaves (``w[layers, d, d]``, ``b[layers, d]``), each
     layer's rows taken by ``unbind`` (a scanned model): per step, the most rows the loss found holding
@@ -230,33 +248,25 @@ def zero3_rows_run(layers: int = 6, steps: int = 3, dtype=F64):
     parameters after each step.
     """
     params, batch = stacked_problem(layers=layers, dtype=dtype)
-    mesh = fpar.make_mesh((-1,), ("data",), devices=_world())
-    layout = fo.zero_layout(params, mesh, P(), stage=3)
-    opt = fo.adamw(1e-2, weight_decay=0.1)
-    params, state = fo.zero_init(opt, params, layout)
-    batch = fpar.device_put(batch, mesh, P("data"))
-    resident = []
+    resident: list = []
 
-    def loss(p, batch):
-        x, y = batch
-        rows = list(zip(p["w"].unbind(0), p["b"].unbind(0)))
-        held, whole = [], False
-        h = x
-        for w, b in rows:
-            if mesh.backend == "dist":
-                held.append(sum(t.untyped_storage().nbytes() > 0 for row in rows for t in row))
-                whole = whole or any(t.untyped_storage().nbytes() > 0 for t in p.values())
-            h = h + torch.tanh(h @ w + b)
-        resident.append((max(held), whole) if held else None)
-        return ((h - y) ** 2).mean()
+    def loss_of(mesh):
+        def loss(p, batch):
+            x, y = batch
+            rows = list(zip(p["w"].unbind(0), p["b"].unbind(0)))
+            held, whole = [], False
+            h = x
+            for w, b in rows:
+                if mesh.backend == "dist":
+                    held.append(sum(t.untyped_storage().nbytes() > 0 for row in rows for t in row))
+                    whole = whole or any(t.untyped_storage().nbytes() > 0 for t in p.values())
+                h = h + torch.tanh(h @ w + b)
+            resident.append((max(held), whole) if held else None)
+            return ((h - y) ** 2).mean()
 
-    step = fo.zero_step(loss, opt, layout, batch_specs=P("data"))
-    history = []
-    for _ in range(steps):
-        params, state, _ = step(params, state, batch)
-        full = fpar.gather(fo.zero_params(params, layout), mesh, P())
-        history.append({k: v.clone() for k, v in full.items()})
-    return resident, history
+        return loss
+
+    return resident, _stage3_history(params, batch, loss_of, steps)
 
 
 def zero3_lazy_run(layers: int = 6, steps: int = 3):
@@ -269,32 +279,24 @@ def zero3_lazy_run(layers: int = 6, steps: int = 3):
     the point where the previous forward had freed it.
     """
     params, batch = deep_problem(layers=layers)
-    mesh = fpar.make_mesh((-1,), ("data",), devices=_world())
-    layout = fo.zero_layout(params, mesh, P(), stage=3)
-    opt = fo.adamw(1e-2, weight_decay=0.1)
-    params, state = fo.zero_init(opt, params, layout)
-    batch = fpar.device_put(batch, mesh, P("data"))
     calls, resident = [0], []
 
-    def loss(p, batch):
-        x, y = batch
-        held = []
-        h = x
-        for i in range(layers):
-            if mesh.backend == "dist":
-                held.append(sum(t.untyped_storage().nbytes() > 0 for t in p.values()))
-            z = h @ p[f"w{i}"]
-            if i == 0 and calls[0] == 2:
-                z = z + 0.0 * p["w0"].sum()
-            h = h + torch.tanh(z + p[f"b{i}"])
-        calls[0] += 1
-        resident.append(max(held) if held else None)
-        return ((h - y) ** 2).mean()
+    def loss_of(mesh):
+        def loss(p, batch):
+            x, y = batch
+            held = []
+            h = x
+            for i in range(layers):
+                if mesh.backend == "dist":
+                    held.append(sum(t.untyped_storage().nbytes() > 0 for t in p.values()))
+                z = h @ p[f"w{i}"]
+                if i == 0 and calls[0] == 2:
+                    z = z + 0.0 * p["w0"].sum()
+                h = h + torch.tanh(z + p[f"b{i}"])
+            calls[0] += 1
+            resident.append(max(held) if held else None)
+            return ((h - y) ** 2).mean()
 
-    step = fo.zero_step(loss, opt, layout, batch_specs=P("data"))
-    history = []
-    for _ in range(steps):
-        params, state, _ = step(params, state, batch)
-        full = fpar.gather(fo.zero_params(params, layout), mesh, P())
-        history.append({k: v.clone() for k, v in full.items()})
-    return resident, history
+        return loss
+
+    return resident, _stage3_history(params, batch, loss_of, steps)
