@@ -45,15 +45,18 @@ def exec_job(
     device: str = "cpu",
     batch: int = 4,
     compiled: bool = False,
+    remat: bool = False,
 ) -> dict:
     """One step of the executor: loss, gathered gradients, and the measured stats.
+
+    ``remat``: the stage function recomputes its block in the backward (the values are the same).
 
     ``compiled``: the stage function is compiled (``torch.compile``, ``aot_eager``); three steps run
     (the first eager inside, planning its sharded call) and the last one is returned.
     """
     mesh = mesh_for(axes)
     prob = tree_map(lambda t: t.to(device), M.problem(p, m, v, batch=batch))
-    fns = M.stage_fns(mesh)
+    fns = M.stage_fns(mesh, remat=remat)
     spec = M.stage_spec(mesh)
     rows = P(None, "data") if "data" in mesh.shape else P()
     params = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 import fpar
+import fpar.optim as fo
 import fpar.pipeline as pp
 from fpar import P
 
@@ -57,10 +58,14 @@ def make_fns(axes: tuple = ()) -> dict:
 BLOCK_SPECS = {"a": P(None, "tensor"), "b": P("tensor", None)}
 
 
-def stage_fns(mesh: fpar.Mesh, axis: str = "pipe") -> dict:
-    """The stage, first and loss callables for ``mesh``: shards over the submesh, or plain functions."""
+def stage_fns(mesh: fpar.Mesh, axis: str = "pipe", remat: bool = False) -> dict:
+    """The stage, first and loss callables for ``mesh``: shards over the submesh, or plain functions.
+
+    ``remat``: the stage's block is recomputed in the backward (``fpar.optim.remat``)."""
     others = tuple(a for a in mesh.axis_names if a != axis)
     fns = make_fns(others)
+    if remat:
+        fns["stage"] = fo.remat(fns["stage"])
     if not others:
         return fns
     sub = mesh.submesh(others)
