@@ -74,6 +74,7 @@ from torch._C._functorch import get_unwrapped, is_batchedtensor, maybe_current_l
 from torch.overrides import TorchFunctionMode
 
 from .. import _defer, _stats
+from .._sums import widened
 from .._tree import tree_flatten, tree_unflatten
 from ._zero_rows import RowGather, _InFlight
 
@@ -336,15 +337,19 @@ def gathered_grad(
         for j in inflight:  # at most one in flight (as FSDP2): then its full gradient is freed
             done[j] = done[j].wait()
         inflight.clear()
-        out = torch.empty_like(flat[i])
+        # fp16/bf16 summed in float32 and rounded once (fpar's rule; FSDP2's bf16 reduce-scatter
+        # under fpar.low_precision_sums("native")), counted as sent
+        low = g.dtype if widened(g.dtype) else None
+        _stats.record("psum_scatter", (axis,), n, g, overlap=True)
+        g = g.float() if low is not None else g
+        out = torch.empty(flat[i].shape, dtype=g.dtype, device=g.device)
         groups.group((axis,))  # as every collective fpar issues: held messages go first (pending.py)
         if direct:
             work = reduce_scatter_single(out, g, group=group, async_op=True)
         else:
             parts = _in_group_order(list(g.chunk(n)), members, group)
             work = dist.reduce_scatter(out, parts, group=group, async_op=True)
-        _stats.record("psum_scatter", (axis,), n, g, overlap=True)
-        done[i] = _InFlight(work, out, g)  # g stays alive until the collective is done with it
+        done[i] = _InFlight(work, out, g, low)  # g stays alive until the collective is done with it
         inflight.append(i)
 
     # Every gathered parameter has its buffer and its leaf from the start, but the buffer's
@@ -368,11 +373,13 @@ def gathered_grad(
         gathered.append(leaf)
 
     def start(j: int) -> Any:
-        _resize(bufs[j], bufs[j].numel() * bufs[j].element_size())
-        if j >= nleaves:  # a stacked leaf's row (its gather counted as the leaf's, ``taken``)
-            return rows.gather_row(*row_of[j], bufs[j].view(-1))
-        _stats.record_bytes("all_gather", (axis,), n, params[j].nbytes, overlap=True)
-        return _Pending.start(params[j], groups, axis, out=bufs[j])
+        # the gather writes the buffer in place: not a change autograd must know of (``_resize``)
+        with torch.autograd._unsafe_preserve_version_counter(bufs[j]):
+            _resize(bufs[j], bufs[j].numel() * bufs[j].element_size())
+            if j >= nleaves:  # a stacked leaf's row (its gather counted as the leaf's, ``taken``)
+                return rows.gather_row(*row_of[j], bufs[j].view(-1))
+            _stats.record_bytes("all_gather", (axis,), n, params[j].nbytes, overlap=True)
+            return _Pending.start(params[j], groups, axis, out=bufs[j])
 
     # A stacked leaf (``[layers, ...]``) taken by its rows (``unbind``, ``t[r]``): a row at a time
     # (``_zero_rows.RowGather``), each row a buffer of its own, gathered and freed as a leaf is.
@@ -432,9 +439,13 @@ def gathered_grad(
 def _resize(t: Tensor, nbytes: int) -> None:
     """Give ``t``'s storage ``nbytes`` bytes (0: free them; ``t`` and its views stay valid objects).
 
-    An op, so ``fpar.plan``'s recorder sees the bytes come and go (FSDP2's way too).
+    An op, so ``fpar.plan``'s recorder sees the bytes come and go (FSDP2's way too).  Not a change
+    autograd must know of (its version counter is kept): no saved view of a gathered buffer exists
+    (each is a re-gather token), and a view made before (the traced call's identity on an input)
+    must stay usable after the buffer was freed and gathered again.
     """
-    torch.ops.inductor.resize_storage_bytes_(t, nbytes)
+    with torch.autograd._unsafe_preserve_version_counter(t):
+        torch.ops.inductor.resize_storage_bytes_(t, nbytes)
 
 
 @dataclasses.dataclass

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from .. import _stats
 from .._compile import untraced
 from .._dist.buckets import _ASAP
+from .._sums import widened
 from .._tree import tree_flatten, tree_unflatten
 from ..pipeline._unstack import ROWS, Rows, Unstack, _Target, rows_at
 
@@ -49,16 +50,21 @@ _IN_FLIGHT = 2  # row reductions in flight at once (their pieces freed as they e
 
 @dataclasses.dataclass
 class _InFlight:
-    """An asynchronous reduce-scatter into ``out`` of the gradient ``g``."""
+    """An asynchronous reduce-scatter into ``out`` of the gradient ``g``.
+
+    ``dtype``: the gradient's own dtype, where ``g`` went widened (an fp16/bf16 gradient summed in
+    float32, fpar's rule): the sum is rounded to it once, when waited for.
+    """
 
     work: Any
     out: Tensor
     g: Tensor | None
+    dtype: torch.dtype | None = None
 
     def wait(self) -> Tensor:
         self.work.wait()
         self.g = None
-        return self.out
+        return self.out if self.dtype is None else self.out.to(self.dtype)
 
 
 class RowScatter(Rows):
@@ -83,7 +89,8 @@ class RowScatter(Rows):
         self.me = self.members.index(dist.get_rank())
         self.reached: set[int] = set()  # the leaves whose rows were taken
         self.outs: dict[int, Tensor] = {}  # leaf -> this rank's chunk of its summed gradient
-        self.pending: list[tuple[Any, Tensor, tuple[int, int] | None]] = []  # (work, piece, where it adds)
+        # (work, piece, where it adds: (leaf, offset, the gradient's dtype) on the piece's owner)
+        self.pending: list[tuple[Any, Tensor, tuple[int, int, torch.dtype] | None]] = []
 
     def _target(self, t: Tensor) -> _Target | None:
         i = self.index.get(id(t))
@@ -95,14 +102,17 @@ class RowScatter(Rows):
 
     def reduce_row(self, i: int, r: int, g: Tensor) -> None:
         """Sum row ``r`` of leaf ``i``'s gradient ``g`` onto the ranks whose chunks hold it."""
-        flat = g.detach().reshape(-1).clone()  # the reduce writes the sum into it on its owner
+        flat = g.detach().reshape(-1)
+        # the reduce writes the sum into it on its owner; fp16/bf16 summed in float32 (fpar's rule,
+        # ``fpar.low_precision_sums``), rounded once when it is in
+        flat = flat.float() if widened(flat.dtype) else flat.clone()
         width, c = flat.numel(), self.chunks[i]
         start = r * width
         for k in range(start // c, (start + width - 1) // c + 1):
             a, b = max(start, k * c), min(start + width, (k + 1) * c)
             piece = flat[a - start : b - start]
             work = dist.reduce(piece, dst=self.members[k], group=self.group, async_op=True)
-            self.pending.append((work, piece, (i, a - k * c) if k == self.me else None))
+            self.pending.append((work, piece, (i, a - k * c, g.dtype) if k == self.me else None))
         while len(self.pending) > _IN_FLIGHT:
             self._finish(self.pending.pop(0))
 
@@ -113,11 +123,12 @@ class RowScatter(Rows):
                 for r in range(g.shape[0]):
                     self.reduce_row(i, r, g[r])
 
-    def _finish(self, item: tuple[Any, Tensor, tuple[int, int] | None]) -> None:
+    def _finish(self, item: tuple[Any, Tensor, tuple[int, int, torch.dtype] | None]) -> None:
         work, piece, where = item
         work.wait()
         if where is not None:
-            i, at = where
+            i, at, dtype = where
+            piece = piece.to(dtype)  # a widened sum rounded once to the gradient's dtype
             if i not in self.outs:  # made when its first piece is in, not in the forward
                 self.outs[i] = piece.new_zeros(self.chunks[i])
             self.outs[i][at : at + piece.numel()].add_(piece)
@@ -322,6 +333,8 @@ def scattered_grad(
         for j in inflight:  # one in flight: the previous bucket's buffer is freed
             done[j] = done[j].wait()
         inflight.clear()
+        low = full.dtype if widened(full.dtype) else None  # fp16/bf16: summed in float32, rounded once
+        full = full.float() if low is not None else full
         out = full.new_empty(full.numel() // n)
         groups.group((axis,))  # as every collective fpar issues: held messages go first (pending.py)
         if direct:
@@ -330,7 +343,7 @@ def scattered_grad(
             work = dist.reduce_scatter(
                 out, _in_group_order(list(full.chunk(n)), members, group), group=group, async_op=True
             )
-        done[k] = _InFlight(work, out, full)
+        done[k] = _InFlight(work, out, full, low)
         inflight.append(k)
 
     # Traffic is counted a bucket at a time, once its every leaf is in (those reduced by rows too).

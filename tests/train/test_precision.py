@@ -63,10 +63,12 @@ def test_bf16_compute_keeps_fp32_masters_and_tracks_fp32(stage):
         torch.testing.assert_close(v, runs["fp32"][0][k], rtol=0.05, atol=0.01)
 
 
-@pytest.mark.parametrize(("stage", "kinds"), [(0, ("psum",)), (3, ("all_gather", "psum_scatter"))])
-def test_bf16_ddp_and_stage3_communicate_in_bf16(stage, kinds):
-    # DDP all-reduces the gradients of the bf16 copies; stage 3 gathers bf16 chunks (and
-    # reduce-scatters their bf16 gradients): half the bytes of fp32.
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("sums", ["float32", "native"])
+def test_bf16_communication_bytes(stage, sums):
+    # Stage 3 gathers bf16 chunks: half the bytes of fp32.  The gradients of the bf16 copies are
+    # summed over devices in float32 and rounded once (fpar's rule: the same bytes as fp32), or in
+    # bf16 under fpar.low_precision_sums("native") (half; DDP's and FSDP2's default).
     params, batch = W.mlp_problem(dtype=F32)
     mesh = _mesh(data=4)
     stats = {}
@@ -76,12 +78,15 @@ def test_bf16_ddp_and_stage3_communicate_in_bf16(stage, kinds):
     ):
         layout, stored, state = _setup(opt, params, mesh, stage)
         step = fo.zero_step(W.mlp_loss, opt, layout)
-        fpar.reset_comm_stats()
-        step(stored, state, batch)
+        with fpar.low_precision_sums(sums):
+            fpar.reset_comm_stats()
+            step(stored, state, batch)
         stats[name] = fpar.comm_stats()["data"]
-    for kind in kinds:
-        assert stats["bf16"][kind]["bytes"] * 2 == stats["fp32"][kind]["bytes"]
+    summed = "psum" if stage == 0 else "psum_scatter"
+    ratio = 2 if sums == "native" else 1
+    assert stats["bf16"][summed]["bytes"] * ratio == stats["fp32"][summed]["bytes"]
     if stage == 3:
+        assert stats["bf16"]["all_gather"]["bytes"] * 2 == stats["fp32"]["all_gather"]["bytes"]
         assert "psum" not in stats["bf16"]  # loss_scale=None: no overflow check, no extra collective
 
 
