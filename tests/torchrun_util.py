@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,9 +27,36 @@ import pytest
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port no socket holds now, from below the kernel's ephemeral range.
+
+    The port is handed to a launcher that binds it seconds later (torchrun imports torch first).
+    A port from the ephemeral range (what binding port 0 gives) can meanwhile become the local
+    port of any outgoing connection on the machine, and the gloo processes of the tests running
+    beside it make thousands: torchrun then fails to host its store there, takes the holder for
+    another agent's store and times out connecting to it (a CI flake, 2026-11-30). Outside the
+    range only another explicit bind can take it.
+    """
+    low, _ = _ephemeral_range()
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(200):
+        port = rng.randrange(10_000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every try held: the kernel's choice, as before
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return (low, high) if low > 10_100 else (32768, 60999)
 
 
 def children(pid: int) -> list[int]:
