@@ -42,6 +42,7 @@ from torch import nn
 
 from .._functional import _stateless
 from .._mesh import Mesh
+from .._spec import block_shape
 from . import _tp_layers as tl
 from ._tp_index import inverse, layout_index
 from ._tp_local import _local_copy, _sequence_norms
@@ -132,8 +133,9 @@ def tensor_parallel(
     Returns:
       ``(apply_fn, params, specs)``: ``apply_fn(params, *args, **kwargs)`` is the per-device
       function (a ``TensorParallelFn``) returning what the module returns, with column- and
-      vocab-parallel outputs left split; ``params`` is ``{name: global tensor}``; ``specs`` is
-      ``{name: fpar.P}``.  Pass ``use_cache=False`` to HF decoders when training (else the
+      vocab-parallel outputs left split; ``params`` is ``{name: global tensor}`` (on a real mesh
+      put them with ``fpar.device_put(params, mesh, specs)``: ``apply_fn`` refuses a tensor that is
+      not its device's block); ``specs`` is ``{name: fpar.P}``.  Pass ``use_cache=False`` to HF decoders when training (else the
       forward builds a KV cache the out_specs must cover).  A padding mask goes in 4-D additive
       form (HF's helpers for a 2-D mask test its values, which vmap cannot).
 
@@ -150,6 +152,7 @@ def tensor_parallel(
       >>> apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh)
       >>> def loss(p, ids):
       ...     return fpar.pmean(apply_fn(p, ids, labels=ids, use_cache=False).loss, "data")
+      >>> params = fpar.device_put(params, mesh, specs)  # a real mesh's blocks; in-process: params
       >>> fpar.shard(loss, mesh, (specs, P("data")), P())(params, ids)
     """
     if not isinstance(model, nn.Module):
@@ -201,6 +204,9 @@ def tensor_parallel(
     buffers = {name: b.detach() for name, b in local.named_buffers()}
     run = _stateless(local, frozenset(params), buffers)
     fn = TensorParallelFn(run, local, axis, n, layers, sources, tied, frozenset(params))
+    fn._blocks = {
+        name: (tuple(t.shape), block_shape(specs[name], t.shape, mesh.shape)) for name, t in params.items()
+    }
     if expert is not None:
         fn.expert_axis = expert[0]
         fn.experts = {name: spec for name, spec in specs.items() if expert[0] in spec.axes()}
@@ -224,6 +230,7 @@ class TensorParallelFn:
 
     expert_axis: str | None = None
     experts: Mapping[str, Any] = {}
+    _blocks: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
     def __init__(
         self,
@@ -248,6 +255,8 @@ class TensorParallelFn:
         self.__name__ = f"{type(module).__name__}_tensor_parallel"
 
     def __call__(self, params: Mapping[str, Tensor], *args: Any, **kwargs: Any) -> Any:
+        if isinstance(params, Mapping):
+            self._check_blocks(params)
         if self._tied and isinstance(params, Mapping):
             params = dict(params)
             for name, (dim, rows, kv, group) in self._tied.items():
@@ -260,6 +269,25 @@ class TensorParallelFn:
             if better is None:
                 raise
             raise better from e
+
+    def _check_blocks(self, params: Mapping[str, Tensor]) -> None:
+        # Each device's block, before the forward: on a real mesh fpar.shard passes each process
+        # what it is given, and a whole tensor of a Linear stack would run (with a sum over the
+        # axis too many) rather than fail.
+        for name, t in params.items():
+            shapes = self._blocks.get(name)
+            if shapes is None or not isinstance(t, Tensor) or t.shape == shapes[1]:
+                continue
+            whole, block = shapes
+            hint = (
+                "the whole tensor: on a real mesh fpar.shard passes each process the value it is "
+                "given, so put the global tensors with fpar.device_put(params, mesh, specs) first "
+                "(in one process device_put returns them as they are)"
+                if t.shape == whole
+                else f"neither this device's block {block} nor the whole tensor {whole}: pass the blocks "
+                f"fpar.device_put(params, mesh, specs) makes of the global tensors, once"
+            )
+            raise ValueError(f"{_API}: params[{name!r}] has shape {tuple(t.shape)}, {hint}.")
 
     def explain(self, e: RuntimeError) -> ValueError | None:
         """The error to raise for ``e``, raised by a module of the model on this device's blocks.

@@ -428,10 +428,35 @@ def test_error_tied_layers_with_different_kinds():
 def test_real_mesh_equals_in_process():
     results = fpar.launch(tp_workers.worker, 2, timeout=90.0)
     value, grads, stats = tp_workers.run(fpar.make_mesh((2,), ("tensor",)))
-    for rank, (v, g, s) in enumerate(results):
+    for rank, ((v, g, s), whole) in enumerate(results):
         assert_tree_close(v, value, what=f"rank {rank} loss")
         assert_tree_close(g, grads, what=f"rank {rank} grads")
         assert s == stats, f"rank {rank} traffic"
+        # the global tensors without fpar.device_put: refused on every rank, before the forward
+        assert whole == (
+            "fpar.ops.tensor_parallel: params['0.weight'] has shape (8, 4), the whole tensor: on a real "
+            "mesh fpar.shard passes each process the value it is given, so put the global tensors with "
+            "fpar.device_put(params, mesh, specs) first (in one process device_put returns them as they are)."
+        ), f"rank {rank}: {whole}"
+
+
+def test_per_device_function_refuses_a_tensor_that_is_not_its_block():
+    # Called on this device's blocks only: the whole tensor, or a block split again, is named.
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    mesh = fpar.make_mesh((2,), ("tensor",))
+    apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh, plan={"0": "colwise", "2": "rowwise"})
+    with pytest.raises(ValueError, match=r"params\['0.weight'\] has shape \(8, 4\), the whole tensor: "):
+        apply_fn(params, torch.ones(3, 4))
+    twice = {**params, "2.weight": params["2.weight"][:, :2]}
+    blocks = {k: (v[:4] if k.startswith("0.") else v) for k, v in twice.items()}
+    with pytest.raises(
+        ValueError,
+        match=r"params\['2.weight'\] has shape \(4, 2\), neither this device's "
+        r"block \(4, 4\) nor the whole tensor \(4, 8\)",
+    ):
+        apply_fn(blocks, torch.ones(3, 4))
+    x = torch.ones(3, 4)  # fpar.shard gives it the blocks: the module's own output
+    torch.testing.assert_close(fpar.shard(apply_fn, mesh, (specs, P()), P())(params, x), model(x))
 
 
 # The example ------------------------------------------------------------------------------------------

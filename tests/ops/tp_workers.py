@@ -12,7 +12,21 @@ def worker():
     """Loss, gradients (gathered to global tensors) and forward traffic on a 2-process tensor axis."""
     torch.set_num_threads(1)
     mesh = fpar.make_mesh((2,), ("tensor",))
-    return run(mesh)
+    return run(mesh), whole_params_error(mesh)
+
+
+def whole_params_error(mesh: fpar.Mesh) -> str:
+    """The error for the global tensors passed without ``device_put``: a Linear stack, where a whole
+    column-parallel weight would run (and the row-parallel sum double the output) if unchecked."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh, plan={"0": "colwise", "2": "rowwise"})
+    f = fpar.shard(apply_fn, mesh, (specs, fpar.P()), fpar.P())
+    try:
+        f(params, torch.ones(3, 4))
+    except ValueError as e:
+        return str(e)
+    return "no error"
 
 
 def run(mesh: fpar.Mesh):
