@@ -39,6 +39,9 @@ STYLES = {
     "embedding_rowwise": "vocab",
     "embedding_colwise": "embedding_colwise",
     "packed_colwise": "packed_colwise",
+    # a 3-D expert weight stored [experts, in, out] (Aria's): its fused [gate | up] output, the last
+    # dim, split as packed_colwise splits dim 1 of [experts, out, in]
+    "packed_rowwise": "packed_rowwise",
     "replicated_with_grad_allreduce": "replicate",
     "replicate": "replicate",
     "all_reduce": "all_reduce",
@@ -61,7 +64,6 @@ STYLES = {
     "local_params": "replicate",
 }
 UNSUPPORTED = {
-    "packed_rowwise": "a fused input dim split with a stride",
     "moe_identity_expert": "longcat's identity experts",
     "local": "transformers 4.x: a module left on local shards, reduced by a parent 'gather' rule",
     "gather": "transformers 4.x: the reduction of 'local_*' children",

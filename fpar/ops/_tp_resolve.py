@@ -313,18 +313,36 @@ def check_layer(name: str, module: nn.Module, layer: Layer, rules: dict) -> None
     if kind == "moe_experts":
         own = [_join(name, p) for p, _ in module.named_parameters(recurse=False)]
         bad = [
-            attr
-            for attr, ok in (("is_transposed", False), ("has_bias", False), ("is_concatenated", True))
+            f"{attr}={getattr(module, attr)}"
+            for attr, ok in (("has_bias", False), ("is_concatenated", True))
             if getattr(module, attr, ok) != ok
         ]
+        # [experts, out, in] (is_transposed False): gate_up packed_colwise, down rowwise; Aria's
+        # [experts, in, out]: gate_up packed_rowwise, down colwise (each the same split in its layout)
+        transposed = bool(getattr(module, "is_transposed", False))
+        want = {"gate_up_proj": "packed_rowwise", "down_proj": "colwise"} if transposed else {}
+        want = want or {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
+        for p in own:
+            leaf = p.rpartition(".")[2]
+            if p in rules and leaf in want and rules[p].kind != want[leaf]:
+                bad.append(
+                    f"is_transposed={transposed} with {leaf} {rules[p].kind!r} (its layout needs {want[leaf]!r})"
+                )
         if not own or not all(p in rules for p in own) or bad:
             raise TypeError(
-                f"{where}: 'moe_tp_experts' applies to an experts module of 3-D [experts, out, in] weights "
-                f"[gate | up] and down, each named by its own rule (packed_colwise / rowwise)"
-                + (f"; this one has {', '.join(f'{a}={getattr(module, a)}' for a in bad)}" if bad else "")
+                f"{where}: 'moe_tp_experts' applies to an experts module of 3-D weights [gate | up] and "
+                f"down, each named by its own rule (packed_colwise / rowwise for [experts, out, in], "
+                f"packed_rowwise / colwise for [experts, in, out])"
+                + (f"; this one has {', '.join(bad)}" if bad else "")
                 + ". Mark it 'replicate' instead."
             )
         return
+    if kind == "packed_rowwise":
+        raise TypeError(
+            f"{where}: 'packed_rowwise' applies to a 3-D expert weight stored [experts, in, out] (its "
+            f"fused [gate | up] output split on dim 2), named by its parameter; for a module's fused "
+            f"input use 'rowwise' on a Linear whose input is not fused, or mark it 'replicate'."
+        )
     if kind in LINEAR_KINDS and (isinstance(module, nn.Linear) or is_conv1d(module)):
         return
     raise TypeError(
@@ -431,20 +449,24 @@ def _bare_layout(name: str, p, rule: Layer, axis: str, n: int) -> tuple:
     if rule.kind == "colwise" and p.dim() in (1, 2):  # one row a query head (attention sinks): dim 0
         _divides(where, "rows", p.shape[0], n)
         return P(axis, *([None] * (p.dim() - 1))), 0, [("split", p.shape[0])]
-    if p.dim() != 3 or rule.kind not in ("colwise", "packed_colwise", "rowwise"):
+    if p.dim() != 3 or rule.kind not in ("colwise", "packed_colwise", "rowwise", "packed_rowwise"):
         raise TypeError(
-            f"{where}: a rule naming a parameter applies to 3-D expert weights [experts, out, in] with "
-            f"'colwise', 'packed_colwise' or 'rowwise', or to a 1-D or 2-D parameter of one row a head "
-            f"(attention sinks) with 'colwise'; got {rule.kind!r} on a {p.dim()}-D tensor. Name its "
-            f"module instead."
+            f"{where}: a rule naming a parameter applies to 3-D expert weights with 'colwise' (dim 1), "
+            f"'rowwise' (dim 2), 'packed_colwise' (dim 1 a fused [gate | up]: [experts, out, in]) or "
+            f"'packed_rowwise' (dim 2 a fused [gate | up]: [experts, in, out]), or to a 1-D or 2-D "
+            f"parameter of one row a head (attention sinks) with 'colwise'; got {rule.kind!r} on a "
+            f"{p.dim()}-D tensor. Name its module instead."
         )
-    dim = 1 if rule.kind != "rowwise" else 2
-    segs = [("split", p.shape[1] // 2)] * 2 if rule.kind == "packed_colwise" else [("split", p.shape[dim])]
+    dim = 1 if rule.kind in ("colwise", "packed_colwise") else 2
+    packed = rule.kind.startswith("packed")
+    segs = [("split", p.shape[dim] // 2)] * 2 if packed else [("split", p.shape[dim])]
     for seg in segs:
         _divides(where, "split dim", segment_size(seg), n)
     spec = [None, None, None]
     spec[dim] = axis
-    return P(*spec), (dim if rule.kind != "rowwise" else None), (segs if rule.kind != "rowwise" else None)
+    # rows of a split (and packed) dim are regrouped so each device's block is [gate_r | up_r]
+    regrouped = rule.kind != "rowwise"
+    return P(*spec), (dim if regrouped else None), (segs if regrouped else None)
 
 
 def _expert_layout(name: str, p, rule: Layer, axis: str, n: int) -> tuple:

@@ -97,6 +97,12 @@ def deepseek_v2(meta=False, **kw):
     return _build("DeepseekV2Config", "DeepseekV2ForCausalLM", meta, **cfg)
 
 
+def aria(meta=False, **kw):
+    """Experts stored [experts, in, out] (``is_transposed``): 'packed_rowwise' [gate | up], 'colwise' down."""
+    cfg = _decoder(moe_num_experts=4, moe_topk=2, moe_num_shared_experts=1, **kw)
+    return _build("AriaTextConfig", "AriaTextForCausalLM", meta, **cfg)
+
+
 def gpt2(meta=False, **kw):
     cfg = dict(n_layer=1, n_embd=32, n_head=4, vocab_size=V, n_positions=16, bos_token_id=0, eos_token_id=0)
     return _build("GPT2Config", "GPT2LMHeadModel", meta, **{**cfg, **kw})
@@ -125,6 +131,7 @@ FAMILIES = {
     "mixtral": mixtral,
     "qwen3_moe": qwen3_moe,
     "deepseek_v2": deepseek_v2,
+    "aria": aria,
     "gpt2": gpt2,
     "bert": bert,
 }

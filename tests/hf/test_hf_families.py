@@ -272,16 +272,43 @@ def test_error_unsupported_plan_string_names_the_module():
     model = hf_models.llama(meta=True)
     model._tp_plan = {
         **model.tp_plan,
-        "model.layers.*.mlp.down_proj": "packed_rowwise",
+        "model.layers.*.mlp": "moe_identity_expert",
     }  # as a config would give
     with pytest.raises(
         ValueError,
-        match=r"LlamaForCausalLM.tp_plan\['model.layers.\*.mlp.down_proj'\] is 'packed_rowwise' \(a fused "
-        r"input dim split with a stride\), a transformers plan string fpar does not implement",
+        match=r"LlamaForCausalLM.tp_plan\['model.layers.\*.mlp'\] is 'moe_identity_expert' \(longcat's "
+        r"identity experts\), a transformers plan string fpar does not implement",
     ):
         fpar.ops.tensor_parallel(model, MESH)
     with pytest.raises(ValueError, match=r"plan\['\*.mlp'\] is 'local_rowwise' \(transformers 4.x"):
         fpar.ops.tensor_parallel(model, MESH, plan={"*.mlp": "local_rowwise"})
+
+
+def test_packed_rowwise_is_for_experts_stored_in_by_out():
+    # Aria's [experts, in, out] experts: 'packed_rowwise' splits their fused output (dim 2); on a
+    # Linear (a fused input dim) it is refused by name, and a plan whose experts' strings do not
+    # match their layout is refused before anything is built.
+    model = hf_models.llama(meta=True)
+    with pytest.raises(
+        TypeError,
+        match=r"'model.layers.0.mlp.down_proj' \(Linear, plan '\*.down_proj'\): "
+        r"'packed_rowwise' applies to a 3-D expert weight stored \[experts, in, out\]",
+    ):
+        fpar.ops.tensor_parallel(model, MESH, plan={"*.down_proj": "packed_rowwise"})
+    aria = hf_models.aria(meta=True)
+    plan = {**aria.tp_plan, "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise"}
+    plan |= {"model.layers.*.mlp.experts.down_proj": "rowwise"}  # the [experts, out, in] strings
+    with pytest.raises(
+        TypeError,
+        match=r"this one has is_transposed=True with gate_up_proj 'packed_colwise' "
+        r"\(its layout needs 'packed_rowwise'\), is_transposed=True with down_proj 'rowwise' "
+        r"\(its layout needs 'colwise'\)",
+    ):
+        fpar.ops.tensor_parallel(aria, MESH, plan=plan)
+    apply_fn, params, specs = fpar.ops.tensor_parallel(aria, MESH)
+    assert specs["model.layers.0.mlp.experts.gate_up_proj"] == P(None, None, "tensor")
+    assert specs["model.layers.0.mlp.experts.down_proj"] == P(None, "tensor", None)
+    assert apply_fn.regrouped["model.layers.0.mlp.experts.gate_up_proj"] == 2  # [gate_r | up_r] a device
 
 
 def test_attention_sinks_split_by_their_own_rule_equal_unsharded():
