@@ -245,6 +245,15 @@ def _sequence_parallel(
     for name, region in regions.items():
         where = f"{name!r} ({type(region).__name__})"
         region.register_forward_pre_hook(functools.partial(tl.gather_sequence, axis, where), with_kwargs=True)
+        inside = [layer.kind for k, layer in layers.items() if k.startswith(name + ".")]
+        if (
+            region is not head
+            and "colwise_gather" in inside
+            and not {"rowwise", "rowwise_split"} & set(inside)
+        ):
+            # no row-parallel exit to reduce-scatter: its output is gathered (a linear attention
+            # whose projections are all 'colwise_gather_output'): the whole sequence, cut to the block
+            region.register_forward_hook(functools.partial(tl.own_block, axis, n))
     getattr(base, attr)[0].register_forward_pre_hook(
         functools.partial(tl.sequence_block, axis, n, f"{cls}'s first decoder layer"), with_kwargs=True
     )

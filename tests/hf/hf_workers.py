@@ -93,3 +93,19 @@ def expert_worker(grouped: bool = False):
     ids = hf_models.batch(rows=4)
     grads = fpar.gather(torch.func.grad(loss)(params, ids), mesh, specs)
     return loss(params, ids).detach(), apply_fn.export(grads)
+
+
+def linear_attention_sp_worker():
+    """Qwen3-Next (linear attention layers, their projections all 'colwise_gather_output') with
+    sequence parallelism on a 2-process tensor axis: loss and whole gradients."""
+    import pp_families
+
+    torch.set_num_threads(1)
+    mesh = fpar.make_mesh((2,), ("tensor",))
+    model, _ = pp_families.tiny("qwen3_next", layer_types=["linear_attention", "full_attention"])
+    apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh, plan=hf_models.sp_plan(model))
+    params = fpar.device_put(params, mesh, specs)
+    loss = hf_models.sharded_loss(apply_fn, mesh, specs, causal=True)
+    ids = hf_models.batch()
+    grads = fpar.gather(torch.func.grad(loss)(params, ids), mesh, specs)
+    return loss(params, ids).detach(), apply_fn.export(grads)
