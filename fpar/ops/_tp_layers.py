@@ -64,17 +64,29 @@ def gather_sequence(axis: str, where: str, module: nn.Module, args: tuple, kwarg
 
 
 def own_block(axis: str, n: int, module: nn.Module, args: tuple, output):
-    """A forward hook: the output's (or its first element's) sequence cut to this device's block.
+    """A forward hook: the output's sequence (dim 1) cut to this device's block.
 
-    With ``gather_sequence`` before it, a replicated module that mixes along the sequence (a
+    Of a tuple: its first element and every other of the gathered sequence's length.  With ``gather_sequence`` before it, a replicated module that mixes along the sequence (a
     linear attention's convolution and scan) runs on the whole sequence, and the residual stream
     takes back its block.
     """
     first = output[0] if isinstance(output, (tuple, list)) else output
-    block = first.unflatten(1, (n, -1)).movedim(1, 0)[axis_index(axis)]
+    length = (
+        args[0].shape[1] if args and isinstance(args[0], Tensor) and args[0].dim() > 1 else first.shape[1]
+    )
+
+    def block(t):
+        return t.unflatten(1, (n, -1)).movedim(1, 0)[axis_index(axis)]
+
     if isinstance(output, (tuple, list)):
-        return type(output)((block, *output[1:]))
-    return block
+        # every per-token output: a hyper-connection's (post weights, mixed stream) both go on
+        # along the residual (DeepSeek-V4's, HY-V4's)
+        per_token = [
+            block(t) if i == 0 or (isinstance(t, Tensor) and t.dim() > 1 and t.shape[1] == length) else t
+            for i, t in enumerate(output)
+        ]
+        return type(output)(per_token)
+    return block(output)
 
 
 def sequence_block(axis: str, n: int, where: str, module: nn.Module, args: tuple, kwargs: dict):

@@ -95,17 +95,28 @@ def expert_worker(grouped: bool = False):
     return loss(params, ids).detach(), apply_fn.export(grads)
 
 
-def linear_attention_sp_worker():
-    """Qwen3-Next (linear attention layers, their projections all 'colwise_gather_output') with
-    sequence parallelism on a 2-process tensor axis: loss and whole gradients."""
+# Sequence parallelism where a decoder layer's module is not an attention or MLP region: Qwen3-Next's
+# linear attention (its projections all 'colwise_gather_output', no row-parallel exit) and HY-V4's
+# hyper-connections (replicated modules returning two per-token tensors).
+SP_FAMILIES = {
+    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"]),
+    "hy_v4": {},
+}
+
+
+def sp_families_worker():
+    """``{family: (loss, whole gradients)}`` with sequence parallelism on a 2-process tensor axis."""
     import pp_families
 
     torch.set_num_threads(1)
     mesh = fpar.make_mesh((2,), ("tensor",))
-    model, _ = pp_families.tiny("qwen3_next", layer_types=["linear_attention", "full_attention"])
-    apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh, plan=hf_models.sp_plan(model))
-    params = fpar.device_put(params, mesh, specs)
-    loss = hf_models.sharded_loss(apply_fn, mesh, specs, causal=True)
-    ids = hf_models.batch()
-    grads = fpar.gather(torch.func.grad(loss)(params, ids), mesh, specs)
-    return loss(params, ids).detach(), apply_fn.export(grads)
+    out = {}
+    for family, fields in SP_FAMILIES.items():
+        model, _ = pp_families.tiny(family, **fields)
+        apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh, plan=hf_models.sp_plan(model))
+        params = fpar.device_put(params, mesh, specs)
+        loss = hf_models.sharded_loss(apply_fn, mesh, specs, causal=True)
+        ids = hf_models.batch()
+        grads = fpar.gather(torch.func.grad(loss)(params, ids), mesh, specs)
+        out[family] = (loss(params, ids).detach(), apply_fn.export(grads))
+    return out

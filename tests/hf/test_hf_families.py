@@ -388,23 +388,31 @@ def test_real_mesh_equals_in_process_and_unsharded():
 
 
 @pytest.mark.multiprocess
-def test_linear_attention_sequence_parallel_on_two_processes_equals_unsharded():
-    # A region whose projections are all gathered (no row-parallel exit to reduce-scatter) runs on
-    # the whole sequence and gives back this process's block.
+def test_sequence_parallel_beyond_attention_and_mlp_on_two_processes_equals_unsharded():
+    # A region whose projections are all gathered (Qwen3-Next's linear attention: no row-parallel
+    # exit to reduce-scatter) and a replicated module returning two per-token tensors (HY-V4's
+    # hyper-connections) run on the whole sequence and give back this process's blocks.
     import hf_workers
     import pp_families
 
-    results = fpar.launch(hf_workers.linear_attention_sp_worker, 2, timeout=240.0)
-    model, _ = pp_families.tiny("qwen3_next", layer_types=["linear_attention", "full_attention"])
-    assert {"linear_attention", "full_attention"} <= set(model.config.layer_types)
-    want_loss, want_grads = hf_models.unsharded(model, hf_models.batch())
-    # float32 inside (its norms, the delta rule's gates): sums in another order move a float32
-    # rounding, so each gradient to 1e-5 of its largest entry
-    for rank, (value, grads) in enumerate(results):
-        torch.testing.assert_close(value, want_loss, rtol=1e-6, atol=0)
-        assert set(grads) == set(want_grads)
-        for name, want in want_grads.items():
-            atol = 1e-5 * float(want.abs().max()) + 1e-12
-            torch.testing.assert_close(
-                grads[name], want, rtol=1e-5, atol=atol, msg=lambda m, r=rank, k=name: f"rank {r} {k}: {m}"
-            )
+    results = fpar.launch(hf_workers.sp_families_worker, 2, timeout=240.0)
+    for family, fields in hf_workers.SP_FAMILIES.items():
+        model, _ = pp_families.tiny(family, **fields)
+        if family == "qwen3_next":
+            assert {"linear_attention", "full_attention"} <= set(model.config.layer_types)
+        want_loss, want_grads = hf_models.unsharded(model, hf_models.batch())
+        # float32 inside (norms, gates, hyper-connections): sums in another order move a float32
+        # rounding, so each gradient to 1e-5 of its largest entry
+        for rank, got in enumerate(results):
+            value, grads = got[family]
+            torch.testing.assert_close(value, want_loss, rtol=1e-6, atol=0)
+            assert set(grads) == set(want_grads)
+            for name, want in want_grads.items():
+                atol = 1e-5 * float(want.abs().max()) + 1e-12
+                torch.testing.assert_close(
+                    grads[name],
+                    want,
+                    rtol=1e-5,
+                    atol=atol,
+                    msg=lambda m, r=rank, f=family, k=name: f"rank {r} {f} {k}: {m}",
+                )
