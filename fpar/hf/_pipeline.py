@@ -30,7 +30,8 @@ layers) run with the embedding in ``first``, those after it (a partial unit) wit
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+import functools
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ from .._shard import shard
 from .._spec import PartitionSpec as P
 from ..ops._megatron import vocab_cross_entropy
 from ..pipeline._layout import model_major, stage_major
+from ._shell import _after_layers, _last_only, _parameters, _reached, _Shell, _Start, _Step, _Stop
 
 __all__ = ["Stages", "pipeline_stages"]
 
@@ -68,6 +70,12 @@ def pipeline_stages(
     an attention kind or a decay by depth, with their weights), which ``fpar.pipeline.pipeline``
     takes as it is.  The loss is the mean next-token cross-entropy over the microbatch's tokens (``targets`` are the next ids), averaged (``pmean``) over the mesh axes
     other than ``pipe`` and the tensor axis, which split the batch rows.
+
+    A module with parameters that the plan's pieces leave out, registered after the decoder layers
+    (DeepSeek-V4's and HY-V4's hyper-connection head, which merges the residual streams before the
+    norm), is held by the last stage and runs there as the model's forward runs it; one the forward
+    runs before the layers is refused when it runs.  A stage's hidden state may have more dims than
+    the embedding's output (hyper-connections' streams).
 
     A sequence-parallel model (its norms ``sequence_parallel`` in the plan) is cut so too: chunk 0
     takes the whole sequence and cuts it at its first layer, every chunk sends its sequence block
@@ -98,7 +106,10 @@ def pipeline_stages(
       ValueError: no ``base_model_pp_plan``, or one that names not exactly one layer list; a ``pipe``
         axis missing or the tensor axis; layers (or units of layers) that do not divide into
         ``p * chunks`` chunks; layers whose parameters differ with no repeating pattern; parameters
-        in none of the plan's pieces (they are named).
+        in none of the plan's pieces registered before the layers (they are named); decoder layers
+        that take ``input_ids`` (DeepSeek-V4's hash routing).  At the first forward: layers whose
+        output the model's forward takes apart (state for the next layer: GLM-DSA's, HY-V4's top-k
+        indices), a module held by the last stage that runs before the layers.
 
     Example:
       >>> mesh = fpar.make_mesh((2, 2), ("pipe", "tensor"))
@@ -175,7 +186,13 @@ class Stages:
         self._layers_name = dotted[id(self._layers)]
         self._head_name = dotted[id(head)]
         before = [getattr(base, n) for n in names[: names.index(layers_attr)]]
-        after = [getattr(base, n) for n in names[names.index(layers_attr) + 1 :]] + [head]
+        after = [getattr(base, n) for n in names[names.index(layers_attr) + 1 :]]
+        # Modules with parameters that the plan's pieces leave out but that are registered after
+        # the decoder layers (DeepSeek-V4's and HY-V4's hyper-connection head, which merges the
+        # residual streams before the norm): the last stage holds them, and the model's own forward
+        # runs them there.  One that the forward runs before the layers is refused when it runs.
+        self._after_pieces = _after_layers(module, base, layers_attr, [*before, *after, head])
+        after += [*self._after_pieces.values(), head]
 
         def own(ms: list) -> list[str]:
             return [f"{dotted[id(m)]}.{k}".lstrip(".") for m in ms for k, _ in m.named_parameters()]
@@ -194,6 +211,13 @@ class Stages:
             raise ValueError(
                 f"{_API}: {cls}'s parameters {left[:4]} belong to none of its pp plan's pieces {names} nor "
                 f"the output head, so no stage would hold them; this model cannot be cut by its pp plan."
+            )
+        reads_ids = sorted({type(m).__name__ for m in self._layers if "input_ids" in _parameters(m.forward)})
+        if reads_ids:
+            raise ValueError(
+                f"{_API}: {cls}'s decoder layers ({', '.join(reads_ids)}) take the token ids (input_ids=: "
+                f"DeepSeek-V4's hash-routed experts pick them by token), but a pipeline stage receives only "
+                f"the hidden state from the one before it; this model cannot be cut by its pp plan."
             )
         self.lead, self.unit, self.trail = _cut(
             layer_kinds(self._layers), self.p, self.v, cls, self._layers_name
@@ -265,10 +289,12 @@ class Stages:
             return _reached(hidden, f"its decoder layer {lead}")
 
         def inputs_like(h_BTD: Tensor, whole: bool = False) -> Tensor:
-            """Zeros of the whole sequence's shape, for the model's own positions and masks."""
-            if not self._sp or whole:
-                return torch.zeros_like(h_BTD)
-            return h_BTD.new_zeros(h_BTD.shape[0], h_BTD.shape[1] * self._sp, *h_BTD.shape[2:])
+            """Zeros of the embedding's shape over the whole sequence, for the model's own masks.
+
+            A stage's hidden state may have more dims (hyper-connections' streams) than the embedding.
+            """
+            t = h_BTD.shape[1] if not self._sp or whole else h_BTD.shape[1] * self._sp
+            return h_BTD.new_zeros(h_BTD.shape[0], t, h_BTD.shape[-1])
 
         slots = self._slots()
         whole0 = lead == 0  # chunk 0 takes the whole sequence under SP (its first layer cuts it)
@@ -318,6 +344,8 @@ class Stages:
         def wrap(c: int):
             return shard(make_chunk(c), sub, (self.chunk_specs, rows if c == 0 and whole0 else block), block)
 
+        for name, m in self._after_pieces.items():
+            m.register_forward_pre_hook(functools.partial(_last_only, f"{type(module).__name__}'s {name!r}"))
         self.stage = [wrap(c) for c in range(n_chunks)]
         self.first = shard(first, sub, (self.first_specs, rows), rows if whole0 else block)
         self.loss = shard(last, sub, (self.last_specs, block, rows), P())
@@ -407,105 +435,6 @@ def decoder_layers(module: torch.nn.Module, api: str) -> tuple[torch.nn.Module, 
             f"{type(base).__name__} ({lists}), not one: which are its decoder layers is not known."
         )
     return base, lists[0]
-
-
-class _Shell:
-    """The causal LM ``outer`` whose decoder layers are ``slots`` (``_Shell.run`` runs its forward)."""
-
-    def __init__(self, outer: torch.nn.Module, slots: list, explain: Callable):
-        self.outer, self.explain = outer, explain
-        self.start = next((s for s in slots if isinstance(s, _Start)), None)
-        self.steps = [s for s in slots if isinstance(s, _Step)]
-
-    def run(self, params: Mapping, kwargs: dict, hidden=None, weights: list | None = None):
-        """The forward with ``hidden`` fed to the ``_Start`` slot, ``weights[i]`` to step ``i``.
-
-        Returns what the forward returns, or the hidden state that a ``_Stop`` slot reached.
-        """
-        if self.start is not None:
-            self.start.__dict__["_hidden"] = hidden
-        for s, w in zip(self.steps, weights or [], strict=True):
-            s.__dict__["weights"] = w
-        try:
-            return torch.func.functional_call(self.outer, dict(params), (), kwargs)
-        except _Reached as stop:
-            return stop.hidden
-        except RuntimeError as e:  # a module's shape error on this device's blocks, by name
-            better = self.explain(e)
-            if better is None:
-                raise
-            raise better from e
-        except ValueError as e:  # the model's loop unpacked a stage's hidden state as a tuple
-            if "values to unpack" not in str(e):
-                raise
-            raise ValueError(
-                f"{_API}: {type(self.outer).__name__}'s decoder layers return more than the hidden state "
-                f"(state for the next layer, such as GLM-DSA's top-k indices), which its forward unpacks; "
-                f"a pipeline stage passes on the hidden state only, so this model cannot be cut into "
-                f"stages ({e})."
-            ) from e
-        finally:  # the slots hold no tensor between calls
-            if self.start is not None:
-                self.start.__dict__["_hidden"] = None
-            for s in self.steps:
-                s.__dict__["weights"] = None
-
-
-def _reached(hidden, where: str) -> Tensor:
-    if not isinstance(hidden, Tensor):
-        raise RuntimeError(f"{_API}: the model's forward returned before it reached {where}.")
-    return hidden
-
-
-class _Reached(Exception):  # noqa: N818 (control flow, never seen by a user)
-    """Raised by a ``_Stop`` slot: the model's forward reached the end of a stage's layers."""
-
-    def __init__(self, hidden: Tensor):
-        super().__init__("pipeline stage boundary")
-        self.hidden = hidden
-
-
-class _Slot(torch.nn.Module):
-    """Stands where a decoder layer stands in the model's own forward.
-
-    It reads through to the real layer's attributes (``attention_type``, ``layer_idx``, ...), which
-    the forward may look up.
-    """
-
-    def __init__(self, like: torch.nn.Module):
-        super().__init__()
-        self.__dict__["_like"] = like
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.__dict__["_like"], name)
-
-
-class _Start(_Slot):
-    """The first slot: the hidden state this stage received, in place of the placeholder embeddings'."""
-
-    def forward(self, hidden_states, *args, **kwargs):
-        return self.__dict__["_hidden"]
-
-
-class _Stop(_Slot):
-    """The slot after a stage's last layer: ends the forward with the hidden state it is given."""
-
-    def forward(self, hidden_states, *args, **kwargs):
-        raise _Reached(hidden_states)
-
-
-class _Step(_Slot):
-    """Decoder layer ``index`` of the model, run with the chunk's row of its stacked weights."""
-
-    def __init__(self, like: torch.nn.Module):
-        super().__init__(like)
-        self.__dict__["weights"] = None
-
-    def forward(self, *args, **kwargs):
-        return torch.func.functional_call(self.__dict__["_like"], self.__dict__["weights"], args, kwargs)
 
 
 def layer_kinds(layers: torch.nn.ModuleList) -> list[int]:
