@@ -177,7 +177,17 @@ class _Step(_Slot):
         self.__dict__["weights"] = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return torch.func.functional_call(self.__dict__["_like"], self.__dict__["weights"], args, kwargs)
+        layer = type(self.__dict__["_like"]).__name__
+        shell = _RUNNING[-1] if _RUNNING else None
+        if shell is not None and shell.start is not None and shell.steps and shell.steps[0] is self:
+            # the stage's first layer gets what its first slot gave, unless the forward took it apart
+            h, given = args[0] if args else kwargs.get("hidden_states"), shell.start.__dict__["_hidden"]
+            if isinstance(h, Tensor) and isinstance(given, Tensor) and h.shape != given.shape:
+                raise _TakenApart(layer)
+        out = torch.func.functional_call(self.__dict__["_like"], self.__dict__["weights"], args, kwargs)
+        if isinstance(out, (tuple, list)):  # more than the hidden state, which a stage's first slot
+            raise _TakenApart(layer)  # cannot give, whatever the forward does with it
+        return out
 
 
 _TAKES_APART = ("UNPACK_SEQUENCE", "UNPACK_EX", "BINARY_SUBSCR")
@@ -197,10 +207,11 @@ def _taken_apart(frame: Any) -> bool:
         return False
     key = (frame.f_code, frame.f_lasti)
     if key not in _taken:
-        after = (i for i in dis.get_instructions(frame.f_code) if i.offset > frame.f_lasti)
-        nxt = next(after, None)
-        _taken[key] = nxt is not None and (
-            nxt.opname in _TAKES_APART or (nxt.opname == "BINARY_OP" and nxt.argrepr == "[]")
+        after = [i for i in dis.get_instructions(frame.f_code) if i.offset > frame.f_lasti][:2]
+        if after and after[0].opname in ("LOAD_CONST", "LOAD_SMALL_INT") and len(after) > 1:
+            after = after[1:]  # layer(...)[0]: the index is loaded first
+        _taken[key] = bool(after) and (
+            after[0].opname in _TAKES_APART or (after[0].opname == "BINARY_OP" and after[0].argrepr == "[]")
         )
     return _taken[key]
 

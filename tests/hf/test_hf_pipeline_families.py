@@ -102,3 +102,26 @@ def test_the_sweep_moves_the_scalings_the_reported_families_have():
     assert "logit_scale" in cohere
     _, gemma2 = pp_families.tiny("gemma2")
     assert {"final_logit_softcapping", "attn_logit_softcapping"} <= set(gemma2)
+
+
+@pytest.mark.parametrize("call_site_check", [True, False], ids=["call-site", "step-backstop"])
+def test_layers_passing_state_on_are_refused_not_unpacked_along_the_batch(monkeypatch, call_site_check):
+    """HY-V4's layers return (hidden, top-k indices) and its forward unpacks them: a stage's first slot
+    gives a tensor, which with 2 rows a microbatch would unpack along the batch without an error.  The
+    call site is read first; a layer returning a tuple is refused by the step slots in any case."""
+    import fpar.hf._shell as shell
+
+    if not call_site_check:
+        monkeypatch.setattr(shell, "_taken_apart", lambda frame: False)
+    model, _ = pp_families.tiny("hy_v4", layers=2, mlp_layer_types=["sparse", "sparse"])
+    xs, ys = _batch()
+    assert xs.shape[1] == 2  # rows a microbatch: a [2, T, ...] tensor unpacks into two
+    apply_fn, params, specs = fpar.ops.tensor_parallel(model, MESH)
+    stages = fpar.hf.pipeline_stages(apply_fn, specs, MESH)
+    step = pp.pipeline(stages.stage, pp.gpipe(2, M), MESH, loss=stages.loss, first=stages.first)
+    with pytest.raises(
+        ValueError,
+        match=r"fpar.hf.pipeline_stages: HYV4ForCausalLM's decoder layers "
+        r"\(HYV4DecoderLayer\) return more than the hidden state",
+    ):
+        step(stages.split(params), xs, ys)
