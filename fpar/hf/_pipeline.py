@@ -345,7 +345,10 @@ class Stages:
             return shard(make_chunk(c), sub, (self.chunk_specs, rows if c == 0 and whole0 else block), block)
 
         for name, m in self._after_pieces.items():
-            m.register_forward_pre_hook(functools.partial(_last_only, f"{type(module).__name__}'s {name!r}"))
+            if "_fpar_last_only" not in m.__dict__:  # once a module, however many times it is cut
+                m.__dict__["_fpar_last_only"] = m.register_forward_pre_hook(
+                    functools.partial(_last_only, f"{type(module).__name__}'s {name!r}")
+                )
         self.stage = [wrap(c) for c in range(n_chunks)]
         self.first = shard(first, sub, (self.first_specs, rows), rows if whole0 else block)
         self.loss = shard(last, sub, (self.last_specs, block, rows), P())
