@@ -64,7 +64,9 @@ def search(
       dropped without an estimate: it cannot fit whatever its step does.
 
     Raises:
-      ValueError: an unknown hardware or choice, or no layout of ``devices`` left to try.
+      ValueError: an unknown hardware or choice, or no layout of ``devices`` left to try; with
+        ``keep_dropped=False``, none of the layouts fits (the error names the one whose peak is
+        smallest: a search never answers an empty ranking).
     """
     hw = _hardware(hardware, estimate=estimate)
     if not isinstance(devices, int) or devices <= 0:
@@ -95,7 +97,25 @@ def search(
     kept = [r for r in results if r.dropped is None]
     dropped = [r for r in results if r.dropped is not None]
     kept.sort(key=lambda r: r.estimate.step_time)
+    if not kept and not keep_dropped:
+        raise ValueError(_none_fits(devices, hw, dropped))
     return kept + dropped if keep_dropped else kept
+
+
+def _none_fits(devices: int, hw: Hardware, dropped: list[Result]) -> str:
+    """The error for a search none of whose layouts fits: the closest one, and why the others went."""
+    over = [r for r in dropped if r.estimate is not None]  # estimated, over memory
+    head = f"fpar.plan.search: none of the {len(dropped)} layouts of {devices} devices fits {hw.name}'s "
+    head += f"{hw.memory_bytes / 2**30:.1f} GiB"
+    if over:
+        best = min(over, key=lambda r: r.estimate.peak_bytes)
+        head += (
+            f"; the smallest peak is {best.layout.describe()}'s, {best.estimate.peak_bytes / 2**30:.1f} GiB. Widen the "
+            f"choices (more pipeline or tensor devices, ZeRO-3, recomputation, smaller microbatches)"
+        )
+    elif dropped:  # none estimated: each one's arguments alone were over, or it could not be built
+        head += f"; {dropped[0].layout.describe()} was dropped: {dropped[0].dropped}"
+    return head + ". keep_dropped=True returns every layout with the reason it was dropped."
 
 
 def _try(build, hw: Hardware, layout: Layout) -> Result:

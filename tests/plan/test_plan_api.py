@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import plan_programs as PP
 import pytest
@@ -212,7 +213,15 @@ def test_search_ranks_the_layouts_that_fit_by_step_time():
         microbatches=[2],
     )
     assert [r.dropped.startswith("does not fit") for r in dropped] == [True] * len(dropped)
-    assert (
+    # without keep_dropped, a search none of whose layouts fits is an error naming why (here each
+    # one's arguments alone are over; test_search_with_no_layout_that_fits names the smallest peak)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"fpar.plan.search: none of the {len(dropped)} layouts of 4 devices fits {tiny_memory.name}'s 0.0 GiB; "
+            f"{dropped[0].layout.describe()} was dropped: {dropped[0].dropped}. keep_dropped=True returns"
+        ),
+    ):
         plan.search(
             lambda layout: plan.model_step(model, layout),
             4,
@@ -223,8 +232,29 @@ def test_search_ranks_the_layouts_that_fit_by_step_time():
             batch=[8],
             microbatches=[2],
         )
-        == []
-    )
+
+
+def test_search_with_no_layout_that_fits_names_the_smallest_peak():
+    # Memory above every layout's arguments and below every peak: each is estimated, none fits,
+    # and the error names the layout whose peak comes closest.
+    model = plan.MODELS["tiny"]
+    build = lambda layout: plan.model_step(model, layout)  # noqa: E731
+    choices = dict(pipeline=[1], tensor=[1, 2], zero=[1], batch=[8], microbatches=[2])
+    every = plan.search(build, 4, "h100-sxm", model=model, keep_dropped=True, workers=1, **choices)
+    floor = max(_argument_bytes(build(r.layout)[1]) for r in every)
+    peaks = {r.layout.describe(): r.estimate.peak_bytes for r in every}
+    assert floor < min(peaks.values())
+    hw = dataclasses.replace(plan.PRESETS["h100-sxm"], memory_bytes=(floor + min(peaks.values())) // 2)
+    smallest = min(peaks, key=peaks.get)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"fpar.plan.search: none of the 2 layouts of 4 devices fits {hw.name}'s "
+            f"{hw.memory_bytes / 2**30:.1f} GiB; the smallest peak is {smallest}'s, "
+            f"{peaks[smallest] / 2**30:.1f} GiB. Widen the choices"
+        ),
+    ):
+        plan.search(build, 4, hw, model=model, workers=1, **choices)
 
 
 def test_search_drops_a_layout_whose_arguments_alone_exceed_memory_without_simulating_it():
