@@ -173,6 +173,12 @@ def fused_layouts(module: nn.Module) -> dict[str, tuple[str, str]]:
     return {}
 
 
+def per_head_gate(module: nn.Module) -> bool:
+    """Doge's attention: a dynamic mask from ``dt_proj`` (kv heads' values -> one gate a kv head) and ``A``."""
+    attn = _classes("transformers.models.doge.modeling_doge", "DogeAttention")
+    return bool(attn) and isinstance(module, attn)
+
+
 def split_norms(module: nn.Module) -> dict[str, str]:
     """``{norm child: projection child}`` of norms over a whole projection's width (OLMo 2's q/k norms).
 

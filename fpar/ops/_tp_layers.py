@@ -27,6 +27,17 @@ def row_linear(module: nn.Linear, axis: str, x: Tensor) -> Tensor:
     return y if module.bias is None else y + module.bias
 
 
+def row_linear_heads(module: nn.Linear, axis: str, n: int, x: Tensor) -> Tensor:
+    """A row-parallel ``nn.Linear`` whose output has one entry a head: this device's heads' block.
+
+    Doge's ``dt_proj`` mixes every kv head's values into one gate a kv head: the partial product
+    all-reduced, then the block of this device's heads (and their bias).
+    """
+    y = psum(F.linear(x, module.weight), axis)
+    y = y.unflatten(-1, (n, -1)).movedim(-2, 0)[axis_index(axis)]
+    return y if module.bias is None else y + module.bias
+
+
 def row_conv1d(module: nn.Module, axis: str, x: Tensor) -> Tensor:
     """A row-parallel HF ``Conv1D`` (``[in/n, out]`` block): psum, then the bias."""
     y = psum(x @ module.weight, axis)

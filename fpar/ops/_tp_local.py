@@ -82,6 +82,8 @@ def _plain(
     if kind == "vocab":
         pad, module.padding_idx = module.padding_idx, None
         module.forward = functools.partial(tl.vocab_embedding, module, forward, axis, pad)
+    elif kind == "rowwise_heads":
+        module.forward = functools.partial(tl.row_linear_heads, module, axis, n)
     elif kind in ("rowwise", "rowwise_split"):
         row = functools.partial(tl.row_conv1d if is_conv1d(module) else tl.row_linear, module, axis)
         module.forward = functools.partial(tl.split_input, row, n, axis) if kind == "rowwise_split" else row
@@ -133,6 +135,7 @@ _SP_KINDS = (
     "colwise_gather",
     "rowwise",
     "rowwise_split",
+    "rowwise_heads",
     "split_norm",
 )
 
@@ -197,6 +200,8 @@ def _sequence_parallel(
                 module.forward = functools.partial(tl.gather_output, module.forward, axis)
         elif kind == "rowwise":
             module.forward = functools.partial(tl.sp_row, module, axis)
+        elif kind == "rowwise_heads":  # inside an attention, on its gathered sequence
+            module.forward = functools.partial(tl.row_linear_heads, module, axis, n)
         elif kind == "rowwise_split":  # after a gathered column-parallel output (GLM's MLP)
             module.forward = functools.partial(
                 tl.split_input, functools.partial(tl.sp_row, module, axis), n, axis

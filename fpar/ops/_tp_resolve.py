@@ -20,7 +20,15 @@ from ._tp_index import segment_size
 _API = "fpar.ops.tensor_parallel"
 COLUMN = ("colwise", "colwise_gather", "packed_colwise", "vocab", "split_norm")
 SPLIT_OUT = ("colwise", "packed_colwise")  # column-parallel layers whose output stays split
-LINEAR_KINDS = ("colwise", "rowwise", "colwise_gather", "rowwise_split", "packed_colwise", "vocab")
+LINEAR_KINDS = (
+    "colwise",
+    "rowwise",
+    "colwise_gather",
+    "rowwise_split",
+    "rowwise_heads",
+    "packed_colwise",
+    "vocab",
+)
 # Module attributes counting query heads, kv heads, or fused widths (set to per-device values).
 QUERY_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads", "split_size", "all_head_size")
 KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
@@ -91,6 +99,7 @@ def resolve(
                     f"expert_axis= (e.g. expert_axis='expert')."
                 )
     _upgrade(modules, layers)
+    _per_head_gates(modules, layers, rules, params)
     _packed_experts(modules, layers, rules)
     _heads_and_vocab(model, modules, layers, n)
     return layers, rules
@@ -269,6 +278,20 @@ def _upgrade(modules: dict, layers: dict) -> None:
                 layers[_join(name, norm)].segments = [("of", _join(name, proj))]
 
 
+def _per_head_gates(modules: dict, layers: dict, rules: dict, params: dict) -> None:
+    """Doge's dynamic mask: ``dt_proj`` and ``A`` give each device its own kv heads' gates.
+
+    ``dt_proj`` maps every kv head's values to one gate a kv head (the plan's 'rowwise'); its plan all-reduces ``dt_proj`` to every head's gate, which the device's local heads' mask
+    cannot take: fpar keeps the device's block of the sum and splits ``A`` with the heads.
+    """
+    for name, module in modules.items():
+        if name and hf.per_head_gate(module):
+            dt, a = _join(name, "dt_proj"), _join(name, "A")
+            if dt in layers and layers[dt].kind == "rowwise" and a in params and a not in rules:
+                layers[dt].kind = "rowwise_heads"
+                rules[a] = Layer("colwise", f"fpar: {type(module).__name__}.A, one a kv head")
+
+
 def _packed_experts(modules: dict, layers: dict, rules: dict) -> None:
     """A ``moe_tp_experts`` module's fused ``gate_up_proj`` is ``[gate | up]``: split each half.
 
@@ -427,7 +450,10 @@ def _module_layout(name, module, pname, p, layer, axis, n, attn, layers) -> tupl
         proj_name = layer.segments[0][1]
         segs = segments_of(proj_name, None, source, p.shape[0], attn)
         return P(axis), 0, segs
-    if kind in ("rowwise", "rowwise_split"):
+    if kind == "rowwise_heads" and pname == "bias":  # its output is this device's heads' block
+        _divides(where, "output features (one a head)", p.shape[0], n)
+        return P(axis), None, None
+    if kind in ("rowwise", "rowwise_split", "rowwise_heads"):
         if pname == "bias":
             return P(), None, None
         _divides(where, "input features", p.shape[0 if conv else 1], n)

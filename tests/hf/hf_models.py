@@ -103,6 +103,11 @@ def aria(meta=False, **kw):
     return _build("AriaTextConfig", "AriaTextForCausalLM", meta, **cfg)
 
 
+def doge(meta=False, **kw):
+    """A dynamic mask from the values: ``dt_proj`` (every kv head -> a gate a kv head) and ``A``."""
+    return _build("DogeConfig", "DogeForCausalLM", meta, **_decoder(**kw))
+
+
 def gpt2(meta=False, **kw):
     cfg = dict(n_layer=1, n_embd=32, n_head=4, vocab_size=V, n_positions=16, bos_token_id=0, eos_token_id=0)
     return _build("GPT2Config", "GPT2LMHeadModel", meta, **{**cfg, **kw})
@@ -132,6 +137,7 @@ FAMILIES = {
     "qwen3_moe": qwen3_moe,
     "deepseek_v2": deepseek_v2,
     "aria": aria,
+    "doge": doge,
     "gpt2": gpt2,
     "bert": bert,
 }

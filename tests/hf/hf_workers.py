@@ -11,7 +11,7 @@ import fpar
 # psum (Llama, kv=1), fused weights regrouped with a replicated kv head (Phi-3), experts (Mixtral),
 # sequence parallelism (Llama with its norms 'sequence_parallel': gathers and reduce-scatters; Mixtral's
 # experts beside it),
-# DeepSeek's latent attention, Aria's transposed experts.
+# DeepSeek's latent attention, Aria's transposed experts, Doge's per-head gates.
 # OLMo 2's split norms and Gemma 3 are checked in-process only (CI time).
 CASES = {
     "llama_kv1": ("llama", dict(num_key_value_heads=1)),
@@ -21,6 +21,7 @@ CASES = {
     "mixtral_sp": ("mixtral", {}),  # its experts on the gathered sequence, all-reduced, then its block
     "deepseek_v2": ("deepseek_v2", {}),  # latent attention: kv_a_proj replicated, its rope part summed
     "aria": ("aria", {}),  # experts [experts, in, out] in their own loop: packed_rowwise / colwise
+    "doge": ("doge", {}),  # dt_proj all-reduced, then this device's kv heads' gates
 }
 
 
