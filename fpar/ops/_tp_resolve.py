@@ -281,8 +281,9 @@ def _upgrade(modules: dict, layers: dict) -> None:
 def _per_head_gates(modules: dict, layers: dict, rules: dict, params: dict) -> None:
     """Doge's dynamic mask: ``dt_proj`` and ``A`` give each device its own kv heads' gates.
 
-    ``dt_proj`` maps every kv head's values to one gate a kv head (the plan's 'rowwise'); its plan all-reduces ``dt_proj`` to every head's gate, which the device's local heads' mask
-    cannot take: fpar keeps the device's block of the sum and splits ``A`` with the heads.
+    ``dt_proj`` maps every kv head's values to one gate a kv head.  The plan's 'rowwise' all-reduces
+    it to every head's gate, which the device's local heads' mask cannot take: fpar keeps the
+    device's block of the sum ('rowwise_heads') and splits ``A`` with the heads.
     """
     for name, module in modules.items():
         if name and hf.per_head_gate(module):
@@ -343,8 +344,11 @@ def check_layer(name: str, module: nn.Module, layer: Layer, rules: dict) -> None
         # [experts, out, in] (is_transposed False): gate_up packed_colwise, down rowwise; Aria's
         # [experts, in, out]: gate_up packed_rowwise, down colwise (each the same split in its layout)
         transposed = bool(getattr(module, "is_transposed", False))
-        want = {"gate_up_proj": "packed_rowwise", "down_proj": "colwise"} if transposed else {}
-        want = want or {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
+        want = (
+            {"gate_up_proj": "packed_rowwise", "down_proj": "colwise"}
+            if transposed
+            else {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
+        )
         for p in own:
             leaf = p.rpartition(".")[2]
             if p in rules and leaf in want and rules[p].kind != want[leaf]:
