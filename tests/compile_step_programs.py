@@ -191,11 +191,12 @@ def run_refusals(backend: str = "aot_eager") -> dict:
 
 
 @_autograd_ops_traced
-def run_zero_steps(stages=(0, 1, 2, 3), n_micro: dict | None = None) -> dict:
+def run_zero_steps(stages=(0, 1, 2, 3), n_micro: dict | None = None, once: tuple = ()) -> dict:
     """ZeRO ``zero_step`` trained eagerly and compiled whole (after one eager step), per stage.
 
     ``n_micro``: microbatches per step by stage (default 1; ``zero_step`` accumulates them inside
-    the compiled graph).
+    the compiled graph).  ``once``: stages also run with ``reduce_once=True`` in 2 microbatches
+    (keyed ``"<stage> once"``).
 
     On a real mesh (data=2 x tensor=1: this process's rows) or in-process (data=2 x tensor=2).
     Per stage: the largest |eager - compiled| of the losses and of the whole parameters, how far
@@ -224,10 +225,11 @@ def run_zero_steps(stages=(0, 1, 2, 3), n_micro: dict | None = None) -> dict:
         batch = tuple(t.chunk(2)[dist.get_rank()] for t in batch)
     opt = fo.adamw(1e-2)
     out = {}
-    for stage in stages:
+    for stage, reduce_once in [(s, False) for s in stages] + [(s, True) for s in once]:
         layout = fo.zero_layout(init, mesh, specs, stage=stage)
+        micro = 2 if reduce_once else (n_micro or {}).get(stage, 1)
         step = fo.zero_step(
-            loss_fn, opt, layout, batch_specs=P("data"), n_micro=(n_micro or {}).get(stage, 1)
+            loss_fn, opt, layout, batch_specs=P("data"), n_micro=micro, reduce_once=reduce_once
         )
         runs, ops = [], set()
 
@@ -248,7 +250,7 @@ def run_zero_steps(stages=(0, 1, 2, 3), n_micro: dict | None = None) -> dict:
                 losses.append(metrics["loss"])
             runs.append((losses, fo.zero_params(params, layout)))
         (le, pe), (lc, pc) = runs
-        out[stage] = (
+        out[f"{stage} once" if reduce_once else stage] = (
             _diff(le, lc),
             _diff(pe, pc),
             _diff(pe, fo.zero_params(fo.zero_init(opt, init, layout)[0], layout)),

@@ -39,8 +39,9 @@ pvary locally, which drops the tensor-axis sums of a model with more than one Me
 
 "Grads held" is the buffer a stage keeps between backward and update (across microbatches):
 stage 1 accumulates full per-device gradients and reduce-scatters once per step; stage 2
-reduce-scatters each microbatch's gradient and accumulates only its chunk (the unreduced
-gradient of one microbatch exists transiently: one bucket the size of the model).  Under
+reduce-scatters each microbatch's gradient and accumulates only its chunk (on a real mesh a
+bucket at a time, as its gradients are made).  Stages 2 and 3 with ``reduce_once`` hold a whole
+unreduced gradient across the microbatches instead and reduce-scatter it once (``_zero_once``).  Under
 ``mixed_precision``, DDP and stage 3 communicate in the compute dtype (the cast comes before the
 pvary / all-gather), stages 1 and 2 reduce-scatter fp32 gradients.
 """

@@ -119,6 +119,7 @@ class _Param:
     live: bool = False  # in-process: counted as re-gathered, while ``left`` views still need it
     gather: Callable[[], Any] | None = None  # a stacked leaf's row: how to gather it (``RowGather``)
     leaf: int | None = None  # ... and its leaf (counted once a backward, as the whole leaf)
+    alive: Tensor | None = None  # in-process: the tracked tensor (its storage's identity not reused)
 
 
 @dataclasses.dataclass(eq=False)
@@ -164,7 +165,9 @@ class Regather:
         whole = flat or f.untyped_storage().nbytes() == self.n * c.numel() * c.element_size()
         if self.groups is not None and not whole:
             return  # not the flat gathered buffer a re-gather rebuilds: autograd keeps it
-        self._params[key] = _Param(c, chunk.numel() * chunk.element_size())
+        self._params[key] = _Param(
+            c, chunk.numel() * chunk.element_size(), alive=f if self.groups is None else None
+        )
 
     def track_row(self, row: Tensor, leaf: int, nbytes: int, gather: Callable[[], Any]) -> None:
         """Remember that ``row`` (its own buffer) is a row of stacked leaf ``leaf`` (``RowGather``).
@@ -289,7 +292,14 @@ class _Pending:
 
 
 def gathered_grad(
-    objective, layout: Any, chunks: Any, batch: Any, scale: Tensor, compute_dtype, uses: Uses | None = None
+    objective,
+    layout: Any,
+    chunks: Any,
+    batch: Any,
+    scale: Tensor,
+    compute_dtype,
+    uses: Uses | None = None,
+    hold: Any = None,
 ) -> tuple[Any, Tensor]:
     """Stage 3's gradient on a real mesh with FSDP's schedule (see the module docstring).
 
@@ -303,6 +313,8 @@ def gathered_grad(
       compute_dtype: gather and reduce-scatter in this dtype (``None``: the chunks' own).
       uses: what the previous forward of this signature did with each parameter (when it was
         first and last used), updated by this one; ``None``: nothing known, nothing kept.
+      hold: a ``_zero_once.Held``: each gradient is added into it, unreduced, instead of being
+        reduce-scattered (``reduce_once``); ``grads`` is then ``None``.
 
     Returns:
       ``(grads, loss)``: this process's chunk of each reduced gradient, and the loss.
@@ -330,6 +342,10 @@ def gathered_grad(
         if i in rows.reached:  # its rows went on their own; this is what reached it otherwise
             rows.add_whole(i, leaf.grad)
             leaf.grad = None
+            return
+        if hold is not None:  # summed unreduced, reduced once a step (``_zero_once``)
+            g, leaf.grad = leaf.grad, None
+            hold.add(i, g)
             return
         g, leaf.grad = leaf.grad.reshape(-1), None
         pad = n * flat[i].numel() - g.numel()
@@ -406,6 +422,7 @@ def gathered_grad(
             _stats.record_bytes("all_gather", (axis,), n, params[i].nbytes, overlap=True)
 
     rows = RowGather(gathered, [f.numel() for f in flat], flat, groups, axis, row, taken)
+    rows.hold = hold
     for j in range(nleaves, len(bufs)):
         track(j)
     lazy = _Lazy(bufs, start, uses, nleaves)
@@ -429,6 +446,8 @@ def gathered_grad(
         rows.wait()
         uses.by_rows = set(rows.reached)
         outs = rows.release()
+    if hold is not None:
+        return None, loss.detach()
     grads = []
     for i, c in enumerate(leaves):
         got = done.get(i, outs.get(i))

@@ -23,6 +23,7 @@ from ._precision import cast_floating
 from ._remat import remat
 from ._zero import BUCKET_BYTES, ZeroLayout, _buckets, _gather, _Leaf, _map, _reduce_scatter_all
 from ._zero_comm import Regather, Uses, gathered_grad, regather_supported
+from ._zero_once import reduced_once, tap_shapes, taps
 from ._zero_rows import scattered_grad
 
 __all__ = ["zero_grads"]
@@ -39,6 +40,7 @@ def zero_grads(
     compute_dtype: torch.dtype | None = None,
     regather: bool = True,
     bucket_bytes: int = BUCKET_BYTES,
+    reduce_once: bool = False,
 ) -> Callable:
     """Build ``grads(params, batch, loss_scale=None) -> (grads, loss)`` for ``layout``'s stage.
 
@@ -69,8 +71,22 @@ def zero_grads(
         real mesh (not under a ``torch.func`` transform) each bucket's reduce-scatter starts,
         asynchronously, as soon as autograd has its gradients, overlapping the rest of the
         backward (``fpar.optim._zero_rows.scattered_grad``).
+      reduce_once: stages 2 and 3 with ``n_micro > 1``: sum each data rank's unreduced gradient
+        over the step's microbatches and reduce-scatter the sum once, at the end (FSDP2's
+        ``set_requires_gradient_sync(False)`` on all but the last microbatch): ``n_micro - 1``
+        fewer reduce-scatters a step, one whole gradient more held through it, in the
+        parameters' dtype (``fpar.optim._zero_once``).  ``False`` (FSDP2's default): each
+        microbatch's gradient is reduce-scattered and its chunk summed.  Stages 0 and 1 reduce
+        once a step already: refused there.
     """
     mesh, data, n = layout.mesh, layout.data_axis, layout.n
+    if reduce_once and layout.stage < 2:
+        raise ValueError(
+            f"fpar.optim.zero_grads: reduce_once=True is for ZeRO stages 2 and 3 (it trades their "
+            f"per-microbatch reduce-scatter for a whole held gradient); stage {layout.stage} already "
+            f"reduces once a step (stage 0 all-reduces the microbatches' sum, stage 1 reduce-scatters "
+            f"it in the update). Drop reduce_once."
+        )
     batch_specs = P(data) if batch_specs is None else batch_specs
     pspecs = layout._tree([lf.spec for lf in layout.leaves])
     tracking: dict[str, Regather | None] = {"regather": None}  # the running stage-3 forward's
@@ -188,6 +204,61 @@ def zero_grads(
         return (reduce(g) if reduce is not None else g), loss
 
     acc = accumulate(one, n_micro, mesh, batch_specs)
+    if reduce_once and n_micro > 1:
+        tap_specs = layout._tree([P(data, *lf.spec) for lf in layout.leaves])
+        shapes = tap_shapes(layout)
+
+        def tapped_loss(chunks_taps, batch):
+            chunks, tap = chunks_taps
+            if compute_dtype is not None:
+                chunks = cast_floating(chunks, compute_dtype)
+            fulls = _map(lambda c, lf, lo: _gather(c, lf, lo, invariant=False), chunks, layout)
+            # the rank's gradient of each gathered parameter arrives at its tap, unreduced
+            params = tree_map(lambda f, t: f.detach() + t.squeeze(0), fulls, tap)
+            if tracking["regather"] is not None:
+                for c, full in zip(tree_flatten(chunks)[0], tree_flatten(params)[0]):
+                    tracking["regather"].track(c, full)
+            return local_loss(params, batch)
+
+        tapped = objective_of(tapped_loss, (layout.chunk_specs, tap_specs))
+
+        def held_one(params, batch, scale, held):
+            # under torch.compile, and the eager step that plans for it, as ``one``: torch.autograd
+            # in the graph, stage 3's gathered parameters kept (``regather`` is an eager schedule)
+            compiled = torch.compiler.is_compiling() and WHOLE_STEP
+            if compiled and mesh.backend == "dist" and signature_key((params, batch, scale)) not in planned:
+                raise RuntimeError(_UNPLANNED)
+            if (
+                not compiled
+                and mesh.backend == "dist"
+                and maybe_current_level() is None
+                and _compiling_next()
+            ):
+                key = signature_key((params, batch, scale))
+                if key not in planned:
+                    planning.add(key)
+                    compiled = True
+            if layout.stage == 3 and gathered_outside and regather_supported() and not compiled:
+                uses = forwards.setdefault(signature_key((params, batch, scale)), Uses())
+                return gathered_grad(hooked, layout, params, batch, scale, compute_dtype, uses, hold=held)[1]
+            if layout.stage == 2:
+                g, loss = (
+                    _autograd_grad(objective, wrt(params), batch, scale)
+                    if maybe_current_level() is None
+                    else grad(wrt(params), batch, scale)
+                )
+            else:
+                leaves, params_def = tree_flatten(params)
+                dtypes = [compute_dtype or t.dtype for t in leaves]
+                tap = tree_unflatten(params_def, taps(shapes, dtypes, leaves[0].device if leaves else None))
+                g, loss = _tapped_grad(
+                    tapped, tracking, layout, params, tap, batch, scale, regather and not compiled
+                )
+            for i, t in enumerate(tree_flatten(g)[0]):
+                held.add(i, t)
+            return loss
+
+        acc = reduced_once(held_one, _reducer(layout, bucket_bytes), layout, n_micro, batch_specs)
 
     def grads(params, batch, loss_scale=None):
         if loss_scale is None:
@@ -201,6 +272,36 @@ def zero_grads(
         return out
 
     return grads
+
+
+def _tapped_grad(objective, tracking, layout, chunks, tap, batch, scale, regather):
+    """Stage 3's unreduced gradient (``reduce_once``): the gradient of each parameter's tap.
+
+    With ``regather`` outside a ``torch.func`` transform the backward re-gathers what autograd
+    saved, as ``_regathered_grad`` (counted in-process as the real mesh makes them).
+    """
+    inputs, treedef = tree_flatten(tap)
+    if maybe_current_level() is not None:  # under a transform: torch.func, the gathered ones kept
+        fn = lambda t: objective((chunks, tree_unflatten(treedef, t)), batch, scale)  # noqa: E731
+        return torch.func.grad(fn, has_aux=True)(inputs)
+    if not regather:  # (no dict written: a compiled step comes this way)
+        with torch.enable_grad():
+            scaled, loss = objective((chunks, tap), batch, scale)
+        return list(
+            torch.autograd.grad(scaled, inputs, allow_unused=True, materialize_grads=True)
+        ), loss.detach()
+    rg = Regather(layout.mesh, layout.data_axis)
+    tracking["regather"] = rg
+    try:
+        with torch.enable_grad(), rg.hooks():
+            scaled, loss = objective((chunks, tap), batch, scale)
+    finally:
+        tracking["regather"] = None
+    try:
+        g = torch.autograd.grad(scaled, inputs, allow_unused=True, materialize_grads=True)
+    finally:
+        rg.close()
+    return list(g), loss.detach()
 
 
 def _regathered_grad(objective, tracking, layout, params, batch, scale):

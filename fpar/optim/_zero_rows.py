@@ -186,6 +186,7 @@ class RowGather(RowScatter):
         self.flat, self.row, self.groups, self.axis = flat, row, groups, axis
         self.rows: dict[tuple[int, int], Tensor] = {}  # the rows handed out in this forward
         self.counted: set[int] = set()  # leaves whose gradient's reduce-scatter is counted
+        self.hold: Any = None  # a ``_zero_once.Held``: rows' gradients summed there, not reduced
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -227,6 +228,9 @@ class RowGather(RowScatter):
         return _Broadcasts(works, out)
 
     def reduce_row(self, i: int, r: int, g: Tensor) -> None:
+        if self.hold is not None:
+            self.hold.add_row(i, r, g)
+            return
         if i not in self.counted:  # the leaf's one reduce-scatter, as the in-process mesh counts it
             self.counted.add(i)
             whole = torch.empty(self.n * self.chunks[i], dtype=g.dtype, device="meta")

@@ -193,12 +193,15 @@ def zero_step(
     regather: bool = True,
     bucket_bytes: int = BUCKET_BYTES,
     donate: bool = False,
+    reduce_once: bool = False,
 ) -> Callable:
     """Build a training step ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
     ``zero_grads`` then ``zero_update`` (see both); ``metrics = {"loss": global mean loss}``.
     ``donate=True``: ``params`` and ``opt_state`` are handed over to the step and updated in
     place on a real mesh (see ``zero_update``); use only the trees it returns.
+    ``reduce_once=True`` (stages 2 and 3, ``n_micro > 1``): the microbatches' gradients are summed
+    unreduced and reduce-scattered once a step (see ``zero_grads``).
     With a ``mixed_precision`` optimizer the loss runs in its compute dtype and is scaled by the
     state's loss scale.
 
@@ -218,6 +221,7 @@ def zero_step(
         compute_dtype=policy.compute_dtype if policy is not None else None,
         regather=regather,
         bucket_bytes=bucket_bytes,
+        reduce_once=reduce_once,
     )
     update_fn = zero_update(optimizer, layout, bucket_bytes=bucket_bytes, donate=donate)
 

@@ -112,6 +112,8 @@ class Layout:
     attention's and every other matmul's, torchtitan's "op" policy, ``fpar.optim.save_alternate_dots``).
     ``sums``: how the step's bf16 sums over devices accumulate (``fpar.low_precision_sums``):
     ``"float32"`` (fpar's rule, twice the bytes) or ``"native"`` (Megatron-LM's 16-bit all-reduces).
+    ``reduce_once``: ZeRO 2 or 3 without a pipeline: the microbatches' gradients summed unreduced
+    and reduce-scattered once a step (``fpar.optim.zero_step(..., reduce_once=True)``).
     """
 
     pipeline: int = 1
@@ -125,6 +127,7 @@ class Layout:
     sequence_parallel: bool = True
     virtual: int = 1
     sums: str = "float32"
+    reduce_once: bool = False
 
     @property
     def devices(self) -> int:
@@ -143,6 +146,7 @@ class Layout:
             + (f" schedule={self.schedule}" if self.pipeline > 1 else "")
             + (f" virtual={self.virtual}" if self.virtual > 1 else "")
             + (f" sums={self.sums}" if self.sums != "float32" else "")
+            + (" reduce_once" if self.reduce_once else "")
         )
 
     def mesh(self) -> Mesh:
@@ -186,6 +190,11 @@ def check_layout(model: Model, layout: Layout) -> None:
         )
     if layout.zero not in (0, 1, 2, 3):
         raise ValueError(f"fpar.plan: zero={layout.zero}; choose ZeRO stage 0, 1, 2 or 3.")
+    if layout.reduce_once and (layout.zero < 2 or p > 1):
+        raise ValueError(
+            f"fpar.plan: reduce_once=True is for ZeRO 2 or 3 without a pipeline (ZeRO 0 and 1 reduce "
+            f"once a step already, and so does ZeRO inside a pipeline); got {layout.describe()}."
+        )
 
 
 def chunk_layers(model: Model, layout: Layout) -> list[int]:
@@ -454,7 +463,15 @@ def model_step(model: Model | str, layout: Layout, mesh: Mesh | None = None, *, 
         layout_z = fo.zero_layout(params, mesh, specs, stage=layout.zero, data_axis=DATA)
         params, state = fo.zero_init(opt, params, layout_z)
         # donated, as a user at scale runs it: parameters and AdamW state updated in place
-        zstep = fo.zero_step(loss_fn, opt, layout_z, batch_specs=P(DATA), n_micro=m, donate=True)
+        zstep = fo.zero_step(
+            loss_fn,
+            opt,
+            layout_z,
+            batch_specs=P(DATA),
+            n_micro=m,
+            donate=True,
+            reduce_once=layout.reduce_once,
+        )
         batch = (ids.flatten(0, 1), ids.flatten(0, 1))
         batch = device_put(batch, mesh, P(DATA))
 

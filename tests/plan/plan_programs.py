@@ -37,6 +37,9 @@ MESHES = {
     "zero2_stacked": ((2,), ("data",)),
     "zero3_stacked": ((2,), ("data",)),
     "zero3_micro": ((2,), ("data",)),
+    "zero2_once": ((2,), ("data",)),
+    "zero3_once": ((2,), ("data",)),
+    "zero3_stacked_once": ((2,), ("data",)),
     "dp_donate": ((2,), ("data",)),
     "zero1_donate": ((2,), ("data",)),
     "zero2_donate": ((2,), ("data",)),
@@ -105,6 +108,9 @@ ZERO_PROGRAMS = (
     "zero2_stacked",
     "zero3_stacked",
     "zero3_micro",
+    "zero2_once",
+    "zero3_once",
+    "zero3_stacked_once",
     "dp_donate",
     "zero1_donate",
     "zero2_donate",
@@ -124,13 +130,14 @@ def build(name: str, mesh: fpar.Mesh):
             "zero1_donate": 1,
             "zero2_donate": 2,
             "zero2_stacked": 2,
+            "zero2_once": 2,
         }.get(name, 3)
-        if name in ("zero3_remat", "zero2_stacked", "zero3_stacked"):
+        if name in ("zero3_remat", "zero2_stacked", "zero3_stacked", "zero3_stacked_once"):
             # Stacked leaves, taken by rows: ZeRO-3 gathers a layer's rows at a time (with
             # recomputation too); ZeRO-2 reduces each layer's gradient onto its chunk's rank as its
             # backward ends (``_zero_rows``)
             layers = 4
-            loss = _stacked_loss if name == "zero3_stacked" else _stacked_remat_loss
+            loss = _stacked_loss if name.startswith("zero3_stacked") else _stacked_remat_loss
             params = {
                 "w": torch.randn(layers, D, D, generator=g) * 0.05,
                 "b": torch.randn(layers, D, generator=g) * 0.05,
@@ -154,10 +161,12 @@ def build(name: str, mesh: fpar.Mesh):
         # zero3_micro: FSDP with gradient accumulation, 2 microbatches a step
         # *_donate: the update writes the parameters and AdamW state in place (what the planner
         # must see on its meta tensors too: one copy of the state, not the old and the new)
-        micro = 2 if name == "zero3_micro" else 1
-        donate = name.endswith(("_donate", "_stacked"))
+        # *_once: 2 microbatches, their gradients summed unreduced and reduce-scattered once
+        once = name.endswith("_once")
+        micro = 2 if name == "zero3_micro" or once else 1
+        donate = name.endswith(("_donate", "_stacked", "_once"))
         buckets = {"bucket_bytes": SMALL_BUCKET} if name in ("zero1_donate", "zero2_donate") else {}
-        step = fo.zero_step(loss, opt, layout, n_micro=micro, donate=donate, **buckets)
+        step = fo.zero_step(loss, opt, layout, n_micro=micro, donate=donate, reduce_once=once, **buckets)
         batch = fpar.device_put(
             (torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)), mesh, P("data")
         )

@@ -77,6 +77,30 @@ def test_a_layout_that_does_not_divide_names_the_dimension_and_axis():
         fpar.device_put(torch.empty(6, device="meta"), mesh, P("data"))
 
 
+@pytest.mark.parametrize("zero", [2, 3])
+def test_reduce_once_plans_one_reduce_scatter_a_step_and_at_most_a_whole_gradient_more(zero):
+    est = {}
+    for once in (False, True):
+        layout = plan.Layout(data=2, zero=zero, microbatches=4, batch=8, reduce_once=once)
+        step, args = plan.model_step("tiny", layout)
+        est[once] = plan.estimate(step, *args)
+    scatter = {once: e.comm["data"]["psum_scatter"] for once, e in est.items()}
+    assert scatter[False]["bytes"] == 4 * scatter[True]["bytes"]  # 4 microbatches, each reduced
+    assert scatter[True]["calls"] < scatter[False]["calls"]
+    psi = (
+        2 * est[True].devices[0].state_bytes["params"]
+        if zero == 3
+        else est[True].devices[0].state_bytes["params"]
+    )
+    assert est[True].peak_bytes - est[False].peak_bytes <= psi  # the held sum, no second copy
+    with pytest.raises(ValueError, match=r"reduce_once=True is for ZeRO 2 or 3 without a pipeline.*zero=1"):
+        plan.model_step("tiny", plan.Layout(data=2, zero=1, microbatches=2, batch=4, reduce_once=True))
+    with pytest.raises(
+        ValueError, match=r"reduce_once=True is for ZeRO 2 or 3 without a pipeline.*pipeline=2"
+    ):
+        plan.model_step("tiny", plan.Layout(pipeline=2, zero=zero, microbatches=2, batch=4, reduce_once=True))
+
+
 @pytest.mark.parametrize("shape", [(0, 2), (2, -1), (2.0,)])
 def test_abstract_mesh_sizes_must_be_positive_integers(shape):
     names = ("a", "b")[: len(shape)]

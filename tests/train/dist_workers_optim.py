@@ -149,11 +149,12 @@ _LOSSES = {
 
 
 def zero_runs(jobs):
-    """For each ``(stage, steps, loss[, donate[, opt[, n_micro]]])``: train with ZeRO ``stage`` on a data mesh
+    """For each ``(stage, steps, loss[, donate[, opt[, n_micro[, reduce_once]]]])``: train with ZeRO ``stage`` on a data mesh
     of the world's size; ``loss`` is ``"mlp"`` (``mlp_loss``), ``"remat"`` (``remat_mlp_loss``) or
     ``"deep"`` (``deep_loss``); ``donate`` is ``zero_step``'s (default False); ``opt`` is
     ``"adamw"`` (default), ``"sgdm"`` (SGD with momentum and weight decay) or ``"bf16"`` (AdamW
-    with bfloat16 compute); ``"odd"`` is ``mlp`` with blocks of odd sizes; ``n_micro`` is zero_step's.
+    with bfloat16 compute); ``"odd"`` is ``mlp`` with blocks of odd sizes; ``n_micro`` and
+    ``reduce_once`` are zero_step's.
 
     Returns per job: the full parameters after each step, the losses, and the communication
     counts of the first step.
@@ -162,7 +163,13 @@ def zero_runs(jobs):
 
 
 def _zero_run(
-    stage: int, steps: int, loss: str = "mlp", donate: bool = False, opt: str = "adamw", n_micro: int = 1
+    stage: int,
+    steps: int,
+    loss: str = "mlp",
+    donate: bool = False,
+    opt: str = "adamw",
+    n_micro: int = 1,
+    reduce_once: bool = False,
 ):
     problem, loss_fn = _LOSSES[loss]
     params, batch = problem()
@@ -175,7 +182,9 @@ def _zero_run(
     }[opt]()
     params, state = fo.zero_init(opt, params, layout)
     batch = fpar.device_put(batch, mesh, P("data"))
-    step = fo.zero_step(loss_fn, opt, layout, batch_specs=P("data"), donate=donate, n_micro=n_micro)
+    step = fo.zero_step(
+        loss_fn, opt, layout, batch_specs=P("data"), donate=donate, n_micro=n_micro, reduce_once=reduce_once
+    )
     history, losses, stats = [], [], None
     for i in range(steps):
         fpar.reset_comm_stats()

@@ -203,6 +203,65 @@ def test_accumulation_equals_the_large_batch_step(stage, n_micro):
     assert acc_losses == pytest.approx(big_losses, rel=1e-13)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("n_micro", [2, 4])
+@pytest.mark.parametrize("regather", [True, False])
+def test_reduce_once_equals_the_large_batch_step(stage, n_micro, regather):
+    # The microbatches' unreduced gradients summed, one reduce-scatter a step: the same trajectory
+    # as one step on all 8 rows, and as reducing every microbatch; on a data=2 x tensor=2 mesh too
+    # (each rank's sum of a parameter split over 'tensor').
+    params, batch = W.mlp_problem()
+    mesh = _mesh(data=2)
+    big, big_losses = _zero_trajectory(params, W.mlp_loss, batch, mesh, P(), stage, 2)
+    once, once_losses = _zero_trajectory(
+        params, W.mlp_loss, batch, mesh, P(), stage, 2, n_micro=n_micro, reduce_once=True, regather=regather
+    )
+    _assert_same(once, big)
+    assert once_losses == pytest.approx(big_losses, rel=1e-13)
+    params, batch = W.tp_problem()
+    ref = _torch_trajectory(params, W.tp_loss_unsharded, batch, 2)
+    traj, _ = _zero_trajectory(
+        params,
+        W.tp_loss,
+        batch,
+        _mesh(data=2, tensor=2),
+        W.TP_SPECS,
+        stage,
+        2,
+        n_micro=n_micro,
+        reduce_once=True,
+    )
+    _assert_same(traj, ref)
+
+
+def test_reduce_once_under_mixed_precision_sums_in_float32():
+    # bf16 compute: each microbatch's bf16 gradient is added into a float32 sum (the parameters'
+    # dtype), so the step is at least as close to the float32 step as reducing each microbatch.
+    params, batch = W.mlp_problem(dtype=torch.float32)
+    mesh = _mesh(data=2)
+    opt = fo.mixed_precision(fo.sgd(1e-1), compute_dtype=torch.bfloat16)
+    errs = {}
+    for once in (False, True):
+        traj, _ = _zero_trajectory(
+            params, W.mlp_loss, batch, mesh, P(), 3, 1, opt=opt, n_micro=4, reduce_once=once
+        )
+        ref, _ = _zero_trajectory(params, W.mlp_loss, batch, mesh, P(), 3, 1, opt=fo.sgd(1e-1), n_micro=4)
+        errs[once] = max(float((traj[0][k] - ref[0][k]).abs().max()) for k in ref[0])
+        assert traj[0]["w1"].dtype == torch.float32
+    assert 0 < errs[True] <= errs[False] * 1.01, errs
+
+
+def test_reduce_once_is_refused_where_gradients_are_reduced_once_already():
+    params, batch = W.mlp_problem()
+    opt = fo.adamw(1e-2)
+    for stage in (0, 1):
+        layout = fo.zero_layout(params, _mesh(data=2), stage=stage)
+        with pytest.raises(
+            ValueError, match=f"reduce_once=True is for ZeRO stages 2 and 3.*stage {stage} already"
+        ):
+            fo.zero_step(W.mlp_loss, opt, layout, n_micro=2, reduce_once=True)
+
+
 def test_accumulate_splits_each_devices_block():
     # Microbatch i takes rows [i*b, (i+1)*b) of every device's block, not of the global batch.
     mesh = _mesh(data=2)
@@ -261,12 +320,15 @@ def test_memory_per_device_matches_formula_data_x_tensor(stage):
 
 
 def _one_step_stats(stage, n_micro=1, regather=True):
+    """``n_micro < 0``: ``-n_micro`` microbatches with ``reduce_once``."""
     params, batch = W.mlp_problem(dtype=torch.float32)
     mesh = _mesh(data=4)
     opt = fo.adamw(1e-2)
     layout = fo.zero_layout(params, mesh, P(), stage=stage)
     stored, state = fo.zero_init(opt, params, layout)
-    step = fo.zero_step(W.mlp_loss, opt, layout, n_micro=n_micro, regather=regather)
+    step = fo.zero_step(
+        W.mlp_loss, opt, layout, n_micro=abs(n_micro), regather=regather, reduce_once=n_micro < 0
+    )
     fpar.reset_comm_stats()
     step(stored, state, batch)
     return fpar.comm_stats()["data"]
@@ -308,6 +370,14 @@ def _kinds(**kw):
             True,
             _kinds(all_gather=(8, 2 * (RING + SAVED)), psum_scatter=(6, 2 * RING), pmean=(2, 2 * LOSS)),
         ),
+        # ... and with reduce_once: the same gathers, one reduce-scatter a step (one bucket)
+        (2, -2, True, _kinds(psum_scatter=(1, RING), all_gather_invariant=(1, RING), pmean=(2, 2 * LOSS))),
+        (
+            3,
+            -2,
+            True,
+            _kinds(all_gather=(8, 2 * (RING + SAVED)), psum_scatter=(1, RING), pmean=(2, 2 * LOSS)),
+        ),
     ],
     ids=[
         "ddp",
@@ -318,6 +388,8 @@ def _kinds(**kw):
         "zero1-micro2",
         "zero2-micro2",
         "zero3-micro2",
+        "zero2-micro2-once",
+        "zero3-micro2-once",
     ],
 )
 def test_bytes_per_step_match_formulas(stage, n_micro, regather, want):
@@ -374,6 +446,9 @@ def test_real_mesh_zero_equals_in_process():
     # chunks hold it, its gradient reduced onto them), also across the chunks' bounds
     jobs += [(3, 2, "stacked_plain"), (3, 3, "stacked_odd", True), (3, 2, "stacked_plain", True, "bf16")]
     jobs += [(3, 2, "stacked_plain", True, "adamw", 2)]
+    # reduce_once: each gradient (a stacked leaf's row by row) added into the step's sum, reduced once
+    jobs += [(3, 2, "mlp", True, "adamw", 2, True), (3, 2, "stacked_plain", True, "bf16", 2, True)]
+    jobs += [(2, 2, "stacked_plain", True, "adamw", 2, True), (3, 2, "odd", False, "adamw", 2, True)]
     jobs += [
         (3, 3, "deep", True),
         (0, 2, "mlp", True),
