@@ -34,6 +34,14 @@ Run:
     python bench/zero.py                              # 20 repeats, 3 layers, D=512 H=2048 B=128
     python bench/zero.py --repeats 30 --no-regather
     python bench/zero.py --profile                    # both sides' torch.profiler op tables
+    python bench/zero.py --micro 4                    # 4 microbatches a step, each reduce-scattered
+    python bench/zero.py --micro 4 --reduce-once      # ... summed unreduced, reduce-scattered once
+
+Microbatches (``--micro M``): fpar's ``zero_step(..., n_micro=M)`` against FSDP2's loop of M
+``loss.backward()`` calls on the same rows (each rank's rows cut in M consecutive pieces, the loss
+divided by M).  ``--reduce-once``: fpar's ``reduce_once=True`` against FSDP2's
+``set_requires_gradient_sync(False)`` on every microbatch but the last (both hold a whole
+unreduced gradient through the step and reduce-scatter it once).
 
 Shape suffixes: B global batch (B/2 per process), D model width, H hidden width, L layers.
 """
@@ -192,7 +200,16 @@ def worker(cfg: dict) -> dict:
     layout = fo.zero_layout(full, mesh, P(), stage=3)
     box = {}
     box["params"], box["state"] = fo.zero_init(opt, full, layout)
-    zstep = fo.zero_step(loss_local, opt, layout, regather=cfg["regather"], donate=cfg["donate"])
+    micro, once = cfg["micro"], cfg["reduce_once"]
+    zstep = fo.zero_step(
+        loss_local,
+        opt,
+        layout,
+        regather=cfg["regather"],
+        donate=cfg["donate"],
+        n_micro=micro,
+        reduce_once=once,
+    )
 
     def fpar_step():
         box["params"], box["state"], _ = zstep(box["params"], box["state"], batch)
@@ -207,7 +224,10 @@ def worker(cfg: dict) -> dict:
 
     def fsdp_step():
         topt.zero_grad(set_to_none=True)
-        F.mse_loss(model(batch[0]), batch[1]).backward()
+        for i, (x, y) in enumerate(zip(batch[0].chunk(micro), batch[1].chunk(micro))):
+            if once:  # the unreduced gradient summed, reduce-scattered with the last microbatch
+                model.set_requires_gradient_sync(i == micro - 1)
+            (F.mse_loss(model(x), y) / micro).backward()
         topt.step()
 
     # One step of each from the same parameters: the same update.
@@ -269,6 +289,10 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=128, help="B, the global batch (split over 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--no-regather", dest="regather", action="store_false", help="keep gathered params")
+    parser.add_argument("--micro", type=int, default=1, help="microbatches a step (zero_step's n_micro)")
+    parser.add_argument(
+        "--reduce-once", action="store_true", help="sum the microbatches unreduced, reduce-scatter once"
+    )
     parser.add_argument("--profile", action="store_true", help="print torch.profiler tables of both")
     parser.add_argument(
         "--no-donate", dest="donate", action="store_false", help="functional update (old + new state)"
@@ -276,8 +300,8 @@ def main(argv=None) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="process-group timeout (s)")
     add_json_arg(parser)
     args = parser.parse_args(argv)
-    if args.batch % NPROCS:
-        parser.error(f"--batch must be divisible by {NPROCS}")
+    if args.batch % (NPROCS * args.micro):
+        parser.error(f"--batch must be divisible by {NPROCS} x --micro")
     keys = (
         "repeats",
         "warmup",
@@ -288,6 +312,8 @@ def main(argv=None) -> None:
         "threads",
         "regather",
         "donate",
+        "micro",
+        "reduce_once",
         "profile",
     )
     cfg = {k: getattr(args, k) for k in keys}
@@ -308,6 +334,11 @@ def main(argv=None) -> None:
     desc = (
         f"ZeRO-3 AdamW step, {args.layers} residual MLP layers D={args.dim} H={args.hidden}, "
         f"B={args.batch} (global) fp32, regather={args.regather}, donate={args.donate}"
+        + (
+            f", {args.micro} microbatches" + (" reduced once" if args.reduce_once else "")
+            if args.micro > 1
+            else ""
+        )
     )
     print(
         f"{desc}, {n} gloo processes x {r0['threads']} thread(s), torch {torch.__version__}, {args.repeats} repeats"

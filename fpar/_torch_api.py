@@ -305,13 +305,13 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     ),
     PrivateApi(
         "torch.ops.inductor.resize_storage_bytes_",
-        ("optim/_zero_comm.py", "plan/_record.py"),
+        ("optim/_zero_fsdp.py", "plan/_record.py"),
         "free and re-allocate a ZeRO-3 parameter's gathered storage while its tensor and views live (as "
         "FSDP2 does); an op, so the planner's recorder sees the bytes",
     ),
     PrivateApi(
         "torch.autograd._unsafe_preserve_version_counter",
-        ("optim/_zero_comm.py",),
+        ("optim/_zero_fsdp.py",),
         "a ZeRO-3 parameter gathered into its own storage is not a change autograd must check (FSDP2's use)",
     ),
     # testing
@@ -329,7 +329,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     ),
     PrivateApi(
         "torch.distributed.reduce_scatter_single",
-        ("_dist/exchange.py", "optim/_zero_comm.py"),
+        ("_dist/exchange.py", "optim/_zero_fsdp.py"),
         "one-buffer reduce-scatter; falls back to reduce_scatter_tensor (same arguments) where missing",
         optional=True,
     ),

@@ -83,7 +83,10 @@ def _check_zero(out: dict, real: bool) -> None:
         assert loss_diff < TOL and param_diff < TOL, (
             f"stage {stage}: compiled differs from eager by {loss_diff}, {param_diff}"
         )
-        if real and stage in (3, "3 once"):  # the parameters' all-gather and the gradients' reduce-scatter, in the graph
+        if real and stage in (
+            3,
+            "3 once",
+        ):  # the parameters' all-gather and the gradients' reduce-scatter, in the graph
             assert {
                 "_c10d_functional.all_gather_into_tensor.default",
                 "_c10d_functional.reduce_scatter_tensor.default",

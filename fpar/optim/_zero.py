@@ -21,7 +21,7 @@ prefetching the next one asynchronously on a real mesh (``_zero_comm``), so the 
 once.  On a real mesh stage 3 with ``regather`` follows FSDP2's schedule throughout: the forward
 gathers each parameter at its first use, one ahead, and frees it after its last (so it holds a
 parameter or two, not the model), and each gradient is reduce-scattered asynchronously as soon
-as autograd has it complete, overlapping the rest of the backward (``_zero_comm.gathered_grad``).
+as autograd has it complete, overlapping the rest of the backward (``_zero_fsdp.gathered_grad``).
 Without ``regather`` the gathered parameters are kept: 2 (N-1)/N Psi.  ``donate=True``
 (``zero_step`` / ``zero_update``) updates the stored parameters and optimizer state in place on a
 real mesh, as ``torch.optim`` does, instead of holding the old and the new state at once (stages
@@ -41,7 +41,7 @@ pvary locally, which drops the tensor-axis sums of a model with more than one Me
 stage 1 accumulates full per-device gradients and reduce-scatters once per step; stage 2
 reduce-scatters each microbatch's gradient and accumulates only its chunk (on a real mesh a
 bucket at a time, as its gradients are made).  Stages 2 and 3 with ``reduce_once`` hold a whole
-unreduced gradient across the microbatches instead and reduce-scatter it once (``_zero_once``).  Under
+unreduced gradient across the microbatches instead and reduce-scatter it once (``_zero_micro``).  Under
 ``mixed_precision``, DDP and stage 3 communicate in the compute dtype (the cast comes before the
 pvary / all-gather), stages 1 and 2 reduce-scatter fp32 gradients.
 """
@@ -63,7 +63,8 @@ from .._spec import P
 from .._tree import broadcast_prefix, tree_flatten, tree_unflatten
 from ._base import GradientTransformation
 from ._internal import block_shape
-from ._zero_comm import _resize, _storage_key
+from ._zero_comm import _storage_key
+from ._zero_fsdp import _resize
 
 __all__ = [
     "ZeroLayout",

@@ -1,7 +1,7 @@
 """ZeRO's gradients: each device's chunk of the reduced gradient, as its stage computes it.
 
 The stages, their traffic and memory are described in ``_zero.py``; the real mesh's
-stage-3 schedule in ``_zero_comm.py``.
+stage-3 schedule in ``_zero_fsdp.py``.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ from .._shard import shard
 from .._spec import P
 from .._torch_api import maybe_current_level
 from .._tree import tree_flatten, tree_map, tree_unflatten
-from ._accumulate import accumulate
+from ._accumulate import _microbatch, accumulate
 from ._precision import cast_floating
 from ._remat import remat
-from ._zero import BUCKET_BYTES, ZeroLayout, _buckets, _gather, _Leaf, _map, _reduce_scatter_all
-from ._zero_comm import Regather, Uses, gathered_grad, regather_supported
-from ._zero_once import reduced_once, tap_shapes, taps
+from ._zero import BUCKET_BYTES, ZeroLayout, _buckets, _gather, _Leaf, _map, _reduce_scatter_all, _Releaser
+from ._zero_comm import Regather, regather_supported
+from ._zero_fsdp import Uses, gathered_grad
+from ._zero_micro import reduced_once, summed_sharded, tap_shapes, taps
 from ._zero_rows import scattered_grad
 
 __all__ = ["zero_grads"]
@@ -75,7 +76,7 @@ def zero_grads(
         over the step's microbatches and reduce-scatter the sum once, at the end (FSDP2's
         ``set_requires_gradient_sync(False)`` on all but the last microbatch): ``n_micro - 1``
         fewer reduce-scatters a step, one whole gradient more held through it, in the
-        parameters' dtype (``fpar.optim._zero_once``).  ``False`` (FSDP2's default): each
+        parameters' dtype (``fpar.optim._zero_micro``).  ``False`` (FSDP2's default): each
         microbatch's gradient is reduce-scattered and its chunk summed.  Stages 0 and 1 reduce
         once a step already: refused there.
     """
@@ -258,7 +259,28 @@ def zero_grads(
                 held.add(i, t)
             return loss
 
-        acc = reduced_once(held_one, _reducer(layout, bucket_bytes), layout, n_micro, batch_specs)
+        acc = reduced_once(
+            held_one, _reducer(layout, bucket_bytes, release=True), layout, n_micro, batch_specs
+        )
+
+    sharded_loop: Callable | None = None  # real-mesh stage 3 in microbatches: each chunk summed in place
+    if (layout.stage == 3 and gathered_outside or scatter_early) and n_micro > 1 and not reduce_once:
+
+        def sharded_one(params, batch, scale, into):
+            if scatter_early:
+                groups = _buckets(tree_flatten(params)[0], layout, bucket_bytes)
+                return scattered_grad(hooked, layout, params, batch, scale, groups, into=into)
+            uses = forwards.setdefault(signature_key((params, batch, scale)), Uses())
+            return gathered_grad(hooked, layout, params, batch, scale, compute_dtype, uses, into=into)
+
+        sharded_loop = summed_sharded(sharded_one, n_micro, layout, batch_specs)
+
+    def eager_schedule(params, batch, scale):
+        """Whether this step runs the real mesh's eager schedule (not a compiled step's form)."""
+        if not regather_supported() or torch.compiler.is_compiling():
+            return False
+        first = _microbatch(batch, 0, n_micro, mesh, batch_specs)
+        return not (_compiling_next() and signature_key((params, first, scale)) not in planned)
 
     def grads(params, batch, loss_scale=None):
         if loss_scale is None:
@@ -267,6 +289,8 @@ def zero_grads(
         else:
             scale = loss_scale
         planning.clear()
+        if sharded_loop is not None and eager_schedule(params, batch, scale):
+            return sharded_loop(params, batch, scale)
         out = acc(params, batch, scale)
         planned.update(planning)
         return out
@@ -379,13 +403,22 @@ def _per_rank(params: Any, layout: ZeroLayout) -> Any:
     return tree_map(lambda t: t.expand(layout.n, *t.shape), params)
 
 
-def _reducer(layout: ZeroLayout, bucket_bytes: int) -> Callable:
+def _reducer(layout: ZeroLayout, bucket_bytes: int, *, release: bool = False) -> Callable:
+    """Each rank's ``P(data, *spec)`` gradients reduce-scattered to chunks, a bucket at a time.
+
+    ``release``: the gradients are the caller's to give (``reduce_once``'s sums): on a real mesh
+    each one's storage is freed as soon as its bucket is reduced (``_Releaser``), so the step
+    never holds the whole sum beside all its chunks.
+    """
     in_g = layout._tree([P(layout.data_axis, *lf.spec) for lf in layout.leaves])
+    release = release and layout.mesh.backend == "dist"
 
     def reduce(stacked):
         leaves, treedef = tree_flatten(stacked)
-        return tree_unflatten(
-            treedef, _reduce_scatter_all([g.squeeze(0) for g in leaves], layout, bucket_bytes)
-        )
+        whole = [g.squeeze(0) for g in leaves]
+        # (not in a compiled graph: there the compiler frees what its schedule no longer reads)
+        done = _Releaser(whole, ()) if release and not torch.compiler.is_compiling() else None
+        del leaves, stacked
+        return tree_unflatten(treedef, _reduce_scatter_all(whole, layout, bucket_bytes, done))
 
     return shard(reduce, layout.mesh, (in_g,), layout.chunk_specs)

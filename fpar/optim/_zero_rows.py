@@ -22,7 +22,7 @@ stacked gradient: each element is one rank's sum of every rank's value, as there
 The rows come from ``fpar.pipeline._unstack``'s gate: a leaf used otherwise as well (not only
 through its rows) has that gradient reduced row by row too, once every row is in.
 
-Stage 3 (``RowGather``, for ``_zero_comm.gathered_grad``): the stacked leaf is not gathered at
+Stage 3 (``RowGather``, for ``_zero_fsdp.gathered_grad``): the stacked leaf is not gathered at
 all; each row is gathered on its own, at its first read, by a broadcast from each rank whose
 chunk holds a piece of it, and its gradient is reduced onto those ranks in the same way.
 """
@@ -186,7 +186,7 @@ class RowGather(RowScatter):
         self.flat, self.row, self.groups, self.axis = flat, row, groups, axis
         self.rows: dict[tuple[int, int], Tensor] = {}  # the rows handed out in this forward
         self.counted: set[int] = set()  # leaves whose gradient's reduce-scatter is counted
-        self.hold: Any = None  # a ``_zero_once.Held``: rows' gradients summed there, not reduced
+        self.hold: Any = None  # a ``_zero_micro.Held``: rows' gradients summed there, not reduced
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -292,7 +292,13 @@ class _Scattered(_Target):
 
 
 def scattered_grad(
-    objective: Any, layout: Any, params: Any, batch: Any, scale: Tensor, buckets: list[list[int]]
+    objective: Any,
+    layout: Any,
+    params: Any,
+    batch: Any,
+    scale: Tensor,
+    buckets: list[list[int]],
+    into: list[Tensor] | None = None,
 ) -> tuple[Any, Tensor]:
     """Stage 2's gradient on a real mesh: each bucket reduce-scattered as soon as it is complete.
 
@@ -305,6 +311,9 @@ def scattered_grad(
       scale: the loss scale (0-d).
       buckets: leaf indices per bucket (``_zero._buckets``): one reduce-scatter each, the
         leaves' padded gradients side by side per rank, as ``_zero._reduce_scatter_all``.
+      into: this process's summed chunks of the microbatches before: each bucket's reduced
+        chunks are added into them as its reduce-scatter ends, and the sums are returned
+        (``_zero_micro.summed_sharded``).
 
     Returns:
       ``(grads, loss)``: this process's chunk of each reduced gradient, and the loss.
@@ -325,6 +334,13 @@ def scattered_grad(
     done: dict[int, Any] = {}  # bucket -> its reduced chunks (an _InFlight until waited on)
     inflight: list[int] = []
 
+    def finish(k: int) -> None:
+        out = done[k].wait()
+        if into is not None:  # added into the sums now, the bucket's chunks freed
+            for i, piece in zip(scattered[k], out.split([chunks[i] for i in scattered[k]])):
+                into[i].add_(piece)
+        done[k] = out if into is None else None
+
     def launch(k: int) -> None:
         rows = []
         for i in scattered[k]:
@@ -335,7 +351,7 @@ def scattered_grad(
             rows.append((torch.cat([flat, flat.new_zeros(pad)]) if pad else flat).reshape(n, chunks[i]))
         full = (torch.cat(rows, dim=1) if len(rows) > 1 else rows[0].contiguous()).reshape(-1)
         for j in inflight:  # one in flight: the previous bucket's buffer is freed
-            done[j] = done[j].wait()
+            finish(j)
         inflight.clear()
         low = full.dtype if widened(full.dtype) else None  # fp16/bf16: summed in float32, rounded once
         full = full.float() if low is not None else full
@@ -398,10 +414,15 @@ def scattered_grad(
                 count(k, left)
     finally:
         for j in inflight:
-            done[j] = done[j].wait()
+            finish(j)
         inflight.clear()
         rows.wait()
         outs = rows.release()
+    if into is not None:
+        for i in rows.reached:
+            if i in outs:
+                into[i].add_(outs[i])
+        return tree_unflatten(treedef, into), loss.detach()
     grads: list[Tensor] = [None] * len(leaves)  # type: ignore[list-item]
     for k, group_ in enumerate(scattered):
         if group_:

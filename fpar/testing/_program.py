@@ -75,6 +75,8 @@ class TrainingProgram:
       zero_stage: the ZeRO stage: 0 to 3 for ``"zero"``, 0, 2 or 3 for ``"pipeline"``.
       fused: ``"zero"`` only: ``zero_step`` (True) or ``zero_grads`` + ``zero_update``, whose
         gradients are then compared too (False).
+      reduce_once: ``"zero"`` only, stage 2 or 3 with ``n_micro > 1``: the microbatches'
+        gradients summed unreduced and reduce-scattered once (``zero_step``'s ``reduce_once``).
       schedule: ``"pipeline"`` only: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``,
         ``"zb_h1"``, ``"zb_v"`` or ``"dualpipe_v"`` (``fpar.pipeline``'s builders).
       chunks: ``"pipeline"`` only: model chunks per stage (``v``): 1 or 2 for ``"gpipe"``, 2 for
@@ -117,6 +119,7 @@ class TrainingProgram:
     n_micro: int = 1
     zero_stage: int = 0
     fused: bool = True
+    reduce_once: bool = False
     schedule: str = "gpipe"
     chunks: int = 1
     layers: int = 1
@@ -195,6 +198,10 @@ class TrainingProgram:
             bad("grad_api and accumulation are for driver='manual'.")
         if self.driver != "zero" and not self.fused:
             bad("fused=False is for driver='zero'.")
+        if self.reduce_once and not (
+            self.driver == "zero" and self.zero_stage in (2, 3) and self.n_micro > 1
+        ):
+            bad("reduce_once is for driver='zero' at zero_stage 2 or 3 with n_micro > 1.")
         for field, on in (("precision", self.precision != "fp64"), ("compile", self.compile)):
             if on and not (self.driver == "zero" and self.fused):
                 bad(f"{field} is for driver='zero' with fused=True (fpar.optim.zero_step).")
@@ -232,6 +239,7 @@ class TrainingProgram:
         elif self.driver == "zero":
             how = f"ZeRO-{self.zero_stage} {'zero_step' if self.fused else 'zero_grads+zero_update'}"
             how += f", n_micro={self.n_micro}" if self.n_micro > 1 else ""
+            how += " reduced once" if self.reduce_once else ""
         else:
             how = f"pipeline {self.schedule} m={self.n_micro} v={self.chunks}"
             how += f", ZeRO-{self.zero_stage}" if self.zero_stage else ""

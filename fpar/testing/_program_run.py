@@ -369,10 +369,18 @@ class _Run:
         bspecs = {"x": self.h_spec, "y": self.y_spec, **({"key": P()} if rate else {})}
         if pr.fused:
             step = fo.zero_step(
-                loss_fn, opt, layout, batch_specs=bspecs, n_micro=pr.n_micro, donate=pr.donate
+                loss_fn,
+                opt,
+                layout,
+                batch_specs=bspecs,
+                n_micro=pr.n_micro,
+                donate=pr.donate,
+                reduce_once=pr.reduce_once,
             )
         else:
-            grads_fn = fo.zero_grads(loss_fn, layout, batch_specs=bspecs, n_micro=pr.n_micro)
+            grads_fn = fo.zero_grads(
+                loss_fn, layout, batch_specs=bspecs, n_micro=pr.n_micro, reduce_once=pr.reduce_once
+            )
             update = fo.zero_update(opt, layout, donate=pr.donate)
         keyspec = (P(),) if rate else ()
         eval_fn = shard(self.loss, mesh, (specs, self.h_spec, self.y_spec, *keyspec), P())

@@ -37,7 +37,7 @@ MESHES = {
 FACTORS: dict[str, tuple] = {
     "driver": ("manual", "zero_step", "zero_grads", "pipeline"),
     "grad": ("func_grad", "backward"),
-    "accumulation": ("none", "loop", "defer", "accumulate"),
+    "accumulation": ("none", "loop", "defer", "accumulate", "accumulate_once"),
     "zero_stage": (0, 1, 2, 3),
     "schedule": ("none", "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v", "dualpipe_v"),
     "model": ("mlp", "gpt", "sp_gpt", "moe"),
@@ -116,18 +116,20 @@ def program(run: dict, devices: int) -> TrainingProgram | None:
         if schedule != "none":
             return None
         if driver == "manual":
-            if run["zero_stage"] != 0:
+            if run["zero_stage"] != 0 or run["accumulation"] == "accumulate_once":
                 return None
             acc = run["accumulation"]
             kw.update(driver="manual", accumulation=acc, n_micro=1 if acc == "none" else 2)
         else:  # zero_step / zero_grads accumulate microbatches themselves
-            if run["accumulation"] not in ("none", "accumulate"):
+            if run["accumulation"] not in ("none", "accumulate", "accumulate_once"):
                 return None
+            # accumulate_once: ZeRO-2/3's reduce_once (the microbatches summed unreduced)
             kw.update(
                 driver="zero",
                 zero_stage=run["zero_stage"],
                 fused=driver == "zero_step",
-                n_micro=2 if run["accumulation"] == "accumulate" else 1,
+                n_micro=1 if run["accumulation"] == "none" else 2,
+                reduce_once=run["accumulation"] == "accumulate_once",
             )
     try:
         return TrainingProgram(**kw)

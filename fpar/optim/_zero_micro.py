@@ -1,18 +1,24 @@
-"""ZeRO-2 and ZeRO-3 with ``reduce_once``: a step's microbatches summed unsharded, reduced once.
+"""ZeRO-2 and ZeRO-3 over microbatches: each one's gradient reduced and summed, or summed and reduced once.
 
-By default stages 2 and 3 reduce-scatter each microbatch's gradient as soon as it exists and sum
-the chunks (FSDP2's default: ``Psi / N`` of gradients held, one reduce-scatter a microbatch).
-``zero_grads(..., reduce_once=True)`` keeps instead each data rank's own gradient, unreduced,
-summed over the step's microbatches in the parameters' dtype, and reduce-scatters that sum once
-at the end of the step (FSDP2's ``set_requires_gradient_sync(False)`` on every microbatch but
-the last, DeepSpeed's ``reduce_scatter`` once per step): ``n_micro - 1`` fewer reduce-scatters, and
-one whole gradient more held through the step (4 bytes a parameter with float32 parameters).
-Stage 3 still gathers each parameter for each microbatch's forward and frees it after (the
-gathered parameters are what FSDP's units bound; the gradient is this option's price).
+**Sharded (the default, FSDP2's).**  Stages 2 and 3 reduce-scatter each microbatch's gradient as
+soon as it exists and sum the chunks: ``Psi / N`` of gradients held, one reduce-scatter a
+microbatch.  On a real mesh stage 3 runs its microbatches here (``summed_sharded``): each
+reduced chunk is added, as its reduce-scatter ends, into the sum of the microbatches before
+(``gathered_grad``'s ``into``), as FSDP2 adds into a parameter's sharded ``.grad``; the step holds
+that sum, one gradient being reduced, and the parameters in use, never a second sum.
+
+**Once (``reduce_once=True``).**  Each data rank's own gradient is kept unreduced, summed over the
+step's microbatches in the parameters' dtype, and reduce-scattered once at the end of the step
+(FSDP2's ``set_requires_gradient_sync(False)`` on every microbatch but the last):
+``n_micro - 1`` fewer reduce-scatters, one whole gradient more held through the step (4 bytes a
+parameter with float32 parameters), freed bucket by bucket as the final reduce-scatter goes
+(``_zero._Releaser``).  Stage 3 still gathers each parameter for each microbatch's forward and
+frees it after (the gathered parameters are what FSDP's units bound; the gradient is this
+option's price) (``reduced_once``).
 
 How each mesh makes a rank's unreduced gradient (``zero_grads`` picks):
 
-* a real mesh, stage 3 with ``regather``: ``_zero_comm.gathered_grad`` with ``hold``: each
+* a real mesh, stage 3 with ``regather``: ``_zero_fsdp.gathered_grad`` with ``hold``: each
   parameter's gradient, as autograd completes it, is added into the step's sum (a stacked leaf's
   row by row) instead of being reduce-scattered;
 * stage 2 anywhere: the parameters enter the loss as one copy per data rank already
@@ -29,17 +35,19 @@ gradient is added into the sum before the sum over ranks, not after.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from .._defer import defer_reduction
 from .._tree import tree_flatten, tree_unflatten
 from ._accumulate import _microbatch
 from ._zero import ZeroLayout
 
-__all__ = ["Held", "reduced_once", "tap_shapes", "taps"]
+__all__ = ["Held", "reduced_once", "summed_sharded", "tap_shapes", "taps"]
 
 Tensor = torch.Tensor
 
@@ -141,12 +149,61 @@ def reduced_once(
         losses = []
         for i in range(n_micro):
             losses.append(one(params, _microbatch(batch, i, n_micro, layout.mesh, batch_specs), scale, held))
-        reduced, treedef = tree_flatten(reduce(tree_unflatten(params_def, held.take())))
+        sums = held.take()
         del held
+        for s in sums:  # the mean, in place (the sums are this step's own): no second copy
+            s.div_(n_micro)
+        reduced, treedef = tree_flatten(reduce(tree_unflatten(params_def, sums)))
+        del sums
         loss = losses[0]
         for other in losses[1:]:
             loss = loss + other
-        means = [(g / n_micro).to(d) for g, d in zip(reduced, dtypes)]
-        return tree_unflatten(treedef, means), loss / n_micro
+        return tree_unflatten(treedef, [g.to(d) for g, d in zip(reduced, dtypes)]), loss / n_micro
+
+    return grads
+
+
+def summed_sharded(
+    one: Callable[[Any, Any, Tensor, list[Tensor] | None], tuple[Any, Tensor]],
+    n_micro: int,
+    layout: ZeroLayout,
+    batch_specs: Any,
+) -> Callable:
+    """``grads(params, batch, scale) -> (grads, loss)``: each microbatch's chunks summed in place.
+
+    ``one(params, microbatch, scale, into)`` returns the microbatch's reduced chunks, added into
+    ``into`` (the sum so far, this process's chunks in the parameters' dtype) when it is given,
+    as each one's reduce-scatter ends; the first microbatch's chunks (its own new tensors)
+    become the sum.
+    """
+
+    def grads(params: Any, batch: Any, scale: Tensor) -> tuple[Any, Tensor]:
+        total: list[Tensor] | None = None
+        losses = []
+        treedef = None
+        # As ``fpar.optim.accumulate``: sums over other axes (a tensor axis) deferred to the last
+        # microbatch, where they can be (stage 3's gathered leaves are new each microbatch: its
+        # backward suspends the deferral itself)
+        scope = defer_reduction()
+        scope._expanded_zeros = True
+        scope._checks_itself = True
+        try:
+            for i in range(n_micro):
+                mb = _microbatch(batch, i, n_micro, layout.mesh, batch_specs)
+                with scope if i < n_micro - 1 else contextlib.nullcontext():
+                    g, loss = one(params, mb, scale, total)
+                total, treedef = tree_flatten(g)
+                losses.append(loss)
+        except BaseException:
+            scope._discard()  # this step failed: its deferred sums belong to no step
+            raise
+        scope._check_reduced("fpar.optim.zero_grads")
+        assert total is not None and treedef is not None
+        for t in total:  # the mean, in place: the sum is this step's own
+            t.div_(n_micro)
+        loss = losses[0]
+        for other in losses[1:]:
+            loss = loss + other
+        return tree_unflatten(treedef, total), loss / n_micro
 
     return grads
