@@ -60,7 +60,7 @@ from .._collectives import all_gather, all_gather_invariant, axis_index, frames,
 from .._mesh import Mesh
 from .._shard import shard
 from .._spec import P
-from .._tree import broadcast_prefix, tree_flatten, tree_unflatten
+from .._tree import broadcast_prefix, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from ._base import GradientTransformation
 from ._internal import block_shape
 from ._zero_comm import _storage_key
@@ -104,6 +104,7 @@ class ZeroLayout:
     data_axis: str
     treedef: Any
     leaves: tuple[_Leaf, ...]
+    units: tuple[int, ...] | None = None  # stage 3: each leaf's unit (``zero_layout``'s ``units``)
 
     @property
     def n(self) -> int:
@@ -158,7 +159,13 @@ class ZeroLayout:
 
 
 def zero_layout(
-    params: Any, mesh: Mesh, param_specs: Any = _REPLICATED, *, stage: int, data_axis: str = "data"
+    params: Any,
+    mesh: Mesh,
+    param_specs: Any = _REPLICATED,
+    *,
+    stage: int,
+    data_axis: str = "data",
+    units: Any = None,
 ):
     """Plan how ZeRO ``stage`` (0 = plain data parallel, DDP) stores ``params`` on ``mesh``.
 
@@ -169,12 +176,22 @@ def zero_layout(
         the *other* axes (tensor parallelism); the data axis is ZeRO's.
       stage: 0, 1, 2 or 3.
       data_axis: the mesh axis the batch is split over.
+      units: stage 3: which parameters a real mesh gathers together (FSDP2's ``fully_shard`` of a
+        module).  A pytree prefix of ``params`` of unit labels (``str`` or ``int``; every leaf
+        under a label is in that unit; ``None``: each leaf under it a unit of its own), e.g.
+        ``{"layers": [0, 1, 2], "head": "head"}``.  A unit's parameters are all gathered at the
+        first read of any of them (started together, one unit ahead) and freed together after
+        the last read of all of them; the backward re-gathers the saved ones a parameter at a
+        time, as without units.  Default: a leaf a unit (a stacked leaf taken by its rows: a row
+        a unit; with units, row ``r`` of the stacked leaves of one unit is one unit).
 
     Returns:
       A ``ZeroLayout``.
 
     Raises:
-      ValueError: bad stage, no such data axis, or a parameter spec already naming the data axis.
+      ValueError: bad stage, no such data axis, a parameter spec already naming the data axis, or
+        ``units`` that are not a prefix of ``params``, hold a label other than ``str``/``int``/
+        ``None``, or are given below stage 3.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"fpar.optim.zero_layout: stage must be 0, 1, 2 or 3, got {stage!r}.")
@@ -198,7 +215,37 @@ def zero_layout(
         block = tuple(x.shape) if mesh.backend == "dist" else block_shape(spec, tuple(x.shape), mesh.shape)
         m = math.prod(block)
         out.append(_Leaf(spec, block, tuple(spec.axes()), m, -(-m // n)))
-    return ZeroLayout(mesh, stage, data_axis, treedef, tuple(out))
+    return ZeroLayout(mesh, stage, data_axis, treedef, tuple(out), _units(units, params, stage))
+
+
+def _units(units: Any, params: Any, stage: int) -> tuple[int, ...] | None:
+    """Each leaf's unit number (labels numbered in leaf order; ``None``: a unit of its own)."""
+    if units is None:
+        return None
+    if stage != 3:
+        raise ValueError(
+            f"fpar.optim.zero_layout: units group the parameters ZeRO-3 gathers together; stage "
+            f"{stage} keeps whole parameters and gathers none. Drop units, or use stage=3."
+        )
+    label = lambda u: u is None or isinstance(u, (str, int)) and not isinstance(u, bool)  # noqa: E731
+    try:
+        labels = broadcast_prefix(units, params, is_leaf=label)
+    except ValueError as e:
+        raise ValueError(
+            f"fpar.optim.zero_layout: units must be a pytree prefix of params (a label per subtree): {e}"
+        ) from None
+    paths = tree_flatten_with_path(params)[0]
+    numbers: dict = {}
+    out = []
+    for path, u in zip(paths, labels):
+        if not label(u):
+            raise ValueError(
+                f"fpar.optim.zero_layout: the unit of params{keystr(path)} is {u!r} ({type(u).__name__}); "
+                f"a unit label is a str or an int (None: a unit of its own)."
+            )
+        out.append(numbers.setdefault(u, len(numbers)) if u is not None else -1)
+    fresh = iter(range(len(numbers), len(numbers) + len(out)))
+    return tuple(next(fresh) if k < 0 else k for k in out)
 
 
 # Per-device pieces (run inside fpar.shard) ----------------------------------------------------

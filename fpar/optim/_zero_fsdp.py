@@ -198,7 +198,12 @@ def gathered_grad(
     rows.hold = hold
     for j in range(nleaves, len(bufs)):
         track(j)
-    lazy = _Lazy(bufs, start, uses, nleaves)
+    units = layout.units
+
+    def unit_of(j: int) -> Any:  # a leaf's unit number; a row's: (its leaf's, the row)
+        return units[j] if j < nleaves else (units[row_of[j][0]], row_of[j][1])
+
+    lazy = _Lazy(bufs, start, uses, nleaves, unit_of if units is not None else None)
     try:
         # Not deferred under fpar.optim.accumulate's defer_reduction(): the gathered leaves are new
         # tensors every microbatch, so a later microbatch could never claim their sums over the
@@ -284,7 +289,7 @@ def _metadata(func: Any) -> bool:
 
 
 class _Lazy(TorchFunctionMode):
-    """Stage 3's forward on a real mesh, a parameter at a time: FSDP2's units, one leaf each.
+    """Stage 3's forward on a real mesh, a unit at a time: FSDP2's units, by default one leaf each.
 
     Each gathered parameter's buffer starts with a storage of 0 bytes.  The first op that takes
     it, or any view of it (found by its storage), waits for its all-gather (started one ahead,
@@ -297,11 +302,29 @@ class _Lazy(TorchFunctionMode):
     value, only more traffic; the next forward learns.  Reading metadata (shape, dtype, ...)
     gathers nothing.  Every parameter is gathered once per forward, used or not, as the
     in-process mesh and ``fpar.plan`` count.
+
+    ``unit_of(buffer)`` (``zero_layout``'s ``units``): buffers of one unit are gathered together
+    (the first read of any of them waits for all; the prefetch starts a whole unit) and freed
+    together, once each has been read as often as in the previous forward.  A stacked leaf taken
+    by its rows last time is never gathered whole for its unit (its rows are units of their own
+    kind: row ``r`` of the unit's stacked leaves).
     """
 
-    def __init__(self, fulls: list[Tensor], start: Callable[[int], Any], uses: Uses, leaves: int):
+    def __init__(
+        self,
+        fulls: list[Tensor],
+        start: Callable[[int], Any],
+        uses: Uses,
+        leaves: int,
+        unit_of: Callable[[int], Any] | None = None,
+    ):
         super().__init__()
         self.fulls, self.start, self.uses, self.leaves = list(fulls), start, uses, leaves
+        self.unit_of = unit_of
+        self.members: dict[Any, list[int]] = {}  # unit -> its buffers (``unit_of`` given)
+        for j in range(len(self.fulls)):
+            self._join(j)
+        self.seen: set[int] = set()  # buffers read in this forward (``first``'s members)
         self.keys = {_storage_key(f): i for i, f in enumerate(fulls)}
         n = len(fulls)
         seen = set(uses.first)
@@ -331,9 +354,35 @@ class _Lazy(TorchFunctionMode):
                 if made == (i,):  # a view of the parameter (or an in-place op on it): no read
                     continue
                 self.reads[i] = self.reads.get(i, 0) + 1
-                if self.reads[i] == self.uses.reads.get(i, 1 if self.learning else None):
-                    self._free(i)
+                if self.reads[i] == self._expected(i):
+                    self._free_unit(i)
         return out
+
+    def _expected(self, i: int) -> int | None:
+        """Reads of buffer ``i`` the previous forward made (one each in a signature's first)."""
+        return self.uses.reads.get(i, 1 if self.learning else None)
+
+    def _join(self, j: int) -> None:
+        if self.unit_of is not None:
+            self.members.setdefault(self.unit_of(j), []).append(j)
+
+    def _unit(self, j: int) -> list[int]:
+        """Buffer ``j``'s unit (itself, without units), less stacked leaves taken by rows last time."""
+        if self.unit_of is None:
+            return [j]
+        skip = self.uses.by_rows
+        return [m for m in self.members[self.unit_of(j)] if m == j or m not in skip]
+
+    def _free_unit(self, i: int) -> None:
+        """Free ``i``'s unit, unless one of its gathered buffers still has reads to come."""
+        unit = self._unit(i)
+        for m in unit:
+            e = self._expected(m)
+            if m != i and self.ready[m] and e is not None and self.reads.get(m, 0) < e:
+                return
+        for m in unit:
+            if self.ready[m]:
+                self._free(m)
 
     def add(self, full: Tensor) -> int:
         """One more buffer (a stacked leaf's row, first taken in this forward); its index."""
@@ -341,6 +390,7 @@ class _Lazy(TorchFunctionMode):
         self.fulls.append(full)
         self.ready.append(False)
         self.gathered.append(False)
+        self._join(len(self.fulls) - 1)
         return len(self.fulls) - 1
 
     def taken_by_rows(self, i: int) -> bool:
@@ -371,12 +421,21 @@ class _Lazy(TorchFunctionMode):
 
     def _ready(self, i: int) -> None:
         if self.ready[i]:
+            self._saw(i)
             return
-        pending = self.pending.pop(i, None) or self.start(i)
-        self._wait(i, pending)
-        if i not in self.first:
-            self.first.append(i)
+        # the unit's buffers not gathered yet in this forward come with it (one read again after
+        # its unit was freed comes alone: a re-gather, counted)
+        unit = [m for m in self._unit(i) if m == i or not (self.ready[m] or self.gathered[m])]
+        started = [(m, self.pending.pop(m, None) or self.start(m)) for m in unit]
+        for m, pending in started:
+            self._wait(m, pending)
+        self._saw(i)
         self._prefetch()
+
+    def _saw(self, i: int) -> None:
+        if i not in self.seen:
+            self.seen.add(i)
+            self.first.append(i)
 
     def _wait(self, i: int, pending: _Pending) -> None:
         # the gather writes the buffer in place: not a change autograd must know of (no saved
@@ -386,14 +445,16 @@ class _Lazy(TorchFunctionMode):
         self.ready[i] = self.gathered[i] = True
 
     def _prefetch(self) -> None:
-        """Start the next parameter's all-gather in the expected order, unless one is in flight."""
+        """Start the next unit's all-gathers in the expected order, unless one is in flight."""
         if self.pending:
             return
         while self.next < len(self.order):
             j = self.order[self.next]
             self.next += 1
             if not self.gathered[j] and not self.ready[j]:
-                self.pending[j] = self.start(j)
+                for m in self._unit(j):
+                    if not (self.gathered[m] or self.ready[m] or m in self.pending):
+                        self.pending[m] = self.start(m)
                 return
 
     def _free(self, i: int) -> None:

@@ -83,7 +83,8 @@ def zero_pipeline(
 
     Raises:
       TypeError: ``step`` is not a ``fpar.pipeline.pipeline`` step.
-      ValueError: a stage other than 2 or 3, another mesh, or the data axis is the pipe axis.
+      ValueError: a stage other than 2 or 3, another mesh, the data axis is the pipe axis, or a
+        layout with ``units``.
 
     Example:
       >>> layout = fo.zero_layout(params, mesh, specs, stage=3)
@@ -102,6 +103,12 @@ def zero_pipeline(
             f"{_API}: layout has stage {layout.stage}; a pipeline takes ZeRO stage 2 or 3 here (for "
             f"ZeRO-1 use stage 2: inside a pipeline the gradient is reduced once a step either way, "
             f"so the two hold the same state; for stage 0 call the pipeline's step itself)."
+        )
+    if layout.units is not None:
+        raise ValueError(
+            f"{_API}: layout has units; inside a pipeline ZeRO-3 gathers each stage's parameters "
+            f"once a step and holds them for its microbatches, so there is no unit to gather. "
+            f"Build the layout without units."
         )
     mesh, data, axis = layout.mesh, layout.data_axis, step._axis  # type: ignore[attr-defined]
     if mesh is not step._mesh:  # type: ignore[attr-defined]

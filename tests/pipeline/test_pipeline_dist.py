@@ -327,6 +327,10 @@ def test_zero_pipeline_refuses_what_it_cannot_run():
         fo.zero_pipeline(step, fo.zero_layout(params, mesh, specs, stage=1))
     with pytest.raises(TypeError, match="step must come from fpar.pipeline.pipeline, got function"):
         fo.zero_pipeline(lambda *a: None, fo.zero_layout(params, mesh, specs, stage=2))
+    with pytest.raises(ValueError, match="layout has units; inside a pipeline ZeRO-3 gathers each stage's"):
+        fo.zero_pipeline(
+            step, fo.zero_layout(params, mesh, specs, stage=3, units={"stages": 0, "first": 1, "last": 2})
+        )
     other = fpar.make_mesh((2, 2, 1), ("pipe", "data", "tensor"))
     with pytest.raises(ValueError, match="layout is on another mesh than the pipeline"):
         fo.zero_pipeline(step, fo.zero_layout(params, other, specs, stage=3))

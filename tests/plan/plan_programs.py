@@ -40,6 +40,7 @@ MESHES = {
     "zero2_once": ((2,), ("data",)),
     "zero3_once": ((2,), ("data",)),
     "zero3_stacked_once": ((2,), ("data",)),
+    "zero3_units": ((2,), ("data",)),
     "dp_donate": ((2,), ("data",)),
     "zero1_donate": ((2,), ("data",)),
     "zero2_donate": ((2,), ("data",)),
@@ -111,6 +112,7 @@ ZERO_PROGRAMS = (
     "zero2_once",
     "zero3_once",
     "zero3_stacked_once",
+    "zero3_units",
     "dp_donate",
     "zero1_donate",
     "zero2_donate",
@@ -142,7 +144,7 @@ def build(name: str, mesh: fpar.Mesh):
                 "w": torch.randn(layers, D, D, generator=g) * 0.05,
                 "b": torch.randn(layers, D, generator=g) * 0.05,
             }
-        elif name in ("zero1_donate", "zero2_donate", "zero3_donate"):
+        elif name in ("zero1_donate", "zero2_donate", "zero3_donate", "zero3_units"):
             # 4 layers of leaves of their own: ZeRO-3 gathers a layer at a time; stages 1 and 2
             # reduce-scatter and gather a leaf a bucket
             loss = _layers_loss
@@ -155,7 +157,9 @@ def build(name: str, mesh: fpar.Mesh):
                 "w2": torch.randn(H, D, generator=g) * 0.05,
             }
         params = fpar.device_put(params, mesh, P())
-        layout = fo.zero_layout(params, mesh, stage=stage, data_axis="data")
+        # zero3_units: a unit a layer (a_i and b_i gathered together, two units held at most)
+        units = {k: int(k[1:]) for k in params} if name == "zero3_units" else None
+        layout = fo.zero_layout(params, mesh, stage=stage, data_axis="data", units=units)
         opt = fo.adamw(1e-3)
         params, state = fo.zero_init(opt, params, layout)
         # zero3_micro: FSDP with gradient accumulation, 2 microbatches a step
@@ -164,7 +168,7 @@ def build(name: str, mesh: fpar.Mesh):
         # *_once: 2 microbatches, their gradients summed unreduced and reduce-scattered once
         once = name.endswith("_once")
         micro = 2 if name == "zero3_micro" or once else 1
-        donate = name.endswith(("_donate", "_stacked", "_once"))
+        donate = name.endswith(("_donate", "_stacked", "_once", "_units"))
         buckets = {"bucket_bytes": SMALL_BUCKET} if name in ("zero1_donate", "zero2_donate") else {}
         step = fo.zero_step(loss, opt, layout, n_micro=micro, donate=donate, reduce_once=once, **buckets)
         batch = fpar.device_put(

@@ -231,12 +231,13 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 2
 
 
-def _stage3_history(params, batch, loss_of, steps: int) -> list:
+def _stage3_history(params, batch, loss_of, steps: int, units=None) -> list:
     """ZeRO-3 AdamW on a data mesh of the world's size: the full parameters after each step.
 
-    ``loss_of(mesh)`` makes the loss (it may look at the real mesh's gathered buffers)."""
+    ``loss_of(mesh)`` makes the loss (it may look at the real mesh's gathered buffers); ``units``
+    are ``zero_layout``'s."""
     mesh = fpar.make_mesh((-1,), ("data",), devices=_world())
-    layout = fo.zero_layout(params, mesh, P(), stage=3)
+    layout = fo.zero_layout(params, mesh, P(), stage=3, units=units)
     opt = fo.adamw(1e-2, weight_decay=0.1)
     params, state = fo.zero_init(opt, params, layout)
     batch = fpar.device_put(batch, mesh, P("data"))
@@ -249,14 +250,47 @@ def _stage3_history(params, batch, loss_of, steps: int) -> list:
     return history
 
 
-def zero3_rows_run(layers: int = 6, steps: int = 3, dtype=F64):
+def zero3_units_run(layers: int = 6, steps: int = 3):
+    """``zero3_lazy_run``'s model with a unit a layer (``w{i}`` and ``b{i}``): per step, the most
+    buffers holding values as a layer starts and inside a layer (real mesh; in-process ``None``),
+    and the full parameters after each step."""
+    params, batch = deep_problem(layers=layers)
+    units = {k: int(k[1:]) for k in params}
+    resident: list = []
+
+    def loss_of(mesh):
+        def loss(p, batch):
+            x, y = batch
+            at_start, inside = [], []
+
+            def count(into):
+                if mesh.backend == "dist":
+                    into.append(sum(t.untyped_storage().nbytes() > 0 for t in p.values()))
+
+            h = x
+            for i in range(layers):
+                count(at_start)
+                z = h @ p[f"w{i}"]
+                count(inside)
+                h = h + torch.tanh(z + p[f"b{i}"])
+            resident.append((max(at_start), max(inside)) if at_start else None)
+            return ((h - y) ** 2).mean()
+
+        return loss
+
+    return resident, _stage3_history(params, batch, loss_of, steps, units=units)
+
+
+def zero3_rows_run(layers: int = 6, steps: int = 3, dtype=F64, units=None):
     """ZeRO-3 AdamW over ``stacked_problem``'s leaves (``w[layers, d, d]``, ``b[layers, d]``), each
     layer's rows taken by ``unbind`` (a scanned model): per step, the most rows the loss found holding
     values at once and whether a whole stacked leaf ever held values (real mesh only: each row is
     gathered at its first read and freed after its last; in-process ``None``), and the full
-    parameters after each step.
+    parameters after each step.  ``units``: ``zero_layout``'s (``"layer"``: ``w`` and ``b`` one unit,
+    so row ``r`` of both is one unit).
     """
     params, batch = stacked_problem(layers=layers, dtype=dtype)
+    units = {"w": 0, "b": 0} if units == "layer" else units
     resident: list = []
 
     def loss_of(mesh):
@@ -275,7 +309,7 @@ def zero3_rows_run(layers: int = 6, steps: int = 3, dtype=F64):
 
         return loss
 
-    return resident, _stage3_history(params, batch, loss_of, steps)
+    return resident, _stage3_history(params, batch, loss_of, steps, units=units)
 
 
 def zero3_lazy_run(layers: int = 6, steps: int = 3):

@@ -477,6 +477,45 @@ def test_real_mesh_zero3_with_tensor_parallel_equals_in_process():
 
 
 @pytest.mark.multiprocess
+def test_real_mesh_zero3_units_gather_a_layer_together_and_hold_two():
+    # units by layer (w_i and b_i one unit): as a layer starts its unit (prefetched) holds values,
+    # nothing else; inside it, its unit and the next one (4 buffers, where a leaf a unit holds 2).
+    # Stacked leaves with one unit label: row r of w and b gathered together, never a whole leaf.
+    ranks = fpar.launch(W.zero3_units_run, 2, timeout=120.0)
+    local_resident, local = W.zero3_units_run()
+    assert local_resident == [None, None, None]
+    for resident, hist in ranks:
+        assert resident == [(2, 4)] * 3
+        _assert_same(hist, local, tol=1e-13)
+    ranks = fpar.launch(W.zero3_rows_run, 2, 6, 3, W.F64, "layer", timeout=120.0)
+    _, local = W.zero3_rows_run(units="layer")
+    for resident, hist in ranks:
+        assert resident == [(0, False), (2, False), (2, False)]  # the first forward takes no rows ahead
+        _assert_same(hist, local, tol=1e-13)
+
+
+def test_zero3_units_must_name_each_parameter_once_with_a_label():
+    params, _ = W.mlp_problem()  # b1, w1, w2
+    mesh = _mesh(data=2)
+    layout = fo.zero_layout(params, mesh, stage=3, units={"w1": "a", "b1": "a", "w2": None})
+    assert layout.units == (0, 0, 1)
+    with pytest.raises(ValueError, match=r"units must be a pytree prefix of params.*lacks \['b1', 'w2'\]"):
+        fo.zero_layout(params, mesh, stage=3, units={"w1": 0})
+    with pytest.raises(
+        ValueError, match=r"the unit of params\['w2'\] is 1.5 \(float\); a unit label is a str or an int"
+    ):
+        fo.zero_layout(params, mesh, stage=3, units={"w1": 0, "b1": 0, "w2": 1.5})
+    with pytest.raises(ValueError, match="units group the parameters ZeRO-3 gathers together; stage 2"):
+        fo.zero_layout(params, mesh, stage=2, units="all")
+    # units change no value: in-process (no gathers to group) the same trajectory
+    ref, _ = _zero_trajectory(params, W.mlp_loss, W.mlp_problem()[1], mesh, P(), 3, 2)
+    opt = fo.adamw(1e-2, weight_decay=0.1)
+    stored, state = fo.zero_init(opt, params, layout)
+    stored, state, _ = fo.zero_step(W.mlp_loss, opt, layout)(stored, state, W.mlp_problem()[1])
+    _assert_same([fo.zero_params(stored, layout)], ref[:1])
+
+
+@pytest.mark.multiprocess
 def test_real_mesh_zero3_holds_one_parameter_ahead_not_the_model():
     # FSDP2's units: on the real mesh the forward gathers each parameter at its first read (one
     # ahead) and frees it after its last read (learned from the previous forward of the same
