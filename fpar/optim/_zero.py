@@ -181,8 +181,8 @@ def zero_layout(
         under a label is in that unit; ``None``: each leaf under it a unit of its own), e.g.
         ``{"layers": [0, 1, 2], "head": "head"}``.  A unit's parameters are all gathered at the
         first read of any of them (started together, one unit ahead) and freed together after
-        the last read of all of them; the backward re-gathers the saved ones a parameter at a
-        time, as without units.  Default: a leaf a unit (a stacked leaf taken by its rows: a row
+        the last read of all of them; the backward re-gathers a unit's saved parameters together,
+        the next unit prefetched.  Default: a leaf a unit (a stacked leaf taken by its rows: a row
         a unit; with units, row ``r`` of the stacked leaves of one unit is one unit).
 
     Returns:

@@ -15,7 +15,8 @@ Prefetch (real mesh): unpacking the token saved ``i``-th in the forward starts t
 all-gather of the one saved just before it (the backward visits them in about reverse order)
 asynchronously, so it travels while this layer's backward computes; a token whose gather was
 prefetched waits on it, one that was not gathers on the spot.  At most one prefetched
-parameter is in flight.
+parameter is in flight; with ``zero_layout``'s ``units``, one unit: gathering a parameter starts
+its unit's other saved parameters too, in the order they were tracked (the same on every rank).
 
 In-process, all devices live in one process and the gathered value is a view of the stacked
 chunks, so the token keeps it (nothing to free) and the re-gather is counted, not performed:
@@ -87,6 +88,8 @@ class _Param:
     gather: Callable[[], Any] | None = None  # a stacked leaf's row: how to gather it (``RowGather``)
     leaf: int | None = None  # ... and its leaf (counted once a backward, as the whole leaf)
     alive: Tensor | None = None  # in-process: the tracked tensor (its storage's identity not reused)
+    unit: Any = None  # its unit (``zero_layout``'s ``units``): gathered with the unit's others
+    seq: int = 0  # the order it was tracked in (a unit's gathers start in this order on every rank)
 
 
 @dataclasses.dataclass(eq=False)
@@ -120,10 +123,11 @@ class Regather:
         self._todo: set[_Param] = set()  # saved parameters the backward has not gathered yet
         self._counted: set[int] = set()  # stacked leaves whose rows' re-gathers are counted
 
-    def track(self, chunk: Tensor, full: Tensor, *, flat: bool = False) -> None:
+    def track(self, chunk: Tensor, full: Tensor, *, flat: bool = False, unit: Any = None) -> None:
         """Remember that ``full`` (inside shard) was all-gathered from ``chunk`` over the axis.
 
         ``flat``: ``full`` is known to view a flat gathered buffer (its storage may hold 0 bytes now).
+        ``unit``: the parameter's unit: the backward gathers the unit's saved parameters together.
         """
         c, f = _physical(chunk).detach().reshape(-1), _physical(full)
         key = _storage_key(f)
@@ -133,15 +137,23 @@ class Regather:
         if self.groups is not None and not whole:
             return  # not the flat gathered buffer a re-gather rebuilds: autograd keeps it
         self._params[key] = _Param(
-            c, chunk.numel() * chunk.element_size(), alive=f if self.groups is None else None
+            c,
+            chunk.numel() * chunk.element_size(),
+            alive=f if self.groups is None else None,
+            unit=unit,
+            seq=len(self._params),
         )
 
-    def track_row(self, row: Tensor, leaf: int, nbytes: int, gather: Callable[[], Any]) -> None:
+    def track_row(
+        self, row: Tensor, leaf: int, nbytes: int, gather: Callable[[], Any], unit: Any = None
+    ) -> None:
         """Remember that ``row`` (its own buffer) is a row of stacked leaf ``leaf`` (``RowGather``).
 
         ``nbytes``: the leaf's chunk's bytes; ``gather()`` starts gathering the row into a new buffer.
         """
-        self._params[_storage_key(row)] = _Param(row, nbytes, gather=gather, leaf=leaf)  # type: ignore[index]
+        self._params[_storage_key(row)] = _Param(  # type: ignore[index]
+            row, nbytes, gather=gather, leaf=leaf, unit=unit, seq=len(self._params)
+        )
 
     @contextlib.contextmanager
     def hooks(self) -> Iterator[None]:
@@ -189,7 +201,10 @@ class Regather:
             if param.leaf is not None:
                 self._counted.add(param.leaf)
             pending = self._inflight.pop(id(param), None)
-            storage = (pending or self._start(param)).wait()
+            if pending is None:  # not prefetched: its unit's others start with it
+                pending = self._start(param)
+                self._start_unit(param)
+            storage = pending.wait()
         # One re-gather a parameter a backward: it stays gathered until its last saved view is
         # unpacked.  A parameter saved by several nodes (a stacked leaf, each layer saving its
         # slice, as remat saves its inputs) would otherwise be gathered whole once a node.
@@ -210,7 +225,17 @@ class Regather:
             if not saved.unpacked and saved.param in self._todo:
                 self._todo.discard(saved.param)
                 self._inflight[id(saved.param)] = self._start(saved.param)
+                self._start_unit(saved.param)
                 return
+
+    def _start_unit(self, param: _Param) -> None:
+        """Start gathering the saved parameters of ``param``'s unit the backward has not gathered yet."""
+        if param.unit is None:
+            return
+        others = sorted((q for q in self._todo if q.unit == param.unit), key=lambda q: q.seq)
+        for q in others:  # in tracking order: every rank issues the same gathers in the same order
+            self._todo.discard(q)
+            self._inflight[id(q)] = self._start(q)
 
     def _start(self, param: _Param) -> Any:
         return param.gather() if param.gather is not None else _Pending.start(param, self.groups, self.axis)

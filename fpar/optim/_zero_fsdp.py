@@ -153,12 +153,22 @@ def gathered_grad(
             uses.bufs.append(full)
     nleaves = len(layout.leaves)
     bufs = uses.bufs
+    units = layout.units
+    # A stacked leaf (``[layers, ...]``) taken by its rows (``unbind``, ``t[r]``): a row at a time
+    # (``_zero_rows.RowGather``), each row a buffer of its own, gathered and freed as a leaf is.
+    row_of = {j: ir for ir, j in uses.rows.items()}
+
+    def unit_of(j: int) -> Any:  # a leaf's unit number; a row's: (its leaf's, the row); None: its own
+        if units is None:
+            return None
+        return units[j] if j < nleaves else (units[row_of[j][0]], row_of[j][1])
+
     for i in range(nleaves):
         # The leaf autograd accumulates into (AccumulateGrad runs as soon as the gradient is
         # complete; a node between it and its uses would run only at the end of the backward).
         leaf = uses.views[i].detach().requires_grad_(True)
         leaf.register_post_accumulate_grad_hook(lambda a, i=i: reduce_scatter(i, a))
-        rg.track(flat[i], leaf, flat=True)
+        rg.track(flat[i], leaf, flat=True, unit=unit_of(i))
         gathered.append(leaf)
 
     def start(j: int) -> Any:
@@ -170,13 +180,9 @@ def gathered_grad(
             _stats.record_bytes("all_gather", (axis,), n, params[j].nbytes, overlap=True)
             return _Pending.start(params[j], groups, axis, out=bufs[j])
 
-    # A stacked leaf (``[layers, ...]``) taken by its rows (``unbind``, ``t[r]``): a row at a time
-    # (``_zero_rows.RowGather``), each row a buffer of its own, gathered and freed as a leaf is.
-    row_of = {j: ir for ir, j in uses.rows.items()}
-
     def track(j: int) -> None:
         i, r = row_of[j]
-        rg.track_row(bufs[j], i, params[i].nbytes, lambda: rows.gather_row(i, r))
+        rg.track_row(bufs[j], i, params[i].nbytes, lambda: rows.gather_row(i, r), unit=unit_of(j))
 
     def row(i: int, r: int) -> Tensor:
         j = uses.rows.get((i, r))
@@ -198,11 +204,6 @@ def gathered_grad(
     rows.hold = hold
     for j in range(nleaves, len(bufs)):
         track(j)
-    units = layout.units
-
-    def unit_of(j: int) -> Any:  # a leaf's unit number; a row's: (its leaf's, the row)
-        return units[j] if j < nleaves else (units[row_of[j][0]], row_of[j][1])
-
     lazy = _Lazy(bufs, start, uses, nleaves, unit_of if units is not None else None)
     try:
         # Not deferred under fpar.optim.accumulate's defer_reduction(): the gathered leaves are new

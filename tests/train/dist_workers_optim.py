@@ -343,3 +343,42 @@ def zero3_lazy_run(layers: int = 6, steps: int = 3):
         return loss
 
     return resident, _stage3_history(params, batch, loss_of, steps)
+
+
+def zero3_units_backward_run(layers: int = 4, steps: int = 2, units: bool = True):
+    """Layers ``h + tanh(h @ u_i) @ v_i`` (both weights saved for the backward), a unit a layer
+    (``units``) or a leaf a unit: the most re-gathered parameters the backward held or had in
+    flight at once (real mesh; in-process ``None``: nothing is gathered), and the full parameters
+    after each step."""
+    from fpar.optim import _zero_comm
+
+    g = torch.Generator().manual_seed(0)
+    d = 4
+    params = {f"u{i}": torch.randn(d, d, generator=g, dtype=F64) / 2 for i in range(layers)}
+    params |= {f"v{i}": torch.randn(d, d, generator=g, dtype=F64) / 2 for i in range(layers)}
+    batch = (torch.randn(8, d, generator=g, dtype=F64), torch.randn(8, d, generator=g, dtype=F64))
+    most = [0]
+    unpack = _zero_comm.Regather._unpack
+
+    def watched(self, x):  # what the backward holds as it hands a saved parameter back
+        out = unpack(self, x)
+        live = sum(p.storage is not None for p in self._params.values()) + len(self._inflight)
+        most[0] = max(most[0], live)
+        return out
+
+    def loss(p, batch):
+        x, y = batch
+        h = x
+        for i in range(layers):
+            h = h + torch.tanh(h @ p[f"u{i}"]) @ p[f"v{i}"]
+        return ((h - y) ** 2).mean()
+
+    _zero_comm.Regather._unpack = watched
+    try:
+        by = {k: int(k[1:]) for k in params} if units else None
+        history = _stage3_history(params, batch, lambda mesh: loss, steps, units=by)
+    finally:
+        _zero_comm.Regather._unpack = unpack
+    import torch.distributed as dist
+
+    return (most[0] if dist.is_initialized() else None), history

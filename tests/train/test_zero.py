@@ -487,6 +487,15 @@ def test_real_mesh_zero3_units_gather_a_layer_together_and_hold_two():
     for resident, hist in ranks:
         assert resident == [(2, 4)] * 3
         _assert_same(hist, local, tol=1e-13)
+    # The backward re-gathers a unit's saved parameters together, the next unit ahead: with both
+    # weights of each layer saved, two parameters in flight at most (one with a leaf a unit)
+    for units, most in ((False, 1), (True, 2)):
+        ranks = fpar.launch(W.zero3_units_backward_run, 2, 4, 2, units, timeout=120.0)
+        local_most, local = W.zero3_units_backward_run(units=units)
+        assert local_most is None
+        for held, hist in ranks:
+            assert held == most, (units, held)
+            _assert_same(hist, local, tol=1e-13)
     ranks = fpar.launch(W.zero3_rows_run, 2, 6, 3, W.F64, "layer", timeout=120.0)
     _, local = W.zero3_rows_run(units="layer")
     for resident, hist in ranks:
