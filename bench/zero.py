@@ -36,6 +36,7 @@ Run:
     python bench/zero.py --profile                    # both sides' torch.profiler op tables
     python bench/zero.py --micro 4                    # 4 microbatches a step, each reduce-scattered
     python bench/zero.py --micro 4 --reduce-once      # ... summed unreduced, reduce-scattered once
+    python bench/zero.py --units                      # fpar gathers a layer's 4 parameters together
 
 Microbatches (``--micro M``): fpar's ``zero_step(..., n_micro=M)`` against FSDP2's loop of M
 ``loss.backward()`` calls on the same rows (each rank's rows cut in M consecutive pieces, the loss
@@ -197,7 +198,9 @@ def worker(cfg: dict) -> dict:
 
     # (a) fpar ZeRO-3
     opt = fo.adamw(LR, weight_decay=WD)
-    layout = fo.zero_layout(full, mesh, P(), stage=3)
+    # --units: a layer's parameters one unit (gathered together, as fully_shard(block) does)
+    units = {k: int(k.split(".")[0]) for k in full} if cfg["units"] else None
+    layout = fo.zero_layout(full, mesh, P(), stage=3, units=units)
     box = {}
     box["params"], box["state"] = fo.zero_init(opt, full, layout)
     micro, once = cfg["micro"], cfg["reduce_once"]
@@ -290,6 +293,7 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--no-regather", dest="regather", action="store_false", help="keep gathered params")
     parser.add_argument("--micro", type=int, default=1, help="microbatches a step (zero_step's n_micro)")
+    parser.add_argument("--units", action="store_true", help="fpar: a layer's parameters one ZeRO-3 unit")
     parser.add_argument(
         "--reduce-once", action="store_true", help="sum the microbatches unreduced, reduce-scatter once"
     )
@@ -314,6 +318,7 @@ def main(argv=None) -> None:
         "donate",
         "micro",
         "reduce_once",
+        "units",
         "profile",
     )
     cfg = {k: getattr(args, k) for k in keys}
@@ -339,6 +344,7 @@ def main(argv=None) -> None:
             if args.micro > 1
             else ""
         )
+        + (", fpar units: a layer" if args.units else "")
     )
     print(
         f"{desc}, {n} gloo processes x {r0['threads']} thread(s), torch {torch.__version__}, {args.repeats} repeats"
