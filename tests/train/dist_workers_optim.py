@@ -149,12 +149,12 @@ _LOSSES = {
 
 
 def zero_runs(jobs):
-    """For each ``(stage, steps, loss[, donate[, opt[, n_micro[, reduce_once]]]])``: train with ZeRO ``stage`` on a data mesh
+    """For each ``(stage, steps, loss[, donate[, opt[, n_micro[, reduce_once[, units]]]]])``: train with ZeRO ``stage`` on a data mesh
     of the world's size; ``loss`` is ``"mlp"`` (``mlp_loss``), ``"remat"`` (``remat_mlp_loss``) or
     ``"deep"`` (``deep_loss``); ``donate`` is ``zero_step``'s (default False); ``opt`` is
     ``"adamw"`` (default), ``"sgdm"`` (SGD with momentum and weight decay) or ``"bf16"`` (AdamW
     with bfloat16 compute); ``"odd"`` is ``mlp`` with blocks of odd sizes; ``n_micro`` and
-    ``reduce_once`` are zero_step's.
+    ``reduce_once`` are zero_step's; ``units``: a layer one ZeRO-3 unit.
 
     Returns per job: the full parameters after each step, the losses, and the communication
     counts of the first step.
@@ -170,11 +170,14 @@ def _zero_run(
     opt: str = "adamw",
     n_micro: int = 1,
     reduce_once: bool = False,
+    units: bool = False,
 ):
     problem, loss_fn = _LOSSES[loss]
     params, batch = problem()
     mesh = fpar.make_mesh((-1,), ("data",), devices=_world())
-    layout = fo.zero_layout(params, mesh, P(), stage=stage)
+    # units: a layer's parameters one ZeRO-3 unit (the layer's number, the last character of a key)
+    by = {k: k[-1] if k[-1].isdigit() else k for k in params} if units else None
+    layout = fo.zero_layout(params, mesh, P(), stage=stage, units=by)
     opt = {
         "adamw": lambda: fo.adamw(1e-2, weight_decay=0.1),
         "sgdm": lambda: fo.sgd(1e-2, momentum=0.9, weight_decay=0.1),
@@ -200,14 +203,16 @@ def _zero_run(
     return history, losses, stats
 
 
-def zero3_tp_run(donate: bool):
+def zero3_tp_run(donate: bool, units: bool = False):
     """ZeRO-3 AdamW on a data=2 x tensor=2 mesh with ``tp_loss`` (Megatron blocks split over
-    'tensor'): the full parameters after each of 2 steps."""
+    'tensor'): the full parameters after each of 2 steps; ``units``: each Megatron block's
+    parameters one ZeRO-3 unit."""
     params, batch = tp_problem()
     mesh = fpar.make_mesh((2, 2), ("data", "tensor"), devices=4)
     if mesh.backend == "dist":
         params = fpar.device_put(params, mesh, TP_SPECS)
-    layout = fo.zero_layout(params, mesh, TP_SPECS, stage=3)
+    by = {k: k[-1] if k[-1].isdigit() else k for k in TP_SPECS} if units else None
+    layout = fo.zero_layout(params, mesh, TP_SPECS, stage=3, units=by)
     opt = fo.adamw(1e-2, weight_decay=0.1)
     params, state = fo.zero_init(opt, params, layout)
     step = fo.zero_step(tp_loss, opt, layout, batch_specs=P("data"), donate=donate)

@@ -449,6 +449,8 @@ def test_real_mesh_zero_equals_in_process():
     # reduce_once: each gradient (a stacked leaf's row by row) added into the step's sum, reduced once
     jobs += [(3, 2, "mlp", True, "adamw", 2, True), (3, 2, "stacked_plain", True, "bf16", 2, True)]
     jobs += [(2, 2, "stacked_plain", True, "adamw", 2, True), (3, 2, "odd", False, "adamw", 2, True)]
+    # ZeRO-3 units (a layer's parameters gathered together): with remat, bf16 compute, microbatches
+    jobs += [(3, 2, "remat", True, "bf16", 2, False, True), (3, 2, "deep", True, "adamw", 1, False, True)]
     jobs += [
         (3, 3, "deep", True),
         (0, 2, "mlp", True),
@@ -470,10 +472,12 @@ def test_real_mesh_zero_equals_in_process():
 def test_real_mesh_zero3_with_tensor_parallel_equals_in_process():
     # 4 processes, data=2 x tensor=2: stage 3's real-mesh schedule on blocks split over 'tensor'
     # (chunks over ('tensor', 'data')), donated, against the functional in-process run.
-    ranks = fpar.launch(W.zero3_tp_run, 4, True, timeout=180.0)
-    local = W.zero3_tp_run(False)
-    for hist in ranks:
-        _assert_same(hist, local, tol=1e-13)
+    # Also with units (each Megatron block's parameters gathered together).
+    for units in (False, True):
+        ranks = fpar.launch(W.zero3_tp_run, 4, True, units, timeout=180.0)
+        local = W.zero3_tp_run(False, units)
+        for hist in ranks:
+            _assert_same(hist, local, tol=1e-13)
 
 
 @pytest.mark.multiprocess
