@@ -314,11 +314,28 @@ def _tapped_grad(objective, tracking, layout, chunks, tap, batch, scale, regathe
         return list(
             torch.autograd.grad(scaled, inputs, allow_unused=True, materialize_grads=True)
         ), loss.detach()
+    return _regathered(lambda: objective((chunks, tap), batch, scale), inputs, tracking, layout)
+
+
+def _regathered_grad(objective, tracking, layout, params, batch, scale):
+    """Stage 3's gradient with the backward re-gather of ``_zero_comm`` (``torch.autograd``)."""
+    leaves, treedef = tree_flatten(params)
+    inputs = [t.detach().requires_grad_(True) for t in leaves]
+    run = lambda: objective(tree_unflatten(treedef, inputs), batch, scale)  # noqa: E731
+    g, loss = _regathered(run, inputs, tracking, layout)
+    return tree_unflatten(treedef, g), loss
+
+
+def _regathered(run, inputs, tracking, layout):
+    """The forward ``run()`` under a new ``Regather``'s hooks, then its backward by ``torch.autograd``.
+
+    ``run() -> (scaled loss, loss)``; returns ``(gradients w.r.t. inputs, loss)``.
+    """
     rg = Regather(layout.mesh, layout.data_axis)
     tracking["regather"] = rg
     try:
         with torch.enable_grad(), rg.hooks():
-            scaled, loss = objective((chunks, tap), batch, scale)
+            scaled, loss = run()
     finally:
         tracking["regather"] = None
     try:
@@ -326,24 +343,6 @@ def _tapped_grad(objective, tracking, layout, chunks, tap, batch, scale, regathe
     finally:
         rg.close()
     return list(g), loss.detach()
-
-
-def _regathered_grad(objective, tracking, layout, params, batch, scale):
-    """Stage 3's gradient with the backward re-gather of ``_zero_comm`` (``torch.autograd``)."""
-    leaves, treedef = tree_flatten(params)
-    inputs = [t.detach().requires_grad_(True) for t in leaves]
-    rg = Regather(layout.mesh, layout.data_axis)
-    tracking["regather"] = rg
-    try:
-        with torch.enable_grad(), rg.hooks():
-            scaled, loss = objective(tree_unflatten(treedef, inputs), batch, scale)
-    finally:
-        tracking["regather"] = None
-    try:
-        g = torch.autograd.grad(scaled, inputs, allow_unused=True, materialize_grads=True)
-    finally:
-        rg.close()
-    return tree_unflatten(treedef, list(g)), loss.detach()
 
 
 _UNPLANNED = (
