@@ -99,9 +99,19 @@ def _env() -> dict:
     }
 
 
-# torchrun, its imports done, waiting for a line on stdin before it starts (so a joining agent
-# registers within a second of the signal, not after seconds of imports on a busy machine)
-GATED = "import sys, torch.distributed.run as r; sys.stdin.readline(); r.main()"
+# torchrun with its workers' store port drawn as free_port() draws (below the kernel's ephemeral
+# range): with the store unshared (``_env``) the rank-0 agent picks that port by binding port 0,
+# and an outgoing connection of the gloo tests beside it can take it before the workers bind it
+# (a CI flake, 2026-11-30: "EADDRINUSE" in a worker's TCPStore, the joining run timed out).
+PORTS = (
+    f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import torchrun_util; "
+    "import torch.distributed.elastic.rendezvous.api as a; a.get_free_port = torchrun_util.free_port; "
+    "import torch.distributed.run as r; "
+)
+UNGATED = PORTS + "r.main()"
+# ... its imports done, waiting for a line on stdin before it starts (so a joining agent registers
+# within a second of the signal, not after seconds of imports on a busy machine)
+GATED = PORTS + "sys.stdin.readline(); r.main()"
 
 
 def _agent(
@@ -127,7 +137,8 @@ def _agent(
     )
     cmd = [
         sys.executable,
-        *(["-c", GATED] if gated else ["-m", "torch.distributed.run"]),
+        "-c",
+        GATED if gated else UNGATED,
         "--nnodes",
         nnodes,
         "--nproc-per-node",
