@@ -1,15 +1,17 @@
 """The performance table: run the benchmarks that feed it, and render it from their JSON records.
 
     python bench/report.py run [--quick] [--only NAME ...]   # write bench/results/NAME.json
-    python bench/report.py render [--check]                   # the table into docs/performance.md, README.md
+    python bench/report.py render [--check]                   # docs/performance.md's table, README.md's summary
 
 ``run`` starts each job of ``JOBS`` below as its own subprocess (``python bench/SCRIPT.py ARGS
 --json bench/results/NAME.json``) with a time limit; a job that fails, times out or writes no
 record leaves a record saying so, and ``--quick`` runs each job with fewer repeats (the same
 shapes), or skips it and says why.  ``render`` reads ``bench/results/*.json`` and writes one
 Markdown table (benchmark, step, fpar, baseline, ratio, target) between the marker comments
-``<!-- perf-table:begin -->`` and ``<!-- perf-table:end -->`` of docs/performance.md and
-README.md, with a line naming the machine, date, torch version and load average of the runs.
+``<!-- perf-table:begin -->`` and ``<!-- perf-table:end -->`` of docs/performance.md, with a
+line naming the machine, date, torch version and load average of the runs, and its summary (a
+line per comparison a user makes, ``SUMMARY``: the time and memory ratios and their targets)
+between ``<!-- perf-summary:begin -->`` and ``<!-- perf-summary:end -->`` of README.md.
 ``render --check`` writes nothing and exits 1 when a page's table differs from the records
 (``tests/test_bench_report.py`` checks the same).  The targets are data, in ``JOBS``.
 """
@@ -30,8 +32,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-PAGES = (ROOT / "docs" / "performance.md", ROOT / "README.md")
+PAGES = (ROOT / "docs" / "performance.md",)  # the whole table
+SUMMARY_PAGES = (ROOT / "README.md",)  # a line per comparison a user makes
 BEGIN, END = "<!-- perf-table:begin -->", "<!-- perf-table:end -->"
+SUMMARY_BEGIN, SUMMARY_END = "<!-- perf-summary:begin -->", "<!-- perf-summary:end -->"
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,77 @@ JOBS: tuple[Job, ...] = (
         ("--repeats", "8"),
         {"step": Target("<=", 1.0), "memory": Target("<=", 1.1)},
     ),
+    Job(
+        "zero_deep",
+        "zero.py",
+        (
+            "--layers",
+            "32",
+            "--dim",
+            "1024",
+            "--hidden",
+            "4096",
+            "--batch",
+            "16",
+            "--repeats",
+            "5",
+            "--warmup",
+            "1",
+        ),
+        (
+            "--layers",
+            "32",
+            "--dim",
+            "1024",
+            "--hidden",
+            "4096",
+            "--batch",
+            "16",
+            "--repeats",
+            "2",
+            "--warmup",
+            "1",
+        ),
+        {
+            "step": Target("<=", 1.0),
+            "memory": Target("<=", 1.0, "issue 51: at depth, parameters ≫ activations"),
+        },
+        quick_timeout=400,
+    ),
+    Job(
+        "zero_micro",
+        "zero.py",
+        (
+            "--layers",
+            "8",
+            "--dim",
+            "1024",
+            "--hidden",
+            "4096",
+            "--batch",
+            "64",
+            "--micro",
+            "4",
+            "--repeats",
+            "10",
+        ),
+        (
+            "--layers",
+            "8",
+            "--dim",
+            "1024",
+            "--hidden",
+            "4096",
+            "--batch",
+            "64",
+            "--micro",
+            "4",
+            "--repeats",
+            "3",
+        ),
+        {"step": Target("<=", 1.0), "memory": Target("<=", 1.1)},
+        quick_timeout=360,
+    ),
     Job("tp_dtensor", "tp_dtensor.py", ("--repeats", "30"), ("--repeats", "10"), {"step": Target("<=", 1.0)}),
     Job("hf_tp", "hf_tp.py", ("--repeats", "15"), ("--repeats", "5"), {"step": Target("<=", 1.0)}),
     Job(
@@ -185,6 +260,61 @@ JOBS: tuple[Job, ...] = (
     ),
 )
 
+
+@dataclass(frozen=True)
+class Line:
+    """A line of the README's summary: fpar against one thing a user would otherwise use.
+
+    ``time`` and ``memory`` name comparisons (their ``id``) of job ``job``'s record.
+    """
+
+    against: str  # what a user would otherwise use
+    what: str  # the step, in a few words
+    job: str
+    time: str | None = "step"
+    memory: str | None = None
+
+
+SUMMARY: tuple[Line, ...] = (
+    Line(
+        "DDP",
+        "data-parallel MLP step, D=512 (`torch.func.grad` / `.backward()`)",
+        "data_parallel",
+        memory="memory",
+    ),
+    Line("DDP", "the same, D=64: what a call costs", "data_parallel_tiny", memory="memory"),
+    Line("DDP `no_sync()`", "4 microbatches accumulated (`accumulate` / `.backward()`)", "accumulate"),
+    Line("FSDP2 `fully_shard`", "ZeRO-3 AdamW step, 3 layers", "zero", memory="memory"),
+    Line("FSDP2 `fully_shard`", "ZeRO-3 at depth: 32 layers, 269M parameters", "zero_deep", memory="memory"),
+    Line("FSDP2 `fully_shard`", "ZeRO-3 with 4 microbatches, 8 layers", "zero_micro", memory="memory"),
+    Line(
+        "DTensor `parallelize_module`",
+        "tensor-parallel MLP (`torch.func.grad` / `.backward()`)",
+        "tp_dtensor",
+    ),
+    Line(
+        "DTensor `parallelize_module`", "an unmodified HF GPT-2 (`torch.func.grad` / `.backward()`)", "hf_tp"
+    ),
+    Line(
+        "DDP, every expert local",
+        "HF Qwen3-MoE, experts parallel from the model's own plan",
+        "hf_tp_qwen3_moe_ep",
+    ),
+    Line(
+        "`torch.distributed.pipelining`", "2 stages, 5 schedules of the same names", "pipeline", "schedules"
+    ),
+    Line(
+        "`torch.distributed.pipelining`", "4 stages, 5 schedules of the same names", "pipeline_4", "schedules"
+    ),
+    Line("`torch.compile(ddp_model)`", "the whole step compiled (`fullgraph=True`)", "compile", "whole_ddp"),
+    Line("plain torch MoE", "expert-parallel MoE layer, E=8 top-2", "moe", "gloo"),
+    Line("plain torch MoE", "expert-parallel MoE layer, E=16 top-1", "moe_e16", "gloo"),
+    Line(
+        "the unsharded step",
+        "`fpar.shard` on the in-process mesh (8 devices in one process)",
+        "shard_overhead",
+    ),
+)
 
 # --- run ---
 
@@ -380,31 +510,101 @@ def render_table(records: list[dict]) -> str:
     return "\n".join(lines) + "\n\n"
 
 
-def between_markers(text: str) -> str | None:
+def _ratios(comp: dict, target: Target | None) -> tuple[str, list[str]]:
+    """A comparison's ratios in a few characters, and each pair's verdict against ``target``."""
+    ratios = [p["ratio"] for p in comp["pairs"]]
+    if len(ratios) > 2:
+        text = f"{min(ratios):.2f}–{max(ratios):.2f}×"
+    else:
+        text = " / ".join(f"{r:.2f}" for r in ratios) + "×"
+    verdicts = [] if target is None else ["met" if target.met(r) else "not met" for r in ratios]
+    return text, verdicts
+
+
+def summary_rows(records: list[dict]) -> list[str]:
+    """The README's lines: each ``SUMMARY`` line's time and memory ratios from its job's record."""
+    by_job = {r["job"]: r for r in records}
+    rows = []
+    for line in SUMMARY:
+        record, job = by_job.get(line.job), _job(line.job)
+        if record is None or "comparisons" not in record:
+            why = "no record" if record is None else "skipped" if "skipped" in record else "**failed**"
+            rows.append(f"| {line.against} | {line.what} | {why} | – | – |")
+            continue
+        comps = {c["id"]: c for c in record["comparisons"]}
+        cells, verdicts = [], []
+        for kind, cid in (("time", line.time), ("memory", line.memory)):
+            if cid is None:
+                cells.append("–")
+                continue
+            if cid not in comps:
+                raise SystemExit(f"bench/report.py SUMMARY: {line.job}'s record has no comparison {cid!r}")
+            target = job.targets.get(cid) if job is not None else None
+            text, met = _ratios(comps[cid], target)
+            cells.append(text)
+            if target is not None:
+                shown = met[0] if len(set(met)) == 1 else " / ".join(met)
+                verdicts.append(f"{kind} {target.text()}: {shown}")
+        rows.append(
+            f"| {line.against} | {line.what} | {cells[0]} | {cells[1]} | {_cell('; '.join(verdicts))} |"
+        )
+    return rows
+
+
+def render_summary(records: list[dict]) -> str:
+    """The README's block between its summary markers: when and where, then a line per comparison."""
+    ran = [r for r in records if "comparisons" in r]
+    dates = sorted(r["date"][:10] for r in ran if r.get("date"))
+    date = (
+        dates[0] if dates and dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}" if dates else "unknown"
+    )
+    machines = [r.get("machine", {}) for r in ran]
+    lines = [
+        "",
+        f"Ratios fpar / the other, medians, from `python bench/report.py run` on {date} "
+        f"({_span([m.get('cpu_count') for m in machines])} CPUs, torch {_span([m.get('torch') for m in machines])}, "
+        f"gloo; the machine, load and every figure with its baseline: [the whole table](docs/performance.md)). "
+        "Generated by `python bench/report.py render`: do not edit.",
+        "",
+        "| instead of | the step | time, fpar / it | peak memory, fpar / it | target |",
+        "|---|---|---|---|---|",
+        *summary_rows(records),
+    ]
+    return "\n".join(lines) + "\n\n"
+
+
+def between_markers(text: str, begin: str = BEGIN, end: str = END) -> str | None:
     """The text between the markers' lines (None: no markers)."""
-    if BEGIN not in text or END not in text:
+    if begin not in text or end not in text:
         return None
-    start = text.index(BEGIN) + len(BEGIN) + 1  # after the marker's line
-    return text[start : text.index(END)]
+    start = text.index(begin) + len(begin) + 1  # after the marker's line
+    return text[start : text.index(end)]
 
 
-def replace_between(text: str, block: str) -> str:
-    start = text.index(BEGIN) + len(BEGIN) + 1
-    return text[:start] + block + text[text.index(END) :]
+def replace_between(text: str, block: str, begin: str = BEGIN, end: str = END) -> str:
+    start = text.index(begin) + len(begin) + 1
+    return text[:start] + block + text[text.index(end) :]
 
 
-def render(check: bool = False, results: Path = RESULTS, pages=PAGES) -> list[Path]:
-    """Write the table into ``pages`` (``check``: only compare); the pages that differed."""
-    block = render_table(load_records(results))
+def render(
+    check: bool = False, results: Path = RESULTS, pages=PAGES, summary_pages=SUMMARY_PAGES
+) -> list[Path]:
+    """Write the table into ``pages`` and the summary into ``summary_pages`` (``check``: only
+    compare); the pages that differed."""
+    records = load_records(results)
     stale = []
-    for page in pages:
+    for page, block, begin, end in [
+        *((p, render_table(records), BEGIN, END) for p in pages),
+        *((p, render_summary(records), SUMMARY_BEGIN, SUMMARY_END) for p in summary_pages),
+    ]:
         text = page.read_text(encoding="utf-8")
-        if between_markers(text) is None:
-            raise SystemExit(f"{page}: no {BEGIN} / {END} markers")
-        if between_markers(text) != block:
+        shown = between_markers(text, begin, end)
+        if shown is None:
+            raise SystemExit(f"{page}: no {begin} / {end} markers")
+        if shown != block:
             stale.append(page)
             if not check:
-                page.write_text(replace_between(text, block), encoding="utf-8")
+                page.write_text(replace_between(text, block, begin, end), encoding="utf-8")
     return stale
 
 
@@ -417,7 +617,10 @@ def main(argv=None) -> int:
         "--only", nargs="+", metavar="NAME", help="these jobs only: " + ", ".join(j.name for j in JOBS)
     )
     r.add_argument("--timeout", type=float, help="seconds per job (default: each job's own)")
-    d = sub.add_parser("render", help="render bench/results/*.json into docs/performance.md and README.md")
+    d = sub.add_parser(
+        "render",
+        help="render bench/results/*.json into docs/performance.md (the table) and README.md (its summary)",
+    )
     d.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page's table is stale")
     args = ap.parse_args(argv)
     if args.cmd == "run":
@@ -434,7 +637,7 @@ def main(argv=None) -> int:
         return 0
     stale = render(check=args.check)
     for page in stale:
-        print(f"{page.relative_to(ROOT)}: {'stale' if args.check else 'table rewritten'}")
+        print(f"{page.relative_to(ROOT)}: {'stale' if args.check else 'rewritten'}")
     return 1 if args.check and stale else 0
 
 

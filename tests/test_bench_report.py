@@ -1,7 +1,8 @@
 """The performance table cannot be typed by hand: it is what ``bench/report.py render`` makes.
 
-docs/performance.md and README.md hold the table between ``<!-- perf-table:begin -->`` and
-``<!-- perf-table:end -->``; it must equal the rendering of the committed ``bench/results/*.json``
+docs/performance.md holds the table between ``<!-- perf-table:begin -->`` and
+``<!-- perf-table:end -->``, README.md its summary between ``<!-- perf-summary:begin -->`` and
+``<!-- perf-summary:end -->``; each must equal the rendering of the committed ``bench/results/*.json``
 (rerun the benchmarks with ``python bench/report.py run``, then ``python bench/report.py render``).
 No benchmark runs here.
 """
@@ -36,6 +37,26 @@ def test_page_table_is_the_rendered_one(page):
         f"{page.relative_to(ROOT)}'s performance table is not the one bench/results/*.json renders: "
         "python bench/report.py render (never edit the table by hand)"
     )
+
+
+@pytest.mark.parametrize("page", report.SUMMARY_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_page_summary_is_the_rendered_one(page):
+    begin, end = report.SUMMARY_BEGIN, report.SUMMARY_END
+    shown = report.between_markers(page.read_text(encoding="utf-8"), begin, end)
+    assert shown is not None, f"{page} has no {begin} / {end} markers"
+    assert shown == report.render_summary(report.load_records()), (
+        f"{page.relative_to(ROOT)}'s performance summary is not the one bench/results/*.json renders: "
+        "python bench/report.py render (never edit it by hand)"
+    )
+
+
+def test_every_summary_line_names_a_job_and_comparisons_its_record_has():
+    records = {r["job"]: r for r in report.load_records()}
+    for line in report.SUMMARY:
+        assert report._job(line.job) is not None, line
+        ids = {c["id"] for c in records[line.job].get("comparisons", ())}
+        for cid in (line.time, line.memory):
+            assert cid is None or cid in ids, (line, ids)
 
 
 def _pair(name, med, lo, base_name, base_med, base_lo):
@@ -145,6 +166,27 @@ def test_render_of_a_synthetic_record(tmp_path):
     # render writes between the markers of a page and leaves the rest alone; --check then passes
     page = tmp_path / "page.md"
     page.write_text(f"before\n{report.BEGIN}\nold table\n{report.END}\nafter\n", encoding="utf-8")
-    assert report.render(results=tmp_path, pages=[page]) == [page]
+    assert report.render(results=tmp_path, pages=[page], summary_pages=[]) == [page]
     assert page.read_text(encoding="utf-8") == f"before\n{report.BEGIN}\n{text}{report.END}\nafter\n"
-    assert report.render(check=True, results=tmp_path, pages=[page]) == []
+    assert report.render(check=True, results=tmp_path, pages=[page], summary_pages=[]) == []
+
+    # the summary: the data_parallel line's time and memory ratios and verdicts, the others' status
+    summary = report.render_summary(records)
+    assert summary.startswith("\n") and summary.endswith("|\n\n")
+    rows = {r.split(" | ")[1]: r for r in summary.strip("\n").splitlines() if r.startswith("| ")}
+    dp_line = next(line for line in report.SUMMARY if line.job == "data_parallel")
+    zero_line = next(line for line in report.SUMMARY if line.job == "zero")
+    assert rows[dp_line.what] == (
+        f"| {dp_line.against} | {dp_line.what} | {fg / ddp:.2f} / {bw / ddp:.2f}× | {mem_f / mem_d:.2f}× | "
+        f"time ≤ {step_target.value:.1f}: {' / '.join(verdicts)}; "
+        f"memory ≤ {mem_target.value:.1f}: {'met' if mem_target.met(mem_f / mem_d) else 'not met'} |"
+    )
+    assert rows[zero_line.what] == f"| {zero_line.against} | {zero_line.what} | **failed** | – | – |"
+    assert "| no record | – | – |" in rows[next(x for x in report.SUMMARY if x.job == "tp_dtensor").what]
+    assert "2030-01-02" in summary and "7 CPUs" in summary and "torch 9.9.9" in summary
+
+    # a summary line naming a comparison its record lacks is an error, not an empty cell
+    record["comparisons"] = record["comparisons"][1:]
+    (tmp_path / "data_parallel.json").write_text(json.dumps(record), encoding="utf-8")
+    with pytest.raises(SystemExit, match="data_parallel's record has no comparison 'step'"):
+        report.render_summary(report.load_records(tmp_path))
