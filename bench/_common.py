@@ -14,13 +14,14 @@ import torch.distributed as dist
 
 
 def timed(step: Callable[[], object], cpu: list[float] | None = None) -> float:
-    """Wall time of one full step, every rank starting it together (after a barrier).
+    """Wall time of one full step, every rank starting it together (after a barrier, when launched).
 
     ``cpu``: where to append the step's CPU time on this thread (``time.thread_time``): no
     waits, no time the thread sat preempted, so other load moves it less than the wall time.
     It shows a step's own work (Python, kernels, posting messages), not its communication.
     """
-    dist.barrier()
+    if dist.is_initialized():
+        dist.barrier()
     c0 = time.thread_time()
     t0 = time.perf_counter()
     step()

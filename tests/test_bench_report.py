@@ -190,3 +190,34 @@ def test_render_of_a_synthetic_record(tmp_path):
     (tmp_path / "data_parallel.json").write_text(json.dumps(record), encoding="utf-8")
     with pytest.raises(SystemExit, match="data_parallel's record has no comparison 'step'"):
         report.render_summary(report.load_records(tmp_path))
+
+
+def _record(job, comparisons):
+    return {"job": job, "command": f"python bench/{job}.py", "comparisons": comparisons}
+
+
+def _comp(id, ratios):
+    pairs = [_pair(f"s{i}", r, r, "b", 1.0, 1.0) for i, r in enumerate(ratios)]
+    return {"id": id, "step": id, "unit": "ms", "pairs": pairs}
+
+
+def test_a_relative_target_is_bounded_by_its_reference_and_a_gpu_target_says_it_is_not_checked():
+    T = report.Target
+    rel = T("<=", 1.05, "plain torch's own", relative="torch")
+    record = _record("compile", [_comp("torch", [0.9]), _comp("whole", [0.94, 0.95])])
+    # the bound is 1.05 x 0.9 = 0.945: the first pair meets it, the second does not
+    assert rel.verdicts([0.94, 0.95], record) == "≤ 1.05 × 0.90 (plain torch's own): met / not met"
+    assert rel.verdicts([0.5], _record("compile", [_comp("torch", [0.2])])) == (
+        "≤ 1.05 × 0.20 (plain torch's own): not met"
+    )
+    with pytest.raises(SystemExit, match="compile's record has no comparison 'torch'"):
+        rel.verdicts([0.5], _record("compile", [_comp("whole", [0.5])]))
+    gpu = T("<", 0.95, elsewhere="a GPU target")
+    assert gpu.verdicts([1.0], record) == "< 0.95: not checkable on this machine, a GPU target"
+    # every target of JOBS that names a reference names one its job's committed record has
+    records = {r["job"]: r for r in report.load_records()}
+    for job in report.JOBS:
+        for target in job.targets.values():
+            if target is not None and target.relative:
+                ids = {c["id"] for c in records[job.name]["comparisons"]}
+                assert target.relative in ids, (job.name, target.relative)
