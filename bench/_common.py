@@ -138,6 +138,29 @@ def time_stats(times) -> dict:
     return {"median_ms": med * 1e3, "min_ms": lo * 1e3, "repeats": n}
 
 
+LOADED = 2.0  # a run whose 1-minute load average is above this many times the CPUs is marked
+
+
+def overloaded(load: float, cpus: int | None) -> bool:
+    """Whether a load average is high enough that other work shared the run's cores (> 2x the CPUs)."""
+    return bool(cpus) and load > LOADED * cpus  # type: ignore[operator]
+
+
+def warn_if_loaded(what: str) -> None:
+    """Say on stderr, before a run, that the machine is loaded (its timings will move more)."""
+    import os
+    import sys
+
+    load, cpus = os.getloadavg()[0], os.cpu_count()
+    if overloaded(load, cpus):
+        print(
+            f"{what}: the load average is {load:.1f}, above {LOADED:g} x this machine's {cpus} CPUs: other "
+            f"work shares the cores, so these timings move more than usual and compare badly with a "
+            f"quiet run's; the record says so (bench/report.py marks its rows). Rerun when it is quiet.",
+            file=sys.stderr,
+        )
+
+
 class Record:
     """One benchmark run as a JSON record: what it ran, where, when, and its comparisons.
 
@@ -152,6 +175,7 @@ class Record:
         import sys
 
         args = sys.argv[1:] if argv is None else list(argv)
+        warn_if_loaded(f"bench/{benchmark}.py")
         self.data = {
             "benchmark": benchmark,
             "command": " ".join(["python", f"bench/{benchmark}.py", *args]),

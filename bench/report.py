@@ -519,10 +519,23 @@ def table_rows(record: dict) -> list[str]:
             verdict = "(a reference)"
         else:
             verdict = target.verdicts([p["ratio"] for p in pairs], record)
+        verdict += _load_mark(record)
         rows.append(
             f"| {title} | {_cell(step)} | {sides} {unit} | {base} {unit} | {ratio} | {_cell(verdict)} |"
         )
     return rows
+
+
+LOADED = 2.0  # bench/_common.py's: a run above this many times the CPUs' load average is marked
+
+
+def _load_mark(record: dict) -> str:
+    """``""``, or a note that the run's load average was above 2x the machine's CPUs."""
+    cpus = record.get("machine", {}).get("cpu_count")
+    loads = [record[k][0] for k in ("load_before", "load_after") if record.get(k)]
+    if not cpus or not loads or max(loads) <= LOADED * cpus:
+        return ""
+    return f"; run under load {max(loads):.1f} (> {LOADED:g} x {cpus} CPUs): rerun on a quiet machine"
 
 
 def _span(values: list, fmt=str) -> str:
@@ -603,9 +616,8 @@ def summary_rows(records: list[dict]) -> list[str]:
                 verdicts.append(
                     f"{kind} {target.verdicts([p['ratio'] for p in comps[cid]['pairs']], record)}"
                 )
-        rows.append(
-            f"| {line.against} | {line.what} | {cells[0]} | {cells[1]} | {_cell('; '.join(verdicts))} |"
-        )
+        verdict = "; ".join(verdicts) + _load_mark(record)
+        rows.append(f"| {line.against} | {line.what} | {cells[0]} | {cells[1]} | {_cell(verdict)} |")
     return rows
 
 
@@ -688,6 +700,14 @@ def main(argv=None) -> int:
             ap.error(f"no such job: {', '.join(sorted(unknown))}")
         t0 = time.perf_counter()
         for job in jobs:
+            load, cpus = os.getloadavg()[0], os.cpu_count() or 0
+            if cpus and load > LOADED * cpus:
+                print(
+                    f"{job.name}: the load average is {load:.1f}, above {LOADED:g} x {cpus} CPUs; its "
+                    "rows will say so (rerun it on a quiet machine: run --only NAME)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             record = run_job(job, args.quick, timeout=args.timeout)
             status = record.get("error") or ("skipped: " + record["skipped"] if "skipped" in record else "ok")
             print(f"{job.name:22s} {record.get('elapsed_s', 0):7.1f} s  {status}", flush=True)

@@ -221,3 +221,15 @@ def test_a_relative_target_is_bounded_by_its_reference_and_a_gpu_target_says_it_
             if target is not None and target.relative:
                 ids = {c["id"] for c in records[job.name]["comparisons"]}
                 assert target.relative in ids, (job.name, target.relative)
+
+
+@pytest.mark.parametrize("load, marked", [(3.9, False), (4.1, True)])
+def test_a_run_under_more_load_than_twice_the_cpus_is_marked_in_the_table_and_the_summary(load, marked):
+    record = _record("data_parallel", [_comp("step", [1.2]), _comp("memory", [0.5])])
+    record.update(machine={"cpu_count": 2}, load_before=[1.0, 0, 0], load_after=[load, 0, 0])
+    mark = f"; run under load {load:.1f} (> 2 x 2 CPUs): rerun on a quiet machine"
+    rows = report.table_rows(record)
+    summary = report.summary_rows([record])
+    dp_line = next(r for r in summary if "data-parallel MLP step, D=512" in r)
+    assert [r.endswith(f"{mark} |") for r in [*rows, dp_line]] == [marked] * 3
+    assert rows[0].endswith(("not met |", f"not met{mark} |"))  # the verdict itself stays
