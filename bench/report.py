@@ -140,6 +140,9 @@ COMPILE = {
     "local": Target("<=", 1.05, TORCH_GAIN, relative="torch"),
     "torch": REFERENCE,
 }
+# ZeRO-3 at issue 51's depth (32 layers, parameters >> activations), and with 4 microbatches
+ZERO_DEEP = ("--layers", "32", "--dim", "1024", "--hidden", "4096", "--batch", "16")
+ZERO_MICRO = ("--layers", "8", "--dim", "1024", "--hidden", "4096", "--batch", "64", "--micro", "4")
 JOBS: tuple[Job, ...] = (
     Job("data_parallel", "data_parallel.py", ("--repeats", "20"), ("--repeats", "10"), DP),
     Job(
@@ -166,34 +169,8 @@ JOBS: tuple[Job, ...] = (
     Job(
         "zero_deep",
         "zero.py",
-        (
-            "--layers",
-            "32",
-            "--dim",
-            "1024",
-            "--hidden",
-            "4096",
-            "--batch",
-            "16",
-            "--repeats",
-            "5",
-            "--warmup",
-            "1",
-        ),
-        (
-            "--layers",
-            "32",
-            "--dim",
-            "1024",
-            "--hidden",
-            "4096",
-            "--batch",
-            "16",
-            "--repeats",
-            "2",
-            "--warmup",
-            "1",
-        ),
+        (*ZERO_DEEP, "--repeats", "5", "--warmup", "1"),
+        (*ZERO_DEEP, "--repeats", "2", "--warmup", "1"),
         {
             "step": Target("<=", 1.0),
             "memory": Target("<=", 1.0, "issue 51: at depth, parameters ≫ activations"),
@@ -203,34 +180,8 @@ JOBS: tuple[Job, ...] = (
     Job(
         "zero_micro",
         "zero.py",
-        (
-            "--layers",
-            "8",
-            "--dim",
-            "1024",
-            "--hidden",
-            "4096",
-            "--batch",
-            "64",
-            "--micro",
-            "4",
-            "--repeats",
-            "10",
-        ),
-        (
-            "--layers",
-            "8",
-            "--dim",
-            "1024",
-            "--hidden",
-            "4096",
-            "--batch",
-            "64",
-            "--micro",
-            "4",
-            "--repeats",
-            "3",
-        ),
+        (*ZERO_MICRO, "--repeats", "10"),
+        (*ZERO_MICRO, "--repeats", "3"),
         {"step": Target("<=", 1.0), "memory": Target("<=", 1.1)},
         quick_timeout=360,
     ),
