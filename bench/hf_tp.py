@@ -195,24 +195,44 @@ def worker_ep(cfg: dict) -> dict:
         0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=torch.Generator().manual_seed(1)
     )
     mine = ids.chunk(n)[rank]  # this process's rows (both sides)
-
-    # (a) fpar: the experts over the expert axis, the rows too
     mesh = fpar.make_mesh((n, 1), ("expert", "tensor"))
-    apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh, expert_axis="expert")
-    params = {k: v.clone() for k, v in fpar.device_put(params, mesh, specs).items()}
-
-    def per_device(p, x):
-        return fpar.pmean(apply_fn(p, x, labels=x, use_cache=False).loss, "expert")
-
-    grad_fn = torch.func.grad_and_value(fpar.shard(per_device, mesh, (specs, P("expert")), P()))
     out: dict = {}
-    fpar_step = sgd_step(grad_fn, params, (fpar.device_put(ids, mesh, P("expert")),), out)
 
-    # (b) DDP: the whole model on every process, its rows, gradients all-reduced in buckets
-    ddp = DistributedDataParallel(copy.deepcopy(model))
-    ddp_step = backward_sgd_step(
-        lambda: ddp(mine, labels=mine, use_cache=False).loss, [list(ddp.parameters())], out, "ddp"
-    )
+    def make_fpar(backward: bool = False):
+        """(a) fpar: the experts over the expert axis, the rows too."""
+        apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh, expert_axis="expert")
+        params = {k: v.clone() for k, v in fpar.device_put(params, mesh, specs).items()}
+
+        def per_device(p, x):
+            return fpar.pmean(apply_fn(p, x, labels=x, use_cache=False).loss, "expert")
+
+        loss_fn = fpar.shard(per_device, mesh, (specs, P("expert")), P())
+        x = fpar.device_put(ids, mesh, P("expert"))
+        if backward:  # (a') the same sharded loss on leaf parameters, by .backward()
+            leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+            return backward_sgd_step(lambda: loss_fn(leaves, x), [list(leaves.values())], out, None)
+        step = sgd_step(torch.func.grad_and_value(loss_fn), params, (x,), out)
+        step.params = params
+        return step
+
+    def make_ddp():
+        """(b) DDP: the whole model on every process, its rows, gradients all-reduced in buckets."""
+        ddp = DistributedDataParallel(copy.deepcopy(model))
+        step = backward_sgd_step(
+            lambda: ddp(mine, labels=mine, use_cache=False).loss, [list(ddp.parameters())], out, "ddp"
+        )
+        step.ddp = ddp
+        return step
+
+    # Peak memory of each side, built afresh under the profiler: everything it allocates (its
+    # parameters, kept buffers and DDP's gradient buckets included) at the peak of its second step
+    peaks = {
+        "fpar": built_peak(make_fpar),
+        "fpar .backward()": built_peak(lambda: make_fpar(backward=True)),
+        "ddp": built_peak(make_ddp),
+    }
+    fpar_step, fpar_backward_step, ddp_step = make_fpar(), make_fpar(backward=True), make_ddp()
+    params, ddp = fpar_step.params, ddp_step.ddp
 
     # Check: one step of each from the same values: the mean loss, an expert's and q_proj's update
     fpar_step()
@@ -229,7 +249,7 @@ def worker_ep(cfg: dict) -> dict:
             float((params[down] - w_d[down][rank * e : (rank + 1) * e]).abs().max()),
             float((params[q] - w_d[q]).abs().max()),
         )
-    steps = {"fpar": fpar_step, "ddp": ddp_step}
+    steps = {"fpar": fpar_step, "fpar .backward()": fpar_backward_step, "ddp": ddp_step}
     for _ in range(cfg["warmup"]):
         for step in steps.values():
             step()
@@ -238,7 +258,35 @@ def worker_ep(cfg: dict) -> dict:
     fpar_step()
     experts = getattr(model.config, "_experts_implementation", None)
     return {"times": times, "loss_diff": loss_diff, "weight_diff": weight_diff, "stats": fpar.comm_stats(),
-            "experts_impl": experts}  # fmt: skip
+            "experts_impl": experts, "peaks": peaks}  # fmt: skip
+
+
+def built_peak(make) -> int:
+    """Bytes allocated at the peak of the second step of ``make()``'s step, counted from its building.
+
+    ``make`` builds a side (its parameters, optimizer, buffers) and returns its step; all of it
+    runs under the CPU profiler's memory events (``zero.allocation_events``), so what the side
+    keeps between steps is in the count as well as what a step makes and frees.
+    """
+    import gc
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from zero import allocation_events
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step = make()
+        step()
+        gc.collect()
+        with record_function("measured step"):
+            step()
+        del step
+    allocs, start = allocation_events(prof)
+    running = peak = 0
+    for t, size in allocs:
+        running += size
+        if t >= start:
+            peak = max(peak, running)
+    return peak
 
 
 def main_ep(args, cfg: dict) -> None:
@@ -263,11 +311,33 @@ def main_ep(args, cfg: dict) -> None:
     print(f"{what}, torch {torch.__version__}, {args.repeats} repeats, interleaved")
     for k, t in r0["times"].items():
         print(f"  {k:6s}  median {med[k]:8.2f} ms   min {min(t) * 1e3:8.2f}   max {max(t) * 1e3:8.2f}")
-    print(f"  ratio fpar expert=2 / DDP with every expert local = {med['fpar'] / med['ddp']:.3f}")
+    print(
+        f"  ratio fpar expert=2 / DDP with every expert local = {med['fpar'] / med['ddp']:.3f} "
+        f"(torch.func.grad), {med['fpar .backward()'] / med['ddp']:.3f} (.backward())"
+    )
+    pk = {k: max(r["peaks"][k] for r in res) for k in ("fpar", "fpar .backward()", "ddp")}
+    print(
+        f"  peak memory a process (the larger rank's; parameters, kept buffers and the step): fpar "
+        f"{pk['fpar'] / 2**20:.1f} / {pk['fpar .backward()'] / 2**20:.1f} MiB (torch.func.grad / .backward()), "
+        f"DDP {pk['ddp'] / 2**20:.1f} MiB, ratio {pk['fpar'] / pk['ddp']:.2f} / {pk['fpar .backward()'] / pk['ddp']:.2f}"
+    )
     record.compare(
         "step",
-        f"{what}: `fpar.ops.tensor_parallel(expert_axis=)`, `torch.func.grad`, vs DDP with every expert local",
-        [("fpar expert parallel", r0["times"]["fpar"], "DDP", r0["times"]["ddp"])],
+        f"{what}: `fpar.ops.tensor_parallel(expert_axis=)`, `torch.func.grad` / `.backward()`, vs DDP with every "
+        "expert local",
+        [
+            ("fpar expert parallel", r0["times"]["fpar"], "DDP", r0["times"]["ddp"]),
+            ("fpar expert parallel .backward()", r0["times"]["fpar .backward()"], "DDP", r0["times"]["ddp"]),
+        ],
+    )
+    record.memory(
+        "memory",
+        f"{what}: peak memory a process (the larger rank's: its parameters, kept buffers and gradient "
+        "buckets included), `torch.func.grad` / `.backward()`, vs DDP",
+        [
+            ("fpar expert parallel", pk["fpar"], "DDP", pk["ddp"]),
+            ("fpar expert parallel .backward()", pk["fpar .backward()"], "DDP", pk["ddp"]),
+        ],
     )
     record.data["extra"] = {
         "loss_diff": max(r["loss_diff"] for r in res),
