@@ -422,33 +422,52 @@ def worker(cfg: dict) -> dict:
         0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=torch.Generator().manual_seed(1)
     )
 
-    # (a) fpar on the unmodified model
     mesh = fpar.make_mesh((n,), ("tensor",))
     qwen = cfg["family"] == "qwen3"
-    apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh, plan="auto" if qwen else PLAN)
-    params = {k: v.clone() for k, v in fpar.device_put(params, mesh, specs).items()}
-    loss_fn = fpar.shard(lambda p, x: apply_fn(p, x, labels=x, use_cache=False).loss, mesh, (specs, P()), P())
     out: dict = {}
-    fpar_step = sgd_step(torch.func.grad_and_value(loss_fn), params, (ids,), out)
-
-    # (a') fpar, differentiated with .backward() instead of torch.func.grad
-    leaves = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
-    fpar_backward_step = backward_sgd_step(lambda: loss_fn(leaves, ids), [list(leaves.values())], out, None)
-
-    # (b) DTensor parallelize_module
-    dmodel, grad_allreduce = dtensor_from_hf_plan(model, n) if qwen else (dtensor_model(model, n), [])
     from torch.distributed.tensor import DTensor
 
-    dparams = list(dmodel.parameters())
-    groups = [
-        [p for p in dparams if isinstance(p, DTensor)],
-        [p for p in dparams if not isinstance(p, DTensor)],
-    ]
+    def make_fpar(backward: bool = False):
+        """(a) fpar on the unmodified model; (a') the same differentiated with .backward()."""
+        apply_fn, params, specs = fpar.ops.tensor_parallel(model, mesh, plan="auto" if qwen else PLAN)
+        params = {k: v.clone() for k, v in fpar.device_put(params, mesh, specs).items()}
+        loss_fn = fpar.shard(
+            lambda p, x: apply_fn(p, x, labels=x, use_cache=False).loss, mesh, (specs, P()), P()
+        )
+        if backward:
+            leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+            return backward_sgd_step(lambda: loss_fn(leaves, ids), [list(leaves.values())], out, None)
+        step = sgd_step(torch.func.grad_and_value(loss_fn), params, (ids,), out)
+        step.params = params
+        return step
 
-    # replicated_with_grad_allreduce: each rank saw its heads only, so those gradients are summed
-    dtensor_step = backward_sgd_step(
-        lambda: dmodel(ids, labels=ids, use_cache=False).loss, groups, out, "dtensor", tuple(grad_allreduce)
-    )
+    def make_dtensor():
+        """(b) DTensor parallelize_module."""
+        dmodel, grad_allreduce = dtensor_from_hf_plan(model, n) if qwen else (dtensor_model(model, n), [])
+        dparams = list(dmodel.parameters())
+        groups = [
+            [p for p in dparams if isinstance(p, DTensor)],
+            [p for p in dparams if not isinstance(p, DTensor)],
+        ]
+        # replicated_with_grad_allreduce: each rank saw its heads only, so those gradients are summed
+        step = backward_sgd_step(
+            lambda: dmodel(ids, labels=ids, use_cache=False).loss,
+            groups,
+            out,
+            "dtensor",
+            tuple(grad_allreduce),
+        )
+        step.dmodel = dmodel
+        return step
+
+    # Peak memory of each side, built afresh under the profiler (parameters and kept buffers counted)
+    peaks = {
+        "fpar": built_peak(make_fpar),
+        "fpar .backward()": built_peak(lambda: make_fpar(backward=True)),
+        "dtensor": built_peak(make_dtensor),
+    }
+    fpar_step, fpar_backward_step, dtensor_step = make_fpar(), make_fpar(backward=True), make_dtensor()
+    params, dmodel = fpar_step.params, dtensor_step.dmodel
 
     # Check: one step of each from the same values gives the same loss and c_fc update.
     fpar_step()
@@ -495,7 +514,13 @@ def worker(cfg: dict) -> dict:
     times = interleaved(steps, cfg["repeats"])
     fpar.reset_comm_stats()
     fpar_step()
-    return {"times": times, "loss_diff": loss_diff, "weight_diff": weight_diff, "stats": fpar.comm_stats()}
+    return {
+        "times": times,
+        "loss_diff": loss_diff,
+        "weight_diff": weight_diff,
+        "stats": fpar.comm_stats(),
+        "peaks": peaks,
+    }
 
 
 def main(argv=None) -> None:
@@ -547,6 +572,13 @@ def main(argv=None) -> None:
         print(f"  {k:16s}  median {med[k]:8.2f} ms   min {min(t) * 1e3:8.2f}   max {max(t) * 1e3:8.2f}")
     print(f"  ratio fpar / DTensor = {med['fpar'] / med['dtensor']:.3f} (torch.func.grad), ", end="")
     print(f"{med['fpar .backward()'] / med['dtensor']:.3f} (.backward())  (target <= 1.0)")
+    pk = {k: max(r["peaks"][k] for r in res) for k in ("fpar", "fpar .backward()", "dtensor")}
+    print(
+        f"  peak memory a process (the larger rank's; parameters, kept buffers and the step): fpar "
+        f"{pk['fpar'] / 2**20:.1f} / {pk['fpar .backward()'] / 2**20:.1f} MiB (torch.func.grad / .backward()), "
+        f"DTensor {pk['dtensor'] / 2**20:.1f} MiB, ratio {pk['fpar'] / pk['dtensor']:.2f} / "
+        f"{pk['fpar .backward()'] / pk['dtensor']:.2f}"
+    )
     print(
         f"  torch.func.grad / .backward(): fpar {med['fpar'] / med['fpar .backward()']:.3f}, the plain "
         f"unsharded model (no fpar: functorch's own cost) {med['plain func.grad'] / med['plain .backward()']:.3f}"
@@ -561,6 +593,15 @@ def main(argv=None) -> None:
         [
             ("fpar torch.func.grad", t["fpar"], "DTensor", t["dtensor"]),
             ("fpar .backward()", t["fpar .backward()"], "DTensor", t["dtensor"]),
+        ],
+    )
+    record.memory(
+        "memory",
+        "the same: peak memory a process (the larger rank's: its parameters and kept buffers included), "
+        "`torch.func.grad` / `.backward()`, vs DTensor",
+        [
+            ("fpar torch.func.grad", pk["fpar"], "DTensor", pk["dtensor"]),
+            ("fpar .backward()", pk["fpar .backward()"], "DTensor", pk["dtensor"]),
         ],
     )
     record.compare(

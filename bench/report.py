@@ -186,7 +186,13 @@ JOBS: tuple[Job, ...] = (
         quick_timeout=360,
     ),
     Job("tp_dtensor", "tp_dtensor.py", ("--repeats", "30"), ("--repeats", "10"), {"step": Target("<=", 1.0)}),
-    Job("hf_tp", "hf_tp.py", ("--repeats", "15"), ("--repeats", "5"), {"step": Target("<=", 1.0)}),
+    Job(
+        "hf_tp",
+        "hf_tp.py",
+        ("--repeats", "15"),
+        ("--repeats", "5"),
+        {"step": Target("<=", 1.0), "memory": Target("<=", 1.1)},
+    ),
     Job(
         "hf_tp_qwen3_moe_ep",
         "hf_tp.py",
@@ -297,7 +303,10 @@ SUMMARY: tuple[Line, ...] = (
         "tp_dtensor",
     ),
     Line(
-        "DTensor `parallelize_module`", "an unmodified HF GPT-2 (`torch.func.grad` / `.backward()`)", "hf_tp"
+        "DTensor `parallelize_module`",
+        "an unmodified HF GPT-2 (`torch.func.grad` / `.backward()`)",
+        "hf_tp",
+        memory="memory",
     ),
     Line(
         "DDP, every expert local",
