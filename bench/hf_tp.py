@@ -207,13 +207,7 @@ def worker_ep(cfg: dict) -> dict:
             return fpar.pmean(apply_fn(p, x, labels=x, use_cache=False).loss, "expert")
 
         loss_fn = fpar.shard(per_device, mesh, (specs, P("expert")), P())
-        x = fpar.device_put(ids, mesh, P("expert"))
-        if backward:  # (a') the same sharded loss on leaf parameters, by .backward()
-            leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
-            return backward_sgd_step(lambda: loss_fn(leaves, x), [list(leaves.values())], out, None)
-        step = sgd_step(torch.func.grad_and_value(loss_fn), params, (x,), out)
-        step.params = params
-        return step
+        return fpar_side(loss_fn, params, fpar.device_put(ids, mesh, P("expert")), out, backward)
 
     def make_ddp():
         """(b) DDP: the whole model on every process, its rows, gradients all-reduced in buckets."""
@@ -226,12 +220,9 @@ def worker_ep(cfg: dict) -> dict:
 
     # Peak memory of each side, built afresh under the profiler: everything it allocates (its
     # parameters, kept buffers and DDP's gradient buckets included) at the peak of its second step
-    peaks = {
-        "fpar": built_peak(make_fpar),
-        "fpar .backward()": built_peak(lambda: make_fpar(backward=True)),
-        "ddp": built_peak(make_ddp),
-    }
-    fpar_step, fpar_backward_step, ddp_step = make_fpar(), make_fpar(backward=True), make_ddp()
+    (fpar_step, fpar_backward_step, ddp_step), peaks = built_sides(
+        {"fpar": make_fpar, "fpar .backward()": lambda: make_fpar(backward=True), "ddp": make_ddp}
+    )
     params, ddp = fpar_step.params, ddp_step.ddp
 
     # Check: one step of each from the same values: the mean loss, an expert's and q_proj's update
@@ -289,6 +280,36 @@ def built_peak(make) -> int:
     return peak
 
 
+def fpar_side(loss_fn, params: dict, x, out: dict, backward: bool):
+    """fpar's step of the sharded ``loss_fn(params, x)``: by ``torch.func.grad``, or (``backward``) on
+    leaf parameters by ``.backward()``; the former keeps its parameters as ``step.params``."""
+    if backward:
+        leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+        return backward_sgd_step(lambda: loss_fn(leaves, x), [list(leaves.values())], out, None)
+    step = sgd_step(torch.func.grad_and_value(loss_fn), params, (x,), out)
+    step.params = params
+    return step
+
+
+def built_sides(makers: dict) -> tuple[list, dict]:
+    """Each side's peak memory, built afresh under the profiler (``built_peak``), then each side
+    built again for the timing: ``([step, ...], {name: peak bytes})`` in ``makers``' order."""
+    peaks = {name: built_peak(make) for name, make in makers.items()}
+    return [make() for make in makers.values()], peaks
+
+
+def larger_peaks(res: list, base: str, base_name: str) -> dict:
+    """The larger rank's peak of each side, printed against the baseline's."""
+    pk = {k: max(r["peaks"][k] for r in res) for k in ("fpar", "fpar .backward()", base)}
+    f, b, o = (pk[k] / 2**20 for k in ("fpar", "fpar .backward()", base))
+    print(
+        f"  peak memory a process (the larger rank's; parameters, kept buffers and the step): fpar "
+        f"{f:.1f} / {b:.1f} MiB (torch.func.grad / .backward()), {base_name} {o:.1f} MiB, "
+        f"ratio {f / o:.2f} / {b / o:.2f}"
+    )
+    return pk
+
+
 def main_ep(args, cfg: dict) -> None:
     if args.experts % NPROCS:
         raise SystemExit(f"--experts {args.experts} must divide over the {NPROCS} processes")
@@ -315,12 +336,7 @@ def main_ep(args, cfg: dict) -> None:
         f"  ratio fpar expert=2 / DDP with every expert local = {med['fpar'] / med['ddp']:.3f} "
         f"(torch.func.grad), {med['fpar .backward()'] / med['ddp']:.3f} (.backward())"
     )
-    pk = {k: max(r["peaks"][k] for r in res) for k in ("fpar", "fpar .backward()", "ddp")}
-    print(
-        f"  peak memory a process (the larger rank's; parameters, kept buffers and the step): fpar "
-        f"{pk['fpar'] / 2**20:.1f} / {pk['fpar .backward()'] / 2**20:.1f} MiB (torch.func.grad / .backward()), "
-        f"DDP {pk['ddp'] / 2**20:.1f} MiB, ratio {pk['fpar'] / pk['ddp']:.2f} / {pk['fpar .backward()'] / pk['ddp']:.2f}"
-    )
+    pk = larger_peaks(res, "ddp", "DDP")
     record.compare(
         "step",
         f"{what}: `fpar.ops.tensor_parallel(expert_axis=)`, `torch.func.grad` / `.backward()`, vs DDP with every "
@@ -434,12 +450,7 @@ def worker(cfg: dict) -> dict:
         loss_fn = fpar.shard(
             lambda p, x: apply_fn(p, x, labels=x, use_cache=False).loss, mesh, (specs, P()), P()
         )
-        if backward:
-            leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
-            return backward_sgd_step(lambda: loss_fn(leaves, ids), [list(leaves.values())], out, None)
-        step = sgd_step(torch.func.grad_and_value(loss_fn), params, (ids,), out)
-        step.params = params
-        return step
+        return fpar_side(loss_fn, params, ids, out, backward)
 
     def make_dtensor():
         """(b) DTensor parallelize_module."""
@@ -461,12 +472,9 @@ def worker(cfg: dict) -> dict:
         return step
 
     # Peak memory of each side, built afresh under the profiler (parameters and kept buffers counted)
-    peaks = {
-        "fpar": built_peak(make_fpar),
-        "fpar .backward()": built_peak(lambda: make_fpar(backward=True)),
-        "dtensor": built_peak(make_dtensor),
-    }
-    fpar_step, fpar_backward_step, dtensor_step = make_fpar(), make_fpar(backward=True), make_dtensor()
+    (fpar_step, fpar_backward_step, dtensor_step), peaks = built_sides(
+        {"fpar": make_fpar, "fpar .backward()": lambda: make_fpar(backward=True), "dtensor": make_dtensor}
+    )
     params, dmodel = fpar_step.params, dtensor_step.dmodel
 
     # Check: one step of each from the same values gives the same loss and c_fc update.
@@ -572,13 +580,7 @@ def main(argv=None) -> None:
         print(f"  {k:16s}  median {med[k]:8.2f} ms   min {min(t) * 1e3:8.2f}   max {max(t) * 1e3:8.2f}")
     print(f"  ratio fpar / DTensor = {med['fpar'] / med['dtensor']:.3f} (torch.func.grad), ", end="")
     print(f"{med['fpar .backward()'] / med['dtensor']:.3f} (.backward())  (target <= 1.0)")
-    pk = {k: max(r["peaks"][k] for r in res) for k in ("fpar", "fpar .backward()", "dtensor")}
-    print(
-        f"  peak memory a process (the larger rank's; parameters, kept buffers and the step): fpar "
-        f"{pk['fpar'] / 2**20:.1f} / {pk['fpar .backward()'] / 2**20:.1f} MiB (torch.func.grad / .backward()), "
-        f"DTensor {pk['dtensor'] / 2**20:.1f} MiB, ratio {pk['fpar'] / pk['dtensor']:.2f} / "
-        f"{pk['fpar .backward()'] / pk['dtensor']:.2f}"
-    )
+    pk = larger_peaks(res, "dtensor", "DTensor")
     print(
         f"  torch.func.grad / .backward(): fpar {med['fpar'] / med['fpar .backward()']:.3f}, the plain "
         f"unsharded model (no fpar: functorch's own cost) {med['plain func.grad'] / med['plain .backward()']:.3f}"
