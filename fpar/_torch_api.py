@@ -85,6 +85,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
             "optim/_remat.py",
             "_dist/buckets.py",
             "_dist/exchange.py",
+            "_dist/lowered.py",
         ),
         "the functorch level a tensor is wrapped at",
     ),
@@ -108,7 +109,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     ),
     PrivateApi(
         f"{_FT}.is_gradtrackingtensor",
-        ("_stats.py", "_defer.py"),
+        ("_stats.py", "_defer.py", "_dist/lowered.py"),
         "whether a tensor is wrapped by torch.func.grad",
     ),
     PrivateApi(
@@ -121,28 +122,81 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
             "_dist/shard.py",
             "_dist/buckets.py",
             "_dist/exchange.py",
+            "_dist/tracker.py",
         ),
         "whether any functorch transform wraps a tensor",
     ),
     PrivateApi(
         f"{_FT}._unwrap_for_grad",
-        ("_local/mode.py", "_local/collective.py", "_dist/buckets.py", "_dist/exchange.py"),
+        (
+            "_local/mode.py",
+            "_local/collective.py",
+            "_dist/buckets.py",
+            "_dist/exchange.py",
+            "_dist/lowered.py",
+        ),
         "hand a cotangent's plain tensor to a gradient bucket without a custom Function (~0.4 ms each)",
     ),
     PrivateApi(
         f"{_FT}._wrap_for_grad",
-        ("_dist/buckets.py", "_dist/exchange.py"),
-        "wrap the reduced gradient back at its grad level",
+        ("_dist/buckets.py", "_dist/exchange.py", "_dist/lowered.py"),
+        "wrap the reduced gradient back at its grad level (a lowered call's outputs and gradients too)",
     ),
     PrivateApi(
         f"{_FT}.get_interpreter_stack",
-        ("_dist/agreement.py", "_dist/buckets.py", "_dist/exchange.py", "ops/_moe_dispatch.py"),
+        (
+            "_dist/agreement.py",
+            "_dist/buckets.py",
+            "_dist/exchange.py",
+            "_dist/lowered.py",
+            "ops/_moe_dispatch.py",
+        ),
         "which transforms are active (grad only, or a vmap on top)",
     ),
     PrivateApi(
         f"{_FT}.TransformType",
-        ("_dist/agreement.py", "_dist/buckets.py", "_dist/exchange.py", "ops/_moe_dispatch.py"),
+        (
+            "_dist/agreement.py",
+            "_dist/buckets.py",
+            "_dist/exchange.py",
+            "_dist/lowered.py",
+            "ops/_moe_dispatch.py",
+        ),
         "the kind of each active transform",
+    ),
+    # lowering a call under torch.func.grad to plain autograd inside it (_dist/lowered.py): what
+    # functorch does for every custom autograd.Function under a transform, less its per-call class
+    # and tree work (~0.4 ms a call)
+    PrivateApi(
+        f"{_FT}.pop_dynamic_layer_stack",
+        ("_dist/lowered.py",),
+        "run the call's function below the grad transform's level (functorch's interpreter.lower())",
+    ),
+    PrivateApi(
+        f"{_FT}.push_dynamic_layer_stack",
+        ("_dist/lowered.py",),
+        "restore the transform's level after the lowered forward and backward",
+    ),
+    PrivateApi(
+        f"{_FT}.CGradInterpreterPtr",
+        ("_dist/lowered.py",),
+        "the grad mode outside the transform (prevGradMode): whether its results must stay differentiable there",
+    ),
+    PrivateApi(
+        "torch._functorch.eager_transforms.grad_and_value_impl",
+        ("_dist/lowered.py",),
+        "tell torch.func.grad/grad_and_value (one backward, then done) from torch.func.vjp (whose vjp_fn may "
+        "run again, or under vmap) by the frame that entered the level",
+    ),
+    PrivateApi(
+        "torch._functorch.utils.enable_single_level_autograd_function",
+        ("_dist/lowered.py",),
+        "apply a single-level Function to the transform's wrapped tensors, as functorch does",
+    ),
+    PrivateApi(
+        "torch.autograd.function._SingleLevelFunction",
+        ("_dist/lowered.py",),
+        "the one op the transform records for a lowered call (functorch's Generated Function's base)",
     ),
     PrivateApi(
         "torch._C._DisableFuncTorch",

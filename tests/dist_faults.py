@@ -117,8 +117,8 @@ def agreement_cases() -> dict:
     cap = dist_shard._CAP_BYTES
     dist_shard._CAP_BYTES = 0 if r == 1 else cap
     try:
-        out["partial"] = g(w, xl).detach()
-        out["partial_sent"] = _sent(lambda: g(w, xl).detach())
+        out["partial"] = g(w, xl).clone()  # read here (a detached loss is still in flight)
+        out["partial_sent"] = _sent(lambda: g(w, xl).clone())
     finally:
         dist_shard._CAP_BYTES = cap
     out["loss"] = loss(w, xl)

@@ -272,3 +272,30 @@ def without_gradient_sums(stats: dict) -> dict:
         if kept:
             out[ax] = kept
     return out
+
+
+def peak_bytes(fn: Callable[[], Any]) -> int:
+    """The highest running sum of CPU allocations minus frees while ``fn`` runs (torch.profiler)."""
+    import torch._C._profiler as C
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = []
+
+    def walk(node):
+        if (
+            isinstance(node.extra_fields, C._ExtraFields_Allocation)
+            and node.extra_fields.device.type == "cpu"
+        ):
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        for child in node.children:
+            walk(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    running = peak = 0
+    for _, size in sorted(events):
+        running += size
+        peak = max(peak, running)
+    return peak

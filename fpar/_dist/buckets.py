@@ -60,6 +60,7 @@ from .._registry import bound_once
 from .._sums import widened, wire_itemsize
 from . import pending
 from .exchange import _Exchange, _first_order_level
+from .lowered import in_lowered_backward
 
 __all__ = ["reduce_inputs"]
 
@@ -327,7 +328,7 @@ class _Defer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *cts):
         ctx.held.add(ctx.index, list(cts), ctx.metas)
-        if ctx.held.scope._expanded_zeros and _functorch.get_interpreter_stack():
+        if ctx.held.scope._expanded_zeros and (_functorch.get_interpreter_stack() or in_lowered_backward()):
             # functorch would fill zeros for a None gradient; accumulate skips these
             return (None, None, *(_defer.deferred_zeros(*m) for m in ctx.metas))
         return (None, None, *(None for _ in cts))

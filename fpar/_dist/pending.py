@@ -9,9 +9,10 @@ traced call saw the function itself read the sum, a tensor-parallel activation: 
 costs nothing more there, and a plain tensor lets a compiled ``f`` go on compiled.)  Its value
 is waited on, and the check read, at the first of:
 
-* any operation that reads it (``.item()``, printing, arithmetic, ``.detach()``, ...): every
-  op but the few that need only its shape (``ones_like``, ``zeros_like``, ``empty_like``, which
-  is all ``loss.backward()`` and ``torch.func.grad`` ask of it);
+* any operation that reads it (``.item()``, printing, arithmetic, ...): every op but the few
+  that need only its shape (``ones_like``, ``zeros_like``, ``empty_like``, which is all
+  ``loss.backward()`` and ``torch.func.grad`` ask of it) and ``.detach()``, whose result is
+  another ``Pending`` of the same buffer;
 * the next collective fpar issues, on any mesh (``MeshGroups.group`` settles first): a rank
   never sends a message whose size depends on its signature before every rank has agreed on it
   (a first message still waiting for its bucket goes then, alone);
@@ -219,6 +220,10 @@ class Pending(Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default and type(args[0]) is Pending:
+            # an alias of the same buffer, still unsettled: ``loss.detach()`` reads nothing (and a
+            # lowered call hands the transform its loss this way: lowered.py)
+            return Pending(args[0].elem.detach())
         if func not in _SHAPE_ONLY:
             settle()
         if any(isinstance(a, (list, tuple)) for a in args):  # a tensor list (cat, stack, ...)

@@ -54,6 +54,7 @@ from .buckets import reduce_inputs
 from .compiled import groups_of
 from .exchange import _Exchange, _TakeFirst, summed
 from .groups import _device, on_paper, simulated
+from .lowered import Foreign, lowered, lowering_level
 from .traced_sums import traced_sums
 from .tracker import _Tracker
 
@@ -122,6 +123,11 @@ class DistShard:
         self.spec_cache: dict[Any, list] = {}
         self.static_text = repr((in_specs, out_specs, check_rep))
         self.index = None
+        # torch.func.grad lowered to plain autograd inside the call (lowered.py): the signatures
+        # that may not be, and whether a lowered call is running (its plans are kept apart, each
+        # traced once with the check that it captures no differentiated tensor)
+        self.unlowered: set = set()
+        self.below = False
 
     # -- a call ----------------------------------------------------------------------------
 
@@ -136,15 +142,28 @@ class DistShard:
         if specs is None:
             specs = self._prefix(self.fname, "in_specs", self.in_specs, args, "the arguments")
             self.spec_cache[treedef] = specs
-        key = [treedef]
+        key = [treedef, self.below]
+        wrapped = False
         for leaf, spec in zip(leaves, specs):
             if spec is None:
                 key.append(("static", _static_key(leaf)))
             elif isinstance(leaf, Tensor):
-                key.append((leaf.shape, leaf.dtype, leaf.requires_grad, _wrapped(leaf)))
+                w = _wrapped(leaf)
+                wrapped = wrapped or w
+                key.append((leaf.shape, leaf.dtype, leaf.requires_grad, w))
             else:
                 key.append(("bad", type(leaf)))
         key = tuple(key)
+        if wrapped and key not in self.unlowered:
+            level = lowering_level(leaves)
+            if level is not None:
+                self.below = True
+                try:
+                    return lowered(self, args, level)
+                except Foreign:  # f captures a differentiated tensor: run it at the transform's level
+                    self.unlowered.add(key)
+                finally:
+                    self.below = False
         plan = self.plans.get(key)
         if plan is None:
             return self._first(args, leaves, treedef, specs, key)
@@ -169,7 +188,11 @@ class DistShard:
         plan.sig = sig
         out = self._run(plan, leaves, treedef, specs, traced=True, first=True)
         self.plans[key] = plan
-        if maybe_current_level() is None and not any(isinstance(x, Tensor) and _wrapped(x) for x in leaves):
+        if (
+            not self.below
+            and maybe_current_level() is None
+            and not any(isinstance(x, Tensor) and _wrapped(x) for x in leaves)
+        ):
             if plan.fast:
                 plan.groups = groups_of(plan, self.mg)
             self.compiled_plans[signature_key(args)] = plan  # for torch.compile (compiled.py)
@@ -195,6 +218,8 @@ class DistShard:
             k = calls[0]
             calls[0] += 1
             if tracker is not None:
+                if tracker.below:
+                    tracker.check_below((x,))
                 if kind != "pvary":
                     params = agree.carry(kind, axes, x, params)
                 return tracker.collective(k, kind, axes, params, x)

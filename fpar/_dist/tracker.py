@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch._C._functorch import maybe_current_level
+from torch._C._functorch import is_functorch_wrapped_tensor, maybe_current_level
 from torch._functorch.autograd_function import custom_function_call
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
@@ -30,6 +30,7 @@ from .._tree import tree_flatten, tree_unflatten
 from ..random._guard import RANDOM_OPS, check_random_op
 from .agreement import _Agreement
 from .exchange import _Exchange
+from .lowered import Foreign
 
 __all__ = ["_Planned", "_Tracker"]
 
@@ -77,6 +78,9 @@ def _reads_value(func, result: Any) -> bool:
     if func in _SHAPE_LIKE:
         return False
     return any(isinstance(t, Tensor) for t in (result if isinstance(result, (tuple, list)) else (result,)))
+
+
+_CAPTURED = ("captured",)  # the source of a differentiated tensor of unknown origin (``_Tracker._typed``)
 
 
 def _diff(t: Tensor) -> bool:
@@ -149,6 +153,17 @@ class _Tracker(TorchFunctionMode):
         # The grad mode the function asked for (``torch.no_grad`` and its kin go through this mode):
         # autograd off while it is on means a custom ``torch.autograd.Function``'s forward
         self.grad_wanted = torch.is_grad_enabled()
+        # a lowered call (lowered.py): below torch.func.grad's level, a wrapped tensor is one the
+        # function did not get as an argument (its gradient would be lost), an op under a
+        # transform one of the function's own
+        self.below = owner.below
+
+    def check_below(self, leaves: Any) -> None:
+        """In a lowered call, refuse (``Foreign``: run it unlowered) what lowering cannot keep right."""
+        if maybe_current_level() is not None or any(
+            isinstance(t, Tensor) and is_functorch_wrapped_tensor(t) for t in leaves
+        ):
+            raise Foreign
 
     # bookkeeping
 
@@ -157,6 +172,17 @@ class _Tracker(TorchFunctionMode):
         if e is not None and e[0]() is t:  # not an id reused by a newer tensor
             return e[1], e[2]
         return frozenset(), frozenset()
+
+    def _typed(self, t: Tensor) -> tuple[frozenset, frozenset]:
+        """``info(t)``; a differentiated tensor the function did not get (captured) has a source of its own.
+
+        Replicated over every axis, it may meet an input's values before a pvary (``w + c``): the
+        sum at ``w``'s source would not reach its cotangent, so its use makes the plan sum at uses.
+        """
+        v, d = self.info(t)
+        if not v and not d and self.summed and _diff(t) and stats._tracked(t):
+            d = frozenset((_CAPTURED, a) for a in self.summed)
+        return v, d
 
     def _mark(self, result: Any, varying: frozenset, deps: frozenset) -> None:
         if not varying and not deps:
@@ -187,6 +213,8 @@ class _Tracker(TorchFunctionMode):
             # processes; ``first_use`` orders the gradient buckets, which every rank must lay out
             # the same way (an all-reduce of differently ordered buffers sums unrelated gradients).
             found = sorted(d for d in deps if d[1] == a)
+            if (_CAPTURED, a) in found:
+                self.unknown = True
             for d in found:
                 if d not in self.pvary_use:
                     self.pvary_use.add(d)
@@ -232,6 +260,8 @@ class _Tracker(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.below:
+            self.check_below(tree_flatten((args, kwargs))[0])
         if func in RANDOM_OPS:
             check_random_op(func, args, kwargs, self.owner.fname)  # layout-dependent draws: use fpar.random
         if self.remat is not None and func in _CONTROL_READS and _by_user():
@@ -269,7 +299,7 @@ class _Tracker(TorchFunctionMode):
 
         Returns the operands to use, the result's varying axes and its sources.
         """
-        infos = [self.info(t) for t in ts]
+        infos = [self._typed(t) for t in ts]
         union = frozenset().union(*(v for v, _ in infos))
         deps: set = set()
         out = list(ts)
