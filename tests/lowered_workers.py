@@ -39,7 +39,7 @@ def reference(params, x, y, scale: float = 1.0):
 
 
 def lowered_run():
-    """grad_and_value (has_aux, a non-differentiated argument) three times, then under nn.Parameters."""
+    """grad_and_value (has_aux, a non-differentiated argument) three times, under no_grad, under nn.Parameters."""
     mesh = fpar.make_mesh((2,), ("data",))
     params, x, y = _data()
     levels = []
@@ -58,6 +58,14 @@ def lowered_run():
         grads, (value, aux) = step(params)
         pending.append(type(value) is Pending)  # a planned call's loss comes back unsettled (an alias)
         got.append((grads, float(value), float(aux)))
+
+    # the call under torch.no_grad inside the transform: a constant there (no graph below either)
+    def quiet(p):
+        with torch.no_grad():
+            value, _ = f(p, xs, ys, scale)
+        return value + (p["w"] ** 2).sum()
+
+    got.append((torch.func.grad(quiet)(params), None, None))
     # parameters autograd records outside the transform: not lowered (its results stay differentiable)
     leaves = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
     grads, _ = step(leaves)

@@ -30,14 +30,15 @@ def test_grad_and_value_is_lowered_from_the_first_call_and_equals_the_unsharded_
     value, aux, grads = W.reference(params, x, y, scale=0.5)
     for levels, pending, got, outer in fpar.launch(W.lowered_run, 2, timeout=TIMEOUT):
         # lowered in every call (the first, traced, too), not under nn.Parameters with grad mode on
-        assert levels[:3] == [None, None, None]
-        assert levels[3:] == [1]
+        assert levels[:4] == [None, None, None, None]
+        assert levels[4:] == [1]
         assert pending == [False, True, True]  # the first call is traced: its sums are waited for
         for g, v, a in got[:3]:
             _close(g, grads)
             assert v == pytest.approx(float(value), rel=1e-12)
             assert a == pytest.approx(float(aux), rel=1e-12)
-        _close(got[3][0], grads)
+        _close(got[3][0], {"w": 2 * params["w"], "b": torch.zeros_like(params["b"])})
+        _close(got[4][0], grads)
         assert outer == {"w": True, "b": True}  # still differentiable outside, as torch.func.grad's
 
 

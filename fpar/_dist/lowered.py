@@ -3,19 +3,24 @@
 ``torch.func.grad`` differentiates with ``create_graph=True`` (pytorch#134612): every op of the
 function is recorded at the transform's level, and the backward keeps what every op saved until
 it ends, since a higher derivative might follow.  On a model of many layers that doubles the
-peak (HF GPT-2 under tensor parallelism: 2.06x DTensor's, against 1.03x by ``.backward()``), and
-each op pays functorch's wrapping.  When no higher derivative can follow, none of it is needed:
+peak (HF GPT-2 under tensor parallelism: 2.06x DTensor's, against 1.03x by ``.backward()``; 1.00x
+lowered), and each op pays functorch's wrapping.  When no higher derivative can follow, none of it is needed:
 the call's function runs on the plain tensors under plain autograd, as a ``.backward()`` step,
 and the transform sees one op, whose backward runs that graph (freeing as it goes).
 
-When (``level``): the only active transform is ``torch.func.grad``/``grad_and_value`` (one
-``Grad`` level, entered by ``grad_and_value_impl``: not ``vjp``, whose ``vjp_fn`` may be called
-again or under ``vmap``); no outer autograd records the differentiated values (their plain
-tensors do not require grad, or grad mode was off outside); and the signature's traced call saw
-no wrapped tensor the function did not get from its arguments (a captured one would be a
-constant below the transform: its gradient lost).  Otherwise the call runs at the transform's
-level as before.  Values and gradients are the same ops either way.
+When (``lowering_level``): the only active transform is ``torch.func.grad``/``grad_and_value``
+(one ``Grad`` level, entered by ``grad_and_value_impl``: not ``vjp``, whose ``vjp_fn`` may be
+called again or under ``vmap``), some argument is wrapped at that level, and no outer autograd
+records the differentiated values (their plain tensors do not require grad, or grad mode was off
+outside).  Otherwise the call runs at the transform's level as before.  Values and gradients are
+the same ops either way, from a signature's first call on.
 
+Below the transform, a wrapped tensor the function did not get as an argument (one it captured)
+would be a constant: its gradient silently lost.  The lowered signature's first call runs traced
+(its own plan, ``DistShard.below``), and the tracker raises ``Foreign`` at the first op that meets
+one; the call then runs at the transform's level, as does every later call of that signature
+(``DistShard.unlowered``).  A function whose captured tensors are constants in that first call
+and differentiated later is not seen: what is differentiated must be an argument.
 The Function is torch's single-level one (what functorch generates for every custom Function
 under a transform, less its per-call class and tree work: ~0.4 ms a call).
 """
@@ -82,7 +87,7 @@ def lowering_level(leaves: list) -> int | None:
     return None
 
 
-_IN_BACKWARD = [0]  # lowered backwards running (nested: a lowered call's backward in another's)
+_IN_BACKWARD = [0]  # lowered backwards running (a count, not a flag: safe if one ever nests)
 
 
 def in_lowered_backward() -> bool:
@@ -97,10 +102,11 @@ def in_lowered_backward() -> bool:
 class _Box:
     """What the forward leaves its backward (and the caller): the plain graph's ends."""
 
-    __slots__ = ("ins", "level", "out_def", "outs")
+    __slots__ = ("grad", "ins", "level", "out_def", "outs")
 
     def __init__(self, level: int):
         self.level = level
+        self.grad = torch.is_grad_enabled()  # (the Function's forward runs with it off)
         self.ins: list[Tensor] | None = None  # the plain leaves that require grad
         self.outs: list | None = None  # the call's output leaves (their plain graph)
         self.out_def: Any = None
@@ -122,7 +128,7 @@ class _Lowered(_SingleLevelFunction):
                 plain[i] = v.detach().requires_grad_(rg)
                 if rg:
                     box.ins.append(plain[i])
-            with torch.enable_grad():
+            with torch.set_grad_enabled(box.grad):  # the transform's grad mode at the call
                 out = call(tree_unflatten(treedef, plain))
             box.outs, box.out_def = tree_flatten(out)
             # a detached alias of each (a Pending loss stays unsettled: pending.py)
