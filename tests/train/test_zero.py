@@ -11,6 +11,7 @@ from __future__ import annotations
 import dist_workers_optim as W
 import pytest
 import torch
+from harness import peak_bytes
 
 import fpar
 import fpar.optim as fo
@@ -560,33 +561,6 @@ def test_real_mesh_zero3_gathers_a_stacked_leaf_a_row_at_a_time():
         _assert_same(hist, local, tol=1e-13)
 
 
-def _peak_bytes(fn) -> int:
-    """The highest running sum of CPU allocations minus frees while ``fn`` runs (torch.profiler)."""
-    import torch._C._profiler as C
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = []
-
-    def walk(node):
-        if (
-            isinstance(node.extra_fields, C._ExtraFields_Allocation)
-            and node.extra_fields.device.type == "cpu"
-        ):
-            events.append((node.start_time_ns, node.extra_fields.alloc_size))
-        for child in node.children:
-            walk(child)
-
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root)
-    running = peak = 0
-    for _, size in sorted(events):
-        running += size
-        peak = max(peak, running)
-    return peak
-
-
 @pytest.mark.parametrize("stage", [0, 1])
 def test_a_remat_step_holds_one_layers_recompute_as_plain_pytorch_does(stage):
     """zero_grads' backward over 8 recomputed layers holds one layer's recomputed activations at a
@@ -622,6 +596,6 @@ def test_a_remat_step_holds_one_layers_recompute_as_plain_pytorch_does(stage):
         ckpt = lambda f, *a: torch.utils.checkpoint.checkpoint(f, *a, use_reentrant=False)  # noqa: E731
         return torch.autograd.grad(loss(leaves, batch, ckpt), list(leaves.values()))
 
-    ours = _peak_bytes(lambda: grads(params, batch))
-    theirs = _peak_bytes(plain)
+    ours = peak_bytes(lambda: grads(params, batch))
+    theirs = peak_bytes(plain)
     assert ours <= 1.1 * theirs, (ours / 2**20, theirs / 2**20)
