@@ -289,6 +289,17 @@ def _metadata(func: Any) -> bool:
     return name in _METADATA
 
 
+@torch.compiler.disable  # runs when the compiled region does: an error there, not a graph break
+def _refuse_compiled_region() -> None:
+    raise RuntimeError(
+        "fpar.optim: a function compiled on its own (torch.compile(layer)) ran inside an eager "
+        "ZeRO-3 step on a real mesh. Stage 3 gathers each parameter at its first use, op by op, "
+        "which a compiled region cannot do (Inductor would fail to lower the gathers' storage "
+        "resizes). Compile the whole step instead (torch.compile(step); docs/layouts/zero.md, "
+        "'The whole step in one compiled graph'), or run the layer eagerly, or use stage 2."
+    )
+
+
 class _Lazy(TorchFunctionMode):
     """Stage 3's forward on a real mesh, a unit at a time: FSDP2's units, by default one leaf each.
 
@@ -344,6 +355,8 @@ class _Lazy(TorchFunctionMode):
             self._prefetch()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if torch.compiler.is_compiling():  # Dynamo traces this mode: a region compiled on its own
+            _refuse_compiled_region()
         kwargs = kwargs or {}
         hit = () if _metadata(func) else self._hits((args, kwargs))
         for i in hit:

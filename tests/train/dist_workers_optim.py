@@ -286,6 +286,28 @@ def zero3_units_run(layers: int = 6, steps: int = 3):
     return resident, _stage3_history(params, batch, loss_of, steps, units=units)
 
 
+def zero3_compiled_layer_run() -> str:
+    """A layer compiled on its own inside an eager ZeRO-3 step: the error's message (real mesh)."""
+    params, batch = deep_problem(layers=2)
+    layer = torch.compile(lambda h, w, b: h + torch.tanh(h @ w + b), backend="eager")
+
+    def loss_of(mesh):
+        def loss(p, batch):
+            x, y = batch
+            h = layer(layer(x, p["w0"], p["b0"]), p["w1"], p["b1"])
+            return ((h - y) ** 2).mean()
+
+        return loss
+
+    try:
+        _stage3_history(params, batch, loss_of, 3)  # the first step of a signature runs f eagerly
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        torch._dynamo.reset()
+    return "no error"
+
+
 def zero3_rows_run(layers: int = 6, steps: int = 3, dtype=F64, units=None):
     """ZeRO-3 AdamW over ``stacked_problem``'s leaves (``w[layers, d, d]``, ``b[layers, d]``), each
     layer's rows taken by ``unbind`` (a scanned model): per step, the most rows the loss found holding

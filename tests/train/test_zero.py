@@ -599,3 +599,14 @@ def test_a_remat_step_holds_one_layers_recompute_as_plain_pytorch_does(stage):
     ours = peak_bytes(lambda: grads(params, batch))
     theirs = peak_bytes(plain)
     assert ours <= 1.1 * theirs, (ours / 2**20, theirs / 2**20)
+
+
+@pytest.mark.multiprocess
+def test_a_layer_compiled_on_its_own_inside_an_eager_zero3_step_is_refused_clearly():
+    """Stage 3 gathers a parameter at its first op; Dynamo would trace that mode into the layer's
+    graph and Inductor fail on the storage resizes (issue 51): a message that names the fix."""
+    for message in fpar.launch(W.zero3_compiled_layer_run, 2, timeout=120.0):
+        assert message.startswith(
+            "fpar.optim: a function compiled on its own (torch.compile(layer)) ran inside"
+        ), message
+        assert "Compile the whole step instead (torch.compile(step)" in message
