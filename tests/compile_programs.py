@@ -136,9 +136,10 @@ def run_forms(backend: str = "aot_eager") -> dict:
             ps = _leaves(w1, w2)
             inner(*ps, xb, yb).backward()
             errs.append(_err([p.grad for p in ps], want))
-        for _ in range(2):  # torch.func.grad: its traced call, then a planned one, where f runs
-            # eagerly: compiling under the transform would mark _per_device's code skipped, and
-            # c_fullgraph's compile of the same code would then not even be attempted
+        for _ in range(2):  # torch.func.grad: on a real mesh the call runs below the transform
+            # (fpar/_dist/lowered.py), compiled f as under .backward(); in-process f runs eagerly
+            # (compiling under the transform would mark _per_device's code skipped, and
+            # c_fullgraph's compile of the same code would then not even be attempted)
             errs.append(_err(torch.func.grad(inner, argnums=(0, 1))(w1, w2, xb, yb), want))
         return max(errs), _graphs() - before
 
