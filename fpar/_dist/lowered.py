@@ -17,9 +17,10 @@ the same ops either way, from a signature's first call on.
 
 Below the transform, a wrapped tensor the function did not get as an argument (one it captured)
 would be a constant: its gradient silently lost.  The lowered signature's first call runs traced
-(its own plan, ``DistShard.below``), and the tracker raises ``Foreign`` at the first op that meets
-one; the call then runs at the transform's level, as does every later call of that signature
-(``DistShard.unlowered``).  A function whose captured tensors are constants in that first call
+(its own plan, ``DistShard.below``), and the tracker notes an op that meets one; after the whole
+forward the processes agree whether any did (``shard._anywhere``: they may run different ops, a
+pipeline stage's), and if so every one raises ``Foreign`` and runs the call again at the
+transform's level, as every later call of that signature (``DistShard.unlowered``).  A function whose captured tensors are constants in that first call
 and differentiated later is not seen: what is differentiated must be an argument.
 The Function is torch's single-level one (what functorch generates for every custom Function
 under a transform, less its per-call class and tree work: ~0.4 ms a call).
@@ -61,8 +62,8 @@ class Foreign(Exception):  # noqa: N818  (a signal, not an error a user sees)
     """A lowered call's traced run met a tensor of the transform's level it did not get as an argument.
 
     Below the transform such a tensor is a constant (its gradient lost), so the call runs again at
-    the transform's level, as it would without lowering (``DistShard.unlowered``).  Every rank
-    raises it at the same op (the same function, the same captured values).
+    the transform's level, as it would without lowering (``DistShard.unlowered``).  Raised by
+    every process together, once the forward is done and they agreed (``shard._anywhere``).
     """
 
 

@@ -41,6 +41,7 @@ import ctypes
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch._C._functorch import maybe_current_level
 
 from .._collectives import Frame, frames
@@ -294,6 +295,8 @@ class DistShard:
             if not ok:
                 agree.settle()  # the function raised: tell the other ranks, keep its error
         agree.finish()
+        if tracker is not None and tracker.below and _anywhere(tracker.foreign, mg, self.axes):
+            raise Foreign  # every rank, after the whole forward: run the call again unlowered
         if tracker is not None:
             tracker.finish()
             if plan.fast and plan.in_reduce:
@@ -435,6 +438,21 @@ class DistShard:
 
 _TOKEN = torch.zeros(())  # any non-None token: marks the frame as a running shard call
 PLANNED = [0]  # signatures planned so far in this process (fpar.plan: was a call a steady one?)
+
+
+def _anywhere(flag: bool, mg, axes: tuple) -> bool:
+    """Whether any process of the mesh saw ``flag`` (a lowered call's first run met a captured tensor).
+
+    Decided together, after the whole forward: ranks may run different ops (a pipeline stage's),
+    so one rank stopping early to run the call again would pair its collectives with another
+    rank's later ones.  Control traffic, as the signature check: not in ``fpar.comm_stats``.
+    On paper every process runs the same ops: its own flag.
+    """
+    if simulated():
+        return flag
+    t = torch.tensor([float(flag)], device=_device([]))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mg.group(axes))
+    return bool(t.item())
 
 
 def _static_key(leaf: Any) -> Any:

@@ -30,7 +30,6 @@ from .._tree import tree_flatten, tree_unflatten
 from ..random._guard import RANDOM_OPS, check_random_op
 from .agreement import _Agreement
 from .exchange import _Exchange
-from .lowered import Foreign
 
 __all__ = ["_Planned", "_Tracker"]
 
@@ -157,13 +156,15 @@ class _Tracker(TorchFunctionMode):
         # function did not get as an argument (its gradient would be lost), an op under a
         # transform one of the function's own
         self.below = owner.below
+        self.foreign = False  # ... and one was met: the call runs again unlowered (shard._anywhere)
 
     def check_below(self, leaves: Any) -> None:
-        """In a lowered call, refuse (``Foreign``: run it unlowered) what lowering cannot keep right."""
-        if maybe_current_level() is not None or any(
-            isinstance(t, Tensor) and is_functorch_wrapped_tensor(t) for t in leaves
+        """In a lowered call, note what lowering cannot keep right (the call then runs unlowered)."""
+        if not self.foreign and (
+            maybe_current_level() is not None
+            or any(isinstance(t, Tensor) and is_functorch_wrapped_tensor(t) for t in leaves)
         ):
-            raise Foreign
+            self.foreign = True
 
     # bookkeeping
 
