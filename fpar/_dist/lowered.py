@@ -180,9 +180,11 @@ class _Lowered(_SingleLevelFunction):
 _APPLY: Any = getattr(_Lowered, "apply")  # noqa: B009
 
 
-def lowered(call: Any, args: tuple, level: int) -> Any:
-    """``call(args)`` (a ``DistShard``'s) run on the plain tensors, as one op at grad ``level``."""
-    leaves, treedef = tree_flatten(args)
+def lowered(call: Any, leaves: list, treedef: Any, level: int) -> Any:
+    """``call(args)`` (a ``DistShard``'s) on the plain tensors, as one op at grad ``level``.
+
+    ``leaves`` and ``treedef``: ``args`` flattened (the caller has them already).
+    """
     slots = [i for i, x in enumerate(leaves) if isinstance(x, Tensor) and is_gradtrackingtensor(x)]
     box = _Box(level)
     with enable_single_level_autograd_function():

@@ -160,7 +160,7 @@ class DistShard:
             if level is not None:
                 self.below = True
                 try:
-                    return lowered(self, args, level)
+                    return lowered(self, leaves, treedef, level)
                 except Foreign:  # f captures a differentiated tensor: run it at the transform's level
                     self.unlowered.add(key)
                 finally:
