@@ -75,6 +75,18 @@ def test_a_rank_that_raises_fails_the_job_naming_its_error(when):
     assert "step 3 done" not in out
 
 
+def test_a_rank_that_raises_with_a_message_in_flight_exits_at_once():
+    # Rank 1's call has sent its first message, which rank 0 (waiting for rank 1 in a barrier)
+    # never joins; rank 1's exit must not wait for it, or the job hangs until the collective's
+    # timeout (600 s here, past this run's bound)
+    rc, out, _ = _run(_torchrun(2, str(PROGRAMS / "raise_in_flight.py")), timeout=150)
+    assert rc != 0
+    report = out[out.index("raise_in_flight.py FAILED") :]
+    assert "rank 1 raised at step 2 with its call's first message in flight" in report, report
+    assert "fpar: ending the process on the error above without waiting" in out, out[-3000:]
+    assert "step 2 loss" not in out
+
+
 def _losses(out: str) -> dict[int, str]:
     return {int(k): v for k, v in STEP_LINE.findall(out)}
 

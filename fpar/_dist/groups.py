@@ -10,9 +10,14 @@ translates between the two.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import itertools
+import logging
 import math
+import os
+import sys
+import threading
 import time
 import weakref
 from typing import Any
@@ -243,8 +248,18 @@ def close() -> None:
 
     A script that uses ``torch.distributed`` itself from an exit handler it registered *before*
     making its first mesh finds the group destroyed; one registered after runs before this.
+
+    An uncaught exception ending the process (``pending.ending_on_error``) changes one thing:
+    its peers may be waiting for it in some other collective and never answer, so nothing is
+    sent or waited for (the verdicts and held messages are dropped), and the teardown, whose
+    destructor waits for a gloo worker still in a collective, gets ``TEARDOWN_ON_ERROR_S``
+    seconds; past them the process ends at once (``os._exit(1)``, the exit code of an uncaught
+    exception, streams flushed) instead of staying up until the collective's timeout while
+    torchrun waits for it to exit before it stops the job (seen: a lost node's peer that failed
+    mid-step held the elastic restart until the test's timeout).
     """
-    pending._settle_at_exit()  # every deferred message has arrived (or failed)
+    ending = pending.ending_on_error()
+    pending._settle_at_exit()  # every deferred message has arrived (or failed); dropped if ending
     held = []
     for mg in list(_LIVE):
         held.extend(weakref.ref(g) for g in mg._groups.values() if g is not None)
@@ -255,6 +270,38 @@ def close() -> None:
             held.extend(weakref.ref(g) for g in registry.values() if g is not None)
             registry.clear()
     _LIVE.clear()
+    if not ending:
+        _tear_down(held)
+        return
+    # The printed traceback's frames hold the failed step's tensors, and through them its
+    # messages and their groups: let go of them, so that the groups go now, not in finalization.
+    for name in ("last_exc", "last_type", "last_value", "last_traceback"):
+        if hasattr(sys, name):
+            delattr(sys, name)
+    worker = threading.Thread(target=_tear_down, args=(held,), name="fpar-teardown", daemon=True)
+    worker.start()
+    worker.join(TEARDOWN_ON_ERROR_S)
+    stuck = worker.is_alive()
+    if stuck or any(r() is not None for r in held):
+        # A group left for finalization would wait there for a worker that may be in a
+        # collective no peer joins: end here, streams and logs flushed.
+        if stuck:
+            print(
+                "fpar: ending the process on the error above without waiting for a collective "
+                "still in flight (a peer that never joins it would hold it until its timeout)",
+                file=sys.stderr,
+            )
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1)
+
+
+TEARDOWN_ON_ERROR_S = 5.0  # how long a process ending on an uncaught exception waits for its teardown
+
+
+def _tear_down(held: list) -> None:
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
         try:
             dist.destroy_process_group()

@@ -108,6 +108,13 @@ def _settle_at_exit() -> None:
     """
     if not (_UNSETTLED or _HELD):
         return
+    if ending_on_error():
+        # An uncaught exception is ending this process: its peers may be waiting for it
+        # elsewhere and never answer; no verdict runs, nothing held is sent, nothing is waited
+        # for (``groups.close`` bounds the teardown of what is still in flight).
+        _UNSETTLED.clear()
+        _HELD.clear()
+        return
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -126,6 +133,17 @@ def _settle_at_exit() -> None:
     while _UNSETTLED:  # the group was destroyed first, or a verdict raised: wait, send nothing
         _, work = _UNSETTLED.pop(0)
         _wait_sent(work)
+
+
+def ending_on_error() -> bool:
+    """Whether the interpreter is exiting because of an uncaught exception.
+
+    Python prints the traceback and sets ``sys.last_value`` (3.12: also ``sys.last_exc``) before
+    it runs the exit handlers; a script that ends normally, or by ``sys.exit``, leaves it unset.
+    """
+    import sys
+
+    return getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
 
 
 def _wait_sent(work: Any) -> None:
