@@ -62,3 +62,35 @@ def test_program_exits_zero(args: list[str], tmp_path: Path):
     assert "FAIL" not in res.stdout, said
     assert res.stdout.count("OK eval loss") == 1, said  # rank 0 checked every value against the unsharded run
     assert res.returncode == 0, said
+
+
+_ENDING = """
+import atexit, sys
+from fpar._dist import pending
+atexit.register(lambda: print("ending on error:", pending.ending_on_error(), flush=True))
+exec(sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize(
+    ("how", "flags", "want"),
+    [
+        pytest.param("raise RuntimeError('x')", [], True, id="uncaught"),
+        pytest.param("pass", [], False, id="normal"),
+        pytest.param("sys.exit(3)", [], False, id="sys-exit"),
+        pytest.param("pass", ["-i"], False, id="interactive-after-an-error"),
+    ],
+)
+def test_the_exit_handlers_know_an_uncaught_exception_ends_the_process(how, flags, want):
+    # What decides whether fpar's exit handler may wait for peers (groups.close): only an
+    # uncaught exception ending a script counts; an interactive session shows errors and goes on
+    stdin = "raise ValueError('at the prompt')\n" if flags else None
+    res = subprocess.run(
+        [sys.executable, *flags, "-c", _ENDING, how],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert f"ending on error: {want}" in res.stdout, res.stdout + res.stderr

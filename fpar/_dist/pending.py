@@ -140,9 +140,13 @@ def ending_on_error() -> bool:
 
     Python prints the traceback and sets ``sys.last_value`` (3.12: also ``sys.last_exc``) before
     it runs the exit handlers; a script that ends normally, or by ``sys.exit``, leaves it unset.
+    An interactive session (the REPL, ``python -i``, IPython or Jupyter) sets it for any error
+    shown at its prompt and goes on, so there it says nothing about the exit: not counted.
     """
     import sys
 
+    if hasattr(sys, "ps1") or sys.flags.interactive or "IPython" in sys.modules:
+        return False
     return getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
 
 
