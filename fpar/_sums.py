@@ -9,7 +9,10 @@ rounded at each step of the collective.  Over 2 devices the two agree bit for bi
 values, rounded once either way); over more, a native sum's rounding depends on the order the
 collective adds in, which NCCL and gloo do not promise: the in-process mesh adds the devices'
 blocks in rank order, each step rounded, so the two meshes agree to the dtype's rounding there,
-not bit for bit.  A native ``pmean`` sums, then divides (fp16 can overflow where the mean fits).
+not bit for bit.  A native ``pmean`` divides each block by the device count first, then sums (as
+DDP's and Megatron-LM's gradient averaging do): it does not overflow fp16 where the mean fits.  A
+native ``psum`` whose result fp16 cannot hold gives ``inf``, as in those libraries (under
+``fpar.optim.mixed_precision`` with fp16, the loss scale's overflow check skips such a step).
 """
 
 from __future__ import annotations

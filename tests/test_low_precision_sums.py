@@ -58,7 +58,7 @@ def test_default_sums_in_float32_rounded_once_native_in_rank_order():
         assert torch.equal(got["pmean"], (x.float() / n).sum(0).to(BF16))
         native = sums("native", n)
         assert torch.equal(native["psum"], _folded(x))
-        assert torch.equal(native["pmean"], _folded(x) / n)
+        assert torch.equal(native["pmean"], _folded(x / n))  # each block divided first, as DDP
         assert torch.equal(native["scatter"], _folded(x))
         # float32 sums go as float32, native ones in bf16: half the bytes
         for kind, entry in got["stats"]["tensor"].items():
@@ -118,6 +118,37 @@ def tp_mlp(mode: str) -> dict:
     return {"loss": loss, "grads": grads, "stats": stats}
 
 
+def fp16_near_max(mode: str, n: int, *, compiled: bool = False) -> dict:
+    """psum and pmean over ``n`` devices of fp16 blocks whose sum exceeds fp16's range but whose mean does not.
+
+    ``compiled``: the call compiled whole after an eager one planned it (a real mesh's traced collectives).
+    """
+    mesh = fpar.make_mesh((n,), ("data",))
+    x = torch.tensor([[40000.0, -40000.0, 1.0, 30000.0]] * n, dtype=torch.float16)
+    f = fpar.shard(
+        lambda a: (fpar.psum(a[0], "data"), fpar.pmean(a[0], "data")), mesh, (P("data"),), (P(), P())
+    )
+    with fpar.low_precision_sums(mode):
+        out = f(fpar.device_put(x, mesh, P("data")))
+        if compiled:
+            g = torch.compile(f, backend="aot_eager", fullgraph=True)
+            out = g(fpar.device_put(x, mesh, P("data")))
+        total, mean = fpar.gather(out, mesh, (P(), P()))
+    return {"psum": total, "pmean": mean}
+
+
+@pytest.mark.parametrize("mode", ["float32", "native"])
+def test_an_fp16_mean_does_not_overflow_where_it_fits(mode):
+    # each block is divided by the device count before the sum, in either mode: the mean of
+    # values near fp16's maximum is exact; their sum, which fp16 cannot hold, is inf either way
+    got = fp16_near_max(mode, 4)
+    assert torch.equal(got["pmean"], torch.tensor([40000.0, -40000.0, 1.0, 30000.0], dtype=torch.float16))
+    assert (
+        got["psum"][0] == float("inf") and got["psum"][1] == -float("inf") and got["psum"][3] == float("inf")
+    )
+    assert got["psum"][2] == 4.0
+
+
 def _sums_on_four(mode: str) -> dict:
     return sums(mode, 4)
 
@@ -129,7 +160,7 @@ def test_real_mesh_follows_the_setting():
     local = {mode: (sums(mode, 2), tp_mlp(mode)) for mode in ("float32", "native")}
     ranks = fpar.launch(_two, 2, timeout=120.0)
     for rank in ranks:
-        for mode, (got, mlp) in rank.items():
+        for mode, (got, mlp) in rank["sums"].items():
             want, want_mlp = local[mode]
             for k in ("psum", "pmean", "scatter"):
                 assert torch.equal(got[k], want[k]), (mode, k)
@@ -138,6 +169,9 @@ def test_real_mesh_follows_the_setting():
             for k in ("w1", "w2"):
                 assert torch.equal(mlp["grads"][k], want_mlp["grads"][k]), (mode, k)
             assert mlp["stats"] == want_mlp["stats"], mode
+            assert torch.equal(rank["fp16"][mode]["pmean"], fp16_near_max(mode, 2)["pmean"]), mode
+            assert torch.equal(rank["fp16"][mode]["psum"], fp16_near_max(mode, 2)["psum"]), mode
+            assert torch.equal(rank["fp16_compiled"][mode]["pmean"], fp16_near_max(mode, 2)["pmean"]), mode
     assert (
         local["native"][1]["stats"]["tensor"]["psum"]["bytes"] * 2
         == (local["float32"][1]["stats"]["tensor"]["psum"]["bytes"])
@@ -154,11 +188,18 @@ def test_real_mesh_follows_the_setting():
             assert torch.equal(wide[k], want[k]), k
         assert ((native["psum"].double() - x.sum(0)).abs() <= bound).all()
         assert ((native["scatter"].double() - x.sum(0)).abs() <= bound).all()
+        # a native mean: each block divided first (exact: by 4), then the same bound, a quarter of it
+        assert ((native["pmean"].double() - x.sum(0) / 4).abs() <= bound / 4).all()
         assert native["stats"] == sums("native", 4)["stats"]
 
 
 def _two() -> dict:
-    return {mode: (sums(mode, 2), tp_mlp(mode)) for mode in ("float32", "native")}
+    modes = ("float32", "native")
+    return {
+        "sums": {mode: (sums(mode, 2), tp_mlp(mode)) for mode in modes},
+        "fp16": {mode: fp16_near_max(mode, 2) for mode in modes},
+        "fp16_compiled": {mode: fp16_near_max(mode, 2, compiled=True) for mode in modes},
+    }
 
 
 def _four() -> tuple:

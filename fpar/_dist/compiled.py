@@ -172,6 +172,8 @@ def _run(kind: str, params: tuple, x: Tensor, axes: tuple, mg: _Groups) -> Tenso
         return _run(kind, params, wide, axes, mg).to(x.dtype)
     if kind in ("psum", "pmean", "psum_scatter") and x.dtype == torch.bool:
         return _run(kind, params, x.to(torch.int64 if kind == "pmean" else torch.int32), axes, mg)
+    if kind == "pmean" and x.dtype in _LOW_PRECISION:  # native: each block divided first (exchange._run)
+        return fc.all_reduce((x / n).contiguous(), "sum", group)
     if kind in _REDUCE:
         y = fc.all_reduce(x.contiguous(), _REDUCE[kind], group)
         return y / n if kind == "pmean" else y

@@ -69,6 +69,10 @@ def _run(
             y = params[0].reduce(x, kind, n)
             if y is not None:
                 return y
+        if kind == "pmean" and x.dtype in _LOW_PRECISION:  # native: each block divided first
+            y = (x.detach() / n).contiguous()  # (as DDP and Megatron-LM): no overflow where the mean fits
+            dist.all_reduce(y, group=group)
+            return y
         y = x.detach().clone(memory_format=torch.contiguous_format)
         dist.all_reduce(y, op=_REDUCE[kind], group=group)
         return y / n if kind == "pmean" else y

@@ -30,7 +30,9 @@ def _reduce(x: Tensor, kind: str) -> Tensor:
     """Reduce over dim 0 (sum, mean, max or min).
 
     fp16/bf16 sums and means accumulate in float32 and round once to the input dtype; a mean divides every block by the device count in float32 before summing, so it
-    does not overflow where the mean fits (the real mesh follows the same rule).
+    does not overflow where the mean fits (the real mesh follows the same rule).  Under
+    ``low_precision_sums("native")`` a mean divides every block first too, in its own dtype
+    (as DDP's and Megatron-LM's gradient averaging), then sums.
     """
     if kind == "sum":
         if x.dtype == torch.bool:  # as in JAX: psum of bools counts them
@@ -43,8 +45,8 @@ def _reduce(x: Tensor, kind: str) -> Tensor:
     if kind == "mean":
         if widened(x.dtype):  # each block divided first: bf16 has float32's range
             return (x.to(torch.float32) / x.shape[0]).sum(0).to(x.dtype)
-        if x.dtype in LOW_PRECISION:  # native: the sum, then the division (as the real mesh)
-            return _folded(x) / x.shape[0]
+        if x.dtype in LOW_PRECISION:  # native: each block divided first, then summed in rank order
+            return _folded(x / x.shape[0])
         return x.sum(0) / x.shape[0] if not x.is_floating_point() else x.mean(0)
     # amax/amin split the gradient evenly between ties, which is the rule fpar promises.
     return x.amax(0) if kind == "max" else x.amin(0)
