@@ -26,6 +26,17 @@ def _row_parallel(w1, w2, x):
     return fpar.psum(torch.tanh(x @ w1) @ w2, "tensor")
 
 
+def _row_scattered(w1, w2, x):
+    # Megatron-SP's row-parallel exit: the rows reduce-scattered over 'tensor'
+    return fpar.psum_scatter(torch.tanh(x @ w1) @ w2, "tensor", scatter_dimension=0, tiled=True)
+
+
+def _row_read_twice(w1, w2, x):
+    # the row-parallel product is read beside its sum: the forward cannot keep the sum in its place
+    y = torch.tanh(x @ w1) @ w2
+    return fpar.psum(y, "tensor") + fpar.psum(y * y, "tensor")
+
+
 def _scaled_by_sum(w, x):
     # w meets only a value already summed over 'data': its gradient needs no sum over 'data'
     return w * fpar.psum(x.sum(0), "data")
@@ -85,6 +96,22 @@ def programs(names):
             specs,
             (r(4, 8), r(8, 4), r(8, 4)),
         )
+        # save_dots keeps the row-parallel product's sum in its place (fpar/_recompute.py): the
+        # recompute neither multiplies nor communicates again; reduce-scattered too, and not where
+        # the product is also read elsewhere
+        for name, body, axes, policy in (
+            ("dots", _row_parallel, data, fo.save_dots),
+            ("scattered", _row_scattered, (data, "tensor"), None),
+            ("scattered_dots", _row_scattered, (data, "tensor"), fo.save_dots),  # rows vary over 'tensor'
+            ("read_twice_dots", _row_read_twice, data, fo.save_dots),
+        ):
+            out[f"tensor_parallel_{name}"] = (
+                lambda w1, w2, x, body=body, axes=axes, policy=policy: fpar.pmean(
+                    (fo.remat(body, policy=policy)(w1, w2, x) ** 2).mean(), axes
+                ),
+                specs,
+                (r(4, 8), r(8, 4), r(8, 4)),
+            )
         alternate = fo.remat(_row_parallel, policy=fo.save_alternate_dots)
         out["tensor_parallel_alternate_dots"] = (
             lambda w1, w2, x: fpar.pmean((alternate(w1, w2, x) ** 2).mean(), data),
@@ -102,7 +129,8 @@ def refused(names):
 
 
 def run(shape, names, form):
-    """Values and gradients of every program, and the refusal's error, on this process's mesh."""
+    """Values, gradients and the steady call's ``comm_stats`` of every program, and the refusals'
+    errors, on this process's mesh."""
     mesh = fpar.make_mesh(shape, names)
     results = {}
     for name, (loss, specs, args) in programs(names).items():
@@ -110,6 +138,7 @@ def run(shape, names, form):
         placed = [fpar.device_put(a, mesh, s) for a, s in zip(args, specs)]
         argnums = tuple(range(len(args)))
         for _ in range(2):  # the first (planned) call, then a steady one
+            fpar.reset_comm_stats()
             if form == "grad":
                 value = f(*placed)
                 grads = torch.func.grad(f, argnums=argnums)(*placed)
@@ -121,6 +150,7 @@ def run(shape, names, form):
         results[name] = (
             fpar.gather(value, mesh, P()).detach().clone(),
             [fpar.gather(gr, mesh, s).clone() for gr, s in zip(grads, specs)],
+            fpar.comm_stats(),  # the steady call's messages
         )
     loss, specs, args = refused(names)
     f = fpar.shard(loss, mesh, in_specs=specs, out_specs=P())
@@ -159,6 +189,11 @@ def unsharded(shape, names):
         elif name == "summed_inside":
             w, x = leaves
             value = ((w * x.sum(0)) ** 2).sum()
+        elif name == "tensor_parallel_read_twice_dots":
+            w1, w2, x = leaves
+            t = sizes["tensor"]
+            parts = [torch.tanh(x @ a) @ b for a, b in zip(w1.chunk(t, 1), w2.chunk(t, 0))]
+            value = ((sum(parts) + sum(p * p for p in parts)) ** 2).mean()
         else:
             w1, w2, x = leaves
             value = ((torch.tanh(x @ w1) @ w2) ** 2).mean()

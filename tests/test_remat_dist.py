@@ -41,6 +41,8 @@ def _check(cases, nprocs):
             ):
                 torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12, msg=f"{where} {name}: in-process")
                 torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12, msg=f"{where} {name}: real mesh")
+        if "tensor" in names:
+            _check_kept_sums(where, got, want)
         # a remat output that varies over 'data' is still refused, with the same error on both meshes
         if shape[names.index("data")] > 1:
             assert want_error is not None and want_error[0] == "ReplicationError", where
@@ -55,6 +57,30 @@ def _check(cases, nprocs):
                 in raised[1]
             )
             assert "select with torch.where" in raised[1]
+
+
+def _calls(stats: dict, kind: str) -> int:
+    return stats.get("tensor", {}).get(kind, {}).get("calls", 0)
+
+
+def _check_kept_sums(where: str, real: dict, local: dict) -> None:
+    """Under save_dots the real mesh's recompute serves a row-parallel product's sum from the
+    forward: one message fewer than the same body recomputed whole.  The in-process mesh computes
+    it again (fpar/_recompute.py), so its counts are the same with and without the policy."""
+    for plain, dots, kind in (
+        ("tensor_parallel", "tensor_parallel_dots", "psum"),
+        ("tensor_parallel_scattered", "tensor_parallel_scattered_dots", "psum_scatter"),
+    ):
+        assert _calls(real[dots][2], kind) == _calls(real[plain][2], kind) - 1 > 0, (
+            where,
+            dots,
+            real[dots][2],
+        )
+        assert _calls(local[dots][2], kind) == _calls(local[plain][2], kind) > 0, (
+            where,
+            dots,
+            local[dots][2],
+        )
 
 
 def test_remat_real_mesh_two_processes():

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _functorch
 
+from .. import _recompute
 from .. import _stats as stats
 from .._compile import untraced
 from .._registry import internal
@@ -182,8 +183,8 @@ class _Exchange(torch.autograd.Function):
         if kind == "pvary":
             return x.view_as(x)
         if kind in _SUMS and (widened(x.dtype) or x.dtype == torch.bool):
-            return _widened(kind, params, x, nb, axes, mg)
-        return _run(kind, params, x, nb, axes, mg)
+            return _recompute.collective(kind, x, lambda: _widened(kind, params, x, nb, axes, mg))
+        return _recompute.collective(kind, x, lambda: _run(kind, params, x, nb, axes, mg))
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -30,9 +30,11 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from .._compile import TRACED
 from .._errors import remat_reads_message
+from .._recompute import modes
 from .._registry import TRANSPARENT
 from .._torch_api import is_batchedtensor, maybe_current_level, maybe_get_level
 from .._tree import tree_flatten, tree_unflatten
@@ -309,7 +311,7 @@ class _Remat(torch.autograd.Function):
         with torch.no_grad(), keep:  # nothing in here is differentiated: backward recomputes
             outs = call.run([t.detach() for t in tensors])
         if call.policy is not None:
-            call.shared["kept"] = keep.kept
+            call.shared["kept"] = keep.finish(outs)
         return outs
 
     @staticmethod
@@ -399,35 +401,152 @@ def _op_name(func) -> str:
     return str(func._overloadpacket)
 
 
-class _Keep(TorchDispatchMode):
-    """The forward: run every op; keep (detached) the outputs the policy names, in order."""
+# Ops whose backward reads none of their inputs' values (views, casts, copies, splits, joins): a
+# kept matmul's output that reaches a sum over the mesh only through these is not needed by the
+# recompute once the sum's output is kept (``fpar/_recompute.py``).  Every other op reads it.
+_VALUE_FREE = frozenset(
+    "aten." + n
+    for n in (
+        "view _unsafe_view reshape alias detach t transpose permute expand squeeze unsqueeze "
+        "select slice split split_with_sizes unbind chunk narrow movedim _to_copy clone "
+        "contiguous cat stack"
+    ).split()
+)
+_REDUCTIONS = frozenset({"psum", "pmean", "psum_scatter"})  # linear, and no larger than their input
+
+
+def _tensors(args, kwargs):
+    for a in (*args, *(kwargs or {}).values()):
+        if isinstance(a, Tensor):
+            yield a
+        elif isinstance(a, (tuple, list)):
+            yield from (t for t in a if isinstance(t, Tensor))
+
+
+class _Mode(TorchDispatchMode):
+    """A remat mode: registered as the thread's innermost for the backends' collectives."""
+
+    def __init__(self, policy: Callable[[str, int], bool]):
+        super().__init__()
+        self.policy = policy
+        self.seen: collections.Counter = collections.Counter()
+        self.inside = 0  # > 0 inside a collective: its own ops are not the body's
+
+    def __enter__(self):
+        modes().append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        modes().pop()
+        return super().__exit__(*exc)
+
+    def _count(self, name: str) -> int:
+        i, self.seen[name] = self.seen[name], self.seen[name] + 1
+        return i
+
+
+class _Keep(_Mode):
+    """The forward: run every op; keep (detached) the outputs the policy names, in order.
+
+    Each kept output is ``(name, index, value)``.  A sum over the mesh whose input is a kept
+    output seen only through value-free ops (``psum(x @ w)``) is kept too, and the kept output
+    it reduces becomes a layout (``finish``) when nothing else in the body reads it.
+    """
 
     def __init__(self, policy: Callable[[str, int], bool], discard: bool = False):
-        super().__init__()
-        self.policy, self.discard = policy, discard
-        self.kept: list[tuple[str, Any]] = []
-        self.seen: collections.Counter = collections.Counter()
+        super().__init__(policy)
+        self.discard = discard
+        self.kept: list[tuple[str, int, Any]] = []
+        self.derived: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # tensor -> kept entries
+        self.read: set[int] = set()  # kept entries some op or output reads the value of
+        self.reduced: dict[int, tuple[frozenset, int]] = {}  # a kept sum -> (its inputs, version)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self.inside:
+            return out
         name = _op_name(func)
-        i, self.seen[name] = self.seen[name], self.seen[name] + 1
+        if not self.discard and self.derived:
+            self._trace(name, args, kwargs, out)
+        i = self._count(name)
         if self.policy(name, i):
-            self.kept.append((name, _layout_of(out) if self.discard else _detach(out)))
+            if not self.discard and isinstance(out, Tensor):
+                self.derived[out] = frozenset((len(self.kept),))
+            self.kept.append((name, i, _layout_of(out) if self.discard else _detach(out)))
+        return out
+
+    def _trace(self, name: str, args, kwargs, out) -> None:
+        sources: frozenset = frozenset()
+        for t in _tensors(args, kwargs):
+            sources |= self.derived.get(t, frozenset())
+        if not sources:
+            return
+        if name not in _VALUE_FREE:
+            self.read |= sources
+            return
+        for o in _tensors((out,) if isinstance(out, Tensor) else out, None):
+            self.derived[o] = self.derived.get(o, frozenset()) | sources
+
+    def collective(self, kind: str, x: Tensor, run: Callable[[], Tensor]) -> Tensor:
+        self.inside += 1
+        try:
+            out = run()
+        finally:
+            self.inside -= 1
+        name = "fpar." + kind
+        i = self._count(name)
+        sources = self.derived.get(x, frozenset()) if not self.discard else frozenset()
+        plain = maybe_get_level(x) == -1 and maybe_get_level(out) == -1  # no transform's wrapper
+        if sources and kind in _REDUCTIONS and plain:
+            self.reduced[len(self.kept)] = (sources, out._version)
+            self.kept.append((name, i, out.detach()))
+        else:
+            self.read |= sources
+        return out
+
+    def finish(self, outs) -> list[tuple[str, int, Any]]:
+        """The kept outputs for the recompute.
+
+        A sum stays kept in place of the outputs it reduces (which become layouts) where nothing
+        else reads them; otherwise its entry is dropped and the recompute runs it again.
+        """
+        for o in outs:
+            self.read |= self.derived.get(o, frozenset())
+        sums = {}
+        for j, (sources, version) in self.reduced.items():
+            if self.kept[j][2]._version != version:  # written in place after the sum: run it again
+                self.read |= sources
+            else:
+                sums[j] = sources
+        changed = True
+        while changed:  # a sum whose input something else reads runs again, and reads it too
+            changed = False
+            for j, sources in list(sums.items()):
+                if sources & self.read:
+                    self.read |= sources
+                    del sums[j]
+                    changed = True
+        unread = set().union(*sums.values()) - self.read if sums else set()
+        out = []
+        for j, (name, i, v) in enumerate(self.kept):
+            if j in self.reduced and j not in sums:
+                continue
+            out.append((name, i, _layout_of(v) if j in unread else v))
         return out
 
 
-class _Reuse(TorchDispatchMode):
+class _Reuse(_Mode):
     """The recompute: an op the policy names returns the forward's output instead of running."""
 
     def __init__(self, policy: Callable[[str, int], bool], kept: list, fname: str):
-        super().__init__()
-        self.policy, self.kept, self.fname = policy, collections.deque(kept), fname
-        self.seen: collections.Counter = collections.Counter()
+        super().__init__(policy)
+        self.kept, self.fname = collections.deque(kept), fname
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.inside:
+            return func(*args, **(kwargs or {}))
         name = _op_name(func)
-        i, self.seen[name] = self.seen[name], self.seen[name] + 1
+        i = self._count(name)
         if not self.policy(name, i):
             return func(*args, **(kwargs or {}))
         if not self.kept or self.kept[0][0] != name:
@@ -437,8 +556,23 @@ class _Reuse(TorchDispatchMode):
                 f"forward kept {got}: the function ran different ops the second time. A remat'd "
                 f"function must be deterministic in the ops it runs."
             )
-        kept = self.kept.popleft()[1]
+        kept = self.kept.popleft()[2]
         return _empty_like_layout(kept) if isinstance(kept, _Layout) else kept
+
+    def serves(self, kind: str) -> bool:
+        name = "fpar." + kind
+        return bool(self.kept) and self.kept[0][:2] == (name, self.seen[name])
+
+    def collective(self, kind: str, x: Tensor, run: Callable[[], Tensor]) -> Tensor:
+        serve = self.serves(kind)
+        self._count("fpar." + kind)
+        if serve:
+            return self.kept.popleft()[2]
+        self.inside += 1
+        try:
+            return run()
+        finally:
+            self.inside -= 1
 
     def done(self) -> None:
         if self.kept:

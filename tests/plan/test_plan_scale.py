@@ -395,6 +395,12 @@ def _layer_activations(model, layout) -> tuple[float, float]:
         (4, True, False, 32.0),  # Megatron-SP: 32 s b h / t (the matmuls' inputs kept as blocks)
         (4, True, True, 2.0),  # full recomputation: the layer's input block
         (4, False, True, 2.0 * 4),  # ... the whole input without SP
+        # save_dots: the input, q k v, attention's output, the first MLP matmul's output, and the
+        # two row-parallel matmuls' outputs as their sums (16 + 6 t without SP, 22 with: the
+        # reduce-scattered block, where the matmul's whole-sequence output made it 18 + 4 t)
+        (1, False, "dots", 22.0),
+        (4, False, "dots", 16 + 6 * 4.0),
+        (4, True, "dots", 22.0),
     ],
 )
 def test_a_gpt_layer_keeps_korthikantis_activations(tensor, sp, remat, formula):
@@ -406,7 +412,7 @@ def test_a_gpt_layer_keeps_korthikantis_activations(tensor, sp, remat, formula):
     _check_layer("gpt-1.7b", dict(n_heads=8, n_kv_heads=8, d_ffn=4096), tensor, sp, remat, formula)
 
 
-def _check_layer(name: str, shape: dict, tensor: int, sp: bool, remat: bool, formula: float) -> None:
+def _check_layer(name: str, shape: dict, tensor: int, sp: bool, remat: bool | str, formula: float) -> None:
     """One layer of ``name`` (d 1024, seq 1024, ``shape``) keeps ``formula`` s b h / t, and under 0.1 more."""
     model = dataclasses.replace(plan.MODELS[name], d_model=1024, seq=1024, vocab=4096, **shape)
     layout = plan.Layout(tensor=tensor, sequence_parallel=sp, remat=remat, batch=1, microbatches=1)
