@@ -47,6 +47,7 @@ MESHES = {
     "zero3_donate": ((2,), ("data",)),
     "tp": ((2, 2), ("data", "tensor")),
     "sp": ((1, 2), ("data", "tensor")),
+    "sp_dots": ((1, 2), ("data", "tensor")),
     "pipeline": ((2, 1, 2), ("pipeline", "data", "tensor")),
     "pipeline_zero1": ((2, 2, 1), ("pipeline", "data", "tensor")),
     "pipeline_zero3": ((2, 2, 1), ("pipeline", "data", "tensor")),
@@ -202,6 +203,25 @@ def build(name: str, mesh: fpar.Mesh):
         ids = torch.randint(0, 256, (8, 32), generator=g)
         batch = fpar.device_put((ids, ids.roll(1, 1)), mesh, P("data"))
         return step, (params, state, batch)
+    if name == "sp_dots":
+        # sequence-parallel MLPs under save_dots: each keeps its row-parallel product's
+        # reduce-scattered block, not the product (fpar/_recompute.py), and the real mesh's
+        # recompute sends no reduce-scatter; activations (T = 512) outweigh the parameters
+        specs = [ops.mlp_specs("tensor")] * 4
+        params = fpar.init([ops.init_mlp(64, 128) for _ in specs], mesh, specs, seed=0)
+        block = fo.remat(lambda p, x: x + ops.sp_mlp(p, x, axis="tensor"), policy=fo.save_dots)
+
+        def loss(params, x):
+            for p in params:
+                x = block(p, x)
+            return fpar.pmean((x**2).mean(), ("data", "tensor"))
+
+        layout = fo.zero_layout(params, mesh, specs, stage=0, data_axis="data")
+        opt = fo.adamw(1e-3)
+        params, state = fo.zero_init(opt, params, layout)
+        step = fo.zero_step(loss, opt, layout)
+        x = fpar.device_put(torch.randn(8, 512, 64, generator=g), mesh, P("data", "tensor"))
+        return step, (params, state, x)
     if name == "pipeline":
         import train_gpt as G
 
@@ -297,7 +317,7 @@ def real_worker(name: str) -> dict:
 
 
 BY_SIZE = {
-    2: (*ZERO_PROGRAMS, "sp", "moe"),
+    2: (*ZERO_PROGRAMS, "sp", "sp_dots", "moe"),
     4: ("tp", "pipeline", "pipeline_zero1", "pipeline_zero3"),
 }
 
