@@ -71,6 +71,7 @@ class _Plan:
         "digest",
         "sig",
         "fast",
+        "at_use",
         "in_reduce",
         "in_order",
         "coll",
@@ -90,6 +91,9 @@ class _Plan:
         self.digest = digest
         self.sig: list = []  # (argument, spec, shape, dtype, requires_grad) per tensor argument
         self.fast = False
+        # (source, axis) pairs whose cotangent sums sit at their uses (tracker.finish); every other
+        # source's sum is at the source, as in a fast plan, even in a signature that stays traced
+        self.at_use: frozenset = frozenset()
         self.in_reduce: dict[int, tuple[str, ...]] = {}  # tensor slot -> axes to all-reduce
         self.in_order: list[int] = []  # those slots, latest first use first (gradient-ready order)
         self.coll: list[tuple[str, tuple, tuple[str, ...]]] = []  # (kind, axes, axes to all-reduce)
@@ -248,7 +252,24 @@ class DistShard:
         frame.varying = lambda x: self._varying(plan, frame, tracker, done[0], first, x)
         local = list(leaves)
         if tracker is not None:
-            for i, (leaf, spec) in enumerate(zip(leaves, specs)):
+            if not first and plan.in_reduce:
+                # a signature that stays traced (some sums at their uses): the sums at its input
+                # sources go as a fast call's, bucketed and deferred over microbatches
+                sources = [(i, leaves[i], plan.in_reduce[i]) for i in plan.in_order]
+                wrapped, _ = reduce_inputs(
+                    sources,
+                    mg,
+                    self.bucket_mb,
+                    owner=(self, plan),
+                    fname=self.fname,
+                    kept=plan.flats,
+                    layouts=plan.layouts,
+                    rider=None,
+                )
+                for i, x in wrapped.items():
+                    local[i] = x
+                tracker.wrapped = set(wrapped)
+            for i, (leaf, spec) in enumerate(zip(local, specs)):
                 if spec is not None and isinstance(leaf, Tensor):
                     local[i] = tracker.enter(i, leaf, spec)
         elif plan.in_reduce:
@@ -299,7 +320,7 @@ class DistShard:
             raise Foreign  # every rank, after the whole forward: run the call again unlowered
         if tracker is not None:
             tracker.finish()
-            if plan.fast and plan.in_reduce:
+            if first and plan.in_reduce:
                 # inside fpar.defer_reduction(), the input-source sums go where a steady call's
                 # would: the same deferred buffers, added in the same order
                 tracker.late = traced_sums(

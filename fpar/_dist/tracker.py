@@ -82,6 +82,46 @@ def _reads_value(func, result: Any) -> bool:
 _CAPTURED = ("captured",)  # the source of a differentiated tensor of unknown origin (``_Tracker._typed``)
 
 
+def _at_use(plan, summed: tuple[str, ...], deps: frozenset) -> tuple[str, ...]:
+    """The axes a pvaried use sums its cotangent over: those its sources' sums sit at uses for.
+
+    (An axis over which the use has no source sums at the use, as it always did.)
+    """
+    if plan.fast:
+        return ()
+    return tuple(
+        a
+        for a in summed
+        if not any(d[1] == a for d in deps) or any((d[0], a) in plan.at_use for d in deps if d[1] == a)
+    )
+
+
+def _joined(mixed: set, met: list) -> set:
+    """The (source, axis) pairs summed at their uses: the mixed ones, and any a use sums with one.
+
+    A use sums its cotangent once for all its sources over an axis, so they are all at the use or
+    all at their sources (union-find over the uses' pairs).
+    """
+    if not mixed:
+        return set()
+    parent: dict = {}
+
+    def root(x):
+        while parent.get(x, x) != x:
+            parent[x] = parent.get(parent[x], parent[x])
+            x = parent[x]
+        return x
+
+    for found in met:
+        r = root(found[0])
+        for d in found[1:]:
+            q = root(d)
+            if q != r:
+                parent[q] = r
+    bad = {root(p) for p in mixed}
+    return {p for p in set(parent) | set(mixed) | {f for found in met for f in found} if root(p) in bad}
+
+
 def _diff(t: Tensor) -> bool:
     """Whether a cotangent can flow to ``t`` (float or complex dtype)."""
     return t.is_floating_point() or t.is_complex()
@@ -137,6 +177,7 @@ class _Tracker(TorchFunctionMode):
         self.pvaried: dict = {}
         self.pvary_use: set = set()
         self.first_use: list = []  # sources in the order of their first pvaried use
+        self.met: list = []  # per pvaried use and axis: the (source, axis) pairs it sums together
         self.plain_use: set = set()
         self.unknown = False  # a tracked replicated tensor of unknown origin met a varying value
         # Whether a cotangent can reach the call's inputs or collectives: under a torch.func
@@ -148,6 +189,7 @@ class _Tracker(TorchFunctionMode):
         self.coll: list = []
         self.carried: Tensor | None = None  # the sum the call's first message carried, until an op reads it
         self.late: dict = {}  # input slot -> its cotangent's deferral (set after the forward: traced_sums)
+        self.wrapped: set = set()  # input slots a later traced call sums as a fast one (reduce_inputs)
         self.remat: str | None = None  # the name of the remat function whose body is being typed
         # The grad mode the function asked for (``torch.no_grad`` and its kin go through this mode):
         # autograd off while it is on means a custom ``torch.autograd.Function``'s forward
@@ -202,7 +244,9 @@ class _Tracker(TorchFunctionMode):
         if deps:
             plan = self.plan
             leaf = _Planned.apply(
-                leaf, lambda: self.late.get(i) or (plan.in_reduce.get(i, ()) if plan.fast else ()), self.mg
+                leaf,
+                lambda: () if i in self.wrapped else (self.late.get(i) or plan.in_reduce.get(i, ())),
+                self.mg,
             )
         self._mark(leaf, named, deps)
         return leaf
@@ -214,6 +258,8 @@ class _Tracker(TorchFunctionMode):
             # processes; ``first_use`` orders the gradient buckets, which every rank must lay out
             # the same way (an all-reduce of differently ordered buffers sums unrelated gradients).
             found = sorted(d for d in deps if d[1] == a)
+            if len(found) > 1:
+                self.met.append(found)
             if (_CAPTURED, a) in found:
                 self.unknown = True
             for d in found:
@@ -223,13 +269,13 @@ class _Tracker(TorchFunctionMode):
             if not found and stats._tracked(t):
                 self.unknown = True
 
-    def _pvary(self, t: Tensor, axes: tuple[str, ...]) -> Tensor:
+    def _pvary(self, t: Tensor, axes: tuple[str, ...], deps: frozenset) -> Tensor:
         key = (id(t), axes)
         if key in self.pvaried and self.pvaried[key][0] is t:
             return self.pvaried[key][1]
         plan = self.plan
         summed = tuple(a for a in axes if a in self.summed)
-        out = _Planned.apply(t, lambda: () if plan.fast else summed, self.mg)
+        out = _Planned.apply(t, lambda: _at_use(plan, summed, deps), self.mg)
         self.pvaried[key] = (t, out)
         return out
 
@@ -310,7 +356,7 @@ class _Tracker(TorchFunctionMode):
                 axes = tuple(a for a in self.axes if a in missing)
                 self._refuse_inside_function(func, d, axes)
                 self._use(t, d, axes)
-                out[i] = self._pvary(t, axes)
+                out[i] = self._pvary(t, axes, d)
             deps.update(x for x in d if x[1] not in missing)
         return out, union, frozenset(deps)
 
@@ -383,7 +429,7 @@ class _Tracker(TorchFunctionMode):
             inv = tuple(a for a in axes if a not in v)
             if inv and _diff(x):
                 self._use(x, d, inv)
-                x = self._pvary(x, inv)
+                x = self._pvary(x, inv, d)
             # pvary: identity; the sum over the axes it adds is the implicit pvary above.
             y = x.view_as(x) if kind == "pvary" else _Exchange.apply(x, kind, params, 0, axes, self.mg)
         if kind in _REDUCING:
@@ -395,7 +441,7 @@ class _Tracker(TorchFunctionMode):
             deps.update((("coll", k), a) for a in axes if a in self.summed)
             plan = self.plan
             with torch._C.DisableTorchFunction():
-                y = _Planned.apply(y, lambda: plan.coll[k][2] if plan.fast else (), self.mg)
+                y = _Planned.apply(y, lambda: plan.coll[k][2], self.mg)
         self.coll.append((kind, axes))
         self._mark(y, varying, frozenset(deps))
         if params and isinstance(params[0], _Agreement):
@@ -411,23 +457,38 @@ class _Tracker(TorchFunctionMode):
         if rep_named and _diff(t):
             with torch._C.DisableTorchFunction():
                 self._use(t, d, rep_named)
-                t = self._pvary(t, rep_named)
+                t = self._pvary(t, rep_named, d)
         return t
 
     def finish(self) -> None:
-        """Decide the plan: fast unless a source is used both ways or of unknown origin."""
+        """Decide the plan: fast unless a source is used both ways or of unknown origin.
+
+        A source used both ways over an axis (a replicated value read through a pvary and also
+        returned replicated: the residual stream of a tensor-parallel stage without sequence
+        parallelism) has its sums at its uses, and so has every source a use sums together with
+        it; every other source keeps its sum at the source (a parameter's data-parallel sum:
+        bucketed, and deferred over microbatches), though the signature stays traced.
+        """
         plan = self.plan
-        mixed = self.pvary_use & self.plain_use if self.differentiable else set()
-        plan.fast = not (mixed or self.unknown or self.inner)
+        pairs = self.pvary_use if self.differentiable else set()
+        mixed = pairs & self.plain_use
+        if self.unknown or self.inner:
+            at_use = set(pairs)
+        else:
+            at_use = _joined(mixed, self.met)
+        plan.fast = not (at_use or self.unknown or self.inner)
+        plan.at_use = frozenset(at_use)
         reduce: dict = {}
-        for src, a in self.pvary_use if self.differentiable else ():
-            reduce.setdefault(src, []).append(a)
+        for src, a in pairs:
+            if (src, a) not in at_use:
+                reduce.setdefault(src, []).append(a)
         order = {a: i for i, a in enumerate(self.axes)}
         axes_of = {s: tuple(sorted(v, key=order.get)) for s, v in reduce.items()}
         plan.in_reduce = {s[1]: ax for s, ax in axes_of.items() if s[0] == "in"}
         seen = dict.fromkeys(
             s[1] for s in reversed(self.first_use) if s[0] == "in" and s[1] in plan.in_reduce
         )
+        self.met.clear()
         plan.in_order = list(seen)
         plan.coll = [(kind, axes, axes_of.get(("coll", k), ())) for k, (kind, axes) in enumerate(self.coll)]
         self.infos.clear()

@@ -94,7 +94,7 @@ RUNS = (
         "executed",
         _MEGATRON,
         "microbatch size 1 assumed; 1F1B; eager attention (section 4.2); sequence parallel on (the same bytes as Megatron's "
-        "all-reduces: fpar.optim.remat inside a pipeline cannot recompute them without it yet)",
+        "all-reduces; the run had none: without it, 0.72, see below)",
     ),
     # Section 3.3.2 of the paper: no activation checkpointing at 8K tokens; one layer fewer on the
     # first and the last stage, "the first model chunk on the first stage has only the embedding":
