@@ -251,30 +251,12 @@ class DistShard:
         frame.asked = [0]
         frame.varying = lambda x: self._varying(plan, frame, tracker, done[0], first, x)
         local = list(leaves)
-        if tracker is not None:
-            if not first and plan.in_reduce:
-                # a signature that stays traced (some sums at their uses): the sums at its input
-                # sources go as a fast call's, bucketed and deferred over microbatches
-                sources = [(i, leaves[i], plan.in_reduce[i]) for i in plan.in_order]
-                wrapped, _ = reduce_inputs(
-                    sources,
-                    mg,
-                    self.bucket_mb,
-                    owner=(self, plan),
-                    fname=self.fname,
-                    kept=plan.flats,
-                    layouts=plan.layouts,
-                    rider=None,
-                )
-                for i, x in wrapped.items():
-                    local[i] = x
-                tracker.wrapped = set(wrapped)
-            for i, (leaf, spec) in enumerate(zip(local, specs)):
-                if spec is not None and isinstance(leaf, Tensor):
-                    local[i] = tracker.enter(i, leaf, spec)
-        elif plan.in_reduce:
+        wrapped: dict = {}
+        if plan.in_reduce and not first:
+            # a fast call, or one of a signature that stays traced (some sums at their uses): the
+            # sums at its input sources bucketed, and deferred over microbatches
             sources = [(i, leaves[i], plan.in_reduce[i]) for i in plan.in_order]
-            wrapped, agree.grads = reduce_inputs(
+            wrapped, grads = reduce_inputs(
                 sources,
                 mg,
                 self.bucket_mb,
@@ -282,10 +264,17 @@ class DistShard:
                 fname=self.fname,
                 kept=plan.flats,
                 layouts=plan.layouts,
-                rider=None if plan.lone else agree,
+                rider=None if plan.lone or tracker is not None else agree,
             )
+            if tracker is None:
+                agree.grads = grads
             for i, x in wrapped.items():
                 local[i] = x
+        if tracker is not None:
+            tracker.wrapped = set(wrapped)
+            for i, (leaf, spec) in enumerate(zip(local, specs)):
+                if spec is not None and isinstance(leaf, Tensor):
+                    local[i] = tracker.enter(i, leaf, spec)
         frames().append(frame)
         ok = False
         try:
