@@ -92,7 +92,7 @@ def _at_use(plan, summed: tuple[str, ...], deps: frozenset) -> tuple[str, ...]:
     return tuple(
         a
         for a in summed
-        if not any(d[1] == a for d in deps) or any((d[0], a) in plan.at_use for d in deps if d[1] == a)
+        if not any(d[1] == a for d in deps) or any(d in plan.at_use for d in deps if d[1] == a)
     )
 
 
@@ -119,7 +119,7 @@ def _joined(mixed: set, met: list) -> set:
             if q != r:
                 parent[q] = r
     bad = {root(p) for p in mixed}
-    return {p for p in set(parent) | set(mixed) | {f for found in met for f in found} if root(p) in bad}
+    return {p for p in set(mixed).union(*met) if root(p) in bad}
 
 
 def _diff(t: Tensor) -> bool:
