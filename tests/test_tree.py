@@ -113,3 +113,17 @@ def test_no_module_over_the_line_limit():
         if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES
     }
     assert long == {}, f"split by responsibility (at most ~600 lines a module): {long}"
+
+
+def test_importing_fpar_loads_neither_dynamo_nor_the_optional_packages():
+    """``import fpar`` costs what torch's own import does plus fpar's modules, in every process a
+    launch or torchrun starts: ``torch._dynamo`` (with sympy, FSDP and DTensor: ~2 s of CPU a
+    process) loads only when something compiles, and the optional packages only when used."""
+    import subprocess
+    import sys
+
+    heavy = ("torch._dynamo", "torch._inductor", "sympy", "transformers", "safetensors", "hypothesis")
+    code = f"import sys, fpar; print([m for m in {heavy!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"import fpar loaded {out.stdout.strip()}"

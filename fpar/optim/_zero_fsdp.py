@@ -45,6 +45,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .. import _defer, _stats
+from .._compile import graph_break
 from .._sums import widened
 from .._tree import tree_flatten, tree_unflatten
 from ._zero_comm import Regather, _Param, _Pending, _storage_key
@@ -289,15 +290,23 @@ def _metadata(func: Any) -> bool:
     return name in _METADATA
 
 
-@torch.compiler.disable  # runs when the compiled region does: an error there, not a graph break
-def _refuse_compiled_region() -> None:
-    raise RuntimeError(
-        "fpar.optim: a function compiled on its own (torch.compile(layer)) ran inside an eager "
-        "ZeRO-3 step on a real mesh. Stage 3 gathers each parameter at its first use, op by op, "
-        "which a compiled region cannot do (Inductor would fail to lower the gathers' storage "
-        "resizes). Compile the whole step instead (torch.compile(step); docs/layouts/zero.md, "
-        "'The whole step in one compiled graph'), or run the layer eagerly, or use stage 2."
-    )
+_COMPILED_REGION = (
+    "fpar.optim: a function compiled on its own (torch.compile(layer)) ran inside an eager "
+    "ZeRO-3 step on a real mesh. Stage 3 gathers each parameter at its first use, op by op, "
+    "which a compiled region cannot do (Inductor would fail to lower the gathers' storage "
+    "resizes). Compile the whole step instead (torch.compile(step); docs/layouts/zero.md, "
+    "'The whole step in one compiled graph'), or run the layer eagerly, or use stage 2."
+)
+
+
+def _raise_compiled_region() -> None:
+    raise RuntimeError(_COMPILED_REGION)
+
+
+# Runs when the compiled region does: an error there (under fullgraph, Dynamo's, with the same
+# words), never traced into the region's graph.  A lazy graph break, not ``torch.compiler.disable``
+# at import: that imports Dynamo, ~2 s of every process that imports fpar (``_compile.graph_break``).
+_refuse_compiled_region = graph_break(_raise_compiled_region, _COMPILED_REGION)
 
 
 class _Lazy(TorchFunctionMode):
