@@ -28,6 +28,7 @@ planned or checked (the whole step in one graph: ``_dist/compiled.py`` on a real
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import types
@@ -185,7 +186,16 @@ TRACED = [0]
 
 
 def eager():
-    """A context in which compiled functions run eagerly (fpar intercepts every op there)."""
+    """A context in which compiled functions run eagerly (fpar intercepts every op there).
+
+    Setting the stance imports Dynamo (~2 s of CPU a process): before it is loaded no function
+    has been compiled, so there is nothing to run eagerly.  One compiled inside the region (``f``
+    calling ``torch.compile(g)`` on its first call) then runs at the default stance, inside
+    fpar's modes; its values and gradients equal the eager ones on both meshes
+    (``tests/test_compile.py``), and from the next call on it runs eagerly here.
+    """
+    if "torch._dynamo" not in sys.modules:
+        return contextlib.nullcontext()
     return torch.compiler.set_stance("force_eager")
 
 

@@ -201,3 +201,34 @@ def run_forms(backend: str = "aot_eager") -> dict:
     # collectives' backward, the Pending loss) runs as it is: Dynamo compiled no frame of fpar's.
     out["fpar_frames"] = _fpar_frames()
     return out
+
+
+def run_compiled_inside(backend: str = "aot_eager") -> tuple:
+    """A per-device function that compiles a helper on its first call, in a process that has not
+    loaded Dynamo yet (``fpar._compile.eager``: fpar sets no stance before Dynamo is loaded).
+
+    Returns whether Dynamo was loaded before the first call and, over 3 ``loss.backward()`` steps,
+    the largest difference of the loss and of the gradients from the unsharded function's."""
+    import sys
+
+    loaded_before = "torch._dynamo" in sys.modules
+    helper: list = []
+
+    def per_device(w1, w2, x, y):
+        if not helper:  # compiled inside the sharded call, on its first call
+            helper.append(torch.compile(_unsharded, backend=backend))
+        return fpar.pmean(helper[0](w1, w2, x, y), "data")
+
+    mesh = fpar.make_mesh((dist.get_world_size() if _real() else 2,), ("data",))
+    loss_fn = fpar.shard(per_device, mesh, (P(), P(), P("data"), P("data")), P())
+    w1, w2, x, y = _data()
+    ref = _leaves(w1, w2)
+    want_loss = _unsharded(*ref, x, y)
+    want = torch.autograd.grad(want_loss, ref)
+    worst = 0.0
+    for _ in range(STEPS):
+        got = _leaves(w1, w2)
+        loss = loss_fn(*got, _block(x), _block(y))
+        loss.backward()
+        worst = max(worst, abs(float(loss.detach() - want_loss.detach())), _err([g.grad for g in got], want))
+    return loaded_before, worst

@@ -154,3 +154,35 @@ def test_in_process_collectives_under_compile_and_grad(case):
     for got in (got_grad, [p.grad for p in leaves]):
         for gt, w in zip(got, want):
             torch.testing.assert_close(gt, w, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n", [1, 2], ids=["in-process", "real"])
+def test_a_function_compiled_inside_the_per_device_function_before_dynamo_loads(n, tmp_path):
+    """fpar runs compiled functions eagerly inside a sharded call, but sets no stance while Dynamo
+    is not loaded (setting it would load Dynamo, ~2 s of every process that never compiles).  A
+    helper compiled inside ``f`` on its first call, in fresh processes, gives the unsharded values
+    and gradients: in one process (data=2) and under torchrun on 2 gloo processes."""
+    import os
+    import sys
+    from pathlib import Path
+
+    from torchrun_util import free_port, run
+
+    program = Path(__file__).resolve().parent / "torchrun_programs" / "compiled_inside.py"
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")
+    }
+    env.update(OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(program)]
+    if n > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n)]
+        cmd += ["--master-port", str(free_port()), str(program)]
+    res = run(cmd, timeout=300, cwd=tmp_path, env=env)
+    said = f"--- stdout ---\n{res.stdout[-3000:]}\n--- stderr ---\n{res.stderr[-3000:]}"
+    assert res.returncode == 0, said
+    results = [line.split()[1:] for line in res.stdout.splitlines() if line.startswith("RESULT")]
+    assert len(results) == n, said
+    for loaded_before, worst in results:
+        assert loaded_before == "False", "the fresh process had loaded Dynamo: the case is not tested"
+        assert float(worst) < TOL, said
