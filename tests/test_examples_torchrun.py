@@ -8,7 +8,7 @@ torchrun run is the user's command line, unchanged: ``python -m torch.distribute
 --nproc-per-node N examples/X.py ...`` in a session of its own (killed whole on timeout), with
 ``OMP_NUM_THREADS=1``.  The in-process run is the same file's ``main([..., "--devices", N])`` in
 this process, its stdout captured: as ``python examples/X.py ... --devices N`` would print it,
-without paying a fresh interpreter's ~7 s of CPU for importing torch and fpar (the tier's cost is
+without paying a fresh interpreter's ~4 s of CPU for importing torch and fpar (the tier's cost is
 mostly such imports: 2 + 4 (+ 8) workers and a launcher per example).  Each run has its own
 scratch directory (checkpoints, exports).
 
