@@ -167,21 +167,18 @@ def test_a_function_compiled_inside_the_per_device_function_before_dynamo_loads(
     import sys
     from pathlib import Path
 
-    from torchrun_util import free_port, run
+    from torchrun_util import run, torchrun
 
     program = Path(__file__).resolve().parent / "torchrun_programs" / "compiled_inside.py"
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")
-    }
-    env.update(OMP_NUM_THREADS="1")
-    for _ in range(2):  # another job may take the free port before the launcher binds it
-        cmd = [sys.executable, str(program)]
-        if n > 1:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n)]
-            cmd += ["--master-port", str(free_port()), str(program)]
-        res = run(cmd, timeout=300, cwd=tmp_path, env=env)
-        if res.returncode == 0 or "address already in use" not in res.stderr.lower():
-            break
+    if n > 1:
+        res = torchrun(n, [program], timeout=300, cwd=tmp_path)
+    else:
+        res = run(
+            [sys.executable, str(program)],
+            timeout=300,
+            cwd=tmp_path,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
     said = f"--- stdout ---\n{res.stdout[-3000:]}\n--- stderr ---\n{res.stderr[-3000:]}"
     assert res.returncode == 0, said
     results = [line.split()[1:] for line in res.stdout.splitlines() if line.startswith("RESULT")]

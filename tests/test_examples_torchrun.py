@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchrun_util import free_port, run
+from torchrun_util import torchrun
 
 pytestmark = pytest.mark.multiprocess
 
@@ -133,30 +133,9 @@ def test_every_example_is_covered():
 # Running ------------------------------------------------------------------------------------------
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-_DIST_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in a session of its own; on timeout kill it and every process it started."""
-    cwd.mkdir(parents=True, exist_ok=True)
-    return run(cmd, timeout=TIMEOUT_S, cwd=cwd, env=_env())
-
-
 def _torchrun(case: Case, n: int, cwd: Path) -> subprocess.CompletedProcess:
-    for _ in range(2):  # another job may take the free port before the launcher binds it
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n)]
-        cmd += ["--master-port", str(free_port()), str(EXAMPLES / case.file), *case.args]
-        res = _run(cmd, cwd)
-        if res.returncode == 0 or "address already in use" not in res.stderr.lower():
-            return res
-    return res
+    cwd.mkdir(parents=True, exist_ok=True)
+    return torchrun(n, [EXAMPLES / case.file, *case.args], timeout=TIMEOUT_S, cwd=cwd)
 
 
 def _in_process(case: Case, n: int, cwd: Path, monkeypatch) -> str:

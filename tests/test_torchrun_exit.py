@@ -20,31 +20,21 @@ just before finalization, as it did by chance in the reported runs).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from torchrun_util import free_port, run
+from torchrun_util import torchrun
 
 pytestmark = pytest.mark.multiprocess
 
 PROGRAM = Path(__file__).resolve().parent / "torchrun_programs" / "exit_dxt.py"
 TIMEOUT_S = 150  # one torchrun run (about 10-15 s on an idle 2-core machine)
-_DIST_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for _ in range(2):  # another job may take the free port before the launcher binds it
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
-        cmd += ["--master-port", str(free_port()), str(PROGRAM), *args]
-        res = run(cmd, timeout=TIMEOUT_S, cwd=cwd, env=env)
-        if res.returncode == 0 or "address already in use" not in res.stderr.lower():
-            break
-    return res
+    return torchrun(4, [PROGRAM, *args], timeout=TIMEOUT_S, cwd=cwd)
 
 
 @pytest.mark.parametrize(

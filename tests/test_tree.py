@@ -116,8 +116,8 @@ def test_no_module_over_the_line_limit():
 
 
 def test_importing_fpar_loads_neither_dynamo_nor_the_optional_packages():
-    """``import fpar`` costs what torch's own import does plus fpar's modules, in every process a
-    launch or torchrun starts: ``torch._dynamo`` (with sympy, FSDP and DTensor: ~2 s of CPU a
+    """``import fpar`` costs what torch's own import does plus fpar's modules, in every fresh
+    process (torchrun's workers, a spawned launch): ``torch._dynamo`` (with sympy, FSDP and DTensor: ~2 s of CPU a
     process) loads only when something compiles, and the optional packages only when used."""
     import subprocess
     import sys

@@ -18,6 +18,7 @@ import random
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -170,3 +171,23 @@ def _parents() -> dict[int, int]:
             continue
         parent[int(stat.parent.name)] = int(fields[1])
     return parent
+
+
+_DIST_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun(nproc: int, argv: Sequence[str], *, timeout: float, cwd: Path) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node nproc argv...`` to its end (``run``), as a user's shell runs it.
+
+    No distributed variable of this process leaks in; ``OMP_NUM_THREADS=1``, unbuffered output.
+    Run once more on a fresh port when another job took the free one before the launcher bound it.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for _ in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+        cmd += ["--master-port", str(free_port()), *map(str, argv)]
+        res = run(cmd, timeout=timeout, cwd=cwd, env=env)
+        if res.returncode == 0 or "address already in use" not in res.stderr.lower():
+            break
+    return res
