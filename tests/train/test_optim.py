@@ -285,6 +285,20 @@ def test_remat_gradients_equal_plain(how):
         torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-14)
 
 
+def test_remat_second_derivative_by_plain_autograd():
+    """A plain backward recomputes by ``torch.autograd.grad``; with ``create_graph`` (a Hessian-
+    vector product) its gradients must carry their graph, as the plain function's do."""
+    w1, w2, x = _tensors()
+    v = torch.randn_like(w1)
+    hvps = []
+    for block in (_block, fo.remat(_block)):
+        a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+        (ga,) = torch.autograd.grad((_stack(block, a, b, x) ** 2).sum(), a, create_graph=True)
+        hvps.append(torch.autograd.grad((ga * v).sum(), (a, b)))
+    for got, want in zip(hvps[1], hvps[0]):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+
+
 MESH_TP = {"data": 2, "tensor": 2}
 
 
