@@ -219,3 +219,38 @@ def test_a_custom_function_mixing_replicated_and_varying_values_sums_or_is_refus
     # Once silently wrong: fpar.ops.rms_norm's custom Function met a replicated weight inside its
     # forward, and a real mesh's gradient missed its sum over 'tensor' (finetune_hf --pp 2)
     _custom_function_sums()
+
+
+@distributed(2, timeout=120)
+def _one_buffer_forms():
+    # The all-gather's and reduce-scatter's one-buffer forms (every gather, and the reduce-scatter
+    # off gloo: NCCL and fpar.plan's simulation) against the per-block list forms, on every dim.
+    import torch.distributed as dist
+
+    from fpar._dist.exchange import _gather_one_buffer, _scatter_one_buffer
+
+    fpar.make_mesh((2,), ("x",))
+    group, rank = dist.group.WORLD, dist.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(3, 4, 2, generator=g, dtype=F64)
+    for d in range(3):
+        blocks = [torch.empty_like(x) for _ in range(2)]
+        dist.all_gather(blocks, x, group=group)
+        torch.testing.assert_close(
+            _gather_one_buffer(x, d, True, 2, group), torch.cat(blocks, d), rtol=0, atol=0
+        )
+        torch.testing.assert_close(
+            _gather_one_buffer(x, d, False, 2, group), torch.stack(blocks, d), rtol=0, atol=0
+        )
+        y = torch.randn(4, 6, 2, generator=g, dtype=F64).movedim(0, d)  # dim d of size 4, not contiguous
+        for tiled in (True, False):
+            z = y if tiled else y.narrow(d, 0, 2)
+            chunks = [c.contiguous() for c in z.chunk(2, d)]
+            want = torch.empty_like(chunks[0])
+            dist.reduce_scatter(want, chunks, group=group)
+            want = want if tiled else want.squeeze(d)
+            torch.testing.assert_close(_scatter_one_buffer(z, d, tiled, 2, group), want, rtol=0, atol=0)
+
+
+def test_one_buffer_gather_and_reduce_scatter_equal_the_per_block_forms():
+    _one_buffer_forms()

@@ -79,22 +79,17 @@ def _run(
         return y / n if kind == "pmean" else y
     if kind in ("all_gather", "all_gather_invariant"):
         axis, tiled = params
-        if tiled and nb + axis == 0 and _ordered(members, group):  # straight into the result
-            x = x.contiguous()
-            out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-            all_gather_single(out, x, group=group)
-            return out
+        if _ordered(members, group):  # one buffer, blocks in mesh order: the members' own
+            return _gather_one_buffer(x, nb + axis, tiled, n, group)
         bufs = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(n)]
         dist.all_gather(bufs, x.contiguous(), group=group)
         blocks = _from_group_order(bufs, members, group)
         return torch.cat(blocks, nb + axis) if tiled else torch.stack(blocks, nb + axis)
     if kind == "psum_scatter":
         dim, tiled = params
-        if tiled and nb + dim == 0 and dist.get_backend(group) != "gloo" and _ordered(members, group):
+        if dist.get_backend(group) != "gloo" and _ordered(members, group):
             # One buffer, no per-chunk copies (gloo's reduce_scatter_single copies it all first).
-            out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
-            reduce_scatter_single(out, x.contiguous(), group=group)
-            return out
+            return _scatter_one_buffer(x, nb + dim, tiled, n, group)
         chunks = [c.contiguous() for c in x.chunk(n, nb + dim)]
         out = torch.empty_like(chunks[0])
         dist.reduce_scatter(out, _in_group_order(chunks, members, group), group=group)
@@ -104,6 +99,33 @@ def _run(
     if kind == "all_to_all":
         return _all_to_all(x, nb, *params, members, group)
     raise AssertionError(kind)  # unreachable: pvary never reaches _run
+
+
+def _gather_one_buffer(x: Tensor, d: int, tiled: bool, n: int, group) -> Tensor:
+    """All-gather into one buffer (``[n, *x.shape]``), then lay the blocks along dim ``d``.
+
+    The blocks arrive in the group's rank order, which is the members' order here.  Dim 0 tiled
+    is the buffer itself; another dim is one copy, as ``torch.cat``/``torch.stack`` of per-block
+    buffers made (the list form also made ``n`` buffers and, on NCCL, copied out of its own
+    flat one: ``n`` more kernels).
+    """
+    x = x.contiguous()
+    flat = x.new_empty((n, *x.shape))
+    all_gather_single(flat.view(-1), x.view(-1), group=group)
+    if not tiled:
+        return flat if d == 0 else flat.movedim(0, d).contiguous()
+    if d == 0:
+        return flat.view(n * x.shape[0], *x.shape[1:])
+    return flat.movedim(0, d).reshape(*x.shape[:d], n * x.shape[d], *x.shape[d + 1 :])
+
+
+def _scatter_one_buffer(x: Tensor, d: int, tiled: bool, n: int, group) -> Tensor:
+    """Reduce-scatter dim ``d``'s ``n`` blocks from one buffer: block ``r`` moved to row ``r`` first."""
+    blocks = x.unflatten(d, (n, x.shape[d] // n)) if tiled else x.unsqueeze(d + 1)
+    rows = blocks.movedim(d, 0).contiguous()  # no copy for dim 0 of a contiguous x
+    out = rows.new_empty(rows.shape[1:])
+    reduce_scatter_single(out.view(-1), rows.view(-1), group=group)
+    return out if tiled else out.squeeze(d)
 
 
 def _ppermute(x: Tensor, perm, members: list[int], me_rank: int, group) -> Tensor:
