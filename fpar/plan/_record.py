@@ -211,7 +211,12 @@ class Recorder(TorchDispatchMode):
             info = self._info[func] = _op_info(func)
         name, c10d, cacheable, costed = info
         key = _key(func, args, kwargs) if cacheable else None
-        hit = self._cache.get(key) if key is not None else None
+        hit = None
+        if key is not None:
+            try:
+                hit = self._cache.get(key)
+            except TypeError:  # an argument that cannot be hashed: not cached
+                key = None
         if hit is not None:  # the same op on the same shapes: its outputs' shapes and FLOPs are known
             metas, flops = hit
             outs = [torch.empty_strided(sh, st, dtype=dt, device="meta") for sh, st, dt in metas]
@@ -239,15 +244,15 @@ class Recorder(TorchDispatchMode):
             return out
         nbytes = 0
         if name not in _VIEWS_FREE or name in _MOVES:
-            nbytes = sum(_nbytes(t) for t in outs)
+            nbytes = sum([t.nbytes for t in outs])
             if name not in ("aten.zeros_like", "aten.zeros", "aten.new_zeros"):
-                nbytes += sum(_nbytes(t) for t in ins)
+                nbytes += sum([t.nbytes for t in ins])
         dtype = next(
             (t.dtype for t in ins if t.is_floating_point()), outs[0].dtype if outs else torch.float32
         )
         seconds = None
         if self.timer is not None and (name not in _VIEWS_FREE or name in _MOVES):
-            sig = key if key is not None or cacheable else _key(func, args, kwargs)
+            sig = key if key is not None or cacheable else _hashable(_key(func, args, kwargs))
             seconds = self.timer.seconds(
                 func, args, kwargs, sig, sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
             )
@@ -412,28 +417,39 @@ def _dims(func, name: str, args, kwargs) -> tuple | None:
 
 
 def _key(func, args, kwargs):
-    """A hashable signature of a call: tensors by layout, everything else by value; None if unhashable."""
+    """A signature of a call: tensors by layout, everything else by value; None if a tensor has none.
+
+    Not hashed here (a tuple's hash is not cached: the lookup hashes it); one that cannot be
+    hashed raises ``TypeError`` at the lookup.
+    """
     parts = [func]
     try:
-        for x in (*args, *kwargs.items()):
+        for x in (*args, *kwargs.items()) if kwargs else args:
             if isinstance(x, Tensor):
-                parts.append((x.shape, x.stride(), x.dtype, x.device.type, x.storage_offset()))
+                parts.append((x.shape, x.stride(), x.dtype, x.device, x.storage_offset()))
             elif isinstance(x, (list, tuple)):
                 parts.append(len(x))
                 for y in x:
                     if isinstance(y, Tensor):
-                        parts.append((y.shape, y.stride(), y.dtype, y.device.type, y.storage_offset()))
+                        parts.append((y.shape, y.stride(), y.dtype, y.device, y.storage_offset()))
                     elif isinstance(y, (list, tuple)):
                         parts.append(tuple(y))
                     else:
                         parts.append(y)
             else:
                 parts.append(x)
-        key = tuple(parts)
-        hash(key)
-        return key
-    except (TypeError, RuntimeError):
+    except RuntimeError:  # a tensor without strides (a sparse or nested one)
         return None
+    return tuple(parts)
+
+
+def _hashable(key):
+    """``key``, or None where it cannot be hashed."""
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _fresh(outs, ins) -> bool:
