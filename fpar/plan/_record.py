@@ -253,9 +253,7 @@ class Recorder(TorchDispatchMode):
         seconds = None
         if self.timer is not None and (name not in _VIEWS_FREE or name in _MOVES):
             sig = key if key is not None or cacheable else _hashable(_key(func, args, kwargs))
-            seconds = self.timer.seconds(
-                func, args, kwargs, sig, sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
-            )
+            seconds = self.timer.seconds(func, args, kwargs, sig, sum([t.nbytes for t in (*ins, *outs)]))
         # every op: a view or an empty tensor moves nothing, but costs its dispatch on a CPU
         if phase == "update":
             self._pending.append(len(self.events))
@@ -465,10 +463,6 @@ def _storage(t: Tensor):
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
         return None
-
-
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _tensors(tree: Any) -> list:
