@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import pytest
-from torchrun_util import children, finish, free_port, kill_tree, started
+from torchrun_util import TAIL, children, dump_stacks, finish, free_port, kill_tree, stack_env, started
 
 import fpar
 
@@ -90,13 +90,8 @@ def _env() -> dict:
     # their workers, and an agent that stays rank 0 across rounds then never publishes the new
     # round's MASTER_ADDR, so a node that joins waits for it until its store times out (seen
     # here: scale-up failed that way); unshared, every round publishes it.
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": str(ROOT),
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-    }
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+    return stack_env({**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # stacks on a timeout
 
 
 # torchrun with its workers' store port drawn as free_port() draws (below the kernel's ephemeral
@@ -183,13 +178,7 @@ def _wait_for_step(ckpt: Path, step: int, procs: list, timeout: float) -> None:
         if any(p.poll() is not None for p in procs):
             return
         time.sleep(0.05)
-    outs = []
-    for p in procs:
-        kill_tree(p.pid)
-        outs.append(p.communicate()[0])
-    pytest.fail(
-        f"no checkpoint of step {step} within {timeout:g} s:\n" + "\n----\n".join(o[-3000:] for o in outs)
-    )
+    pytest.fail(f"no checkpoint of step {step} within {timeout:g} s:\n" + _killed(*procs))
 
 
 def _signal(pids: list[int], sig: int) -> None:
@@ -209,12 +198,17 @@ def _told_to_stop(pid: int) -> bool:
 
 
 def _killed(*procs) -> str:
-    """Kill every launcher still running; their exit codes and the tails of their output."""
+    """Kill every launcher still running; their exit codes and the tails of their output (with stacks)."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        dump_stacks(p.pid, settle=0)
+    if running:
+        time.sleep(2)
     outs = []
     for p in procs:
         if p.poll() is None:
             kill_tree(p.pid)
-        outs.append(f"rc {p.wait()}:\n{p.communicate()[0][-3000:]}")
+        outs.append(f"rc {p.wait()}:\n{p.communicate()[0][-TAIL:]}")
     return "\n----\n".join(outs)
 
 

@@ -8,6 +8,11 @@ while it runs (kills a rank, waits for a checkpoint), ``wait`` its bounded end; 
 for several. Each starts the
 command in a session of its own, and whatever way the test leaves (a timeout, a failed assertion,
 an interrupt), nothing it started is left running.
+
+A command started with ``stack_env`` (``torchrun`` does) has every Python process of its tree
+write its threads' stacks on SIGUSR2 (``stackdump/sitecustomize.py``). Before a timed-out command
+is killed, ``dump_stacks`` asks its whole tree for them, so the failure shows where each process
+waited, not only that it did (an elastic test's launcher that once did not end, 2026-12-01).
 """
 
 from __future__ import annotations
@@ -58,6 +63,29 @@ def _ephemeral_range() -> tuple[int, int]:
     except (OSError, ValueError):
         return 32768, 60999  # Linux's default
     return (low, high) if low > 10_100 else (32768, 60999)
+
+
+STACKS = str(Path(__file__).parent / "stackdump")  # its sitecustomize: stacks on SIGUSR2
+TAIL = 12_000  # characters of a timed-out command's output a failure shows (its stacks included)
+
+
+def stack_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with ``STACKS`` first on PYTHONPATH: its processes dump their stacks on SIGUSR2."""
+    path = env.get("PYTHONPATH")
+    return {**env, "PYTHONPATH": STACKS + (os.pathsep + path if path else "")}
+
+
+def dump_stacks(pid: int, settle: float = 2.0) -> None:
+    """Ask ``pid`` and every process below it for their Python stacks (SIGUSR2), and give them time.
+
+    Only for a tree about to be killed: a process started without ``stack_env`` ends on it.
+    """
+    for p in [*descendants(pid), pid]:
+        try:
+            os.kill(p, signal.SIGUSR2)
+        except ProcessLookupError:
+            pass
+    time.sleep(settle)
 
 
 def children(pid: int) -> list[int]:
@@ -118,11 +146,12 @@ def wait(proc: subprocess.Popen, timeout: float) -> tuple[str, str | None]:
     try:
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        dump_stacks(proc.pid)
         kill_tree(proc.pid)
         out, err = proc.communicate()
         pytest.fail(
             f"did not finish in {timeout:g} s: {' '.join(map(str, proc.args))}\n--- stdout (end) ---\n"
-            f"{out[-4000:]}" + (f"\n--- stderr (end) ---\n{err[-4000:]}" if err else "")
+            f"{out[-TAIL:]}" + (f"\n--- stderr (end) ---\n{err[-TAIL:]}" if err else "")
         )
 
 
@@ -141,8 +170,8 @@ def run(
 def finish(procs: Sequence[subprocess.Popen], timeout: float) -> list[str]:
     """Wait for every one of ``procs`` (their stdout merged), ``timeout`` seconds for all; their outputs.
 
-    Past the timeout the test fails with the outputs so far; every process still running is
-    stopped either way.
+    Past the timeout the test fails with every launcher's output, the stacks of each process still
+    running in it (``dump_stacks``); every process still running is stopped either way.
     """
     outs: list[str] = []
     deadline = time.monotonic() + timeout
@@ -151,10 +180,17 @@ def finish(procs: Sequence[subprocess.Popen], timeout: float) -> list[str]:
             try:
                 out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                kill_tree(p.pid)
-                outs.append(p.communicate()[0])
+                rest = procs[len(outs) :]  # this one and those not waited for yet: all their stacks
+                for q in rest:
+                    if q.poll() is None:
+                        dump_stacks(q.pid, settle=0)
+                time.sleep(2)
+                for q in rest:
+                    if q.poll() is None:
+                        kill_tree(q.pid)
+                    outs.append(q.communicate()[0])
                 pytest.fail(
-                    f"a launcher did not finish in {timeout:g}s:\n" + "\n----\n".join(o[-3000:] for o in outs)
+                    f"a launcher did not finish in {timeout:g}s:\n" + "\n----\n".join(o[-TAIL:] for o in outs)
                 )
             outs.append(out)
     finally:
@@ -182,7 +218,7 @@ def torchrun(nproc: int, argv: Sequence[str], *, timeout: float, cwd: Path) -> s
     No distributed variable of this process leaks in; ``OMP_NUM_THREADS=1``, unbuffered output.
     Run once more on a fresh port when another job took the free one before the launcher bound it.
     """
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    env = stack_env({k: v for k, v in os.environ.items() if k not in _DIST_VARS})
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for _ in range(2):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
