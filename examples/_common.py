@@ -121,7 +121,11 @@ def add_args(ap: argparse.ArgumentParser, *, steps: int, batch: int, lr: float, 
     g.add_argument(
         "--dp", type=int, help="data-parallel size (-1, the default with --pp/--tp: devices / (pp * tp))"
     )
-    g.add_argument("--tp", type=int, help="tensor-parallel size, Megatron 1D (default 2 with --pp/--dp)")
+    g.add_argument(
+        "--tp",
+        type=int,
+        help="tensor-parallel size, Megatron 1D (default 2 with --pp; what is left with --dp)",
+    )
     g.add_argument("--devices", type=int, default=8, help="in-process devices (torchrun: the world size)")
     g.add_argument(
         "--config",
@@ -205,11 +209,11 @@ def build_mesh(args) -> fpar.Mesh:
             return mesh
         # mesh_from_config leaves out axes of size 1; the example always names all three.
         return fpar.make_mesh(tuple(mesh.shape.get(a, 1) for a in AXES), AXES, devices=devices)
+    world = torch.distributed.get_world_size() if real else args.devices
     if args.parallel or any(v is not None for v in (args.pp, args.dp, args.tp)):
-        sizes = {PIPE: _given(args.pp, 2), DATA: _given(args.dp, -1), TENSOR: _given(args.tp, 2)}
-        sizes.update(parse_parallel(args.parallel or ""))
+        sizes = flag_sizes(args, world)
     else:
-        sizes = default_layout(torch.distributed.get_world_size() if real else args.devices)
+        sizes = default_layout(world)
     shape = tuple(sizes[a] for a in AXES)
     return fpar.make_mesh(shape, AXES, devices=devices if -1 in shape else None)
 
@@ -229,6 +233,20 @@ def default_layout(devices: int) -> dict:
 
 def _given(value, default: int) -> int:
     return default if value is None else value
+
+
+def flag_sizes(args, devices: int) -> dict:
+    """The sizes ``--pp/--dp/--tp`` and ``--parallel`` ask for on ``devices`` devices.
+
+    An axis not given is 2, data -1 (what the others leave); but with data given and tensor not,
+    tensor takes what is left (``--pp 2 --dp 2``: tensor 1 on 4 devices, 2 on 8).
+    """
+    given = parse_parallel(args.parallel or "")
+    sizes = {PIPE: _given(args.pp, 2), DATA: _given(args.dp, -1), TENSOR: _given(args.tp, 2), **given}
+    pd = sizes[PIPE] * sizes[DATA]
+    if args.tp is None and TENSOR not in given and sizes[PIPE] > 0 and sizes[DATA] > 0 and devices % pd == 0:
+        sizes[TENSOR] = devices // pd
+    return sizes
 
 
 def microbatches(args, mesh: fpar.Mesh) -> int:

@@ -149,9 +149,7 @@ def expert_mesh(args) -> fpar.Mesh:
         raise SystemExit(f"--ep {args.ep} does not divide the {world} devices")
     rest = world // args.ep
     if args.parallel or any(v is not None for v in (args.pp, args.dp, args.tp)):
-        sizes = {PIPE: 2 if args.pp is None else args.pp, DATA: -1 if args.dp is None else args.dp}
-        sizes[TENSOR] = 2 if args.tp is None else args.tp
-        sizes.update(C.parse_parallel(args.parallel or ""))
+        sizes = C.flag_sizes(args, rest)
         if sizes[DATA] == -1:
             sizes[DATA] = rest // (sizes[PIPE] * sizes[TENSOR])
     else:

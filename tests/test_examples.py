@@ -112,6 +112,30 @@ def test_parse_parallel_and_config():
         _common.parse_config("dict(pipeline=__import__('os').getpid())")
 
 
+def test_parallel_flags_fill_the_devices_as_a_user_reads_them():
+    import argparse
+
+    import _common
+
+    ap = argparse.ArgumentParser()
+    _common.add_args(ap, steps=1, batch=8, lr=1e-3, warmup=0)
+
+    def sizes(argv: str, devices: int) -> tuple:
+        got = _common.flag_sizes(ap.parse_args(argv.split()), devices)
+        return tuple(got[a] for a in _common.AXES)
+
+    assert _common.AXES == ("pipeline", "data", "tensor")
+    assert sizes("--pp 2 --dp 2", 4) == (2, 2, 1)  # tensor takes what is left (it was 2: no mesh)
+    assert sizes("--pp 2 --dp 2", 8) == (2, 2, 2)
+    assert sizes("--dp 4", 8) == (2, 4, 1)
+    assert sizes("--pp 2", 8) == (2, -1, 2)  # data is what is left, make_mesh infers it
+    assert sizes("--tp 4", 8) == (2, -1, 4)
+    assert sizes("--pp 2 --dp 2 --tp 1", 8) == (2, 2, 1)  # given: kept, make_mesh says it does not fit
+    assert sizes("--pp 3 --dp 2", 8) == (3, 2, 2)  # 6 does not divide 8: left to make_mesh's error
+    assert sizes("--parallel pipeline=1,data=4", 8) == (1, 4, 2)
+    assert sizes("--parallel pipeline=1,data=4,tensor=1", 8) == (1, 4, 1)
+
+
 def test_verbose_run_prints_meters_and_writes_the_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     png = tmp_path / "loss.png"
