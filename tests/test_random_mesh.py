@@ -82,6 +82,8 @@ def features(p: TrainingProgram) -> set[str]:
             f.add("split backward (B, W)")
         if p.schedule in ("interleaved_1f1b", "zb_v", "dualpipe_v"):
             f.add("several chunks per stage, scheduled")
+        if p.schedule == "interleaved_1f1b" and p.n_micro % size["pipe"]:
+            f.add("interleaved, microbatch groups")  # Megatron's microbatch_group_size_per_vp_stage
         f.add("pipeline, pipe>1" if size["pipe"] > 1 else "pipeline, pipe=1")
         if size["data"] > 1:
             f.add("pipeline x data>1")
@@ -123,7 +125,7 @@ REQUIRED = {
     "pipeline x data>1", "pipeline x tensor>1", "deferred x remat",
 }  # fmt: skip
 REQUIRED_AT = {
-    2: REQUIRED,
+    2: REQUIRED | {"interleaved, microbatch groups"},  # on 4 only a costly program draws it
     4: REQUIRED
     | {"two axes larger than 1", "pipeline x data>1 x tensor>1", "pipe>1 x data>1"}
     | {"split backward x remat x data>1"},  # the case that defeated an unmatched-deferral check
@@ -405,6 +407,17 @@ def test_training_program_rejects_what_it_cannot_run():
                 schedule="dualpipe_v",
             ),
             "needs n_micro >= 2 x the pipe size",
+        ),
+        (
+            dict(
+                shape=(2, 1),
+                names=("pipe", "data"),
+                driver="pipeline",
+                layers=4,
+                chunks=2,
+                schedule="interleaved_1f1b",
+            ),
+            "schedule='interleaved_1f1b' needs n_micro >= the pipe size",
         ),
         (dict(shape=(2,), names=("data",), driver="pipeline"), "needs a 'pipe' axis"),
         (

@@ -59,19 +59,26 @@ def one_f_one_b(p: int, m: int) -> Schedule:
     return place(orders, m=m, name="1F1B", stash_bound=[min(p - s, m) for s in range(p)])
 
 
-def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
+def interleaved_1f1b(p: int, m: int, v: int, group: int | None = None) -> Schedule:
     """Interleaved 1F1B with ``v`` model chunks per stage, in Megatron-LM's order.
 
-    The k-th forward on a stage is of chunk ``(k // p) % v`` and microbatch
-    ``(k // (p v)) p + k % p`` (microbatches go round in groups of ``p``); backwards visit the
-    chunks in reverse.  Stage ``s`` runs ``2 (p - s - 1) + (v - 1) p`` warm-up forwards
-    (Megatron ``schedules.py``), so it stashes at most that plus one microbatch-chunks: on stage
-    0, ``p v + p - 1`` chunks, i.e. ``p + (p - 1) / v`` stages' worth.  The bubble shrinks to
-    ``(p - 1) / (v m + p - 1)`` of the run.
+    Forwards go through the chunks in groups of ``group`` consecutive microbatches (Megatron-LM's
+    ``microbatch_group_size_per_vp_stage``, Llama 3's tunable ``N``; default ``p``): microbatches
+    ``0 .. N-1`` through chunk 0, then chunk 1, ..., then the next group; the last group takes
+    what is left. Backwards visit the chunks in reverse. Stage ``s`` runs
+    ``2 (p - s - 1) + (v - 1) N`` warm-up forwards (Megatron ``schedules.py``), so it stashes at
+    most that plus one microbatch-chunks: with ``N = p``, ``p v + p - 1`` chunks on stage 0, i.e.
+    ``p + (p - 1) / v`` stages' worth; a larger ``N`` keeps ``(v - 1)`` more a microbatch added.
+    The bubble shrinks to ``(p - 1) / (v m + p - 1)`` of the run.
+
+    ``group`` lets ``m`` be other than a multiple of ``p``: ``p <= N <= m``, and ``m % N`` either
+    0 or at least ``p`` (a last group smaller than ``p`` would wait on its own first chunk;
+    Megatron refuses it too). With ``p=2, m=5, v=2, group=3`` the forwards run microbatches
+    ``0 1 2 0 1 2 3 4 3 4`` of chunks ``0 0 0 1 1 1 0 0 1 1``.
 
     Raises:
-      ScheduleError: ``m`` is not a multiple of ``p`` (as in Megatron before its
-        ``microbatch_group_size_per_vp_stage``), or ``v < 2``.
+      ScheduleError: ``v < 2``; ``m`` not a multiple of ``p`` without a ``group`` (the message
+        names one that fits); a ``group`` outside ``p .. m`` or leaving a last group under ``p``.
     """
     check_sizes("interleaved_1f1b", p, m, v)
     if v < 2:
@@ -79,28 +86,61 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
             f"fpar.pipeline.interleaved_1f1b: v={v}; interleaving needs v >= 2 model chunks per "
             f"stage. For one chunk per stage use one_f_one_b({p}, {m})."
         )
-    if m % p:
-        raise ScheduleError(
-            f"fpar.pipeline.interleaved_1f1b: the number of microbatches m={m} is not divisible by "
-            f"the number of stages p={p}; the interleaved schedule sends microbatches round in "
-            f"groups of p. Use m={m + (-m) % p} (or {m - m % p}) microbatches."
-        )
+    n = interleaved_group(p, m, group)
+    table = [(j, c) for start in range(0, m, n) for c in range(v) for j in range(start, min(start + n, m))]
     total = m * v
 
     def unit(k: int, kind: str) -> tuple[str, int, int]:
-        c = (k // p) % v
-        return kind, (k // (p * v)) * p + k % p, (c if kind == "F" else v - 1 - c)
+        j, c = table[k]
+        return kind, j, (c if kind == "F" else v - 1 - c)
 
     orders = []
     for s in range(p):
-        warm = min(2 * (p - s - 1) + (v - 1) * p, total)
+        warm = min(2 * (p - s - 1) + (v - 1) * n, total)
         order = [unit(k, "F") for k in range(warm)]
         for i in range(total - warm):
             order += [unit(warm + i, "F"), unit(i, "BW")]
         order += [unit(i, "BW") for i in range(total - warm, total)]
         orders.append(order)
-    bound = [min(2 * (p - s - 1) + (v - 1) * p + 1, total) for s in range(p)]
-    return place(orders, m=m, v=v, name=f"interleaved 1F1B (v={v})", stash_bound=bound)
+    bound = [min(2 * (p - s - 1) + (v - 1) * n + 1, total) for s in range(p)]
+    name = f"interleaved 1F1B (v={v}" + (f", N={n})" if n != p else ")")
+    return place(orders, m=m, v=v, name=name, stash_bound=bound)
+
+
+def smallest_group(p: int, m: int) -> int | None:
+    """Interleaved 1F1B's fewest microbatches a group on ``p`` stages, ``m`` microbatches; None: m < p.
+
+    ``p`` when ``m`` is a multiple of it; the first ``N`` with ``m % N`` 0 or at least ``p`` otherwise.
+    """
+    return next((n for n in range(p, m + 1) if m % n == 0 or m % n >= p), None)
+
+
+def interleaved_group(p: int, m: int, group: int | None) -> int:
+    """Interleaved 1F1B's microbatches a group, ``group`` or ``p``, checked (see its docstring)."""
+    api = "fpar.pipeline.interleaved_1f1b"
+    fit = smallest_group(p, m)
+    hint = f"group={fit} fits" if fit else f"no group fits fewer microbatches than stages: use m >= {p}"
+    if group is None:
+        if m % p:
+            raise ScheduleError(
+                f"{api}: the number of microbatches m={m} is not divisible by the number of stages "
+                f"p={p}; the interleaved schedule sends microbatches round in groups of p. Use "
+                f"m={m + (-m) % p} (or {m - m % p}) microbatches, or a group of N microbatches (Megatron-LM's "
+                f"microbatch_group_size_per_vp_stage: p <= N <= m, m % N 0 or >= p): {hint}."
+            )
+        return p
+    if isinstance(group, bool) or not isinstance(group, int) or not p <= group <= m:
+        raise ScheduleError(
+            f"{api}: group={group!r}; a group is an int N with p={p} <= N <= m={m} (every chunk's "
+            f"round must cover the pipeline's p stages): {hint}."
+        )
+    if m % group and m % group < p:
+        raise ScheduleError(
+            f"{api}: group={group} leaves a last group of {m % group} microbatches (m={m}), fewer than "
+            f"the p={p} stages: its next chunk would wait on its first (Megatron-LM refuses it too). "
+            f"Choose N with m % N 0 or >= p: {hint}."
+        )
+    return group
 
 
 def zb_h1(p: int, m: int) -> Schedule:

@@ -33,6 +33,7 @@ from .._shard import shard
 from .._spec import P
 from .._sums import MODES as SUM_MODES
 from .._sums import low_precision_sums
+from ..pipeline._builders import interleaved_group
 from ._paper import abstract_mesh
 
 __all__ = ["MODELS", "Layout", "Model", "model_step"]
@@ -114,6 +115,9 @@ class Layout:
     ``"float32"`` (fpar's rule, twice the bytes) or ``"native"`` (Megatron-LM's 16-bit all-reduces).
     ``reduce_once``: ZeRO 2 or 3 without a pipeline: the microbatches' gradients summed unreduced
     and reduce-scattered once a step (``fpar.optim.zero_step(..., reduce_once=True)``).
+    ``group``: with ``virtual > 1``, the microbatches interleaved 1F1B runs through a chunk before
+    the next (Megatron-LM's ``microbatch_group_size_per_vp_stage``; None: ``pipeline``), which lets
+    ``microbatches`` be other than a multiple of ``pipeline`` (``fpar.pipeline.interleaved_1f1b``).
     """
 
     pipeline: int = 1
@@ -128,6 +132,7 @@ class Layout:
     virtual: int = 1
     sums: str = "float32"
     reduce_once: bool = False
+    group: int | None = None
 
     @property
     def devices(self) -> int:
@@ -147,6 +152,7 @@ class Layout:
             + (f" virtual={self.virtual}" if self.virtual > 1 else "")
             + (f" sums={self.sums}" if self.sums != "float32" else "")
             + (" reduce_once" if self.reduce_once else "")
+            + (f" group={self.group}" if self.group is not None else "")
         )
 
     def mesh(self) -> Mesh:
@@ -183,11 +189,21 @@ def check_layout(model: Model, layout: Layout) -> None:
                 f"by {axis}={n}; choose a {axis} size that divides {size}."
             )
     chunk_layers(model, layout)
-    if layout.virtual != 1 and (p == 1 or layout.schedule != "1f1b" or layout.microbatches % p):
+    if layout.virtual != 1 and (p == 1 or layout.schedule != "1f1b"):
         raise ValueError(
-            f"fpar.plan: virtual={layout.virtual} (interleaved 1F1B) needs pipeline > 1, schedule "
-            f"'1f1b' and microbatches divisible by pipeline={p}; got {layout.describe()}."
+            f"fpar.plan: virtual={layout.virtual} (interleaved 1F1B) needs pipeline > 1 and schedule "
+            f"'1f1b'; got {layout.describe()}."
         )
+    if layout.group is not None and layout.virtual == 1:
+        raise ValueError(
+            f"fpar.plan: group={layout.group} is interleaved 1F1B's microbatches a group: it needs "
+            f"virtual > 1; got {layout.describe()}."
+        )
+    if layout.virtual != 1:
+        try:
+            interleaved_group(p, layout.microbatches, layout.group)
+        except pp.ScheduleError as e:
+            raise ValueError(f"fpar.plan: layout {layout.describe()}: {e}") from None
     if layout.zero not in (0, 1, 2, 3):
         raise ValueError(f"fpar.plan: zero={layout.zero}; choose ZeRO stage 0, 1, 2 or 3.")
     if layout.reduce_once and (layout.zero < 2 or p > 1):
@@ -537,7 +553,7 @@ def pipeline_schedule(layout: Layout):
             f"fpar.plan: unknown schedule {layout.schedule!r}; choose one of {sorted(schedules)}."
         )
     p, m, v = layout.pipeline, layout.microbatches, layout.virtual
-    return pp.interleaved_1f1b(p, m, v) if v > 1 else schedules[layout.schedule](p, m)
+    return pp.interleaved_1f1b(p, m, v, layout.group) if v > 1 else schedules[layout.schedule](p, m)
 
 
 def _ends(model: Model, layout: Layout) -> tuple:

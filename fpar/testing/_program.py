@@ -177,8 +177,8 @@ class TrainingProgram:
                 bad(
                     f"schedule={self.schedule!r} runs chunks in {CHUNKS[self.schedule]} per stage, not {self.chunks}."
                 )
-            if self.schedule == "interleaved_1f1b" and self.n_micro % size["pipe"]:
-                bad("schedule='interleaved_1f1b' needs n_micro a multiple of the pipe size.")
+            if self.schedule == "interleaved_1f1b" and self.n_micro < size["pipe"]:
+                bad("schedule='interleaved_1f1b' needs n_micro >= the pipe size.")
             if self.schedule == "dualpipe_v" and self.n_micro < 2 * size["pipe"]:
                 bad("schedule='dualpipe_v' needs n_micro >= 2 x the pipe size.")
         elif self.chunks != 1 or self.schedule != "gpipe":

@@ -28,6 +28,7 @@ from .._mesh import Mesh
 from .._shard import shard
 from .._spec import PartitionSpec as P
 from .._tree import tree_flatten, tree_map
+from ..pipeline._builders import smallest_group
 from ..random import fold_in
 from ..random import key as random_key
 
@@ -426,7 +427,7 @@ class _Run:
         build = {
             "gpipe": lambda: pp.gpipe(p, m, v),
             "1f1b": lambda: pp.one_f_one_b(p, m),
-            "interleaved_1f1b": lambda: pp.interleaved_1f1b(p, m, v),
+            "interleaved_1f1b": lambda: pp.interleaved_1f1b(p, m, v, smallest_group(p, m)),
             "zb_h1": lambda: pp.zb_h1(p, m),
             "zb_v": lambda: pp.zb_v(p, m),
             "dualpipe_v": lambda: pp.dualpipe_v(p, m),

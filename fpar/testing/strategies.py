@@ -244,7 +244,8 @@ def training_programs(
             kw["layers"] = p * kw["chunks"]
             kw["n_micro"] = draw(pick(2, 1, 4))
             if kw["schedule"] == "interleaved_1f1b":
-                kw["n_micro"] = p * draw(pick(1, 2))
+                # p + 1 and 2p + 1: Megatron's groups of microbatches (smallest_group), uneven at 2p + 1
+                kw["n_micro"] = p * draw(pick(1, 2)) + draw(pick(0, 1))
             elif kw["schedule"] == "dualpipe_v":
                 kw["n_micro"] = max(kw["n_micro"], 2 * p)
         steps_drawn = draw(steps)

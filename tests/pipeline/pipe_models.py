@@ -108,13 +108,13 @@ def reference_grads(prob: dict) -> tuple:
     return (reference(*args, prob["xs"], prob["ts"]), *grads)
 
 
-def schedule(name: str, p: int, m: int, v: int = 1) -> pp.Schedule:
+def schedule(name: str, p: int, m: int, v: int = 1, group: int | None = None) -> pp.Schedule:
     if name == "gpipe":
         return pp.gpipe(p, m, v)
     if name == "1f1b":
         return pp.one_f_one_b(p, m)
     if name == "interleaved":
-        return pp.interleaved_1f1b(p, m, v)
+        return pp.interleaved_1f1b(p, m, v, group)
     if name == "zb_h1":
         return pp.zb_h1(p, m)
     if name == "zb_v":

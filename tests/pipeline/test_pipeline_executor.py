@@ -22,10 +22,10 @@ import fpar.pipeline as pp
 from fpar import P
 
 
-def _run(mesh, name, p, m, v, *, seed=0, schedule=None):
+def _run(mesh, name, p, m, v, *, seed=0, schedule=None, group=None):
     prob = M.problem(p, m, v, seed=seed)
     fns = M.stage_fns(mesh)
-    sch = schedule if schedule is not None else M.schedule(name, p, m, v)
+    sch = schedule if schedule is not None else M.schedule(name, p, m, v, group)
     step = pp.pipeline(fns["stage"], sch, mesh, loss=fns["loss"], first=fns["first"])
     stages = pp.stage_major(prob["stages"], p, v, layout=sch.layout)
     params = {"stages": stages, "first": prob["first"], "last": prob["last"]}
@@ -40,13 +40,14 @@ def _check_values(prob, res, p, v, layout="interleaved"):
     torch.testing.assert_close(res.grads["last"], g_last)
 
 
-def _expected_stash(name, p, m, v):
+def _expected_stash(name, p, m, v, group=None):
     if name == "gpipe":
         return [v * m] * p
     if name == "1f1b":
         return [min(p - s, m) for s in range(p)]
     if name == "interleaved":
-        return [min(2 * (p - s - 1) + (v - 1) * p + 1, v * m) for s in range(p)]
+        n = p if group is None else group  # Megatron's microbatches a group
+        return [min(2 * (p - s - 1) + (v - 1) * n + 1, v * m) for s in range(p)]
     if name == "zb_v":
         return [2 * p] * p  # m >= 2p: p stage-microbatches, 1F1B's first stage
     if name == "dualpipe_v":
@@ -72,9 +73,9 @@ def _expected_bubble(name, p, m, v):
     return Fraction(p - 1, v * m + p - 1)
 
 
-def _check_measured(name, sch, stats, p, m, v):
+def _check_measured(name, sch, stats, p, m, v, group=None):
     """What the executor ran (its own counts, its live stash) against the formulas."""
-    assert list(stats.peak_stash) == _expected_stash(name, p, m, v)
+    assert list(stats.peak_stash) == _expected_stash(name, p, m, v, group)
     assert stats.makespan == sch.num_ticks == _expected_makespan(name, p, m, v)
     if name != "dualpipe_v":  # DualPipeV mixes fused and split backwards: busy differs per stage
         per_mb = 3 if name in ("zb_h1", "zb_v") else 2  # F + B + W, or F + BW
@@ -90,24 +91,27 @@ def _cases(draw):
     name = draw(st.sampled_from(["gpipe", "1f1b", "interleaved", "zb_h1", "zb_v", "dualpipe_v"]))
     p = draw(st.integers(1, 3))
     v = draw(st.integers(2, 3)) if name == "interleaved" else (2 if name in ("zb_v", "dualpipe_v") else 1)
+    group = None
     if name == "interleaved":
-        m = p * draw(st.integers(1, 2))
+        m = p * draw(st.integers(1, 2)) + draw(st.sampled_from([0, 0, 1, p + 1]))
+        fits = [n for n in range(p, m + 1) if m % n == 0 or m % n >= p]  # Megatron's rule
+        group = draw(st.sampled_from(fits)) if m % p or draw(st.booleans()) else None
     elif name == "zb_h1":
         m = p + draw(st.integers(0, 2))  # the ZB-H1 bubble formula holds for m >= p
     elif name in ("zb_v", "dualpipe_v"):
         m = 2 * p + draw(st.integers(0, 2))  # the V schedules' formulas hold for m >= 2p
     else:
         m = draw(st.integers(1, 4))
-    return name, p, m, v, draw(st.integers(0, 9))
+    return name, p, m, v, group, draw(st.integers(0, 9))
 
 
 @settings(max_examples=30, deadline=None)
 @given(case=_cases())
 def test_every_schedule_equals_the_unpipelined_model(case):
-    name, p, m, v, seed = case
-    prob, sch, res = _run(fpar.make_mesh((p,), ("pipe",)), name, p, m, v, seed=seed)
+    name, p, m, v, group, seed = case
+    prob, sch, res = _run(fpar.make_mesh((p,), ("pipe",)), name, p, m, v, seed=seed, group=group)
     _check_values(prob, res, p, v, sch.layout)
-    _check_measured(name, sch, res.stats, p, m, v)
+    _check_measured(name, sch, res.stats, p, m, v, group)
 
 
 @pytest.mark.parametrize(
@@ -118,6 +122,7 @@ def test_every_schedule_equals_the_unpipelined_model(case):
         ((("pipe", 2), ("tensor", 2)), "zb_h1", 2, 1),
         ((("pipe", 2), ("data", 2), ("tensor", 2)), "gpipe", 2, 1),
         ((("pipe", 2), ("data", 2), ("tensor", 2)), "interleaved", 2, 2),
+        ((("pipe", 2), ("data", 2)), "interleaved", 5, 2),  # groups of 3, then 2 (Megatron's N=3)
         ((("pipe", 2), ("data", 2), ("tensor", 2)), "zb_v", 4, 2),
         ((("pipe", 2), ("tensor", 2)), "dualpipe_v", 4, 2),
     ],
@@ -125,9 +130,10 @@ def test_every_schedule_equals_the_unpipelined_model(case):
 )
 def test_with_tensor_and_data_parallel_stages(axes, name, m, v):
     mesh = fpar.make_mesh(tuple(s for _, s in axes), tuple(n for n, _ in axes))
-    prob, sch, res = _run(mesh, name, 2, m, v)
+    group = 3 if name == "interleaved" and m % 2 else None
+    prob, sch, res = _run(mesh, name, 2, m, v, group=group)
     _check_values(prob, res, 2, v, sch.layout)
-    _check_measured(name, sch, res.stats, 2, m, v)
+    _check_measured(name, sch, res.stats, 2, m, v, group)
 
 
 def test_hand_written_schedule_with_a_late_send():

@@ -220,11 +220,66 @@ def test_place_checks_orders(orders, phrase):
         pp.place(orders, m=1)
 
 
-def test_interleaved_needs_m_divisible_by_p():
-    with pytest.raises(ScheduleError, match=r"m=5 is not divisible by the number of stages p=2.*Use m=6"):
+def test_interleaved_needs_m_divisible_by_p_or_a_group():
+    with pytest.raises(
+        ScheduleError, match=r"m=5 is not divisible by the number of stages p=2.*Use m=6.*group=3 fits"
+    ):
         pp.interleaved_1f1b(2, 5, 2)
+    with pytest.raises(ScheduleError, match=r"m=7 is not divisible .* p=4.*group=7 fits"):
+        pp.interleaved_1f1b(4, 7, 2)  # 7 % 4, 7 % 5, 7 % 6 are under 4: only one group of 7
+    with pytest.raises(ScheduleError, match=r"m=1 is not divisible .* no group fits .* use m >= 2"):
+        pp.interleaved_1f1b(2, 1, 2)
     with pytest.raises(ScheduleError, match="needs v >= 2"):
         pp.interleaved_1f1b(2, 4, 1)
+
+
+@pytest.mark.parametrize(
+    "p, m, group, phrase",
+    [
+        (2, 5, 1, r"group=1; a group is an int N with p=2 <= N <= m=5 .*: group=3 fits"),
+        (2, 5, 6, r"group=6; a group is an int N with p=2 <= N <= m=5"),
+        (2, 4, True, r"group=True; a group is an int"),
+        (2, 4, 2.0, r"group=2.0; a group is an int"),
+        (
+            3,
+            7,
+            6,
+            r"group=6 leaves a last group of 1 microbatches \(m=7\), fewer than the p=3 stages.*group=4 fits",
+        ),
+    ],
+)
+def test_interleaved_group_is_checked(p, m, group, phrase):
+    with pytest.raises(ScheduleError, match=phrase):
+        pp.interleaved_1f1b(p, m, 2, group)
+
+
+def test_interleaved_groups_as_megatron_orders_them():
+    # Megatron-LM's get_schedule_table docstring: PP2, N3, M5, VP2
+    s = pp.interleaved_1f1b(2, 5, 2, group=3)
+    forwards = [(a.microbatch, a.chunk) for a in s.stage_actions(0) if a.kind == "F"]
+    assert [j for j, _ in forwards] == [0, 1, 2, 0, 1, 2, 3, 4, 3, 4]
+    assert [c for _, c in forwards] == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
+    backwards = [(a.microbatch, a.chunk) for a in s.stage_actions(0) if a.kind == "BW"]
+    assert backwards == [(j, 1 - c) for j, c in forwards]
+    assert s.name == "interleaved 1F1B (v=2, N=3)"
+
+
+@settings(max_examples=60)
+@given(p=st.integers(1, 4), v=st.integers(2, 3), m_extra=st.integers(0, 9), data=st.data())
+def test_interleaved_group_formulas(p, v, m_extra, data):
+    m = p + m_extra
+    fits = [n for n in range(p, m + 1) if m % n == 0 or m % n >= p]
+    n = data.draw(st.sampled_from(fits))
+    s = pp.interleaved_1f1b(p, m, v, group=n)
+    t = pp.timeline(s)
+    assert t.makespan == 2 * (v * m + p - 1)  # the bubble of N = p, whatever the group
+    assert _bubble(t) == Fraction(p - 1, v * m + p - 1)
+    assert list(t.peak_stash) == [min(2 * (p - s - 1) + (v - 1) * n + 1, v * m) for s in range(p)]
+    if m % p == 0 and n == p:  # the default: Megatron's closed form, microbatches round in groups of p
+        ks = range(v * m)
+        expect = [((k // (p * v)) * p + k % p, (k // p) % v) for k in ks]
+        assert [(a.microbatch, a.chunk) for a in s.stage_actions(0) if a.kind == "F"] == expect
+        assert pp.interleaved_1f1b(p, m, v) == s
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])

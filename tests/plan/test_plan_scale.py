@@ -9,6 +9,7 @@ import pytest
 
 import fpar.plan as plan
 from fpar.plan import _repeat
+from fpar.plan._models import pipeline_schedule
 
 SMALL = plan.Model("small", 32, 2, 2, 2, 64, 64, 16)
 
@@ -26,20 +27,33 @@ GPT = plan.Model("gpt-small", 32, 4, 2, 2, 128, 64, 16, "gpt")
 
 
 @pytest.mark.parametrize(
-    "schedule, virtual, model, m",
-    [("1f1b", 1, SMALL, 6), ("zb", 1, SMALL, 6), ("1f1b", 2, GPT, 10), ("1f1b", 2, GPT, 8)],
-    ids=["1f1b", "zb", "interleaved-gpt", "interleaved-gpt-8"],
+    "schedule, virtual, model, m, group",
+    [
+        ("1f1b", 1, SMALL, 6, None),
+        ("zb", 1, SMALL, 6, None),
+        ("1f1b", 2, GPT, 10, None),
+        ("1f1b", 2, GPT, 8, None),
+        ("1f1b", 2, GPT, 14, 4),  # Megatron's groups of 4 microbatches: 4, 4, 4, then 2
+    ],
+    ids=["1f1b", "zb", "interleaved-gpt", "interleaved-gpt-8", "interleaved-gpt-group-4"],
 )
-def test_repeating_the_steady_microbatch_equals_simulating_every_one(schedule, virtual, model, m):
+def test_repeating_the_steady_microbatch_equals_simulating_every_one(schedule, virtual, model, m, group):
     # every microbatch runs the same program: a stage simulates the first few and the last, and
     # the steady one's ops and messages stand for the others; nothing an estimate reports moves.
     # With 2 chunks a stage the peak's state (which chunks are in flight, the first holding the
     # embedding) took more microbatches than their count in flight: 8 of 10 on stage 0, where 5
     # planned its peak 656 bytes low (ZeRO-1's sums in buffers of their own)
     layout = plan.Layout(
-        pipeline=2, data=2, tensor=2, microbatches=m, batch=2 * m, schedule=schedule, virtual=virtual
+        pipeline=2,
+        data=2,
+        tensor=2,
+        microbatches=m,
+        batch=2 * m,
+        schedule=schedule,
+        virtual=virtual,
+        group=group,
     )
-    kept = [_repeat.kept_microbatches(_schedule(layout), s) for s in range(2)]
+    kept = [_repeat.kept_microbatches(pipeline_schedule(layout), s) for s in range(2)]
     assert any(k is not None and len(k) < m for k in kept), kept
     fast, full = _estimate(layout, model), _estimate(layout, model, repeat=False)
     assert [c.peak_bytes for c in fast.devices] == [c.peak_bytes for c in full.devices]
@@ -48,15 +62,6 @@ def test_repeating_the_steady_microbatch_equals_simulating_every_one(schedule, v
     assert fast.step_time == pytest.approx(full.step_time, rel=1e-12)
     for k in ("compute", "exposed_comm", "bubble"):
         assert fast.time_breakdown[k] == pytest.approx(full.time_breakdown[k], rel=1e-9, abs=1e-15)
-
-
-def _schedule(layout):
-    import fpar.pipeline as pp
-
-    if layout.virtual > 1:
-        return pp.interleaved_1f1b(layout.pipeline, layout.microbatches, layout.virtual)
-    builders = {"1f1b": pp.one_f_one_b, "zb": pp.zb_h1, "gpipe": pp.gpipe}
-    return builders[layout.schedule](layout.pipeline, layout.microbatches)
 
 
 def test_the_kept_microbatches_reach_the_schedules_most_in_flight():
@@ -88,7 +93,15 @@ def test_a_gpt_model_has_megatrons_parameter_count_and_its_head_is_the_embedding
         (plan.Layout(pipeline=1, virtual=2), r"virtual=2 \(interleaved 1F1B\) needs pipeline > 1"),
         (
             plan.Layout(pipeline=2, microbatches=3, batch=3, virtual=2),
-            r"microbatches divisible by pipeline=2",
+            r"microbatches=3x1 .* virtual=2: .*m=3 is not divisible by the number of stages p=2.*group=3 fits",
+        ),
+        (
+            plan.Layout(pipeline=2, microbatches=5, batch=5, virtual=2, group=4),
+            r"group=4 leaves a last group of 1 microbatches \(m=5\), fewer than the p=2 stages.*group=3 fits",
+        ),
+        (
+            plan.Layout(pipeline=2, microbatches=4, batch=4, group=2),
+            r"group=2 is interleaved 1F1B's microbatches a group: it needs virtual > 1",
         ),
         (
             plan.Layout(remat="selective"),
