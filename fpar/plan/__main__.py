@@ -55,6 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--virtual", type=_ints, default=[1], help="model chunks per stage to try (interleaved 1F1B)"
     )
+    ap.add_argument(
+        "--group",
+        type=_ints,
+        default=None,
+        help="interleaved 1F1B's microbatches a group to try, beside the default (the pipeline size; "
+        "Megatron-LM's microbatch_group_size_per_vp_stage): lets --microbatches be other than a multiple",
+    )
     ap.add_argument("--remat", default="both", choices=["yes", "no", "both"], help="recompute activations")
     ap.add_argument("--schedule", default="1f1b", help="pipeline schedules to try, e.g. 1f1b,gpipe,zb")
     ap.add_argument("--top", type=int, default=10, help="rows of the ranking to print")
@@ -86,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                 {"micro_batch": args.micro_batch} if args.micro_batch else {"microbatches": args.microbatches}
             ),
             virtual=args.virtual,
+            group=[None, *(args.group or [])],
             remat=remat,
             schedule=args.schedule.split(","),
             batch=[args.batch],

@@ -376,6 +376,20 @@ def test_command_line_prints_the_ranking(capsys):
     assert "the fastest layout in full" in out and "bytes sent per device per step" in out
 
 
+def test_command_line_plans_interleaved_groups(capsys):
+    # 3 microbatches on 2 stages: interleaving needs a group of 3 (Megatron-LM's
+    # microbatch_group_size_per_vp_stage); the default group (the pipeline size) is skipped
+    from fpar.plan.__main__ import main
+
+    argv = "--model tiny --devices 2 --batch 6 --pipeline 2 --tensor 1 --zero 1 --microbatches 3"
+    code = main([*argv.split(), "--virtual", "2", "--group", "3", "--remat", "no"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert (
+        "1 layouts estimated" in out and "microbatches=3x2 remat=False schedule=1f1b virtual=2 group=3" in out
+    )
+
+
 def test_plot_draws_a_picture(tmp_path):
     pytest.importorskip("matplotlib")
     model = plan.MODELS["tiny"]
