@@ -386,6 +386,7 @@ def test_float32_uses_the_default_tolerance():
 
 
 def test_training_program_rejects_what_it_cannot_run():
+    two_chunks = dict(shape=(2, 1), names=("pipe", "data"), driver="pipeline", layers=4, chunks=2)
     cases = [
         (dict(shape=(2,), names=("tensor",)), "including 'data'"),
         (dict(shape=(2, 2), names=("data",)), "as long as each other"),
@@ -397,26 +398,9 @@ def test_training_program_rejects_what_it_cannot_run():
         ),
         (dict(shape=(2,), names=("data",), driver="zero", compile=True, steps=1), "need steps >= 2"),
         (dict(shape=(2,), names=("data",), driver="zero", grad_api="backward"), "are for driver='manual'"),
+        (dict(two_chunks, schedule="dualpipe_v"), "needs n_micro >= 2 x the pipe size"),
         (
-            dict(
-                shape=(2, 1),
-                names=("pipe", "data"),
-                driver="pipeline",
-                layers=4,
-                chunks=2,
-                schedule="dualpipe_v",
-            ),
-            "needs n_micro >= 2 x the pipe size",
-        ),
-        (
-            dict(
-                shape=(2, 1),
-                names=("pipe", "data"),
-                driver="pipeline",
-                layers=4,
-                chunks=2,
-                schedule="interleaved_1f1b",
-            ),
+            dict(two_chunks, schedule="interleaved_1f1b"),
             "schedule='interleaved_1f1b' needs n_micro >= the pipe size",
         ),
         (dict(shape=(2,), names=("data",), driver="pipeline"), "needs a 'pipe' axis"),
