@@ -137,7 +137,9 @@ COMPILE = {
     "whole_ddp": Target("<=", 1.0),
     "ddp": REFERENCE,
     "real": Target("<=", 1.05, TORCH_GAIN, relative="torch"),
-    "local": Target("<=", 1.05, TORCH_GAIN, relative="torch"),
+    # in-process, fpar runs a compiled per-device function eagerly by design (fpar/_compile.py:
+    # it intercepts every op there): shown for what it explains; "local_whole" is the target
+    "local": REFERENCE,
     "torch": REFERENCE,
 }
 # ZeRO-3 at issue 51's depth (32 layers, parameters >> activations), and with 4 microbatches
