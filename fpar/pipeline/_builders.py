@@ -107,40 +107,45 @@ def interleaved_1f1b(p: int, m: int, v: int, group: int | None = None) -> Schedu
     return place(orders, m=m, v=v, name=name, stash_bound=bound)
 
 
+def _fits(p: int, m: int, n: int) -> bool:
+    """Megatron-LM's rule for a group of ``n``: it covers the ``p`` stages, and so does the last one."""
+    return p <= n <= m and (m % n == 0 or m % n >= p)
+
+
 def smallest_group(p: int, m: int) -> int | None:
     """Interleaved 1F1B's fewest microbatches a group on ``p`` stages, ``m`` microbatches; None: m < p.
 
     ``p`` when ``m`` is a multiple of it; the first ``N`` with ``m % N`` 0 or at least ``p`` otherwise.
     """
-    return next((n for n in range(p, m + 1) if m % n == 0 or m % n >= p), None)
+    return next((n for n in range(p, m + 1) if _fits(p, m, n)), None)
 
 
 def interleaved_group(p: int, m: int, group: int | None) -> int:
     """Interleaved 1F1B's microbatches a group, ``group`` or ``p``, checked (see its docstring)."""
+    if group is None and m % p == 0:
+        return p
+    if group is not None and not isinstance(group, bool) and isinstance(group, int) and _fits(p, m, group):
+        return group
     api = "fpar.pipeline.interleaved_1f1b"
     fit = smallest_group(p, m)
     hint = f"group={fit} fits" if fit else f"no group fits fewer microbatches than stages: use m >= {p}"
     if group is None:
-        if m % p:
-            raise ScheduleError(
-                f"{api}: the number of microbatches m={m} is not divisible by the number of stages "
-                f"p={p}; the interleaved schedule sends microbatches round in groups of p. Use "
-                f"m={m + (-m) % p} (or {m - m % p}) microbatches, or a group of N microbatches (Megatron-LM's "
-                f"microbatch_group_size_per_vp_stage: p <= N <= m, m % N 0 or >= p): {hint}."
-            )
-        return p
+        raise ScheduleError(
+            f"{api}: the number of microbatches m={m} is not divisible by the number of stages "
+            f"p={p}; the interleaved schedule sends microbatches round in groups of p. Use "
+            f"m={m + (-m) % p} (or {m - m % p}) microbatches, or a group of N microbatches (Megatron-LM's "
+            f"microbatch_group_size_per_vp_stage: p <= N <= m, m % N 0 or >= p): {hint}."
+        )
     if isinstance(group, bool) or not isinstance(group, int) or not p <= group <= m:
         raise ScheduleError(
             f"{api}: group={group!r}; a group is an int N with p={p} <= N <= m={m} (every chunk's "
             f"round must cover the pipeline's p stages): {hint}."
         )
-    if m % group and m % group < p:
-        raise ScheduleError(
-            f"{api}: group={group} leaves a last group of {m % group} microbatches (m={m}), fewer than "
-            f"the p={p} stages: its next chunk would wait on its first (Megatron-LM refuses it too). "
-            f"Choose N with m % N 0 or >= p: {hint}."
-        )
-    return group
+    raise ScheduleError(
+        f"{api}: group={group} leaves a last group of {m % group} microbatches (m={m}), fewer than "
+        f"the p={p} stages: its next chunk would wait on its first (Megatron-LM refuses it too). "
+        f"Choose N with m % N 0 or >= p: {hint}."
+    )
 
 
 def zb_h1(p: int, m: int) -> Schedule:
