@@ -109,13 +109,16 @@ class DistDriver:
         early: set = set()
         ahead = _dist.device_type() == "cpu"  # gloo: receives posted before the tick's compute
         sim = _dist.simulation()  # fpar.plan simulating this device, or None
-        ticks = self.ticks
+        keep = None  # fpar.plan: the microbatches it runs (the rest repeat them); None: all
         if sim is not None:
             sim.pipeline(sch, self.axis)
-            keep = sim.kept(sch, self.me)  # fpar.plan: the microbatches it runs (the rest repeat them)
-            if keep is not None:
-                ticks = [[a for a in acts if a.microbatch in keep] for acts in ticks]
-        for full, actions in zip(self.ticks, ticks):
+            keep = sim.kept(sch, self.me)
+        begun: set = set()  # fpar.plan: the microbatches that have run an action
+        for full in self.ticks:
+            if sim is not None:
+                keep = sim.narrowed(sch, keep, begun)  # fewer once this run has planned a call
+                begun.update(a.microbatch for a in full if keep is None or a.microbatch in keep)
+            actions = full if keep is None else [a for a in full if a.microbatch in keep]
             posting: list = []  # this tick's sends
             st.send_early = self._early_sender(actions, posting, early)
             posted = self._post_receives(actions, st) if ahead else set()

@@ -318,15 +318,20 @@ def _simulate(fn, args, kwargs, hw, known, shapes, coords, headers=None, *, firs
         with rec:
             # The first call of a signature plans it (a traced call); the step is measured once
             # every call in it is planned: the second run, or the first if it planned nothing
-            # (a pipeline stage whose functions an earlier stage's simulation planned).
-            for run in range(2):
+            # (a pipeline stage whose functions an earlier stage's simulation planned).  The
+            # first simulation's first run only plans, so a pipeline runs the fewest microbatches
+            # in it (``Simulation.kept``); should the next run still plan something, a third
+            # measures.
+            for run in range(3):
                 planned = _dist_shard.PLANNED[0]
+                sim.planning = first and run == 0
+                sim.watch = None if sim.planning or run == 2 else planned  # the last run runs all
                 rec.start()
                 sim.repeated.clear()
                 _stats.reset_comm_stats()
                 out = _call(fn, args, kwargs)
                 del out
-                if run == 1 or (_dist_shard.PLANNED[0] == planned and not first):
+                if _dist_shard.PLANNED[0] == planned and (run > 0 or not first) or run == 2:
                     break  # measured (what is left of it is freed as it goes: no collection)
                 gc.collect()  # the planning run's cycles, before the measured run counts what lives
         for schedule, stage, keep in sim.repeated:  # the microbatches not simulated repeat a steady one

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .._dist import groups
+from .._dist import shard as _dist_shard
 from .._mesh import Mesh, _check_names
 from ._repeat import kept_microbatches
 
@@ -127,6 +128,8 @@ class Simulation:
         self.recorder = None  # the _record.Recorder of the run, for the pipeline's action marks
         self.hardware = None  # checked against the mesh when it starts
         self.repeated: list = []  # (schedule, stage, microbatches simulated) of each pipeline run
+        self.planning = False  # a run that only plans the step's calls: measured by the next one
+        self.watch: int | None = None  # fpar._dist.shard.PLANNED when a run that may measure began
 
     # -- what the pipeline executor tells the simulation (fpar/pipeline/_run_dist.py) ---------------
 
@@ -143,10 +146,26 @@ class Simulation:
 
     def kept(self, schedule, stage: int):
         """The microbatches this stage simulates (None: all); the others repeat a steady one's events."""
+        if self.planning:
+            return _planning(schedule)
         keep = kept_microbatches(schedule, stage)
         if keep is not None:
             self.repeated.append((schedule, stage, keep))
         return keep
+
+    def narrowed(self, schedule, keep, begun: set):
+        """``keep`` from this tick on: fewer microbatches once this run has planned a call.
+
+        A run that plans is run again to be measured (``fpar.plan.estimate``), so the rest of
+        it only has to plan: a microbatch that has not begun is skipped unless it is one that
+        plans (``_planning``); one that has begun runs to its end (its forward's deferred
+        gradients wait for its backward).
+        """
+        if self.watch is None or self.planning or _dist_shard.PLANNED[0] == self.watch:
+            return keep
+        self.planning = True
+        fewest = _planning(schedule)
+        return None if fewest is None else fewest | begun
 
     def held(self, sends: list) -> list:
         """Sends of microbatches not simulated: their buffers, held until the next tick waits for them."""
@@ -160,6 +179,12 @@ class Simulation:
                 self.recorder._retag(t, kind)
             out.append((groups._Done(), t))
         return out
+
+    def collective(self, tensors: tuple, async_op: bool):
+        """A collective of the real-mesh engine on paper: nothing sent, its buffers accounted."""
+        if self.recorder is not None:
+            self.recorder.collective(tensors)
+        return groups._Done() if async_op else None
 
     def origins(self, actions: list) -> None:
         """The sends and receives counted next belong to ``actions``, in order."""
@@ -239,6 +264,15 @@ class Simulation:
             "fake", store=FakeStore(), rank=groups._ravel(coords, root.axis_sizes), world_size=root.size
         )
         self.real[None] = groups.MeshGroups(root)
+
+
+def _planning(schedule):
+    """The microbatches a run that only plans runs (None: all of them).
+
+    Every microbatch runs the same calls: the first two and the last plan them (the last one's
+    backward reduces the gradients).
+    """
+    return None if schedule.m <= 3 else frozenset((0, 1, schedule.m - 1))
 
 
 class Upstream(Exception):

@@ -273,6 +273,19 @@ class Recorder(TorchDispatchMode):
         )
         return out
 
+    def collective(self, tensors: tuple) -> None:
+        """A collective on paper (``Simulation.collective``), accounted as a process group's op.
+
+        ``tensors``: its output first (written in place), then its input: buffers sent, not
+        activations, as ``__torch_dispatch__`` counts a ``c10d`` op's arguments.
+        """
+        for t in tensors:
+            self._touch(t)
+        if self._phase() == "update":
+            self._pending_made.append(tensors[0].untyped_storage()._cdata)
+        for t in tensors:  # a buffer made to be sent (a gradient bucket, a gather's output) ...
+            self._retag(t, "comm_buffers", keep="activations")  # ... not an activation also sent
+
     # -- storages -------------------------------------------------------------------------------
 
     def _touch(self, t: Tensor) -> None:
