@@ -64,6 +64,87 @@ def test_repeating_the_steady_microbatch_equals_simulating_every_one(schedule, v
         assert fast.time_breakdown[k] == pytest.approx(full.time_breakdown[k], rel=1e-9, abs=1e-15)
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        plan.Layout(pipeline=2, data=2, tensor=2, microbatches=8, batch=16, virtual=2, zero=1),
+        plan.Layout(pipeline=2, data=2, tensor=1, microbatches=6, batch=12, zero=3),
+    ],
+    ids=["interleaved-zero1", "1f1b-fsdp"],
+)
+def test_a_run_that_only_plans_runs_the_fewest_microbatches_and_moves_nothing(monkeypatch, layout):
+    # The first device class's first run only plans: microbatches 0, 1 and the last.  The last
+    # stage's first run plans its head: from then on it drops the microbatches not begun.  What
+    # the measured runs report equals an estimate whose planning runs run every microbatch.
+    from fpar.plan import _paper
+
+    m = layout.microbatches
+    planned, narrowed = [], []
+    kept, narrow = _paper.Simulation.kept, _paper.Simulation.narrowed
+
+    def spy_kept(self, schedule, stage):
+        keep = kept(self, schedule, stage)
+        if self.planning:
+            planned.append((stage, keep))
+        return keep
+
+    def spy_narrowed(self, schedule, keep, begun):
+        out = narrow(self, schedule, keep, begun)
+        if out is not keep:
+            narrowed.append((frozenset(begun), out))
+        return out
+
+    monkeypatch.setattr(_paper.Simulation, "kept", spy_kept)
+    monkeypatch.setattr(_paper.Simulation, "narrowed", spy_narrowed)
+    fast = _estimate(layout, GPT)
+    assert planned == [(0, frozenset({0, 1, m - 1}))]
+    assert len(narrowed) == 1  # the last stage, once, keeping what had begun
+    begun, keep = narrowed[0]
+    assert keep == begun | {0, 1, m - 1} and len(keep) < m
+    monkeypatch.setattr(_paper, "_planning", lambda schedule: None)  # plan with every microbatch
+    full = _estimate(layout, GPT)
+    assert [c.peak_bytes for c in fast.devices] == [c.peak_bytes for c in full.devices]
+    assert [c.breakdown for c in fast.devices] == [c.breakdown for c in full.devices]
+    assert [c.comm for c in fast.devices] == [c.comm for c in full.devices]
+    assert [c.flops for c in fast.devices] == [c.flops for c in full.devices]
+    assert fast.step_time == full.step_time
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        plan.Layout(pipeline=2, data=2, tensor=2, microbatches=4, batch=8, zero=3),
+        plan.Layout(pipeline=1, data=2, tensor=2, microbatches=2, batch=4, zero=1, sequence_parallel=False),
+    ],
+    ids=["pipeline-fsdp-sp", "zero1-tp"],
+)
+def test_a_collective_on_paper_accounts_what_the_fake_process_group_did(monkeypatch, layout):
+    # On paper the one-buffer all-gathers, reduce-scatters and all-reduces skip torch.distributed
+    # (Simulation.collective); through it, the fake process group's c10d ops give the same estimate.
+    import torch.distributed as dist
+
+    from fpar._dist import exchange
+
+    fast = _estimate(layout, GPT)
+    monkeypatch.setattr(exchange, "all_gather_single", exchange._all_gather_single)
+    monkeypatch.setattr(exchange, "reduce_scatter_single", exchange._reduce_scatter_single)
+    monkeypatch.setattr(
+        exchange,
+        "all_reduce",
+        lambda x, op=dist.ReduceOp.SUM, *, group, async_op=False: dist.all_reduce(
+            x, op=op, group=group, async_op=async_op
+        ),
+    )
+    through = _estimate(layout, GPT)
+    for a, b in zip(fast.devices, through.devices, strict=True):
+        assert (a.peak_bytes, a.breakdown, a.saved_activations) == (
+            b.peak_bytes,
+            b.breakdown,
+            b.saved_activations,
+        )
+        assert (a.comm, a.flops, a.step_time) == (b.comm, b.flops, b.step_time)
+
+
 def test_the_kept_microbatches_reach_the_schedules_most_in_flight():
     import fpar.pipeline as pp
 
