@@ -13,6 +13,7 @@ import torch
 
 from .. import _stats
 from .._dist import shard as _dist_shard
+from ..pipeline._stage import last_stage
 from ..pipeline._timeline import replay
 from . import _cost, _optime, _repeat
 from ._hardware import Hardware
@@ -191,11 +192,15 @@ def _estimate(fn, args, kwargs, hw, known, shapes) -> Estimate:
         headers = dict(sim.headers)
         todo = list(range(1, p))
         classes = [cls0]
+        # the stage holding the loss plans its calls (the head's) in its first run: only plans
+        heads = {last_stage(schedule) for schedule, on in sim.schedules if on == axis}
         for _ in range(p + 1):  # stages whose upstream was not simulated yet go again
             waiting = []
             for s in todo:
                 try:
-                    _, got_sim, cls = _simulate(fn, args, kwargs, hw, known, shapes, {axis: s}, headers)
+                    _, got_sim, cls = _simulate(
+                        fn, args, kwargs, hw, known, shapes, {axis: s}, headers, first=s in heads
+                    )
                 except Upstream:
                     waiting.append(s)
                     continue
@@ -318,10 +323,11 @@ def _simulate(fn, args, kwargs, hw, known, shapes, coords, headers=None, *, firs
         with rec:
             # The first call of a signature plans it (a traced call); the step is measured once
             # every call in it is planned: the second run, or the first if it planned nothing
-            # (a pipeline stage whose functions an earlier stage's simulation planned).  The
-            # first simulation's first run only plans, so a pipeline runs the fewest microbatches
-            # in it (``Simulation.kept``); should the next run still plan something, a third
-            # measures.
+            # (a pipeline stage whose functions an earlier stage's simulation planned).  With
+            # ``first`` (the first stage, the loss's) the first run only plans, so a pipeline runs
+            # the fewest microbatches in it (``Simulation.kept``); another stage's run narrows to
+            # them once it plans a call (``Simulation.narrowed``); should the next run still plan
+            # something, a third measures.
             for run in range(3):
                 planned = _dist_shard.PLANNED[0]
                 sim.planning = first and run == 0

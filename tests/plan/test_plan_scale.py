@@ -73,12 +73,15 @@ def test_repeating_the_steady_microbatch_equals_simulating_every_one(schedule, v
     ids=["interleaved-zero1", "1f1b-fsdp"],
 )
 def test_a_run_that_only_plans_runs_the_fewest_microbatches_and_moves_nothing(monkeypatch, layout):
-    # The first device class's first run only plans: microbatches 0, 1 and the last.  The last
-    # stage's first run plans its head: from then on it drops the microbatches not begun.  What
-    # the measured runs report equals an estimate whose planning runs run every microbatch.
+    # The first stage's first run and the loss's stage's only plan: microbatches 0, 1 and the
+    # last.  A stage whose run plans a call it was not expected to (here the loss's, when not
+    # told) drops the microbatches not begun from then on.  What the measured runs report
+    # equals an estimate whose planning runs run every microbatch.
+    from fpar.plan import _estimate as estimate_module
     from fpar.plan import _paper
 
     m = layout.microbatches
+    fewest = frozenset({0, 1, m - 1})
     planned, narrowed = [], []
     kept, narrow = _paper.Simulation.kept, _paper.Simulation.narrowed
 
@@ -97,17 +100,22 @@ def test_a_run_that_only_plans_runs_the_fewest_microbatches_and_moves_nothing(mo
     monkeypatch.setattr(_paper.Simulation, "kept", spy_kept)
     monkeypatch.setattr(_paper.Simulation, "narrowed", spy_narrowed)
     fast = _estimate(layout, GPT)
-    assert planned == [(0, frozenset({0, 1, m - 1}))]
+    assert planned == [(0, fewest), (1, fewest)] and narrowed == []
+    planned.clear()
+    monkeypatch.setattr(estimate_module, "last_stage", lambda schedule: None)
+    late = _estimate(layout, GPT)
+    assert planned == [(0, fewest)]
     assert len(narrowed) == 1  # the last stage, once, keeping what had begun
     begun, keep = narrowed[0]
-    assert keep == begun | {0, 1, m - 1} and len(keep) < m
+    assert keep == begun | fewest and len(keep) < m
     monkeypatch.setattr(_paper, "_planning", lambda schedule: None)  # plan with every microbatch
     full = _estimate(layout, GPT)
-    assert [c.peak_bytes for c in fast.devices] == [c.peak_bytes for c in full.devices]
-    assert [c.breakdown for c in fast.devices] == [c.breakdown for c in full.devices]
-    assert [c.comm for c in fast.devices] == [c.comm for c in full.devices]
-    assert [c.flops for c in fast.devices] == [c.flops for c in full.devices]
-    assert fast.step_time == full.step_time
+    for est in (fast, late):
+        assert [c.peak_bytes for c in est.devices] == [c.peak_bytes for c in full.devices]
+        assert [c.breakdown for c in est.devices] == [c.breakdown for c in full.devices]
+        assert [c.comm for c in est.devices] == [c.comm for c in full.devices]
+        assert [c.flops for c in est.devices] == [c.flops for c in full.devices]
+        assert est.step_time == full.step_time
 
 
 @pytest.mark.parametrize(
