@@ -337,7 +337,7 @@ def _simulate(fn, args, kwargs, hw, known, shapes, coords, headers=None, *, firs
                 _stats.reset_comm_stats()
                 out = _call(fn, args, kwargs)
                 del out
-                if _dist_shard.PLANNED[0] == planned and (run > 0 or not first) or run == 2:
+                if (_dist_shard.PLANNED[0] == planned and (run > 0 or not first)) or run == 2:
                     break  # measured (what is left of it is freed as it goes: no collection)
                 gc.collect()  # the planning run's cycles, before the measured run counts what lives
         for schedule, stage, keep in sim.repeated:  # the microbatches not simulated repeat a steady one

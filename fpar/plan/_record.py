@@ -239,8 +239,7 @@ class Recorder(TorchDispatchMode):
             if phase == "update" and (st := _storage(t)) is not None:
                 self._pending_made.append(st._cdata)
         if c10d:
-            for t in ins:  # a buffer made to be sent (a gradient bucket, a gather's output) ...
-                self._retag(t, "comm_buffers", keep="activations")  # ... not an activation also sent
+            self._sent(ins)
             return out
         nbytes = 0
         if name not in _VIEWS_FREE or name in _MOVES:
@@ -283,6 +282,9 @@ class Recorder(TorchDispatchMode):
             self._touch(t)
         if self._phase() == "update":
             self._pending_made.append(tensors[0].untyped_storage()._cdata)
+        self._sent(tensors)
+
+    def _sent(self, tensors) -> None:
         for t in tensors:  # a buffer made to be sent (a gradient bucket, a gather's output) ...
             self._retag(t, "comm_buffers", keep="activations")  # ... not an activation also sent
 
