@@ -6,7 +6,11 @@ place.  ZeRO-1 and ZeRO-3 run inside the pipeline through ``fpar.optim.zero_pipe
 stage's gradients reduce-scattered over data once a step; ZeRO-3 keeps chunks between steps and
 gathers a stage in bfloat16 once a step).  A small sequence, so that model states dwarf
 activations.  One more row: ZeRO-0 with the stage functions' bfloat16 casts made per
-microbatch, as before the executor shared one per step (``fpar/pipeline/_casts.py``).
+microbatch, as before the executor shared one per step (``fpar/pipeline/_casts.py``).  And
+ZeRO-3 reducing each chunk's gradient as its backward ends (``Layout(reduce_once=False)``,
+``zero_pipeline(..., reduce_once=False)``): its float32 gradient is its chunk of the sum and the
+one model chunk in flight, 2 + 16/N + 4/v with ``v`` chunks a stage (``--virtual``, interleaved
+1F1B): the stage's whole float32 gradient no longer, once ``v`` is above 1.
 
 Measured independently of fpar's bookkeeping: torch's CPU allocator events under
 ``torch.profiler``, summed in time order over two steps from the bytes the step's arguments hold
@@ -20,6 +24,7 @@ gradient is summed whole over the microbatches, then reduce-scattered) 4 + 4 + 8
 Run:
     python bench/pipeline_memory.py                 # d=512, 8 layers (33.8M parameters)
     python bench/pipeline_memory.py --dim 256 --layers 4
+    python bench/pipeline_memory.py --virtual 4        # interleaved 1F1B, 4 chunks a stage
 """
 
 from __future__ import annotations
@@ -42,10 +47,14 @@ from zero import allocation_events, held_bytes
 import fpar.plan as plan
 
 N, P_STAGES = 2, 2
-CASES = (("0", 0), ("0, a cast per microbatch", 0), ("1", 1), ("3", 3))
+CASES = (("0", 0), ("0, a cast per microbatch", 0), ("1", 1), ("3", 3), ("3, reduced each microbatch", 3))
+EACH = "each microbatch"  # the case reducing each chunk's gradient as its backward ends
 
 
-def formula(zero: int, n: int = N) -> float:
+def formula(zero: int, n: int = N, each_v: int = 0) -> float:
+    """Bytes a parameter of a stage; ``each_v``: ZeRO-3 reducing each of a stage's ``v`` chunks as it ends."""
+    if each_v:
+        return 2 + 16 / n + 4 / each_v
     return {0: 18.0, 1: 10 + 8 / n, 3: 6 + 12 / n}[zero]
 
 
@@ -54,8 +63,16 @@ def model(cfg: dict) -> plan.Model:
     return plan.Model("bench", d, cfg["layers"], 8, 8, 4 * d, cfg["vocab"], cfg["seq"])
 
 
-def layout(zero: int, cfg: dict) -> plan.Layout:
-    return plan.Layout(pipeline=P_STAGES, data=N, zero=zero, microbatches=8, batch=16)
+def layout(zero: int, cfg: dict, each: bool = False) -> plan.Layout:
+    return plan.Layout(
+        pipeline=P_STAGES,
+        data=N,
+        zero=zero,
+        microbatches=8,
+        batch=16,
+        virtual=cfg["virtual"],
+        reduce_once=False if each else None,
+    )
 
 
 def peak_over_two_steps(step, args) -> int:
@@ -89,7 +106,7 @@ def worker(cfg: dict) -> dict:
         if "per microbatch" in name:  # the executor shares no cast: each microbatch makes its own
             _casts.Casts.__call__ = lambda self, func, args, kwargs: None
         try:
-            step, args = plan.model_step(model(cfg), layout(zero, cfg), mesh)
+            step, args = plan.model_step(model(cfg), layout(zero, cfg, EACH in name), mesh)
             out[name] = peak_over_two_steps(step, args)
         finally:
             _casts.Casts.__call__ = shared
@@ -104,12 +121,14 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--virtual", type=int, default=1, help="chunks a stage (interleaved 1F1B above 1)")
     cfg = vars(parser.parse_args(argv))
     m = model(cfg)
     per_stage = (m.n_params - 2 * m.vocab * m.d_model) / P_STAGES  # the layers' parameters a stage holds
     print(
         f"# Pipelined step memory: Llama-shaped d={cfg['dim']} L={cfg['layers']} seq={cfg['seq']}, "
-        f"{m.n_params / 1e6:.1f}M parameters, pipeline={P_STAGES} x data={N}, 1F1B over 8 microbatches, "
+        f"{m.n_params / 1e6:.1f}M parameters, pipeline={P_STAGES} x data={N}, 1F1B over 8 microbatches "
+        f"({cfg['virtual']} chunks a stage), "
         f"bf16 compute, AdamW in place; 4 gloo processes; torch {torch.__version__}, {platform.machine()}"
     )
     ranks = fpar.launch(worker, N * P_STAGES, cfg, timeout=1200.0)
@@ -118,21 +137,22 @@ def main(argv=None) -> None:
     )
     print("|---|---|---|---|---|---|")
     for name, zero in CASES:
-        est = plan.estimate(*_abstract(zero, cfg, shared="per microbatch" not in name))
+        each = EACH in name
+        est = plan.estimate(*_abstract(zero, cfg, shared="per microbatch" not in name, each=each))
         for s in range(P_STAGES):
             got = [r[name] / per_stage for r in ranks if r["coords"]["pipeline"] == s]
             planned = [c.peak_bytes for c in est.devices if c.coords.get("pipeline", 0) == s]
-            want = formula(zero)
+            want = formula(zero, each_v=cfg["virtual"] if each else 0)
             print(
                 f"| {name} | {s} | {', '.join(f'{g:.2f}' for g in got)} | "
                 f"{max(planned) / per_stage:.2f} | {want:.1f} | {max(got) / want:.2f} |"
             )
 
 
-def _abstract(zero: int, cfg: dict, shared: bool):
+def _abstract(zero: int, cfg: dict, shared: bool, each: bool = False):
     from fpar.pipeline import _casts
 
-    step, args = plan.model_step(model(cfg), layout(zero, cfg))
+    step, args = plan.model_step(model(cfg), layout(zero, cfg, each))
     if shared:
         return (step, *args)
     saved = _casts.Casts.__call__

@@ -143,6 +143,21 @@ class defer_reduction:
             d.drop()
         return out
 
+    def _take_done(self) -> list[tuple[Tensor, Tensor, tuple[str, ...]]]:
+        """The sums the backwards so far have added, unreduced, as ``_take_local``'s; the step goes on.
+
+        For a caller that reduces each microbatch's gradient as its backward ends
+        (``fpar.optim.zero_pipeline(..., reduce_once=False)``).  Each bucket's buffer is handed
+        over (the next backward's add starts a new one); every deferred call still owes its
+        backward, and ``_take_local`` at the step's end checks that each ran.  Call it only
+        between backwards (a backward half added would be split between two takes).
+        """
+        out = []
+        for d in [d for d in _LIVE if d.scope is self]:
+            for b in range(len(d.parts)):
+                out += d.hand_over_sums(b)
+        return out
+
     def _check_reduced(self, where: str) -> None:
         """Raise if sums deferred under this scope were not reduced (end of a step)."""
         stale = [d for d in _LIVE if d.scope is self]
@@ -384,6 +399,27 @@ class Deferred:
         if all(self.taken):
             self._forget()
         return flat
+
+    def hand_over(self, b: int) -> Tensor | None:
+        """Bucket ``b``'s buffer as it is now (``None`` if no backward added since the last), made plain.
+
+        The sums so far leave with it; the next add starts a new buffer.  The deferred calls'
+        count is kept, so ``take`` still checks that each ran its backward.
+        """
+        if self.taken[b] or self.flats[b] is None:
+            return None
+        if self.filled[b] is not None:
+            self._zero_unfilled(b)
+        flat, self.flats[b] = self.flats[b], None
+        return flat
+
+    def hand_over_sums(self, b: int) -> list[tuple[Tensor, Tensor, tuple[str, ...]]]:
+        """``hand_over`` as ``(input tensor, its sum: a view of the buffer, axes)`` per member."""
+        flat = self.hand_over(b)
+        if flat is None:
+            return []
+        axes, members = self.parts[b]
+        return [(base, block(flat, at, shape), axes) for base, at, shape in members]
 
     def drop(self) -> None:
         """Forget this state (its sums are reported lost by the caller)."""

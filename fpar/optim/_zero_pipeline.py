@@ -18,16 +18,31 @@ The embedding and the head (``first`` and ``last``, replicated over the pipe axi
 stage) are reduce-scattered on every stage (zeros where a stage does not use them) and summed
 over the pipe axis as chunks: ``1/N`` of what sending the owner's whole gradient would cost.
 
+**When the gradients are reduced** (``reduce_once``).  By default a stage's microbatches'
+gradients are summed unreduced (in float32 under ``compute_dtype``) and reduce-scattered once, at
+the step's end: torchtitan's FSDP x pipeline (``set_requires_gradient_sync(False)`` but for the
+last microbatch), one message a bucket a step, and the stage's whole gradient held until then (4
+bytes a parameter of the stage in float32).  ``reduce_once=False`` sums each chunk's gradient onto
+the data ranks whose chunks hold it as soon as that chunk's backward of a microbatch ends, and
+accumulates it there as chunks (FSDP2's default, and Llama 3's "shards ... gradients"): a
+stage holds one chunk's gradient while it is reduced, not the stage's, for ``m`` times the
+messages.  A chunk's gradient is a row of each stacked leaf, whose range crosses one or more data
+ranks' chunks of the leaf: each piece goes to its owner by ``torch.distributed.reduce`` (the bytes
+of a reduce-scatter of the row), in flight while the forwards that follow compute, waited for
+before the next backward starts.
+
 In-process (no messages) the step's summed gradients are cut into each device's chunk.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 
+from .. import _stats
 from .._collectives import pmax, psum
 from .._defer import deferred_zeros, is_deferred_zero
 from .._mesh import Mesh
@@ -59,6 +74,7 @@ def zero_pipeline(
     *,
     compute_dtype: torch.dtype | None = None,
     bucket_bytes: int = BUCKET_BYTES,
+    reduce_once: bool = True,
 ) -> Callable:
     """A pipelined step whose parameters and gradients are laid out by ZeRO stage 2 or 3.
 
@@ -75,6 +91,11 @@ def zero_pipeline(
         As FSDP2, a parameter used twice in one microbatch has its two gradients added in
         ``compute_dtype``.  In-process (no messages) the parameters are gathered as they are.
       bucket_bytes: reduce-scatter the gradients in buckets of up to this many bytes a device.
+      reduce_once: sum the microbatches' gradients unreduced and reduce-scatter them once a step
+        (True, torchtitan's choice in a pipeline), or reduce each chunk's gradient as each of its
+        microbatches' backward ends and accumulate chunks (False: the stage's gradient is never
+        held whole, for ``m`` times the messages; see the module docstring).  The same sums
+        either way; the additions are ordered otherwise (float rounding may differ).
 
     Returns:
       ``run(params, xs, targets=None, *, key=None) -> StepResult``: ``params`` as ``zero_init``
@@ -85,6 +106,7 @@ def zero_pipeline(
       TypeError: ``step`` is not a ``fpar.pipeline.pipeline`` step.
       ValueError: a stage other than 2 or 3, another mesh, the data axis is the pipe axis, or a
         layout with ``units``.
+      TypeError: ``reduce_once`` not a bool.
 
     Example:
       >>> layout = fo.zero_layout(params, mesh, specs, stage=3)
@@ -123,12 +145,16 @@ def zero_pipeline(
         raise TypeError(
             f"{_API}: compute_dtype must be a floating torch.dtype or None, got {compute_dtype!r}."
         )
+    if not isinstance(reduce_once, bool):
+        raise TypeError(f"{_API}: reduce_once must be True or False, got {reduce_once!r}.")
     pspecs = layout._tree([lf.spec for lf in layout.leaves])
     chunked = shard(lambda g: _map(_own_chunk, g, layout), mesh, (pspecs,), layout.grad_specs)
     low = compute_dtype if layout.stage == 3 and mesh.backend == "dist" else None
     agree = _Agree(layout)
     gather_low = None if low is None else _low_gather(layout, pspecs, low)
     combines: dict[tuple, Callable] = {}
+    groups = layout._tree(list(range(len(layout.leaves))))  # each group's leaves' layout indices
+    leaf_of = {g: tree_flatten(groups[g])[0] for g in groups}
 
     def run(params: Any, xs: Tensor, targets: Any = None, *, key: Tensor | None = None) -> Any:
         _check_params(params, layout)
@@ -138,7 +164,8 @@ def zero_pipeline(
             del whole
             return res._replace(grads=chunked(res.grads))
         wide = None if low is None else _master_dtype(params)
-        got = unreduced(whole, xs, targets, key, data, wide)
+        each = None if reduce_once else _RowSums(layout, leaf_of)
+        got = unreduced(whole, xs, targets, key, data, wide, each)
         # each leaf's sums are in its gathered dtype, or ``wide`` where that is wider
         sums = [_sum_dtype(t, wide) for t in tree_flatten(whole)[0]]
         del whole  # stage 3: the gathered stage goes before the reduce-scatter
@@ -146,21 +173,33 @@ def zero_pipeline(
         like = tree_flatten(params)[0]
         masters = tuple(p.dtype for p in like)
         shared = [_pipe_replicated(lf, axis, mesh) for lf in layout.leaves]
+        if each is not None:  # what was left unreduced (nothing, when every sum came by a backward)
+            each.whole([(i, g, ax) for i, (g, ax) in enumerate(zip(local, axes)) if g is not None])
+            axes = [each.axes.get(i, ax) for i, ax in enumerate(axes)]
+            local = [None] * len(local)
         over = agree(axes)  # every rank's sharded call must take the same specs
         extra = tuple(
             tuple(a for a in ov if a != data) + ((axis,) if sh else ()) for ov, sh in zip(over, shared)
         )
         del axes
         rank = mesh._dist.coords[data]
-        ins = [
-            (torch.zeros(lf.block, dtype=dt, device=p.device) if g is None else g).unsqueeze(0)
-            for g, lf, p, dt in zip(local, layout.leaves, like, sums)
-        ]
         owns = [
             _own_slice(r, lf, layout, rank, p.device, dt, sh)
             for r, lf, p, dt, sh in zip(reduced, layout.leaves, like, sums, shared)
         ]
-        del local, reduced
+        del reduced
+        if each is not None:  # the chunks each rank summed: over their other axes, plus the rest
+            ins = [each.chunk(i, dt, p.device, sh) for i, (dt, p, sh) in enumerate(zip(sums, like, shared))]
+            del each
+            sig = ("rows", extra, masters)
+            if sig not in combines:
+                combines[sig] = _finish_rows(layout, extra, shared, masters, axis)
+            return StepResult(got.loss, combines[sig](layout._tree(ins), layout._tree(owns)), got.stats)
+        ins = [
+            (torch.zeros(lf.block, dtype=dt, device=p.device) if g is None else g).unsqueeze(0)
+            for g, lf, p, dt in zip(local, layout.leaves, like, sums)
+        ]
+        del local
         combine = combines.get((extra, masters))
         if combine is None:
             combine = combines[(extra, masters)] = _combine(
@@ -198,6 +237,108 @@ def _combine(layout: ZeroLayout, extra: tuple, shared: list, masters: tuple, axi
         return layout._tree(out)
 
     return shard(per_device, layout.mesh, (local_specs, own_specs), layout.grad_specs)
+
+
+def _finish_rows(layout: ZeroLayout, extra: tuple, shared: list, masters: tuple, axis: str) -> Callable:
+    """``reduce_once=False``'s end: each data-summed chunk summed over its other axes, plus the rest."""
+    own_specs = layout._tree(
+        [
+            P(axis, *layout._chunk_spec(lf)) if sh else layout._chunk_spec(lf)
+            for lf, sh in zip(layout.leaves, shared)
+        ]
+    )
+
+    def per_device(acc: Any, own: Any) -> Any:
+        out = []
+        for a, o, sh, ex, dt in zip(tree_flatten(acc)[0], tree_flatten(own)[0], shared, extra, masters):
+            a, o = (a.squeeze(0), o.squeeze(0)) if sh else (a, o)
+            over = tuple(x for x in ex if x != axis)
+            a = psum(a, over) if over else a
+            if not is_deferred_zero(o):  # a part summed already
+                a = a.add_(o)
+            a = psum(a, axis) if sh else a
+            out.append(a.to(dt))
+        return layout._tree(out)
+
+    return shard(per_device, layout.mesh, (own_specs, own_specs), layout.grad_specs)
+
+
+class _RowSums:
+    """``reduce_once=False``: each backward's gradients summed onto the data ranks that hold them.
+
+    Called by the pipeline after each backward action with the deferred sums it completed (a
+    chunk's row of each stacked leaf; ``first``/``last`` whole).  Each row is cut where the
+    data ranks' chunks of its leaf meet, and each piece is summed onto its owner
+    (``torch.distributed.reduce``), which adds it into its chunk.  The pieces are in flight while
+    the forwards that follow compute, and waited for before the next backward starts: one
+    backward's sums are held at a time.
+    """
+
+    def __init__(self, layout: ZeroLayout, leaf_of: dict):
+        self.layout, self.leaf_of = layout, leaf_of
+        self.data = layout.data_axis
+        self.groups = cast(Any, layout.mesh._dist)  # a real mesh's (``MeshGroups``)
+        self.group, self.members = self.groups.group((self.data,)), self.groups.members((self.data,))
+        self.me = self.groups.coords[self.data]
+        self.acc: dict[int, Tensor] = {}  # leaf -> this rank's chunk of its data-summed gradient
+        self.axes: dict[int, str] = {}  # leaf -> the axes its sums are over (a leaf of ``Unreduced.axes``)
+        # the pieces in flight: (work, piece, (leaf, offset) if this rank owns the piece)
+        self.pending: list[tuple[Any, Tensor, tuple[int, int] | None]] = []
+
+    def ready(self) -> None:
+        """A backward begins: the last one's reductions end first."""
+        self.wait()
+
+    def __call__(self, items: list) -> None:
+        """One backward's sums: ``[(group, chunk, leaf, sum, axes)]`` (``each`` of the pipeline)."""
+        for g, c, j, value, axes in items:
+            i = self.leaf_of[g][j]
+            flat = value.reshape(-1)
+            self._reduce(i, c * flat.numel() if g == "stages" else 0, flat, " ".join(axes))
+
+    def whole(self, items: list) -> None:
+        """Whole leaves' sums (``(leaf, sum, axes)``), each as one row from its start."""
+        for i, g, ax in items:
+            self._reduce(i, 0, g.reshape(-1), ax)
+        self.wait()
+
+    def _reduce(self, i: int, start: int, flat: Tensor, axes: str) -> None:
+        if self.data not in axes.split():
+            raise ValueError(
+                f"{_API}: the gradient of parameter leaf {i} is not summed over the data axis "
+                f"{self.data!r} (its sums are over {axes or 'no axis'}); ZeRO shards gradients over the "
+                f"data axis, so its stage functions must use it replicated over that axis."
+            )
+        self.axes[i] = axes
+        width, c = flat.numel(), self.layout.leaves[i].chunk
+        _stats.record(
+            "psum_scatter", (self.data,), self.layout.n, flat.new_empty(width, device="meta"), overlap=True
+        )
+        self.groups.group((self.data,))  # as every collective fpar issues: held messages go first
+        for k in range(start // c, (start + width - 1) // c + 1):
+            a, b = max(start, k * c), min(start + width, (k + 1) * c)
+            piece = flat[a - start : b - start]
+            work = dist.reduce(piece, dst=self.members[k], group=self.group, async_op=True)
+            self.pending.append((work, piece, (i, a - k * c) if k == self.me else None))
+
+    def wait(self) -> None:
+        """End the reductions in flight; add the pieces this rank owns into its chunks."""
+        pending, self.pending = self.pending, []
+        for work, piece, where in pending:
+            work.wait()
+            if where is not None:
+                i, at = where
+                acc = self.acc.get(i)
+                if acc is None:
+                    acc = self.acc[i] = piece.new_zeros(self.layout.leaves[i].chunk)
+                acc[at : at + piece.numel()].add_(piece)
+
+    def chunk(self, i: int, dtype: torch.dtype, device: torch.device, shared: bool) -> Tensor:
+        """This rank's chunk of leaf ``i``'s data-summed gradient (zeros where none reached it)."""
+        acc = self.acc.pop(i, None)
+        if acc is None:
+            acc = torch.zeros(self.layout.leaves[i].chunk, dtype=dtype, device=device)
+        return acc.unsqueeze(0) if shared else acc
 
 
 class _Agree:

@@ -18,6 +18,7 @@ from the schedule), the peak inbox, and measured seconds.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from .._mesh import Mesh
-from .._tree import tree_flatten
+from .._tree import tree_flatten, tree_unflatten
 from ._run_dist import DistDriver, Unreduced
 from ._run_local import LocalDriver
 from ._schedule import Schedule
@@ -121,6 +122,7 @@ def pipeline(
         key: Tensor | None,
         unreduced: str | None,
         accumulate: torch.dtype | None = None,
+        each: Any = None,
     ) -> Any:
         try:
             _check_params(params, xs, targets, schedule, local=mesh.backend != "dist")
@@ -132,7 +134,9 @@ def pipeline(
             raise
         run_driver: Callable[..., Any] = driver.run
         if unreduced is not None and isinstance(driver, DistDriver):
-            run_driver = functools.partial(driver.run, unreduced=unreduced, accumulate=accumulate)
+            if each is not None and ties:
+                each = _TiedEach(params, ties, each)
+            run_driver = functools.partial(driver.run, unreduced=unreduced, accumulate=accumulate, each=each)
         if not ties:
             return run_driver(params, xs, targets, key)
         last = dict(params["last"])
@@ -180,6 +184,47 @@ def _sum_ties(result: Any, ties: tuple) -> Any:
             axes=_tied_sum(result.axes, ties, lambda a, b: a),  # both uses' sums are over the same axes
         )
     return result._replace(grads=_tied_sum(result.grads, ties))
+
+
+@dataclasses.dataclass(frozen=True)
+class _At:
+    """Where a leaf of the step's ``last`` (with the tied weights in it) is in the caller's params."""
+
+    group: str
+    leaf: int
+
+
+class _TiedEach:
+    """``each`` named by the caller's params: a tied weight's ``last`` sum is its ``first`` leaf's.
+
+    The driver runs with ``last`` holding the tied weights too (``run`` above), so its ``last``
+    leaves are numbered otherwise than the caller's.
+    """
+
+    def __init__(self, params: dict, ties: tuple, each: Any):
+        first, last = (_labels(params[g], g) for g in ("first", "last"))
+        last = dict(last)
+        for a, b in ties:
+            last[b] = first[a]
+        self.at, self.each = tree_flatten(last)[0], each
+
+    def ready(self) -> None:
+        self.each.ready()
+
+    def __call__(self, items: list) -> None:
+        at = self.at
+        self.each(
+            [
+                (at[j].group, c, at[j].leaf, *rest) if g == "last" else (g, c, j, *rest)
+                for g, c, j, *rest in items
+            ]
+        )
+
+
+def _labels(tree: Any, group: str) -> Any:
+    """``tree`` with each leaf replaced by where it is (an ``_At``, itself a leaf)."""
+    leaves, treedef = tree_flatten(tree)
+    return tree_unflatten(treedef, [_At(group, j) for j in range(len(leaves))])
 
 
 def _tied_sum(grads: dict, ties: tuple, add: Callable = lambda g, h: g + h) -> dict:

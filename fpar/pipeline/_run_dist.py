@@ -71,17 +71,22 @@ class DistDriver:
         key: Tensor | None = None,
         unreduced: str | None = None,
         accumulate: torch.dtype | None = None,
+        each: Any = None,
     ) -> Any:
         """The step: a ``StepResult``; with ``unreduced`` (a data axis) an ``Unreduced`` instead.
 
         ``accumulate``: with ``unreduced``, the dtype the gradients of lower-precision parameters
         are summed in over the microbatches (``fpar.optim.zero_pipeline``'s float32 sums of its
-        bfloat16-gathered parameters).
+        bfloat16-gathered parameters).  ``each``: with ``unreduced``, called after every backward
+        action with the deferred sums it completed, ``[(group, chunk, leaf, sum, axes)]`` (``leaf``
+        the index in ``params[group]``'s leaves, of chunk ``chunk`` for ``"stages"``), which are
+        then not in the result's ``local``; ``each.ready()`` is called before every backward
+        action (``zero_pipeline(..., reduce_once=False)`` ends the reductions in flight there).
         """
         if self.mesh.abstract:  # a mesh on paper: the stage fpar.plan simulates (device 0's outside)
             if not _dist.simulated():
                 with _dist.on_paper(self.mesh):
-                    return self.run(params, xs, targets, key, unreduced, accumulate)
+                    return self.run(params, xs, targets, key, unreduced, accumulate, each)
             if self.mesh._dist.coords[self.axis] != self.me:  # another stage's process: its own buffers
                 self._stage(self.mesh._dist.coords[self.axis])
                 self.shapes, self.kept_rows = {}, []
@@ -104,6 +109,7 @@ class DistDriver:
                 st.deferral._accumulate_dtype = accumulate
                 _widen(st, accumulate)
         bufs = _gradient_rows(st, stacked, self.kept_rows) if unreduced is None else None
+        flush = None if each is None or unreduced is None else _Flush(st, each)
         start = time.perf_counter()
         sending: list = []  # (work, value) of the sends posted at the previous tick
         early: set = set()
@@ -126,7 +132,12 @@ class DistDriver:
                 if a.kind in COMPUTE:
                     if sim is not None:  # fpar.plan: the ops that follow are this action's
                         sim.mark(a)
-                    st.run(a, xs, targets)
+                    if flush is not None and a.kind != "F":
+                        flush.ready()  # the last backward's sums are reduced before this one makes more
+                        st.run(a, xs, targets)
+                        flush()
+                    else:
+                        st.run(a, xs, targets)
             if sim is not None:
                 sim.mark(None)
             posting += self._exchange(actions, st, _dist, early, posted)
@@ -559,6 +570,27 @@ def _unreduced(st: Stage, params: dict, sums: list, loss: Tensor, stats: Timelin
         for part, got in zip(("local", "reduced", "axes"), parts(leaves)):
             out[part][g] = tree_unflatten(td, got)
     return Unreduced(loss, out["local"], out["reduced"], out["axes"], stats)
+
+
+class _Flush:
+    """``each`` of a step: after a backward action, the deferred sums it completed, named by group, chunk and leaf."""
+
+    def __init__(self, st: Stage, each: Any):
+        self.st, self.each = st, each
+        self.where = {
+            id(t): (g, c, j)
+            for g, chunks in st.groups.items()
+            for c, (leaves, _) in enumerate(chunks)
+            for j, t in enumerate(leaves)
+        }
+
+    def ready(self) -> None:
+        self.each.ready()
+
+    def __call__(self) -> None:
+        done = self.st.deferral._take_done()
+        if done:
+            self.each([(*self.where[id(base)], value, axes) for base, value, axes in done])
 
 
 def _widen(st: Stage, dtype: torch.dtype) -> None:

@@ -113,8 +113,11 @@ class Layout:
     attention's and every other matmul's, torchtitan's "op" policy, ``fpar.optim.save_alternate_dots``).
     ``sums``: how the step's bf16 sums over devices accumulate (``fpar.low_precision_sums``):
     ``"float32"`` (fpar's rule, twice the bytes) or ``"native"`` (Megatron-LM's 16-bit all-reduces).
-    ``reduce_once``: ZeRO 2 or 3 without a pipeline: the microbatches' gradients summed unreduced
-    and reduce-scattered once a step (``fpar.optim.zero_step(..., reduce_once=True)``).
+    ``reduce_once``: ZeRO 2 or 3: the microbatches' gradients summed unreduced and reduce-scattered
+    once a step (True), or each microbatch's reduced as its backward ends and accumulated as
+    chunks (False).  ``None``: each path's default, which is what its peers do: False without a
+    pipeline (``fpar.optim.zero_step``, as FSDP2), True inside one (``fpar.optim.zero_pipeline``,
+    as torchtitan; False there reduces each chunk's gradient as each of its backwards ends).
     ``group``: with ``virtual > 1``, the microbatches interleaved 1F1B runs through a chunk before
     the next (Megatron-LM's ``microbatch_group_size_per_vp_stage``; None: ``pipeline``), which lets
     ``microbatches`` be other than a multiple of ``pipeline`` (``fpar.pipeline.interleaved_1f1b``).
@@ -131,7 +134,7 @@ class Layout:
     sequence_parallel: bool = True
     virtual: int = 1
     sums: str = "float32"
-    reduce_once: bool = False
+    reduce_once: bool | None = None
     group: int | None = None
 
     @property
@@ -152,6 +155,7 @@ class Layout:
             + (f" virtual={self.virtual}" if self.virtual > 1 else "")
             + (f" sums={self.sums}" if self.sums != "float32" else "")
             + (" reduce_once" if self.reduce_once else "")
+            + (" reduce_once=False" if self.reduce_once is False and self.pipeline > 1 else "")
             + (f" group={self.group}" if self.group is not None else "")
         )
 
@@ -206,10 +210,12 @@ def check_layout(model: Model, layout: Layout) -> None:
             raise ValueError(f"fpar.plan: layout {layout.describe()}: {e}") from None
     if layout.zero not in (0, 1, 2, 3):
         raise ValueError(f"fpar.plan: zero={layout.zero}; choose ZeRO stage 0, 1, 2 or 3.")
-    if layout.reduce_once and (layout.zero < 2 or p > 1):
+    if layout.reduce_once not in (None, True, False):
+        raise TypeError(f"fpar.plan: reduce_once must be None, True or False, got {layout.reduce_once!r}.")
+    if layout.zero < 2 and (layout.reduce_once or (layout.reduce_once is False and p > 1)):
         raise ValueError(
-            f"fpar.plan: reduce_once=True is for ZeRO 2 or 3 without a pipeline (ZeRO 0 and 1 reduce "
-            f"once a step already, and so does ZeRO inside a pipeline); got {layout.describe()}."
+            f"fpar.plan: reduce_once={layout.reduce_once} is for ZeRO 2 or 3 (ZeRO 0 and 1 reduce once "
+            f"a step: their gradients are whole until the update); got {layout.describe()}."
         )
 
 
@@ -486,7 +492,7 @@ def model_step(model: Model | str, layout: Layout, mesh: Mesh | None = None, *, 
             batch_specs=P(DATA),
             n_micro=m,
             donate=True,
-            reduce_once=layout.reduce_once,
+            reduce_once=bool(layout.reduce_once),
         )
         batch = (ids.flatten(0, 1), ids.flatten(0, 1))
         batch = device_put(batch, mesh, P(DATA))
@@ -520,14 +526,15 @@ def model_step(model: Model | str, layout: Layout, mesh: Mesh | None = None, *, 
     ties = (("w_emb", "w_tied"),) if gpt else ()
     run = pp.pipeline(stage_k, schedule, mesh, loss=loss_k, first=first_k, axis=PIPE, tied=ties)
     # ZeRO 1-3 inside the pipeline: each stage's gradients reduce-scattered over data once a step
-    # (ZeRO-1's state is stage 2's there); stage 3 keeps chunks and gathers a stage once a step
+    # (ZeRO-1's state is stage 2's there), or at 2-3 with reduce_once=False each chunk's as each
+    # of its backwards ends; stage 3 keeps chunks and gathers a stage once a step
     stage = {0: 0, 1: 2, 2: 2, 3: 3}[layout.zero]
     zl = fo.zero_layout(params, mesh, specs, stage=stage, data_axis=DATA)
     params, state = fo.zero_init(opt, params, zl)
     update = fo.zero_update(opt, zl, donate=True)  # in place, as a user at scale runs it
     if stage:  # ZeRO-3 gathers in a low compute dtype (FSDP2's param_dtype), sums in float32
         low = dtype if stage == 3 and dtype.itemsize < 4 else None
-        run = fo.zero_pipeline(run, zl, compute_dtype=low)
+        run = fo.zero_pipeline(run, zl, compute_dtype=low, reduce_once=layout.reduce_once is not False)
     xs = device_put(ids, mesh, P(None, DATA))
 
     def step(params, state, xs, ys):

@@ -75,8 +75,10 @@ class TrainingProgram:
       zero_stage: the ZeRO stage: 0 to 3 for ``"zero"``, 0, 2 or 3 for ``"pipeline"``.
       fused: ``"zero"`` only: ``zero_step`` (True) or ``zero_grads`` + ``zero_update``, whose
         gradients are then compared too (False).
-      reduce_once: ``"zero"`` only, stage 2 or 3 with ``n_micro > 1``: the microbatches'
-        gradients summed unreduced and reduce-scattered once (``zero_step``'s ``reduce_once``).
+      reduce_once: stage 2 or 3 with ``n_micro > 1``: the microbatches' gradients summed
+        unreduced and reduce-scattered once (True), or each microbatch's reduced as its backward
+        ends (False); ``None``: the driver's default (``"zero"``: False, ``zero_step``'s;
+        ``"pipeline"``: True, ``zero_pipeline``'s).
       schedule: ``"pipeline"`` only: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``,
         ``"zb_h1"``, ``"zb_v"`` or ``"dualpipe_v"`` (``fpar.pipeline``'s builders).
       chunks: ``"pipeline"`` only: model chunks per stage (``v``): 1 or 2 for ``"gpipe"``, 2 for
@@ -119,7 +121,7 @@ class TrainingProgram:
     n_micro: int = 1
     zero_stage: int = 0
     fused: bool = True
-    reduce_once: bool = False
+    reduce_once: bool | None = None
     schedule: str = "gpipe"
     chunks: int = 1
     layers: int = 1
@@ -198,10 +200,13 @@ class TrainingProgram:
             bad("grad_api and accumulation are for driver='manual'.")
         if self.driver != "zero" and not self.fused:
             bad("fused=False is for driver='zero'.")
-        if self.reduce_once and not (
-            self.driver == "zero" and self.zero_stage in (2, 3) and self.n_micro > 1
+        if self.reduce_once not in (None, True, False):
+            bad("reduce_once is None, True or False.")
+        pipelined = self.driver == "pipeline" and self.reduce_once is not None
+        if (self.reduce_once or pipelined) and not (
+            self.driver in ("zero", "pipeline") and self.zero_stage in (2, 3) and self.n_micro > 1
         ):
-            bad("reduce_once is for driver='zero' at zero_stage 2 or 3 with n_micro > 1.")
+            bad("reduce_once is for driver='zero' or 'pipeline' at zero_stage 2 or 3 with n_micro > 1.")
         for field, on in (("precision", self.precision != "fp64"), ("compile", self.compile)):
             if on and not (self.driver == "zero" and self.fused):
                 bad(f"{field} is for driver='zero' with fused=True (fpar.optim.zero_step).")
@@ -243,6 +248,7 @@ class TrainingProgram:
         else:
             how = f"pipeline {self.schedule} m={self.n_micro} v={self.chunks}"
             how += f", ZeRO-{self.zero_stage}" if self.zero_stage else ""
+            how += " reduced each microbatch" if self.reduce_once is False else ""
         extra = [f"{self.model} x{self.layers}", how, self.optimizer]
         if self.precision != "fp64":
             extra.append(self.precision)

@@ -376,11 +376,11 @@ class _Run:
                 batch_specs=bspecs,
                 n_micro=pr.n_micro,
                 donate=pr.donate,
-                reduce_once=pr.reduce_once,
+                reduce_once=bool(pr.reduce_once),
             )
         else:
             grads_fn = fo.zero_grads(
-                loss_fn, layout, batch_specs=bspecs, n_micro=pr.n_micro, reduce_once=pr.reduce_once
+                loss_fn, layout, batch_specs=bspecs, n_micro=pr.n_micro, reduce_once=bool(pr.reduce_once)
             )
             update = fo.zero_update(opt, layout, donate=pr.donate)
         keyspec = (P(),) if rate else ()
@@ -446,7 +446,7 @@ class _Run:
         opt, layout, params, state = self._optimizer_setup(params, specs, pr.zero_stage)
         update = fo.zero_update(opt, layout, donate=pr.donate)
         if pr.zero_stage:  # each stage's gradients reduce-scattered over data (ZeRO-3: chunks kept)
-            run = fo.zero_pipeline(run, layout)
+            run = fo.zero_pipeline(run, layout, reduce_once=pr.reduce_once is not False)
         gspecs = specs if not pr.zero_stage else layout.grad_specs
         trace: dict = {}
         for t in range(pr.steps):

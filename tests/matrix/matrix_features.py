@@ -103,15 +103,21 @@ def program(run: dict, devices: int) -> TrainingProgram | None:
         seed=len(run["mesh"]),
     )
     if driver == "pipeline":
-        if schedule == "none" or run["accumulation"] != "none" or run["zero_stage"] == 1:
-            # a pipeline's microbatches are its accumulation; ZeRO inside it is stage 2 or 3
-            # (fpar.optim.zero_pipeline), stage 1 being stage 2 there
+        if schedule == "none" or run["zero_stage"] == 1:
+            # ZeRO inside a pipeline is stage 2 or 3 (fpar.optim.zero_pipeline), stage 1 being
+            # stage 2 there
+            return None
+        # a pipeline's microbatches are its accumulation: "accumulate" draws ZeRO-2/3 reducing
+        # each chunk's gradient as its backward ends (zero_pipeline's reduce_once=False), "none"
+        # its default (once a step)
+        each = run["accumulation"] == "accumulate" and run["zero_stage"] in (2, 3)
+        if run["accumulation"] != "none" and not each:
             return None
         p = size.get("pipe", 1)
         chunks = CHUNKS[schedule][0]
         micro = {"interleaved_1f1b": 2 * p, "dualpipe_v": 2 * p}.get(schedule, 2)
         kw.update(driver="pipeline", schedule=schedule, chunks=chunks, layers=p * chunks, n_micro=micro)
-        kw.update(zero_stage=run["zero_stage"])
+        kw.update(zero_stage=run["zero_stage"], reduce_once=False if each else None)
     else:
         if schedule != "none":
             return None

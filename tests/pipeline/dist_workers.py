@@ -345,11 +345,12 @@ def cast_job(axes: tuple, name: str, p: int, m: int, v: int, shared: bool, relea
     }
 
 
-def zero_pipeline_job(axes: tuple, name: str, p: int, m: int, v: int, stage: int) -> dict:
+def zero_pipeline_job(axes: tuple, name: str, p: int, m: int, v: int, stage: int, once: bool = True) -> dict:
     """``fpar.optim.zero_pipeline`` at ZeRO ``stage``: its gradient chunks, and the chunks of the plain step's.
 
     Both gathered to whole (``layout.grad_specs``), with the losses: equal on both meshes.
-    ``data_ops``: the collectives the ZeRO step ran over the data axis.
+    ``data_ops``: the collectives the ZeRO step ran over the data axis.  ``once``: its
+    ``reduce_once`` (False: each chunk's gradient reduced as its backward ends).
     """
     import fpar.optim as fo
 
@@ -364,7 +365,7 @@ def zero_pipeline_job(axes: tuple, name: str, p: int, m: int, v: int, stage: int
     layout = fo.zero_layout(params, mesh, specs, stage=stage)
     zparams, _ = fo.zero_init(fo.sgd(0.1), params, layout)
     step = pp.pipeline(fns["stage"], M.schedule(name, p, m, v), mesh, loss=fns["loss"], first=fns["first"])
-    run = fo.zero_pipeline(step, layout)
+    run = fo.zero_pipeline(step, layout, reduce_once=once)
     run(zparams, xs, ts)  # the first call plans the sharded calls
     fpar.reset_comm_stats()
     got = run(zparams, xs, ts)
@@ -379,20 +380,27 @@ def zero_pipeline_job(axes: tuple, name: str, p: int, m: int, v: int, stage: int
         "chunks": fpar.gather(got.grads, mesh, layout.grad_specs),
         "plain_chunks": fpar.gather(chunks, mesh, layout.grad_specs),
         "data_ops": sorted(comm.get("data", {})),
+        "scatters": comm.get("data", {}).get("psum_scatter", {}).get("calls", 0),
     }
 
 
-def model_step_job(kind: str, zero: int, dtype: str = "float64") -> list:
+def model_step_job(
+    kind: str, zero: int, dtype: str = "float64", once: bool | None = None, virtual: int = 1
+) -> list:
     """Three steps of ``fpar.plan.model_step`` on pipeline=2 x data=2: the losses.
 
     A GPT's head is tied to its embedding (``tied=``), so ZeRO inside the pipeline sums the two
     uses' chunks; each step's loss depends on the updates before it.  ``dtype``: the compute
     dtype (``"bfloat16"``: float32 masters cast once a step, or at ZeRO-3 gathered in bfloat16).
+    ``once``: the layout's ``reduce_once`` (False: each chunk's gradient reduced as its backward
+    ends); ``virtual``: chunks a stage (interleaved 1F1B above 1).
     """
     import fpar.plan as plan
 
     model = plan.Model(f"small-{kind}", 32, 4, 2, 2, 64, 48, 8, kind, "eager")  # no vmap of flash
-    layout = plan.Layout(pipeline=2, data=2, zero=zero, microbatches=2, batch=8)
+    layout = plan.Layout(
+        pipeline=2, data=2, zero=zero, microbatches=2, batch=8, reduce_once=once, virtual=virtual
+    )
     mesh = mesh_for((("pipeline", 2), ("data", 2), ("tensor", 1)))
     step, args = plan.model_step(model, layout, mesh, dtype=getattr(torch, dtype))
     params, state, xs, ys = args

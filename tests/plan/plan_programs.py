@@ -51,6 +51,7 @@ MESHES = {
     "pipeline": ((2, 1, 2), ("pipeline", "data", "tensor")),
     "pipeline_zero1": ((2, 2, 1), ("pipeline", "data", "tensor")),
     "pipeline_zero3": ((2, 2, 1), ("pipeline", "data", "tensor")),
+    "pipeline_zero3_each": ((2, 2, 1), ("pipeline", "data", "tensor")),
     "moe": ((2,), ("expert",)),
 }
 
@@ -249,6 +250,15 @@ def build(name: str, mesh: fpar.Mesh):
         model = fpar.plan.Model("pipe-zero", 128, 4, 4, 4, 384, 256, 32)
         layout = fpar.plan.Layout(pipeline=2, data=2, zero=int(name[-1]), microbatches=4, batch=16)
         return fpar.plan.model_step(model, layout, mesh, dtype=torch.float32)
+    if name == "pipeline_zero3_each":
+        # interleaved over 2 chunks a stage, each chunk's gradient reduced onto its owners as its
+        # backward ends (zero_pipeline's reduce_once=False), in bfloat16 compute: gathered in
+        # bfloat16, the sums in float32
+        model = fpar.plan.Model("pipe-zero", 128, 4, 4, 4, 384, 256, 32)
+        layout = fpar.plan.Layout(
+            pipeline=2, data=2, zero=3, microbatches=4, batch=16, virtual=2, reduce_once=False
+        )
+        return fpar.plan.model_step(model, layout, mesh, dtype=torch.bfloat16)
     if name == "moe":
         # A balanced router: token i's top-2 experts are i mod E and i + 1 mod E, so every device
         # sends every expert the same number of rows: the routing fpar.plan assumes on paper.
@@ -318,7 +328,7 @@ def real_worker(name: str) -> dict:
 
 BY_SIZE = {
     2: (*ZERO_PROGRAMS, "sp", "sp_dots", "moe"),
-    4: ("tp", "pipeline", "pipeline_zero1", "pipeline_zero3"),
+    4: ("tp", "pipeline", "pipeline_zero1", "pipeline_zero3", "pipeline_zero3_each"),
 }
 
 

@@ -106,12 +106,42 @@ def test_reduce_once_plans_one_reduce_scatter_a_step_and_at_most_a_whole_gradien
     assert est[True].devices[0].breakdown["grads"] <= psi  # the held sum, never a second one
     # ... and, at the final reduce-scatter, one bucket's concatenation (here the whole tiny model)
     assert est[True].peak_bytes - est[False].peak_bytes <= 2 * psi
-    with pytest.raises(ValueError, match=r"reduce_once=True is for ZeRO 2 or 3 without a pipeline.*zero=1"):
-        plan.model_step("tiny", plan.Layout(data=2, zero=1, microbatches=2, batch=4, reduce_once=True))
     with pytest.raises(
-        ValueError, match=r"reduce_once=True is for ZeRO 2 or 3 without a pipeline.*pipeline=2"
+        ValueError, match=r"reduce_once=True is for ZeRO 2 or 3 \(ZeRO 0 and 1 reduce.*zero=1"
     ):
-        plan.model_step("tiny", plan.Layout(pipeline=2, zero=zero, microbatches=2, batch=4, reduce_once=True))
+        plan.model_step("tiny", plan.Layout(data=2, zero=1, microbatches=2, batch=4, reduce_once=True))
+    with pytest.raises(ValueError, match=r"reduce_once=False is for ZeRO 2 or 3 .*pipeline=2 .*zero=1"):
+        plan.model_step("tiny", plan.Layout(pipeline=2, zero=1, microbatches=2, batch=4, reduce_once=False))
+    with pytest.raises(TypeError, match=r"reduce_once must be None, True or False, got 'yes'"):
+        plan.model_step("tiny", plan.Layout(data=2, zero=zero, microbatches=2, batch=4, reduce_once="yes"))
+
+
+def test_zero_in_a_pipeline_reducing_each_chunk_plans_a_chunk_of_gradient_not_the_stage():
+    """``Layout(pipeline>1, zero=3, reduce_once=False)``: each chunk's gradient reduced as its
+    backward ends (``zero_pipeline(..., reduce_once=False)``).  Each microbatch's gradient goes out
+    (up to m times the bytes of one reduce-scatter a step, at least one message per chunk and
+    microbatch); what a stage holds of its gradient is its chunk of the sum (1/N) and the chunk in
+    flight, not the whole stage's float32 sums.  ``reduce_once=True`` is the pipeline's default."""
+    model = plan.Model("pipe-deep", 128, 8, 4, 4, 384, 256, 32)
+    m, v = 4, 4
+    est = {}
+    for once in (None, True, False):
+        layout = plan.Layout(
+            pipeline=2, data=4, zero=3, microbatches=m, batch=16, virtual=v, reduce_once=once
+        )
+        step, args = plan.model_step(model, layout, dtype=torch.bfloat16)
+        est[once] = plan.estimate(step, *args)
+    assert est[True].peak_bytes == est[None].peak_bytes and est[True].comm == est[None].comm
+    for a, b in zip(est[False].devices, est[None].devices):
+        each, once = a.comm["data"]["psum_scatter"], b.comm["data"]["psum_scatter"]
+        assert each["calls"] >= m * v > once["calls"], (a.coords, each, once)
+        # each microbatch's sums go out, and only those a stage made (reduced once, every stage
+        # also reduce-scatters zeros for the embedding or head it does not use)
+        assert 0.9 * m * once["bytes"] <= each["bytes"] <= m * once["bytes"], (a.coords, each, once)
+        # the gradient a stage holds at its own peak: float32 sums of the whole stage, or its chunk
+        # of them (1/4) beside the one chunk of the model being reduced (1/4 of the stage)
+        held = {k: d.breakdown["grads"] + d.breakdown["comm_buffers"] for k, d in (("each", a), ("once", b))}
+        assert held["each"] <= 0.6 * held["once"], (a.coords, held)
 
 
 @pytest.mark.parametrize("shape", [(0, 2), (2, -1), (2.0,)])
