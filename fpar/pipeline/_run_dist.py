@@ -118,7 +118,7 @@ class DistDriver:
         keep = None  # fpar.plan: the microbatches it runs (the rest repeat them); None: all
         if sim is not None:
             sim.pipeline(sch, self.axis)
-            keep = sim.kept(sch, self.me)
+            keep = sim.kept(sch, self.me, every=flush is not None)
         begun: set = set()  # fpar.plan: the microbatches that have run an action
         for full in self.ticks:
             if sim is not None:

@@ -144,10 +144,17 @@ class Simulation:
         if self.recorder is not None:
             self.recorder.mark = action
 
-    def kept(self, schedule, stage: int):
-        """The microbatches this stage simulates (None: all); the others repeat a steady one's events."""
+    def kept(self, schedule, stage: int, every: bool = False):
+        """The microbatches this stage simulates (None: all); the others repeat a steady one's events.
+
+        ``every``: a measured run simulates every microbatch (a step whose buffers outlive an
+        action, as ``zero_pipeline(..., reduce_once=False)``'s reductions in flight until the next
+        backward: a steady microbatch's events would not stand for the others').
+        """
         if self.planning:
             return _planning(schedule)
+        if every:
+            return None
         keep = kept_microbatches(schedule, stage)
         if keep is not None:
             self.repeated.append((schedule, stage, keep))
