@@ -40,7 +40,6 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 
 from .. import _stats
 from .._collectives import pmax, psum
@@ -48,6 +47,7 @@ from .._defer import deferred_zeros, is_deferred_zero
 from .._mesh import Mesh
 from .._shard import shard
 from .._spec import P
+from .._sums import widened
 from .._tree import tree_flatten
 from ..pipeline._stage import StepResult
 from ._zero import (
@@ -61,6 +61,7 @@ from ._zero import (
     _reduce_scatter_all,
     zero_params,
 )
+from ._zero_rows import reduce_onto_owners
 
 __all__ = ["zero_pipeline"]
 
@@ -215,12 +216,7 @@ def _combine(layout: ZeroLayout, extra: tuple, shared: list, masters: tuple, axi
     """The sharded function: reduce-scatter each local gradient, sum the rest, add the chunks already summed."""
     data = layout.data_axis
     local_specs = layout._tree([P((data, *ex), *lf.spec) for ex, lf in zip(extra, layout.leaves)])
-    own_specs = layout._tree(
-        [
-            P(axis, *layout._chunk_spec(lf)) if sh else layout._chunk_spec(lf)
-            for lf, sh in zip(layout.leaves, shared)
-        ]
-    )
+    own_specs = _own_specs(layout, shared, axis)
 
     def per_device(local: Any, own: Any) -> Any:
         grads = [g.squeeze(0) for g in tree_flatten(local)[0]]
@@ -241,12 +237,7 @@ def _combine(layout: ZeroLayout, extra: tuple, shared: list, masters: tuple, axi
 
 def _finish_rows(layout: ZeroLayout, extra: tuple, shared: list, masters: tuple, axis: str) -> Callable:
     """``reduce_once=False``'s end: each data-summed chunk summed over its other axes, plus the rest."""
-    own_specs = layout._tree(
-        [
-            P(axis, *layout._chunk_spec(lf)) if sh else layout._chunk_spec(lf)
-            for lf, sh in zip(layout.leaves, shared)
-        ]
-    )
+    own_specs = _own_specs(layout, shared, axis)
 
     def per_device(acc: Any, own: Any) -> Any:
         out = []
@@ -261,6 +252,16 @@ def _finish_rows(layout: ZeroLayout, extra: tuple, shared: list, masters: tuple,
         return layout._tree(out)
 
     return shard(per_device, layout.mesh, (own_specs, own_specs), layout.grad_specs)
+
+
+def _own_specs(layout: ZeroLayout, shared: list, axis: str) -> Any:
+    """Specs of each rank's chunks (one per pipe stage of a leaf replicated over the pipe axis)."""
+    return layout._tree(
+        [
+            P(axis, *layout._chunk_spec(lf)) if sh else layout._chunk_spec(lf)
+            for lf, sh in zip(layout.leaves, shared)
+        ]
+    )
 
 
 class _RowSums:
@@ -282,8 +283,8 @@ class _RowSums:
         self.me = self.groups.coords[self.data]
         self.acc: dict[int, Tensor] = {}  # leaf -> this rank's chunk of its data-summed gradient
         self.axes: dict[int, str] = {}  # leaf -> the axes its sums are over (a leaf of ``Unreduced.axes``)
-        # the pieces in flight: (work, piece, (leaf, offset) if this rank owns the piece)
-        self.pending: list[tuple[Any, Tensor, tuple[int, int] | None]] = []
+        # the pieces in flight: (work, piece, (leaf, offset, the sum's dtype) if this rank owns it)
+        self.pending: list[tuple[Any, Tensor, tuple[int, int, torch.dtype] | None]] = []
 
     def ready(self) -> None:
         """A backward begins: the last one's reductions end first."""
@@ -310,16 +311,21 @@ class _RowSums:
                 f"data axis, so its stage functions must use it replicated over that axis."
             )
         self.axes[i] = axes
-        width, c = flat.numel(), self.layout.leaves[i].chunk
+        dtype = flat.dtype
+        # the sum goes into the buffer (the step's own); fp16/bf16 summed in float32 (fpar's rule,
+        # ``fpar.low_precision_sums``), rounded once when it is in
+        flat = flat.float() if widened(dtype) else flat
         _stats.record(
-            "psum_scatter", (self.data,), self.layout.n, flat.new_empty(width, device="meta"), overlap=True
+            "psum_scatter",
+            (self.data,),
+            self.layout.n,
+            flat.new_empty(flat.numel(), device="meta"),
+            overlap=True,
         )
         self.groups.group((self.data,))  # as every collective fpar issues: held messages go first
-        for k in range(start // c, (start + width - 1) // c + 1):
-            a, b = max(start, k * c), min(start + width, (k + 1) * c)
-            piece = flat[a - start : b - start]
-            work = dist.reduce(piece, dst=self.members[k], group=self.group, async_op=True)
-            self.pending.append((work, piece, (i, a - k * c) if k == self.me else None))
+        chunk = self.layout.leaves[i].chunk
+        for work, piece, at in reduce_onto_owners(flat, start, chunk, self.members, self.group, self.me):
+            self.pending.append((work, piece, None if at is None else (i, at, dtype)))
 
     def wait(self) -> None:
         """End the reductions in flight; add the pieces this rank owns into its chunks."""
@@ -327,7 +333,8 @@ class _RowSums:
         for work, piece, where in pending:
             work.wait()
             if where is not None:
-                i, at = where
+                i, at, dtype = where
+                piece = piece.to(dtype)  # a widened sum rounded once to the gradient's dtype
                 acc = self.acc.get(i)
                 if acc is None:
                     acc = self.acc[i] = piece.new_zeros(self.layout.leaves[i].chunk)

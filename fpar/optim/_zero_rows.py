@@ -42,7 +42,7 @@ from .._sums import widened
 from .._tree import tree_flatten, tree_unflatten
 from ..pipeline._unstack import ROWS, Rows, Unstack, _Target, rows_at
 
-__all__ = ["RowGather", "RowScatter", "scattered_grad"]
+__all__ = ["RowGather", "RowScatter", "reduce_onto_owners", "scattered_grad"]
 
 Tensor = torch.Tensor
 _IN_FLIGHT = 2  # row reductions in flight at once (their pieces freed as they end)
@@ -65,6 +65,27 @@ class _InFlight:
         self.work.wait()
         self.g = None
         return self.out if self.dtype is None else self.out.to(self.dtype)
+
+
+def reduce_onto_owners(
+    flat: Tensor, start: int, chunk: int, members: list[int], group: Any, me: int
+) -> list[tuple[Any, Tensor, int | None]]:
+    """Sum elements ``[start, start + flat.numel())`` of a leaf's flat gradient onto the ranks holding them.
+
+    Data rank ``k`` (global rank ``members[k]``) holds the leaf's elements ``[k chunk, (k + 1)
+    chunk)``; the range is cut where it crosses from one chunk into the next and each piece,
+    a view of ``flat``, is summed onto its owner by an asynchronous ``torch.distributed.reduce``
+    (which writes the sum into the owner's piece).  Returns per piece ``(work, piece, offset in
+    this rank's chunk)``, the offset ``None`` where another rank owns it.
+    """
+    out = []
+    width = flat.numel()
+    for k in range(start // chunk, (start + width - 1) // chunk + 1):
+        a, b = max(start, k * chunk), min(start + width, (k + 1) * chunk)
+        piece = flat[a - start : b - start]
+        work = dist.reduce(piece, dst=members[k], group=group, async_op=True)
+        out.append((work, piece, a - k * chunk if k == me else None))
+    return out
 
 
 class RowScatter(Rows):
@@ -106,13 +127,9 @@ class RowScatter(Rows):
         # the reduce writes the sum into it on its owner; fp16/bf16 summed in float32 (fpar's rule,
         # ``fpar.low_precision_sums``), rounded once when it is in
         flat = flat.float() if widened(flat.dtype) else flat.clone()
-        width, c = flat.numel(), self.chunks[i]
-        start = r * width
-        for k in range(start // c, (start + width - 1) // c + 1):
-            a, b = max(start, k * c), min(start + width, (k + 1) * c)
-            piece = flat[a - start : b - start]
-            work = dist.reduce(piece, dst=self.members[k], group=self.group, async_op=True)
-            self.pending.append((work, piece, (i, a - k * c, g.dtype) if k == self.me else None))
+        pieces = reduce_onto_owners(flat, r * flat.numel(), self.chunks[i], self.members, self.group, self.me)
+        for work, piece, at in pieces:
+            self.pending.append((work, piece, None if at is None else (i, at, g.dtype)))
         while len(self.pending) > _IN_FLIGHT:
             self._finish(self.pending.pop(0))
 
