@@ -101,6 +101,12 @@ class defer_reduction:
     # plan's kept ones, so that they are freed once reduce-scattered (a kept buffer, the size of
     # the stage's gradients, would stay through the update: 4 bytes a parameter in float32).
     _fresh_buffers = False
+    # Set by the pipeline for ``zero_pipeline``'s once-a-step sums: ``(input tensor, numel, dtype)
+    # -> a flat buffer or None``, asked for each tensor of a bucket when the bucket's sums begin.
+    # A model chunk's row of a stacked parameter gets its row of the leaf's stacked sum, and the
+    # bucket then keeps a buffer a tensor (the others new ones) in place of one flat: the stacked
+    # sum is the stage's gradient with no stacking at the step's end (a copy of it).
+    _row_buffer: Callable[[Tensor, int, torch.dtype], Tensor | None] | None = None
 
     def __enter__(self) -> defer_reduction:
         if not _ACTIVE:
@@ -135,11 +141,12 @@ class defer_reduction:
         out = []
         for d in [d for d in _LIVE if d.scope is self]:
             for b, (axes, members) in enumerate(d.parts):
+                split = d.split[b]
                 flat = d.take(b)
                 if flat is None:
                     continue
-                for base, at, shape in members:
-                    out.append((base, block(flat, at, shape), axes))
+                for k, (base, at, shape) in enumerate(members):
+                    out.append((base, block(flat, at, shape) if split is None else split[k], axes))
             d.drop()
         return out
 
@@ -237,6 +244,9 @@ class Deferred:
         self.buffer = buffer or _new_buffer
         self.bases = bases  # (argument slot, base tensor, version): held, so identities stay unique
         self.flats: list[Tensor | None] = [None] * n_buckets
+        # a bucket whose tensors each have a buffer of their own (``defer_reduction._row_buffer``);
+        # its ``flats`` entry is then the first of them, a marker that the sums have begun
+        self.split: list[list[Tensor] | None] = [None] * n_buckets
         self.filled: list[list[bool] | None] = [None] * n_buckets  # per slot, by add_one
         self.sizes: list[list[int] | None] = [None] * n_buckets  # its slots' sizes
         self.adds = [0] * n_buckets
@@ -309,28 +319,42 @@ class Deferred:
 
     def _slot(self, b: int, i: int, metas: list) -> Tensor:
         """Tensor ``i``'s slot of bucket ``b``'s buffer, made (uninitialised, as ``add_one``'s) if need be."""
-        flat = self.flats[b]
-        if flat is None:
-            _, dtype, device = metas[0]
+        if self.flats[b] is None:
             self.sizes[b] = [m[0].numel() for m in metas]
-            flat = self.flats[b] = self.buffer(b, sum(self.sizes[b]), self._dtype(dtype), device)
+            self._allocate(b, metas)
             self.filled[b] = [False] * len(metas)
-        return block(flat, sum(m[0].numel() for m in metas[:i]), metas[i][0])
+        return self._slot_at(b, i, sum(m[0].numel() for m in metas[:i]), metas[i][0])
+
+    def _slot_at(self, b: int, i: int, at: int, shape: torch.Size) -> Tensor:
+        split = self.split[b]
+        return block(self.flats[b], at, shape) if split is None else split[i]
+
+    def _allocate(self, b: int, metas: list) -> None:
+        """Bucket ``b``'s uninitialised buffer: one flat (``buffer``'s), or one a tensor (``_row_buffer``)."""
+        _, dtype, device = metas[0]
+        dtype = self._dtype(dtype)
+        rows = self.scope._row_buffer
+        if rows is not None and b < len(self.parts):
+            got = [rows(base, shape.numel(), dtype) for base, _, shape in self.parts[b][1]]
+            if any(g is not None for g in got):
+                self.split[b] = [
+                    torch.empty(m[0], dtype=dtype, device=device) if g is None else g.view(m[0])
+                    for g, m in zip(got, metas)
+                ]
+                self.flats[b] = self.split[b][0]
+                return
+        self.flats[b] = self.buffer(b, sum(m[0].numel() for m in metas), dtype, device)
 
     def _add(self, b: int, cts: list, metas: list) -> None:
         if self.filled[b] is not None:  # add_one's buffer: every slot initialised before adding
             self._zero_unfilled(b)
-        flat = self.flats[b]
-        first = flat is None
+        first = self.flats[b] is None
         if first:
-            _, dtype, device = metas[0]
-            flat = self.flats[b] = self.buffer(
-                b, sum(m[0].numel() for m in metas), self._dtype(dtype), device
-            )
+            self._allocate(b, metas)
         at = 0
-        for ct, (shape, _, _) in zip(cts, metas):
+        for i, (ct, (shape, _, _)) in enumerate(zip(cts, metas)):
             n = shape.numel()
-            slot = block(flat, at, shape)
+            slot = self._slot_at(b, i, at, shape)
             if ct is None:
                 if first:  # no cotangent reached it: its gradient so far is zero
                     slot.zero_()
@@ -358,12 +382,12 @@ class Deferred:
     def _zero_unfilled(self, b: int) -> None:
         """Zero the slots of ``add_one``'s buffer that no cotangent reached; it is then plain."""
         filled, self.filled[b] = self.filled[b], None
-        flat, sizes = self.flats[b], self.sizes[b]
+        flat, sizes, split = self.flats[b], self.sizes[b], self.split[b]
         at = 0
         with torch._C._DisableFuncTorch():
-            for n, got in zip(sizes, filled):
+            for i, (n, got) in enumerate(zip(sizes, filled)):
                 if not got:
-                    flat[at : at + n].zero_()
+                    (flat[at : at + n] if split is None else split[i]).zero_()
                 at += n
 
     def _plain(self, ct: Tensor) -> Tensor:
@@ -378,7 +402,10 @@ class Deferred:
         return ct
 
     def take(self, b: int) -> Tensor | None:
-        """The final call's backward: bucket ``b``'s summed buffer (``None`` if already taken)."""
+        """The final call's backward: bucket ``b``'s summed buffer (``None`` if already taken).
+
+        A bucket of buffers a tensor (``split``) gives its first: ``_take_local`` reads them all.
+        """
         if self.taken[b]:
             return None
         if self.adds[b] != self.calls:
@@ -396,6 +423,7 @@ class Deferred:
         if self.filled[b] is not None:
             self._zero_unfilled(b)
         flat, self.flats[b] = self.flats[b], None
+        self.split[b] = None
         if all(self.taken):
             self._forget()
         return flat
@@ -408,6 +436,10 @@ class Deferred:
         """
         if self.taken[b] or self.flats[b] is None:
             return None
+        if self.split[b] is not None:  # the scope's sums are taken once, at its end (``_take_local``)
+            raise RuntimeError(
+                "fpar: a deferred bucket of row buffers cannot be handed over before the step ends"
+            )
         if self.filled[b] is not None:
             self._zero_unfilled(b)
         flat, self.flats[b] = self.flats[b], None
@@ -425,6 +457,7 @@ class Deferred:
         """Forget this state (its sums are reported lost by the caller)."""
         self.taken = [True] * len(self.taken)
         self.flats = [None] * len(self.flats)
+        self.split = [None] * len(self.split)
         self._forget()
 
     def _forget(self) -> None:

@@ -59,6 +59,7 @@ from ._zero import (
     _own_chunk,
     _padded,
     _reduce_scatter_all,
+    _Releaser,
     zero_params,
 )
 from ._zero_rows import reduce_onto_owners
@@ -222,7 +223,11 @@ def _combine(layout: ZeroLayout, extra: tuple, shared: list, masters: tuple, axi
         grads = [g.squeeze(0) for g in tree_flatten(local)[0]]
         owns = [o.squeeze(0) if sh else o for o, sh in zip(tree_flatten(own)[0], shared)]
         over = [tuple(a for a in ex if a != axis) for ex in extra]
-        chunks = _reduce_scatter_all(grads, layout, cap, extra=over)
+        # each stacked sum is freed once its bucket is reduce-scattered (the step's own buffers:
+        # ``_SumRows``'s, or a stack): the chunks grow as the whole sums go, not beside them.  (Over
+        # one data rank a chunk may be its sum itself.)
+        done = _Releaser(grads, ()) if layout.n > 1 else None
+        chunks = _reduce_scatter_all(grads, layout, cap, done=done, extra=over)
         del grads
         out = []
         for c, o, sh, dt in zip(chunks, owns, shared, masters):

@@ -27,10 +27,11 @@ import torch
 
 from .._mesh import Mesh
 from .._tree import tree_flatten, tree_unflatten
-from ._run_dist import DistDriver, Unreduced
+from ._run_dist import DistDriver
 from ._run_local import LocalDriver
 from ._schedule import Schedule
 from ._stage import Fns, StepResult
+from ._unreduced import Unreduced
 from ._validate import validate
 
 __all__ = ["StepResult", "pipeline"]

@@ -16,10 +16,9 @@ reduced with the last one's, one all-reduce per bucket (``fpar/_defer.py``).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -31,6 +30,7 @@ from .._tree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree
 from ._schedule import COMPUTE, Action, Schedule, next_stage, prev_stage
 from ._stage import Fns, Stage, StepResult, last_stage, stack
 from ._timeline import Timeline
+from ._unreduced import _Flush, _SumRows, _unreduced, _widen
 
 Tensor = torch.Tensor
 
@@ -62,6 +62,13 @@ class DistDriver:
         self.me = me
         self.ticks = [[a for a in acts if a.stage == me] for acts in self.schedule.by_tick()]
         self.finals = _last_backwards(self.ticks)
+        # the tick of the compute that takes each receive: (RECV_F or RECV_B, microbatch, chunk) -> tick
+        self.taken_at = {
+            ("RECV_F" if a.kind == "F" else "RECV_B", a.microbatch, a.chunk): t
+            for t, acts in enumerate(self.ticks)
+            for a in acts
+            if a.kind in ("F", "B", "BW")
+        }
 
     def run(
         self,
@@ -102,12 +109,15 @@ class DistDriver:
         st = Stage(self.me, sch, self.fns, chunks, params.get("first"), params.get("last"), key)
         st.deferral, st.finals = defer_reduction(), self.finals  # DP gradients reduced once per step
         st.deferral._checks_itself = True  # _check_reduced at the step's end
+        rows = None  # with ``unreduced`` summed once a step: each stacked leaf's sum (``_SumRows``)
         if unreduced is not None:  # every forward deferred; the sums are taken unreduced at the end
             st.finals = set()
             st.deferral._fresh_buffers = True  # freed once reduce-scattered, not kept through the update
             if accumulate is not None:
                 st.deferral._accumulate_dtype = accumulate
                 _widen(st, accumulate)
+            if each is None:  # summed once a step: each chunk's sum in its row of the leaf's
+                st.deferral._row_buffer = rows = _SumRows(st, stacked)
         bufs = _gradient_rows(st, stacked, self.kept_rows) if unreduced is None else None
         flush = None if each is None or unreduced is None else _Flush(st, each)
         start = time.perf_counter()
@@ -120,7 +130,8 @@ class DistDriver:
             sim.pipeline(sch, self.axis)
             keep = sim.kept(sch, self.me, every=flush is not None)
         begun: set = set()  # fpar.plan: the microbatches that have run an action
-        for full in self.ticks:
+        ghosts: list = []  # fpar.plan: receives of microbatches not simulated (``_ghost_receives``)
+        for tick, full in enumerate(self.ticks):
             if sim is not None:
                 keep = sim.narrowed(sch, keep, begun)  # fewer once this run has planned a call
                 begun.update(a.microbatch for a in full if keep is None or a.microbatch in keep)
@@ -128,6 +139,8 @@ class DistDriver:
             posting: list = []  # this tick's sends
             st.send_early = self._early_sender(actions, posting, early)
             posted = self._post_receives(actions, st) if ahead else set()
+            if ahead and len(full) > len(actions):
+                ghosts = self._ghost_receives(tick, full, actions, st, ghosts)
             for a in actions:
                 if a.kind in COMPUTE:
                     if sim is not None:  # fpar.plan: the ops that follow are this action's
@@ -158,7 +171,7 @@ class DistDriver:
             sums = st.deferral._take_local()
             wall = time.perf_counter() - start
             loss, stats = self._finish(st, wall, _dist)
-            return _unreduced(st, params, sums, loss, stats)
+            return _unreduced(st, params, sums, loss, stats, None if rows is None else rows.bufs)
         st.deferral._check_reduced("fpar.pipeline")
         wall = time.perf_counter() - start
         loss, stats = self._finish(st, wall, _dist)
@@ -252,6 +265,28 @@ class DistDriver:
         for a, incoming in zip(recvs, receiving):
             st.inbox[("F" if a.kind == "RECV_F" else "B", a.microbatch, a.chunk)] = incoming
         return set(recvs)
+
+    def _ghost_receives(self, tick: int, full: list, actions: list, st: Stage, ghosts: list) -> list:
+        """fpar.plan: the buffers of the receives ``_post_receives`` posts for microbatches not simulated.
+
+        On gloo a tick's receives are posted before its compute, so the one of a microbatch not
+        simulated (whose events repeat a steady one's) holds its bytes through a simulated
+        action's compute too: a buffer of its shape stands for it, from this tick to the one
+        whose compute takes it.  ``ghosts``: ``(tick taken, buffer)`` so far; returns those still held.
+        """
+        ghosts = [g for g in ghosts if g[0] > tick]
+        if any(a in self.header for a in full):
+            return ghosts  # posted at the tick's end, after its compute, as the simulated ones
+        for a in sorted(full, key=_wire_order):
+            if a not in actions and a.kind in ("RECV_F", "RECV_B") and self._peer(a) != self.me:
+                shape, dtype = self._shape(a, st)
+                ghosts.append(
+                    (
+                        self.taken_at[(a.kind, a.microbatch, a.chunk)],
+                        torch.empty(shape, dtype=dtype, device="meta"),
+                    )
+                )
+        return ghosts
 
     def _exchange(
         self, actions: list, st: Stage, _dist, early: set = frozenset(), posted: set = frozenset()
@@ -505,121 +540,6 @@ def _stack_local(per_chunk: list, bufs: list | None = None) -> list:
         else:
             out.append(stack(col))
     return out
-
-
-class Unreduced(NamedTuple):
-    """A real-mesh step's gradients with the data-parallel sums not taken (``fpar.optim.zero_pipeline``).
-
-    Each tree has the structure of the step's ``params`` (``stages`` stacked over this rank's
-    chunks; ``first`` and ``last`` on every rank, ``None`` leaves where this stage does not use
-    them).  A parameter's gradient is the sum over the mesh axes ``axes`` (their names in one
-    string, space-separated: a leaf of the tree) of every rank's
-    ``local`` (this rank's own sum over its microbatches, not communicated) plus ``reduced``
-    (what was summed already: a sum the sharded function could not defer), ``None`` where a
-    part is zero.
-    """
-
-    loss: Tensor
-    local: dict
-    reduced: dict
-    axes: dict
-    stats: Timeline
-
-
-def _unreduced(st: Stage, params: dict, sums: list, loss: Tensor, stats: Timeline) -> Unreduced:
-    """Sort the deferred sums (``defer_reduction._take_local``) and the rest by parameter."""
-    local: dict[int, Tensor] = {}
-    axes: dict[int, str] = {}
-    for base, value, over in sums:
-        have = local.get(id(base))
-        local[id(base)] = value if have is None else have + value
-        axes[id(base)] = " ".join(over)  # a leaf of the tree (a tuple or set would be a node)
-
-    def reduced(t: Any) -> Any:
-        if not isinstance(t, Tensor):
-            return None
-        parts = [g for g in (t.grad, st.deferred.get(id(t)), st.wide.get(id(t))) if g is not None]
-        return sum(parts[1:], parts[0]) if parts else None
-
-    def parts(leaves: list) -> tuple[list, list, list]:
-        return (
-            [local.get(id(t)) for t in leaves],
-            [reduced(t) for t in leaves],
-            [axes.get(id(t)) for t in leaves],
-        )
-
-    out: dict[str, dict] = {"local": {}, "reduced": {}, "axes": {}}
-    per_chunk = [parts(leaves) for leaves, _ in st.groups["stages"]]
-    treedef = tree_flatten(params["stages"])[1]
-    for k, part in enumerate(("local", "reduced", "axes")):
-        cols = list(zip(*(chunk[k] for chunk in per_chunk)))
-        if part == "axes":
-            leaves = [next((a for a in col if a is not None), None) for col in cols]
-        else:
-            leaves = [_stack_parts(col) for col in cols]
-        out[part]["stages"] = tree_unflatten(treedef, leaves)
-    for g in ("first", "last"):
-        if g not in params:
-            continue
-        leaves, td = st.groups[g][0]
-        if td is None:  # this stage does not use them
-            empty = tree_map(lambda _: None, params[g])
-            for part in out:
-                out[part][g] = empty
-            continue
-        for part, got in zip(("local", "reduced", "axes"), parts(leaves)):
-            out[part][g] = tree_unflatten(td, got)
-    return Unreduced(loss, out["local"], out["reduced"], out["axes"], stats)
-
-
-class _Flush:
-    """``each`` of a step: after a backward action, the deferred sums it completed, named by group, chunk and leaf."""
-
-    def __init__(self, st: Stage, each: Any):
-        self.st, self.each = st, each
-        self.where = {
-            id(t): (g, c, j)
-            for g, chunks in st.groups.items()
-            for c, (leaves, _) in enumerate(chunks)
-            for j, t in enumerate(leaves)
-        }
-
-    def ready(self) -> None:
-        self.each.ready()
-
-    def __call__(self) -> None:
-        done = self.st.deferral._take_done()
-        if done:
-            self.each([(*self.where[id(base)], value, axes) for base, value, axes in done])
-
-
-def _widen(st: Stage, dtype: torch.dtype) -> None:
-    """Sum the gradients autograd accumulates into lower-precision leaves in ``dtype`` instead.
-
-    After each accumulation into such a leaf's ``.grad`` (a sum the sharded function could not
-    defer), the gradient moves into ``st.wide``, kept in ``dtype``: the microbatches add there.
-    """
-    for group in st.groups.values():
-        for leaves, _ in group:
-            for t in leaves:
-                if isinstance(t, Tensor) and t.requires_grad and t.dtype.itemsize < dtype.itemsize:
-                    t.register_post_accumulate_grad_hook(functools.partial(_move_wide, st.wide, dtype))
-
-
-def _move_wide(wide: dict, dtype: torch.dtype, t: Tensor) -> None:
-    g, t.grad = t.grad, None
-    if g is None:
-        return
-    have = wide.get(id(t))
-    wide[id(t)] = g.to(dtype) if have is None else have.add_(g)
-
-
-def _stack_parts(col: tuple) -> Tensor | None:
-    """One leaf's part over this rank's chunks, stacked (zeros for a chunk without it); ``None`` if none has it."""
-    if all(g is None for g in col):
-        return None
-    like = next(g for g in col if g is not None)
-    return stack([torch.zeros_like(like) if g is None else g for g in col])
 
 
 def _local_group(st: Stage, group: str, given: Any) -> Any:

@@ -91,7 +91,7 @@ class Stage:
         self.outbox: dict[tuple[str, int, int], Tensor] = {}  # computed, not yet sent
         self.out_shapes: dict[int, tuple] = {}  # chunk -> (shape, dtype) of what F sends on
         self.deferred: dict[int, Tensor] = {}  # id(leaf) -> weight gradient accumulated by W
-        self.wide: dict[int, Tensor] = {}  # id(leaf) -> its .grad summed in a wider dtype (_run_dist._widen)
+        self.wide: dict[int, Tensor] = {}  # id(leaf) -> its .grad summed in a wider dtype (_unreduced._widen)
         self.slots: Any = {}  # id(leaf) -> where W writes its first gradient (see _split, _run_dist._Rows)
         self.loss_sum: Tensor | None = None
         # chunk -> its parameters' low-precision casts, one per step (``_casts``; None: not shared,

@@ -4,9 +4,17 @@ Presets are vendor datasheet figures (dense, no sparsity) for SXM parts in 8-GPU
 
 | preset | BF16 | FP32 | HBM | HBM B/s | NVLink per GPU, one way | network per GPU |
 |---|---|---|---|---|---|---|
-| ``"a100-80g"`` | 312 T | 19.5 T | 80 GB | 2.0 T | 300 GB/s | 25 GB/s (200 Gb/s HDR) |
-| ``"h100-sxm"`` | 989 T | 67 T | 80 GB | 3.35 T | 450 GB/s | 50 GB/s (400 Gb/s NDR) |
-| ``"b200"`` | 2250 T | 80 T | 180 GB | 8 T | 900 GB/s | 50 GB/s (400 Gb/s) |
+| ``"a100-80g"`` | 312 T | 19.5 T | 80 GB: 79.2 GiB | 2.0 T | 300 GB/s | 25 GB/s (200 Gb/s HDR) |
+| ``"h100-sxm"`` | 989 T | 67 T | 80 GB: 79.2 GiB | 3.35 T | 450 GB/s | 50 GB/s (400 Gb/s NDR) |
+| ``"b200"`` | 2250 T | 80 T | 192 GB: 178.4 GiB | 8 T | 900 GB/s | 50 GB/s (400 Gb/s) |
+
+A part's memory is what CUDA gives a process on it (``torch.cuda.get_device_properties(0)
+.total_memory``, the "total capacity" of PyTorch's out-of-memory message), not the datasheet's
+figure read as decimal gigabytes: an "80 GB" A100 or H100 carries 80 GiB of HBM (nvidia-smi:
+81,920 and 81,559 MiB) of which the driver keeps under 1 GiB, so CUDA reports 85,056,798,720
+bytes on an A100-SXM4-80GB and 85,019,590,656 on an H100 80GB HBM3 (79.2 GiB; 80e9 bytes would be
+74.5), and 182,642 MiB on a B200 (nvidia-smi 183,359 MiB). The CUDA context and NCCL's buffers
+come out of it too: ``Estimate.limits`` says so.
 
 ``"this"`` is measured on the machine that runs the estimate (about 30 s, once per process):
 float32 matmul FLOP/s by size (32 to 1024) and float64/bfloat16 at 512 (the roofline of ops too
@@ -48,7 +56,7 @@ class Hardware:
         quantization on ``sms`` (``gemm_quantization``).
       attention_efficiency: the fraction of peak a fused attention kernel (torch's SDPA:
         FlashAttention-2) reaches, forward and backward; 0: costed as a large matmul.
-      memory_bytes: memory per device.
+      memory_bytes: memory per device, as CUDA reports it to a process (``total_memory``).
       memory_bandwidth: bytes per second per device (elementwise ops are costed by it).
       op_overhead: seconds every op costs besides its FLOPs and bytes (a kernel launch).
       devices_per_node: devices that share the fast links; mesh order puts the last axes inside a node.
@@ -185,7 +193,7 @@ PRESETS: dict[str, Hardware] = {
     "a100-80g": Hardware(
         "a100-80g",
         {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12, "float64": 19.5e12},
-        memory_bytes=80 * 10**9,
+        memory_bytes=85_056_798_720,  # an A100-SXM4-80GB's total_memory (79.2 GiB)
         memory_bandwidth=2.0e12,
         devices_per_node=8,
         intra_bandwidth=240e9,
@@ -199,7 +207,7 @@ PRESETS: dict[str, Hardware] = {
     "h100-sxm": Hardware(
         "h100-sxm",
         {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12, "float64": 67e12},
-        memory_bytes=80 * 10**9,
+        memory_bytes=85_019_590_656,  # an H100 80GB HBM3's total_memory (79.2 GiB)
         memory_bandwidth=3.35e12,
         devices_per_node=8,
         intra_bandwidth=450e9,
@@ -213,7 +221,7 @@ PRESETS: dict[str, Hardware] = {
     "b200": Hardware(
         "b200",
         {"bfloat16": 2250e12, "float16": 2250e12, "float32": 80e12, "float64": 40e12},
-        memory_bytes=180 * 10**9,
+        memory_bytes=182_642 * 2**20,  # a B200's (178.4 GiB)
         memory_bandwidth=8e12,
         devices_per_node=8,
         intra_bandwidth=900e9,

@@ -144,6 +144,22 @@ def test_zero_in_a_pipeline_reducing_each_chunk_plans_a_chunk_of_gradient_not_th
         assert held["each"] <= 0.6 * held["once"], (a.coords, held)
 
 
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_zero3_in_a_pipeline_holds_the_papers_bytes_a_parameter_summing_once_a_step(virtual):
+    """ZeRO-3 inside a pipeline, its gradients summed over the microbatches and reduce-scattered once
+    a step (the default): the stage's bfloat16 weights, its float32 sums and its chunks of the
+    float32 masters and AdamW's moments, 2 + 4 + 12/N bytes a parameter (N = 2), with parameters
+    that dwarf the activations.  The chunks' sums are the rows of one stacked sum (stacking them at
+    the end held the stage's sums twice: 16.0 with two chunks a stage), and each leaf's sum is
+    freed as its bucket is reduce-scattered (12.6 with one)."""
+    model = plan.Model("wide", 1024, 4, 8, 8, 4096, 64, 8)
+    layout = plan.Layout(pipeline=2, data=2, zero=3, microbatches=4, batch=8, virtual=virtual)
+    step, args = plan.model_step(model, layout, dtype=torch.bfloat16)
+    for d in plan.estimate(step, *args).devices:
+        params = d.state_bytes["params"] * 2 / 4  # float32 chunks over N = 2
+        assert d.peak_bytes / params <= 1.03 * (2 + 4 + 12 / 2), (d.coords, d.peak_bytes / params)
+
+
 @pytest.mark.parametrize("shape", [(0, 2), (2, -1), (2.0,)])
 def test_abstract_mesh_sizes_must_be_positive_integers(shape):
     names = ("a", "b")[: len(shape)]
