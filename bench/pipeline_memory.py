@@ -10,7 +10,9 @@ microbatch, as before the executor shared one per step (``fpar/pipeline/_casts.p
 ZeRO-3 reducing each chunk's gradient as its backward ends (``Layout(reduce_once=False)``,
 ``zero_pipeline(..., reduce_once=False)``): its float32 gradient is its chunk of the sum and the
 one model chunk in flight, 2 + 16/N + 4/v with ``v`` chunks a stage (``--virtual``, interleaved
-1F1B): the stage's whole float32 gradient no longer, once ``v`` is above 1.
+1F1B): the stage's whole float32 gradient no longer, once ``v`` is above 1.  And ZeRO-3 gathering
+each chunk for its own forward and backward (``Layout(reshard_after_forward=True)``): the
+running chunk and the next one's prefetch in bfloat16, 2 min(2, v)/v + 4 + 12/N.
 
 Measured independently of fpar's bookkeeping: torch's CPU allocator events under
 ``torch.profiler``, summed in time order over two steps from the bytes the step's arguments hold
@@ -47,14 +49,26 @@ from zero import allocation_events, held_bytes
 import fpar.plan as plan
 
 N, P_STAGES = 2, 2
-CASES = (("0", 0), ("0, a cast per microbatch", 0), ("1", 1), ("3", 3), ("3, reduced each microbatch", 3))
+CASES = (
+    ("0", 0),
+    ("0, a cast per microbatch", 0),
+    ("1", 1),
+    ("3", 3),
+    ("3, reduced each microbatch", 3),
+    ("3, resharded after forward", 3),
+)
 EACH = "each microbatch"  # the case reducing each chunk's gradient as its backward ends
+RESHARD = "resharded"  # the case gathering each chunk for its own actions (reshard_after_forward)
 
 
-def formula(zero: int, n: int = N, each_v: int = 0) -> float:
-    """Bytes a parameter of a stage; ``each_v``: ZeRO-3 reducing each of a stage's ``v`` chunks as it ends."""
+def formula(zero: int, n: int = N, each_v: int = 0, reshard_v: int = 0) -> float:
+    """Bytes a parameter of a stage; ``each_v``: ZeRO-3 reducing each of a stage's ``v`` chunks as it
+    ends; ``reshard_v``: ZeRO-3 gathering each of ``v`` chunks for its own actions (two at once:
+    the running one and the next one's prefetch)."""
     if each_v:
         return 2 + 16 / n + 4 / each_v
+    if reshard_v:
+        return 2 * min(2, reshard_v) / reshard_v + 4 + 12 / n
     return {0: 18.0, 1: 10 + 8 / n, 3: 6 + 12 / n}[zero]
 
 
@@ -63,7 +77,7 @@ def model(cfg: dict) -> plan.Model:
     return plan.Model("bench", d, cfg["layers"], 8, 8, 4 * d, cfg["vocab"], cfg["seq"])
 
 
-def layout(zero: int, cfg: dict, each: bool = False) -> plan.Layout:
+def layout(zero: int, cfg: dict, each: bool = False, reshard: bool = False) -> plan.Layout:
     return plan.Layout(
         pipeline=P_STAGES,
         data=N,
@@ -72,6 +86,7 @@ def layout(zero: int, cfg: dict, each: bool = False) -> plan.Layout:
         batch=16,
         virtual=cfg["virtual"],
         reduce_once=False if each else None,
+        reshard_after_forward=reshard,
     )
 
 
@@ -106,7 +121,7 @@ def worker(cfg: dict) -> dict:
         if "per microbatch" in name:  # the executor shares no cast: each microbatch makes its own
             _casts.Casts.__call__ = lambda self, func, args, kwargs: None
         try:
-            step, args = plan.model_step(model(cfg), layout(zero, cfg, EACH in name), mesh)
+            step, args = plan.model_step(model(cfg), layout(zero, cfg, EACH in name, RESHARD in name), mesh)
             out[name] = peak_over_two_steps(step, args)
         finally:
             _casts.Casts.__call__ = shared
@@ -137,22 +152,26 @@ def main(argv=None) -> None:
     )
     print("|---|---|---|---|---|---|")
     for name, zero in CASES:
-        each = EACH in name
-        est = plan.estimate(*_abstract(zero, cfg, shared="per microbatch" not in name, each=each))
+        each, reshard = EACH in name, RESHARD in name
+        est = plan.estimate(
+            *_abstract(zero, cfg, shared="per microbatch" not in name, each=each, reshard=reshard)
+        )
         for s in range(P_STAGES):
             got = [r[name] / per_stage for r in ranks if r["coords"]["pipeline"] == s]
             planned = [c.peak_bytes for c in est.devices if c.coords.get("pipeline", 0) == s]
-            want = formula(zero, each_v=cfg["virtual"] if each else 0)
+            want = formula(
+                zero, each_v=cfg["virtual"] if each else 0, reshard_v=cfg["virtual"] if reshard else 0
+            )
             print(
                 f"| {name} | {s} | {', '.join(f'{g:.2f}' for g in got)} | "
                 f"{max(planned) / per_stage:.2f} | {want:.1f} | {max(got) / want:.2f} |"
             )
 
 
-def _abstract(zero: int, cfg: dict, shared: bool, each: bool = False):
+def _abstract(zero: int, cfg: dict, shared: bool, each: bool = False, reshard: bool = False):
     from fpar.pipeline import _casts
 
-    step, args = plan.model_step(model(cfg), layout(zero, cfg, each))
+    step, args = plan.model_step(model(cfg), layout(zero, cfg, each, reshard))
     if shared:
         return (step, *args)
     saved = _casts.Casts.__call__

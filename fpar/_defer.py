@@ -101,12 +101,11 @@ class defer_reduction:
     # plan's kept ones, so that they are freed once reduce-scattered (a kept buffer, the size of
     # the stage's gradients, would stay through the update: 4 bytes a parameter in float32).
     _fresh_buffers = False
-    # Set by the pipeline for ``zero_pipeline``'s once-a-step sums: ``(input tensor, numel, dtype)
-    # -> a flat buffer or None``, asked for each tensor of a bucket when the bucket's sums begin.
-    # A model chunk's row of a stacked parameter gets its row of the leaf's stacked sum, and the
-    # bucket then keeps a buffer a tensor (the others new ones) in place of one flat: the stacked
-    # sum is the stage's gradient with no stacking at the step's end (a copy of it).
-    _row_buffer: Callable[[Tensor, int, torch.dtype], Tensor | None] | None = None
+    # Set by the pipeline for ``zero_pipeline``'s once-a-step sums: each tensor of a bucket sums into
+    # a buffer of its own, not a slot of the bucket's flat one, so the step's end can stack a
+    # stacked parameter's chunks leaf by leaf, freeing each chunk's sum as its leaf is stacked (a
+    # flat holding several leaves stays until its last is: the stage's gradient held twice).
+    _own_buffers = False
 
     def __enter__(self) -> defer_reduction:
         if not _ACTIVE:
@@ -244,7 +243,7 @@ class Deferred:
         self.buffer = buffer or _new_buffer
         self.bases = bases  # (argument slot, base tensor, version): held, so identities stay unique
         self.flats: list[Tensor | None] = [None] * n_buckets
-        # a bucket whose tensors each have a buffer of their own (``defer_reduction._row_buffer``);
+        # a bucket whose tensors each have a buffer of their own (``defer_reduction._own_buffers``);
         # its ``flats`` entry is then the first of them, a marker that the sums have begun
         self.split: list[list[Tensor] | None] = [None] * n_buckets
         self.filled: list[list[bool] | None] = [None] * n_buckets  # per slot, by add_one
@@ -330,19 +329,13 @@ class Deferred:
         return block(self.flats[b], at, shape) if split is None else split[i]
 
     def _allocate(self, b: int, metas: list) -> None:
-        """Bucket ``b``'s uninitialised buffer: one flat (``buffer``'s), or one a tensor (``_row_buffer``)."""
+        """Bucket ``b``'s uninitialised buffer: one flat (``buffer``'s), or one a tensor (``_own_buffers``)."""
         _, dtype, device = metas[0]
         dtype = self._dtype(dtype)
-        rows = self.scope._row_buffer
-        if rows is not None and b < len(self.parts):
-            got = [rows(base, shape.numel(), dtype) for base, _, shape in self.parts[b][1]]
-            if any(g is not None for g in got):
-                self.split[b] = [
-                    torch.empty(m[0], dtype=dtype, device=device) if g is None else g.view(m[0])
-                    for g, m in zip(got, metas)
-                ]
-                self.flats[b] = self.split[b][0]
-                return
+        if self.scope._own_buffers and len(metas) > 1:
+            self.split[b] = [torch.empty(m[0], dtype=dtype, device=device) for m in metas]
+            self.flats[b] = self.split[b][0]
+            return
         self.flats[b] = self.buffer(b, sum(m[0].numel() for m in metas), dtype, device)
 
     def _add(self, b: int, cts: list, metas: list) -> None:
@@ -438,7 +431,7 @@ class Deferred:
             return None
         if self.split[b] is not None:  # the scope's sums are taken once, at its end (``_take_local``)
             raise RuntimeError(
-                "fpar: a deferred bucket of row buffers cannot be handed over before the step ends"
+                "fpar: a deferred bucket of buffers a tensor cannot be handed over before the step ends"
             )
         if self.filled[b] is not None:
             self._zero_unfilled(b)
@@ -490,8 +483,13 @@ def base_of(t: Tensor) -> Tensor | None:
 
 
 def identity(t: Tensor) -> tuple:
-    """What makes two calls' input "the same tensor": its storage, view and dtype."""
-    return (t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+    """What makes two calls' input "the same tensor": its storage, view and dtype.
+
+    The storage by its object, not its data's address: a parameter buffer freed and gathered
+    again between microbatches (``zero_pipeline(..., reshard_after_forward=True)``, FSDP's
+    ``resize_``) is the same tensor at another address.
+    """
+    return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
 def open_deferred(

@@ -62,6 +62,7 @@ from ._zero import (
     _Releaser,
     zero_params,
 )
+from ._zero_reshard import Reshard, gather_ends
 from ._zero_rows import reduce_onto_owners
 
 __all__ = ["zero_pipeline"]
@@ -77,6 +78,7 @@ def zero_pipeline(
     compute_dtype: torch.dtype | None = None,
     bucket_bytes: int = BUCKET_BYTES,
     reduce_once: bool = True,
+    reshard_after_forward: bool = False,
 ) -> Callable:
     """A pipelined step whose parameters and gradients are laid out by ZeRO stage 2 or 3.
 
@@ -98,6 +100,11 @@ def zero_pipeline(
         microbatches' backward ends and accumulate chunks (False: the stage's gradient is never
         held whole, for ``m`` times the messages; see the module docstring).  The same sums
         either way; the additions are ordered otherwise (float rounding may differ).
+      reshard_after_forward: stage 3: gather each model chunk's parameters for its own forward
+        and backward and free them after (True; FSDP2's name, torchtitan's other choice), or
+        gather the stage once a step and hold it (False, the default): a stage then holds the
+        running chunk and the next one's prefetch, not all ``v``, for two gathers a chunk and
+        microbatch (``fpar/optim/_zero_reshard.py``).  The same values either way.
 
     Returns:
       ``run(params, xs, targets=None, *, key=None) -> StepResult``: ``params`` as ``zero_init``
@@ -108,7 +115,8 @@ def zero_pipeline(
       TypeError: ``step`` is not a ``fpar.pipeline.pipeline`` step.
       ValueError: a stage other than 2 or 3, another mesh, the data axis is the pipe axis, or a
         layout with ``units``.
-      TypeError: ``reduce_once`` not a bool.
+      TypeError: ``reduce_once`` or ``reshard_after_forward`` not a bool.
+      ValueError: ``reshard_after_forward=True`` at stage 2 (its parameters are whole).
 
     Example:
       >>> layout = fo.zero_layout(params, mesh, specs, stage=3)
@@ -149,6 +157,15 @@ def zero_pipeline(
         )
     if not isinstance(reduce_once, bool):
         raise TypeError(f"{_API}: reduce_once must be True or False, got {reduce_once!r}.")
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(
+            f"{_API}: reshard_after_forward must be True or False, got {reshard_after_forward!r}."
+        )
+    if reshard_after_forward and layout.stage != 3:
+        raise ValueError(
+            f"{_API}: reshard_after_forward=True is for ZeRO-3; stage {layout.stage} keeps whole "
+            f"parameters, so there is nothing to gather or free. Use stage=3, or leave it False."
+        )
     pspecs = layout._tree([lf.spec for lf in layout.leaves])
     chunked = shard(lambda g: _map(_own_chunk, g, layout), mesh, (pspecs,), layout.grad_specs)
     low = compute_dtype if layout.stage == 3 and mesh.backend == "dist" else None
@@ -160,14 +177,20 @@ def zero_pipeline(
 
     def run(params: Any, xs: Tensor, targets: Any = None, *, key: Tensor | None = None) -> Any:
         _check_params(params, layout)
-        whole = zero_params(params, layout) if gather_low is None else gather_low(params)
+        rows = None  # reshard_after_forward: each chunk gathered for its own actions
+        if reshard_after_forward and mesh.backend == "dist":
+            rows = Reshard(layout, params, leaf_of["stages"], low)
+            whole = gather_ends(layout, leaf_of["stages"], params, low)
+        else:
+            whole = zero_params(params, layout) if gather_low is None else gather_low(params)
         if mesh.backend != "dist":  # in-process: the summed gradients, cut into chunks
             res = step(whole, xs, targets, key=key)
             del whole
             return res._replace(grads=chunked(res.grads))
         wide = None if low is None else _master_dtype(params)
         each = None if reduce_once else _RowSums(layout, leaf_of)
-        got = unreduced(whole, xs, targets, key, data, wide, each)
+        got = unreduced(whole, xs, targets, key, data, wide, each, rows)
+        del rows
         # each leaf's sums are in its gathered dtype, or ``wide`` where that is wider
         sums = [_sum_dtype(t, wide) for t in tree_flatten(whole)[0]]
         del whole  # stage 3: the gathered stage goes before the reduce-scatter

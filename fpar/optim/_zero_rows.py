@@ -42,7 +42,7 @@ from .._sums import widened
 from .._tree import tree_flatten, tree_unflatten
 from ..pipeline._unstack import ROWS, Rows, Unstack, _Target, rows_at
 
-__all__ = ["RowGather", "RowScatter", "reduce_onto_owners", "scattered_grad"]
+__all__ = ["RowGather", "RowScatter", "gather_from_owners", "reduce_onto_owners", "scattered_grad"]
 
 Tensor = torch.Tensor
 _IN_FLIGHT = 2  # row reductions in flight at once (their pieces freed as they end)
@@ -86,6 +86,30 @@ def reduce_onto_owners(
         work = dist.reduce(piece, dst=members[k], group=group, async_op=True)
         out.append((work, piece, a - k * chunk if k == me else None))
     return out
+
+
+def gather_from_owners(
+    out: Tensor, start: int, mine: Tensor, chunk: int, members: list[int], group: Any, me: int
+) -> list[Any]:
+    """Fill ``out`` with elements ``[start, start + out.numel())`` of a leaf held as chunks (``reduce_onto_owners``'s inverse).
+
+    Data rank ``k`` (global rank ``members[k]``) holds the leaf's elements ``[k chunk, (k + 1)
+    chunk)``; ``mine`` is this rank's chunk.  Each piece of the range is broadcast by its owner
+    (which first copies it from ``mine``, cast to ``out``'s dtype) into every rank's view of
+    ``out``, asynchronously: a rank receives the range's bytes, as from an all-gather of it.
+    Returns the broadcasts' works.  ``out``'s version counter is kept (a parameter buffer
+    gathered again, not a value autograd must see changed).
+    """
+    works = []
+    width = out.numel()
+    for k in range(start // chunk, (start + width - 1) // chunk + 1):
+        a, b = max(start, k * chunk), min(start + width, (k + 1) * chunk)
+        piece = out[a - start : b - start]
+        if k == me:
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
+                piece.copy_(mine[a - k * chunk : b - k * chunk])
+        works.append(dist.broadcast(piece, src=members[k], group=group, async_op=True))
+    return works
 
 
 class RowScatter(Rows):
@@ -233,15 +257,8 @@ class RowGather(RowScatter):
         width = self.row(i, r).numel()
         if out is None:
             out = chunk.new_empty(width)
-        c, start, works = self.chunks[i], r * width, []
         self.groups.group((self.axis,))  # as every collective fpar issues: held messages go first
-        for k in range(start // c, (start + width - 1) // c + 1):
-            a, b = max(start, k * c), min(start + width, (k + 1) * c)
-            piece = out[a - start : b - start]
-            if k == self.me:
-                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
-                    piece.copy_(chunk[a - k * c : b - k * c])
-            works.append(dist.broadcast(piece, src=self.members[k], group=self.group, async_op=True))
+        works = gather_from_owners(out, r * width, chunk, self.chunks[i], self.members, self.group, self.me)
         return _Broadcasts(works, out)
 
     def reduce_row(self, i: int, r: int, g: Tensor) -> None:

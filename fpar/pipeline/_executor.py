@@ -124,6 +124,7 @@ def pipeline(
         unreduced: str | None,
         accumulate: torch.dtype | None = None,
         each: Any = None,
+        gather: Any = None,
     ) -> Any:
         try:
             _check_params(params, xs, targets, schedule, local=mesh.backend != "dist")
@@ -137,7 +138,9 @@ def pipeline(
         if unreduced is not None and isinstance(driver, DistDriver):
             if each is not None and ties:
                 each = _TiedEach(params, ties, each)
-            run_driver = functools.partial(driver.run, unreduced=unreduced, accumulate=accumulate, each=each)
+            run_driver = functools.partial(
+                driver.run, unreduced=unreduced, accumulate=accumulate, each=each, gather=gather
+            )
         if not ties:
             return run_driver(params, xs, targets, key)
         last = dict(params["last"])

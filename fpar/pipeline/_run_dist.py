@@ -30,7 +30,7 @@ from .._tree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree
 from ._schedule import COMPUTE, Action, Schedule, next_stage, prev_stage
 from ._stage import Fns, Stage, StepResult, last_stage, stack
 from ._timeline import Timeline
-from ._unreduced import _Flush, _SumRows, _unreduced, _widen
+from ._unreduced import _Flush, _unreduced, _widen
 
 Tensor = torch.Tensor
 
@@ -79,6 +79,7 @@ class DistDriver:
         unreduced: str | None = None,
         accumulate: torch.dtype | None = None,
         each: Any = None,
+        gather: Any = None,
     ) -> Any:
         """The step: a ``StepResult``; with ``unreduced`` (a data axis) an ``Unreduced`` instead.
 
@@ -89,11 +90,16 @@ class DistDriver:
         the index in ``params[group]``'s leaves, of chunk ``chunk`` for ``"stages"``), which are
         then not in the result's ``local``; ``each.ready()`` is called before every backward
         action (``zero_pipeline(..., reduce_once=False)`` ends the reductions in flight there).
+        ``gather``: with ``unreduced``, where each chunk's parameters come from
+        (``zero_pipeline(..., reshard_after_forward=True)``'s ``Reshard``):
+        ``gather.chunks(treedef, order)`` their trees, in place of ``params["stages"]``'s rows
+        (``order``: this stage's compute actions as it runs them), ``gather.before(a)`` and
+        ``gather.after(a)`` around each compute action, ``gather.close()`` at the end.
         """
         if self.mesh.abstract:  # a mesh on paper: the stage fpar.plan simulates (device 0's outside)
             if not _dist.simulated():
                 with _dist.on_paper(self.mesh):
-                    return self.run(params, xs, targets, key, unreduced, accumulate, each)
+                    return self.run(params, xs, targets, key, unreduced, accumulate, each, gather)
             if self.mesh._dist.coords[self.axis] != self.me:  # another stage's process: its own buffers
                 self._stage(self.mesh._dist.coords[self.axis])
                 self.shapes, self.kept_rows = {}, []
@@ -105,19 +111,23 @@ class DistDriver:
         fields = {"schedule": self.described, "xs": _described(xs), "targets": _described(targets)}
         fields.update(params=_described(params), key=_described(key))
         _dist.check_same(self.mesh, fields, self.device, _API)
-        chunks = [tree_map(lambda t, c=c: t[c], stacked) for c in range(sch.v)]
+        if gather is not None and unreduced is not None:  # each chunk gathered for its own actions
+            order = [a for acts in self.ticks for a in acts if a.kind in COMPUTE]
+            chunks = gather.chunks(tree_flatten(stacked)[1], order)
+        else:
+            chunks = [tree_map(lambda t, c=c: t[c], stacked) for c in range(sch.v)]
+            gather = None
         st = Stage(self.me, sch, self.fns, chunks, params.get("first"), params.get("last"), key)
         st.deferral, st.finals = defer_reduction(), self.finals  # DP gradients reduced once per step
         st.deferral._checks_itself = True  # _check_reduced at the step's end
-        rows = None  # with ``unreduced`` summed once a step: each stacked leaf's sum (``_SumRows``)
         if unreduced is not None:  # every forward deferred; the sums are taken unreduced at the end
             st.finals = set()
             st.deferral._fresh_buffers = True  # freed once reduce-scattered, not kept through the update
             if accumulate is not None:
                 st.deferral._accumulate_dtype = accumulate
                 _widen(st, accumulate)
-            if each is None:  # summed once a step: each chunk's sum in its row of the leaf's
-                st.deferral._row_buffer = rows = _SumRows(st, stacked)
+            if each is None:  # summed once a step: stacked leaf by leaf at the end (``_unreduced``)
+                st.deferral._own_buffers = True
         bufs = _gradient_rows(st, stacked, self.kept_rows) if unreduced is None else None
         flush = None if each is None or unreduced is None else _Flush(st, each)
         start = time.perf_counter()
@@ -128,7 +138,7 @@ class DistDriver:
         keep = None  # fpar.plan: the microbatches it runs (the rest repeat them); None: all
         if sim is not None:
             sim.pipeline(sch, self.axis)
-            keep = sim.kept(sch, self.me, every=flush is not None)
+            keep = sim.kept(sch, self.me, every=flush is not None or gather is not None)
         begun: set = set()  # fpar.plan: the microbatches that have run an action
         ghosts: list = []  # fpar.plan: receives of microbatches not simulated (``_ghost_receives``)
         for tick, full in enumerate(self.ticks):
@@ -145,12 +155,16 @@ class DistDriver:
                 if a.kind in COMPUTE:
                     if sim is not None:  # fpar.plan: the ops that follow are this action's
                         sim.mark(a)
+                    if gather is not None:
+                        gather.before(a)
                     if flush is not None and a.kind != "F":
                         flush.ready()  # the last backward's sums are reduced before this one makes more
                         st.run(a, xs, targets)
                         flush()
                     else:
                         st.run(a, xs, targets)
+                    if gather is not None:
+                        gather.after(a)
             if sim is not None:
                 sim.mark(None)
             posting += self._exchange(actions, st, _dist, early, posted)
@@ -167,11 +181,13 @@ class DistDriver:
             st.note_inbox()
         for work, _ in sending:
             work.wait()
+        if gather is not None:
+            gather.close()
         if unreduced is not None:
             sums = st.deferral._take_local()
             wall = time.perf_counter() - start
             loss, stats = self._finish(st, wall, _dist)
-            return _unreduced(st, params, sums, loss, stats, None if rows is None else rows.bufs)
+            return _unreduced(st, params, sums, loss, stats)
         st.deferral._check_reduced("fpar.pipeline")
         wall = time.perf_counter() - start
         loss, stats = self._finish(st, wall, _dist)

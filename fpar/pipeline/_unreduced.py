@@ -1,9 +1,8 @@
 """What a real-mesh pipeline step hands ``fpar.optim.zero_pipeline``: its gradients with the data-parallel sums not taken.
 
 The step defers every sum over the data axis (``defer_reduction``) and gives the local sums to
-``zero_pipeline``, which reduce-scatters them itself: once a step (``Unreduced``, a stacked
-leaf's chunks summed into the rows of one buffer by ``_SumRows``), or as each backward action
-ends (``_Flush``).  Lower-precision parameters' gradients are summed in a wider dtype (``_widen``).
+``zero_pipeline``, which reduce-scatters them itself: once a step (``Unreduced``), or as each
+backward action ends (``_Flush``).  Lower-precision parameters' gradients are summed in a wider dtype (``_widen``).
 """
 
 from __future__ import annotations
@@ -39,13 +38,12 @@ class Unreduced(NamedTuple):
     stats: Timeline
 
 
-def _unreduced(
-    st: Stage, params: dict, sums: list, loss: Tensor, stats: Timeline, rows: list | None = None
-) -> Unreduced:
+def _unreduced(st: Stage, params: dict, sums: list, loss: Tensor, stats: Timeline) -> Unreduced:
     """Sort the deferred sums (``defer_reduction._take_local``) and the rest by parameter.
 
-    ``rows``: per leaf of ``stages``, the stacked buffer (``_SumRows``) its chunks' sums were
-    added into, or None: a leaf whose every sum is its row of it is that buffer, not a stack.
+    ``sums`` is emptied.  A stacked parameter's chunks' sums are stacked one leaf at a time,
+    each chunk's sum let go as its leaf is stacked: with each sum in a buffer of its own
+    (``defer_reduction._own_buffers``) the stage's gradient is held once, plus one leaf.
     """
     local: dict[int, Tensor] = {}
     axes: dict[int, str] = {}
@@ -53,6 +51,7 @@ def _unreduced(
         have = local.get(id(base))
         local[id(base)] = value if have is None else have + value
         axes[id(base)] = " ".join(over)  # a leaf of the tree (a tuple or set would be a node)
+    sums.clear()
 
     def reduced(t: Any) -> Any:
         if not isinstance(t, Tensor):
@@ -68,17 +67,19 @@ def _unreduced(
         )
 
     out: dict[str, dict] = {"local": {}, "reduced": {}, "axes": {}}
-    per_chunk = [parts(leaves) for leaves, _ in st.groups["stages"]]
+    chunks = [leaves for leaves, _ in st.groups["stages"]]
     treedef = tree_flatten(params["stages"])[1]
-    for k, part in enumerate(("local", "reduced", "axes")):
-        cols = list(zip(*(chunk[k] for chunk in per_chunk)))
-        if part == "axes":
-            leaves = [next((a for a in col if a is not None), None) for col in cols]
-        elif part == "local" and rows is not None:
-            leaves = [_stack_parts(col, buf) for col, buf in zip(cols, rows)]
-        else:
-            leaves = [_stack_parts(col) for col in cols]
-        out[part]["stages"] = tree_unflatten(treedef, leaves)
+    cols = list(zip(*chunks))  # per leaf, its tensor in each chunk
+    stacked = []
+    for col in cols:
+        stacked.append(_stack_parts(tuple(local.pop(id(t), None) for t in col)))
+    out["local"]["stages"] = tree_unflatten(treedef, stacked)
+    out["reduced"]["stages"] = tree_unflatten(
+        treedef, [_stack_parts(tuple(map(reduced, col))) for col in cols]
+    )
+    out["axes"]["stages"] = tree_unflatten(
+        treedef, [next((axes[id(t)] for t in col if id(t) in axes), None) for col in cols]
+    )
     for g in ("first", "last"):
         if g not in params:
             continue
@@ -135,68 +136,9 @@ def _move_wide(wide: dict, dtype: torch.dtype, t: Tensor) -> None:
     wide[id(t)] = g.to(dtype) if have is None else have.add_(g)
 
 
-def _stack_parts(col: tuple, buf: Tensor | None = None) -> Tensor | None:
-    """One leaf's part over this rank's chunks, stacked (zeros for a chunk without it); ``None`` if none has it.
-
-    ``buf``: the leaf's stacked sum (``_SumRows``); when every part there is is its own row of it,
-    ``buf`` is the stack (its other rows zeroed), with no copy.
-    """
+def _stack_parts(col: tuple) -> Tensor | None:
+    """One leaf's part over this rank's chunks, stacked (zeros for a chunk without it); ``None`` if none has it."""
     if all(g is None for g in col):
         return None
-    if buf is not None and all(g is None or _is_row(g, buf, c) for c, g in enumerate(col)):
-        for c, g in enumerate(col):
-            if g is None:
-                buf[c].zero_()
-        return buf
     like = next(g for g in col if g is not None)
     return stack([torch.zeros_like(like) if g is None else g for g in col])
-
-
-def _is_row(g: Tensor, buf: Tensor, c: int) -> bool:
-    """Whether ``g`` is row ``c`` of ``buf`` (by storage: on the planner's meta device too)."""
-    row = buf[c]
-    return (
-        g.untyped_storage()._cdata == buf.untyped_storage()._cdata
-        and g.storage_offset() == row.storage_offset()
-        and g.shape == row.shape
-        and g.stride() == row.stride()
-    )
-
-
-class _SumRows:
-    """``zero_pipeline``'s once-a-step sums (``defer_reduction._row_buffer``): a stacked leaf's chunks into its rows.
-
-    A deferred bucket whose one tensor is chunk ``c``'s row of stacked leaf ``i`` adds its
-    microbatches' sums into row ``c`` of one ``[v, ...]`` buffer of ``i`` (made at the leaf's first
-    such bucket, in the sums' dtype), so the stage's stacked sum is that buffer: stacking the
-    chunks' sums at the step's end held the stage's gradient twice (4 bytes a parameter in float32).
-    A row is handed out once a step; a sum of another shape or dtype gets a buffer of its own.
-    """
-
-    def __init__(self, st: Stage, stacked: Any):
-        self.leaves = tree_flatten(stacked)[0]
-        self.bufs: list[Tensor | None] = [None] * len(self.leaves)
-        self.at: dict[int, tuple[int, int]] = {}  # id(chunk leaf) -> (stacked leaf, chunk)
-        self.given: set[int] = set()
-        for c, (chunk, _) in enumerate(st.groups["stages"]):
-            for i, leaf in enumerate(chunk):
-                if (
-                    isinstance(leaf, Tensor)
-                    and isinstance(self.leaves[i], Tensor)
-                    and leaf.is_floating_point()
-                ):
-                    self.at[id(leaf)] = (i, c)
-
-    def __call__(self, base: Tensor, numel: int, dtype: torch.dtype) -> Tensor | None:
-        where = self.at.get(id(base))
-        if where is None or id(base) in self.given:
-            return None
-        i, c = where
-        t = self.leaves[i]
-        buf = self.bufs[i]
-        if numel != t[0].numel() or (buf is not None and buf.dtype != dtype):
-            return None
-        if buf is None:
-            buf = self.bufs[i] = torch.empty(t.shape, dtype=dtype, device=t.device)
-        self.given.add(id(base))
-        return buf[c].view(-1)

@@ -121,6 +121,9 @@ class Layout:
     ``group``: with ``virtual > 1``, the microbatches interleaved 1F1B runs through a chunk before
     the next (Megatron-LM's ``microbatch_group_size_per_vp_stage``; None: ``pipeline``), which lets
     ``microbatches`` be other than a multiple of ``pipeline`` (``fpar.pipeline.interleaved_1f1b``).
+    ``reshard_after_forward``: ZeRO-3 inside a pipeline: each model chunk gathered for its own
+    forward and backward and freed after (True), or the stage gathered once a step and held
+    (False, torchtitan's choice in a pipeline): ``fpar.optim.zero_pipeline``'s option.
     """
 
     pipeline: int = 1
@@ -136,6 +139,7 @@ class Layout:
     sums: str = "float32"
     reduce_once: bool | None = None
     group: int | None = None
+    reshard_after_forward: bool = False
 
     @property
     def devices(self) -> int:
@@ -157,6 +161,7 @@ class Layout:
             + (" reduce_once" if self.reduce_once else "")
             + (" reduce_once=False" if self.reduce_once is False and self.pipeline > 1 else "")
             + (f" group={self.group}" if self.group is not None else "")
+            + (" reshard_after_forward" if self.reshard_after_forward else "")
         )
 
     def mesh(self) -> Mesh:
@@ -216,6 +221,16 @@ def check_layout(model: Model, layout: Layout) -> None:
         raise ValueError(
             f"fpar.plan: reduce_once={layout.reduce_once} is for ZeRO 2 or 3 (ZeRO 0 and 1 reduce once "
             f"a step: their gradients are whole until the update); got {layout.describe()}."
+        )
+    if not isinstance(layout.reshard_after_forward, bool):
+        raise TypeError(
+            f"fpar.plan: reshard_after_forward must be True or False, got {layout.reshard_after_forward!r}."
+        )
+    if layout.reshard_after_forward and (p == 1 or layout.zero != 3):
+        raise ValueError(
+            f"fpar.plan: reshard_after_forward=True is ZeRO-3 inside a pipeline (each model chunk "
+            f"gathered for its own actions; without a pipeline ZeRO-3 gathers a layer at a time "
+            f"already); got {layout.describe()}."
         )
 
 
@@ -534,7 +549,13 @@ def model_step(model: Model | str, layout: Layout, mesh: Mesh | None = None, *, 
     update = fo.zero_update(opt, zl, donate=True)  # in place, as a user at scale runs it
     if stage:  # ZeRO-3 gathers in a low compute dtype (FSDP2's param_dtype), sums in float32
         low = dtype if stage == 3 and dtype.itemsize < 4 else None
-        run = fo.zero_pipeline(run, zl, compute_dtype=low, reduce_once=layout.reduce_once is not False)
+        run = fo.zero_pipeline(
+            run,
+            zl,
+            compute_dtype=low,
+            reduce_once=layout.reduce_once is not False,
+            reshard_after_forward=layout.reshard_after_forward,
+        )
     xs = device_put(ids, mesh, P(None, DATA))
 
     def step(params, state, xs, ys):
@@ -607,44 +628,3 @@ def _local_loss(w, x, y):
 def _stacked(specs: dict, pipe: bool) -> dict:
     lead = (PIPE, None) if pipe else (None,)
     return {k: P(*lead, *s) for k, s in specs.items()}
-
-
-def layout_choices(model: Model | None, devices: int, **choices: Any) -> list[Layout]:
-    """Every layout of ``devices`` from the choices (lists per field) that divides the model."""
-    import itertools
-
-    fields = {f.name: [f.default] for f in dataclasses.fields(Layout)}
-    micro = choices.pop("micro_batch", None)  # sequences per microbatch: sets microbatches
-    if micro is not None:
-        if "microbatches" in choices:
-            raise ValueError("fpar.plan.search: choose micro_batch or microbatches, not both.")
-        fields["micro_batch"] = list(micro) if isinstance(micro, (list, tuple, range)) else [micro]
-    for name, values in choices.items():
-        if name not in fields:
-            raise ValueError(
-                f"fpar.plan.search: unknown choice {name!r}; choose from {sorted([*fields, 'micro_batch'])}."
-            )
-        fields[name] = list(values) if isinstance(values, (list, tuple, range)) else [values]
-    out = []
-    for combo in itertools.product(*fields.values()):
-        kw = dict(zip(fields, combo))
-        if "data" not in choices:
-            pt = kw["pipeline"] * kw["tensor"]
-            if devices % pt:
-                continue
-            kw["data"] = devices // pt
-        if "micro_batch" in kw:
-            mb = kw.pop("micro_batch")
-            if kw["batch"] % (kw["data"] * mb):
-                continue
-            kw["microbatches"] = kw["batch"] // (kw["data"] * mb)
-        layout = Layout(**kw)
-        if layout.devices != devices:
-            continue
-        if model is not None:
-            try:
-                check_layout(model, layout)
-            except ValueError:
-                continue
-        out.append(layout)
-    return out

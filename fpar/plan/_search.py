@@ -15,7 +15,7 @@ import torch
 from ._estimate import Estimate, _state_bytes, estimate
 from ._hardware import Hardware
 from ._hardware import hardware as _hardware
-from ._models import Layout, layout_choices
+from ._models import Layout, Model, check_layout
 
 __all__ = ["Result", "ranking", "search"]
 
@@ -185,3 +185,44 @@ def ranking(results: list, *, tokens_per_step: int | None = None) -> str:
             row += f"  ({r.dropped})"
         lines.append(row)
     return "\n".join(lines)
+
+
+def layout_choices(model: Model | None, devices: int, **choices: Any) -> list[Layout]:
+    """Every layout of ``devices`` from the choices (lists per field) that divides the model."""
+    import itertools
+
+    fields: dict[str, list[Any]] = {f.name: [f.default] for f in dataclasses.fields(Layout)}
+    micro = choices.pop("micro_batch", None)  # sequences per microbatch: sets microbatches
+    if micro is not None:
+        if "microbatches" in choices:
+            raise ValueError("fpar.plan.search: choose micro_batch or microbatches, not both.")
+        fields["micro_batch"] = list(micro) if isinstance(micro, (list, tuple, range)) else [micro]
+    for name, values in choices.items():
+        if name not in fields:
+            raise ValueError(
+                f"fpar.plan.search: unknown choice {name!r}; choose from {sorted([*fields, 'micro_batch'])}."
+            )
+        fields[name] = list(values) if isinstance(values, (list, tuple, range)) else [values]
+    out = []
+    for combo in itertools.product(*fields.values()):
+        kw = dict(zip(fields, combo))
+        if "data" not in choices:
+            pt = kw["pipeline"] * kw["tensor"]
+            if devices % pt:
+                continue
+            kw["data"] = devices // pt
+        if "micro_batch" in kw:
+            mb = kw.pop("micro_batch")
+            if kw["batch"] % (kw["data"] * mb):
+                continue
+            kw["microbatches"] = kw["batch"] // (kw["data"] * mb)
+        layout = Layout(**kw)
+        if layout.devices != devices:
+            continue
+        if model is not None:
+            try:
+                check_layout(model, layout)
+            except ValueError:
+                continue
+        out.append(layout)
+    return out

@@ -79,6 +79,9 @@ class TrainingProgram:
         unreduced and reduce-scattered once (True), or each microbatch's reduced as its backward
         ends (False); ``None``: the driver's default (``"zero"``: False, ``zero_step``'s;
         ``"pipeline"``: True, ``zero_pipeline``'s).
+      reshard_after_forward: ``"pipeline"`` at ``zero_stage`` 3 only: each model chunk's
+        parameters gathered for its own forward and backward and freed after
+        (``zero_pipeline``'s option), not the stage's once a step.
       schedule: ``"pipeline"`` only: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``,
         ``"zb_h1"``, ``"zb_v"`` or ``"dualpipe_v"`` (``fpar.pipeline``'s builders).
       chunks: ``"pipeline"`` only: model chunks per stage (``v``): 1 or 2 for ``"gpipe"``, 2 for
@@ -122,6 +125,7 @@ class TrainingProgram:
     zero_stage: int = 0
     fused: bool = True
     reduce_once: bool | None = None
+    reshard_after_forward: bool = False
     schedule: str = "gpipe"
     chunks: int = 1
     layers: int = 1
@@ -207,6 +211,12 @@ class TrainingProgram:
             self.driver in ("zero", "pipeline") and self.zero_stage in (2, 3) and self.n_micro > 1
         ):
             bad("reduce_once is for driver='zero' or 'pipeline' at zero_stage 2 or 3 with n_micro > 1.")
+        if self.reshard_after_forward not in (True, False) or (
+            self.reshard_after_forward and (self.driver, self.zero_stage) != ("pipeline", 3)
+        ):
+            bad(
+                "reshard_after_forward is True or False, and True only for driver='pipeline' at zero_stage 3."
+            )
         for field, on in (("precision", self.precision != "fp64"), ("compile", self.compile)):
             if on and not (self.driver == "zero" and self.fused):
                 bad(f"{field} is for driver='zero' with fused=True (fpar.optim.zero_step).")
@@ -249,6 +259,7 @@ class TrainingProgram:
             how = f"pipeline {self.schedule} m={self.n_micro} v={self.chunks}"
             how += f", ZeRO-{self.zero_stage}" if self.zero_stage else ""
             how += " reduced each microbatch" if self.reduce_once is False else ""
+            how += " resharded after forward" if self.reshard_after_forward else ""
         extra = [f"{self.model} x{self.layers}", how, self.optimizer]
         if self.precision != "fp64":
             extra.append(self.precision)

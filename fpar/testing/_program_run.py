@@ -446,7 +446,12 @@ class _Run:
         opt, layout, params, state = self._optimizer_setup(params, specs, pr.zero_stage)
         update = fo.zero_update(opt, layout, donate=pr.donate)
         if pr.zero_stage:  # each stage's gradients reduce-scattered over data (ZeRO-3: chunks kept)
-            run = fo.zero_pipeline(run, layout, reduce_once=pr.reduce_once is not False)
+            run = fo.zero_pipeline(
+                run,
+                layout,
+                reduce_once=pr.reduce_once is not False,
+                reshard_after_forward=pr.reshard_after_forward,
+            )
         gspecs = specs if not pr.zero_stage else layout.grad_specs
         trace: dict = {}
         for t in range(pr.steps):

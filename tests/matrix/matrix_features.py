@@ -109,15 +109,19 @@ def program(run: dict, devices: int) -> TrainingProgram | None:
             return None
         # a pipeline's microbatches are its accumulation: "accumulate" draws ZeRO-2/3 reducing
         # each chunk's gradient as its backward ends (zero_pipeline's reduce_once=False), "none"
-        # its default (once a step)
+        # its default (once a step), and "accumulate_once" ZeRO-3 summing once a step with each
+        # model chunk gathered for its own actions (zero_pipeline's reshard_after_forward=True)
         each = run["accumulation"] == "accumulate" and run["zero_stage"] in (2, 3)
-        if run["accumulation"] != "none" and not each:
+        reshard = run["accumulation"] == "accumulate_once" and run["zero_stage"] == 3
+        if run["accumulation"] != "none" and not (each or reshard):
             return None
         p = size.get("pipe", 1)
         chunks = CHUNKS[schedule][0]
         micro = {"interleaved_1f1b": 2 * p, "dualpipe_v": 2 * p}.get(schedule, 2)
         kw.update(driver="pipeline", schedule=schedule, chunks=chunks, layers=p * chunks, n_micro=micro)
-        kw.update(zero_stage=run["zero_stage"], reduce_once=False if each else None)
+        kw.update(
+            zero_stage=run["zero_stage"], reduce_once=False if each else None, reshard_after_forward=reshard
+        )
     else:
         if schedule != "none":
             return None

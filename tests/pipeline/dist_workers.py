@@ -345,12 +345,15 @@ def cast_job(axes: tuple, name: str, p: int, m: int, v: int, shared: bool, relea
     }
 
 
-def zero_pipeline_job(axes: tuple, name: str, p: int, m: int, v: int, stage: int, once: bool = True) -> dict:
+def zero_pipeline_job(
+    axes: tuple, name: str, p: int, m: int, v: int, stage: int, once: bool = True, reshard: bool = False
+) -> dict:
     """``fpar.optim.zero_pipeline`` at ZeRO ``stage``: its gradient chunks, and the chunks of the plain step's.
 
     Both gathered to whole (``layout.grad_specs``), with the losses: equal on both meshes.
     ``data_ops``: the collectives the ZeRO step ran over the data axis.  ``once``: its
-    ``reduce_once`` (False: each chunk's gradient reduced as its backward ends).
+    ``reduce_once`` (False: each chunk's gradient reduced as its backward ends); ``reshard``: its
+    ``reshard_after_forward`` (each chunk gathered for its own actions; ``gathers`` counts them).
     """
     import fpar.optim as fo
 
@@ -365,7 +368,7 @@ def zero_pipeline_job(axes: tuple, name: str, p: int, m: int, v: int, stage: int
     layout = fo.zero_layout(params, mesh, specs, stage=stage)
     zparams, _ = fo.zero_init(fo.sgd(0.1), params, layout)
     step = pp.pipeline(fns["stage"], M.schedule(name, p, m, v), mesh, loss=fns["loss"], first=fns["first"])
-    run = fo.zero_pipeline(step, layout, reduce_once=once)
+    run = fo.zero_pipeline(step, layout, reduce_once=once, reshard_after_forward=reshard)
     run(zparams, xs, ts)  # the first call plans the sharded calls
     fpar.reset_comm_stats()
     got = run(zparams, xs, ts)
@@ -381,6 +384,7 @@ def zero_pipeline_job(axes: tuple, name: str, p: int, m: int, v: int, stage: int
         "plain_chunks": fpar.gather(chunks, mesh, layout.grad_specs),
         "data_ops": sorted(comm.get("data", {})),
         "scatters": comm.get("data", {}).get("psum_scatter", {}).get("calls", 0),
+        "gathers": comm.get("data", {}).get("all_gather_invariant", {}).get("calls", 0),
     }
 
 

@@ -57,6 +57,10 @@ JOBS = [
     ("zero_pipeline_job", (PDT2, "interleaved", 2, 4, 2, 3, False)),
     ("zero_pipeline_job", (PDT2, "zb_h1", 2, 2, 1, 3, False)),
     ("zero_pipeline_job", (DT, "gpipe", 1, 2, 1, 3, False)),
+    # reshard_after_forward=True: each chunk gathered for its own forward and backward, freed after
+    ("zero_pipeline_job", (PDT2, "interleaved", 2, 4, 2, 3, True, True)),
+    ("zero_pipeline_job", (PDT2, "interleaved", 2, 4, 2, 3, False, True)),
+    ("zero_pipeline_job", (PDT2, "zb_h1", 2, 2, 1, 3, True, True)),
     # chunks of stacked layers: each layer's gradient goes into the deferred sum as its backward
     # ends (fpar/pipeline/_unstack.py), whether the layers are taken by unbind, w[i] or select
     ("rows_job", (PDT2, "1f1b", 2, 4, 1, "unbind")),
@@ -92,7 +96,7 @@ def _compare(got, expected, where):
         g = got[key]
         if key in ("first", "last") and g is None:
             continue  # this rank's stage does not hold that part of the model
-        if key in ("data_ops", "scatters"):
+        if key in ("data_ops", "scatters", "gathers"):
             continue  # what a real mesh sends (the in-process mesh sends nothing)
         if isinstance(e, torch.Tensor):
             torch.testing.assert_close(g, e, msg=lambda msg, k=key: f"{where} {k}: {msg}")
@@ -271,13 +275,18 @@ def test_zero_inside_a_pipeline_reduce_scatters_what_the_pipeline_all_reduces(la
     in-process, and the loss is the plain step's; on the real mesh the data axis carries
     reduce-scatters (and ZeRO-3's gathers), no all-reduce.  With ``reduce_once=False`` each
     microbatch's sums are added in another order (equal to rounding), each chunk's backward of
-    each microbatch reducing its leaves: more reductions than one a bucket a step."""
-    once = {}
+    each microbatch reducing its leaves: more reductions than one a bucket a step.  With
+    ``reshard_after_forward=True`` each chunk is gathered for its own forward and backward: the
+    same values, bit for bit where the sums' order is the same, and with several chunks a stage
+    at least one gather a chunk and microbatch where the stage is gathered once a step (with one,
+    every action is the chunk's: it stays gathered)."""
+    once, gathers = {}, {}
     for index, (kind, args) in enumerate(JOBS):
         if kind != "zero_pipeline_job":
             continue
         results = [ranks[index] for ranks in launched] + [("ok", W.zero_pipeline_job(*args))]
-        each = args[6:] == (False,)
+        each = len(args) > 6 and args[6] is False
+        reshard = len(args) > 7 and args[7]
         for where, (status, got) in enumerate(results):
             assert status == "ok", f"{args} rank {where}:\n{got}"
             assert torch.equal(got["loss"], got["plain_loss"]), (args, where)
@@ -293,6 +302,14 @@ def test_zero_inside_a_pipeline_reduce_scatters_what_the_pipeline_all_reduces(la
                 assert all(torch.equal(a, b) for a, b in pairs), (args, where)
                 if where == 0:
                     once[args] = got["scatters"]
+            if where < len(launched) and args[0] != DT and args[5] == 3:
+                if reshard and args[4] > 1:
+                    m, v = args[3], args[4]
+                    assert got["gathers"] >= m * v > gathers[args[:6]], (args, where, got["gathers"])
+                elif reshard:  # one chunk a stage: every action is the chunk's; gathered once
+                    assert got["gathers"] == gathers[args[:6]], (args, where, got["gathers"])
+                else:
+                    gathers.setdefault(args[:6], got["gathers"])
             if where < len(launched) and args[0] != DT:
                 # the real mesh: gradients reduce-scattered, none all-reduced (and the loss's pmean;
                 # ZeRO-3 gathers its parameters).  Not on DT: there the block's residual uses its
@@ -348,6 +365,10 @@ def test_zero_pipeline_refuses_what_it_cannot_run():
         fo.zero_pipeline(lambda *a: None, fo.zero_layout(params, mesh, specs, stage=2))
     with pytest.raises(TypeError, match="reduce_once must be True or False, got None"):
         fo.zero_pipeline(step, fo.zero_layout(params, mesh, specs, stage=2), reduce_once=None)
+    with pytest.raises(TypeError, match="reshard_after_forward must be True or False, got 1"):
+        fo.zero_pipeline(step, fo.zero_layout(params, mesh, specs, stage=3), reshard_after_forward=1)
+    with pytest.raises(ValueError, match="reshard_after_forward=True is for ZeRO-3; stage 2 keeps whole"):
+        fo.zero_pipeline(step, fo.zero_layout(params, mesh, specs, stage=2), reshard_after_forward=True)
     with pytest.raises(ValueError, match="layout has units; inside a pipeline ZeRO-3 gathers each stage's"):
         fo.zero_pipeline(
             step, fo.zero_layout(params, mesh, specs, stage=3, units={"stages": 0, "first": 1, "last": 2})

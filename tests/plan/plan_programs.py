@@ -52,6 +52,7 @@ MESHES = {
     "pipeline_zero1": ((2, 2, 1), ("pipeline", "data", "tensor")),
     "pipeline_zero3": ((2, 2, 1), ("pipeline", "data", "tensor")),
     "pipeline_zero3_each": ((2, 2, 1), ("pipeline", "data", "tensor")),
+    "pipeline_zero3_reshard": ((2, 2, 1), ("pipeline", "data", "tensor")),
     "moe": ((2,), ("expert",)),
 }
 
@@ -259,6 +260,14 @@ def build(name: str, mesh: fpar.Mesh):
             pipeline=2, data=2, zero=3, microbatches=4, batch=16, virtual=2, reduce_once=False
         )
         return fpar.plan.model_step(model, layout, mesh, dtype=torch.bfloat16)
+    if name == "pipeline_zero3_reshard":
+        # the same, each chunk gathered for its own forward and backward and freed after
+        # (zero_pipeline's reshard_after_forward=True), the gradients reduced once a step
+        model = fpar.plan.Model("pipe-zero", 128, 4, 4, 4, 384, 256, 32)
+        layout = fpar.plan.Layout(
+            pipeline=2, data=2, zero=3, microbatches=4, batch=16, virtual=2, reshard_after_forward=True
+        )
+        return fpar.plan.model_step(model, layout, mesh, dtype=torch.bfloat16)
     if name == "moe":
         # A balanced router: token i's top-2 experts are i mod E and i + 1 mod E, so every device
         # sends every expert the same number of rows: the routing fpar.plan assumes on paper.
@@ -328,7 +337,14 @@ def real_worker(name: str) -> dict:
 
 BY_SIZE = {
     2: (*ZERO_PROGRAMS, "sp", "sp_dots", "moe"),
-    4: ("tp", "pipeline", "pipeline_zero1", "pipeline_zero3", "pipeline_zero3_each"),
+    4: (
+        "tp",
+        "pipeline",
+        "pipeline_zero1",
+        "pipeline_zero3",
+        "pipeline_zero3_each",
+        "pipeline_zero3_reshard",
+    ),
 }
 
 

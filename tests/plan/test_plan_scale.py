@@ -332,7 +332,7 @@ def test_the_losses_say_where_the_step_goes_and_add_up_with_the_mfu():
 
 
 def test_search_choices_cover_interleaving_micro_batch_zero_and_recomputation():
-    from fpar.plan._models import layout_choices
+    from fpar.plan._search import layout_choices
 
     got = layout_choices(
         plan.MODELS["llama-70b"],
