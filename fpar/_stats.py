@@ -95,7 +95,26 @@ def record(
     ``overlap``: issued asynchronously, to overlap with compute (gradient buckets, ZeRO's
     prefetches and reduce-scatters); only ``fpar.plan``'s time model reads it.
     """
-    nbytes = block.numel() * wire_itemsize(kind, block.dtype)  # fp16/bf16 sums: their float32 wire
+    record_numel(kind, axes, n, block.numel(), block.dtype, pairs, overlap=overlap)
+
+
+def record_numel(
+    kind: str,
+    axes: tuple[str, ...],
+    n: int,
+    numel: int,
+    dtype: torch.dtype,
+    pairs: int | None = None,
+    *,
+    overlap: bool = False,
+) -> None:
+    """``record`` of a block of ``numel`` elements of ``dtype`` that no tensor holds.
+
+    For a message whose block is not a tensor of its own (a whole leaf of which each rank sends
+    pieces): a tensor made only to be counted, a meta one too, would be memory to ``fpar.plan``'s
+    recorder, alive at once beside the buffer it describes.
+    """
+    nbytes = numel * wire_itemsize(kind, dtype)  # fp16/bf16 sums: their float32 wire
     _add(kind, axes, bytes_sent(kind, n, nbytes, pairs), overlap=overlap, n=n)
 
 
@@ -104,9 +123,9 @@ def record_bytes(kind: str, axes: tuple[str, ...], n: int, nbytes: int, *, overl
     _add(kind, axes, bytes_sent(kind, n, nbytes, None), overlap=overlap, n=n)
 
 
-def record_p2p(axis: str, kind: str, t: torch.Tensor) -> None:
-    """Count one point-to-point ``"send"`` or ``"recv"`` of ``t`` along ``axis`` (its full bytes)."""
-    _add(kind, (axis,), t.numel() * t.element_size(), n=2)
+def record_p2p(axis: str, kind: str, nbytes: int) -> None:
+    """Count one point-to-point ``"send"`` or ``"recv"`` of ``nbytes`` along ``axis``."""
+    _add(kind, (axis,), nbytes, n=2)
 
 
 _PAUSED = [0]  # > 0 inside ``uncounted()``

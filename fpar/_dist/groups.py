@@ -354,9 +354,9 @@ def p2p(
     members = mg.members((axis,))
     group = mg.group((axis,))
     for t, _ in sends:
-        stats.record_p2p(axis, "send", t)
+        stats.record_p2p(axis, "send", t.nbytes)
     for shape, dtype, _ in recvs:
-        stats.record_p2p(axis, "recv", torch.empty(shape, dtype=dtype, device="meta"))
+        stats.record_p2p(axis, "recv", math.prod(shape) * dtype.itemsize)
     if SIMULATION[0] is not None:  # fpar.plan: nothing is sent; what arrives has its shape only
         bufs = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype, _ in recvs]
         if wait:

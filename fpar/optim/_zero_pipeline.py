@@ -343,15 +343,13 @@ class _RowSums:
         # the sum goes into the buffer (the step's own); fp16/bf16 summed in float32 (fpar's rule,
         # ``fpar.low_precision_sums``), rounded once when it is in
         flat = flat.float() if widened(dtype) else flat
-        _stats.record(
-            "psum_scatter",
-            (self.data,),
-            self.layout.n,
-            flat.new_empty(flat.numel(), device="meta"),
-            overlap=True,
+        _stats.record_numel(
+            "psum_scatter", (self.data,), self.layout.n, flat.numel(), flat.dtype, overlap=True
         )
         self.groups.group((self.data,))  # as every collective fpar issues: held messages go first
         chunk = self.layout.leaves[i].chunk
+        if i not in self.acc:  # at the leaf's first sum on every rank, as ``RowScatter``'s
+            self.acc[i] = flat.new_zeros(chunk, dtype=dtype)
         for work, piece, at in reduce_onto_owners(flat, start, chunk, self.members, self.group, self.me):
             self.pending.append((work, piece, None if at is None else (i, at, dtype)))
 
@@ -363,10 +361,7 @@ class _RowSums:
             if where is not None:
                 i, at, dtype = where
                 piece = piece.to(dtype)  # a widened sum rounded once to the gradient's dtype
-                acc = self.acc.get(i)
-                if acc is None:
-                    acc = self.acc[i] = piece.new_zeros(self.layout.leaves[i].chunk)
-                acc[at : at + piece.numel()].add_(piece)
+                self.acc[i][at : at + piece.numel()].add_(piece)
 
     def chunk(self, i: int, dtype: torch.dtype, device: torch.device, shared: bool) -> Tensor:
         """This rank's chunk of leaf ``i``'s data-summed gradient (zeros where none reached it)."""

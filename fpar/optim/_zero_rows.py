@@ -151,6 +151,11 @@ class RowScatter(Rows):
         # the reduce writes the sum into it on its owner; fp16/bf16 summed in float32 (fpar's rule,
         # ``fpar.low_precision_sums``), rounded once when it is in
         flat = flat.float() if widened(flat.dtype) else flat.clone()
+        if i not in self.outs:
+            # made at the leaf's first row, on every rank: where it waited for the rank's own first
+            # piece, the ranks owning the rows reduced first held it through more of the backward
+            # than the others (and fpar.plan, which plans one data rank for all, planned the others)
+            self.outs[i] = flat.new_zeros(self.chunks[i], dtype=g.dtype)
         pieces = reduce_onto_owners(flat, r * flat.numel(), self.chunks[i], self.members, self.group, self.me)
         for work, piece, at in pieces:
             self.pending.append((work, piece, None if at is None else (i, at, g.dtype)))
@@ -170,8 +175,6 @@ class RowScatter(Rows):
         if where is not None:
             i, at, dtype = where
             piece = piece.to(dtype)  # a widened sum rounded once to the gradient's dtype
-            if i not in self.outs:  # made when its first piece is in, not in the forward
-                self.outs[i] = piece.new_zeros(self.chunks[i])
             self.outs[i][at : at + piece.numel()].add_(piece)
 
     def wait(self) -> None:
@@ -267,8 +270,9 @@ class RowGather(RowScatter):
             return
         if i not in self.counted:  # the leaf's one reduce-scatter, as the in-process mesh counts it
             self.counted.add(i)
-            whole = torch.empty(self.n * self.chunks[i], dtype=g.dtype, device="meta")
-            _stats.record("psum_scatter", (self.axis,), self.n, whole, overlap=True)
+            _stats.record_numel(
+                "psum_scatter", (self.axis,), self.n, self.n * self.chunks[i], g.dtype, overlap=True
+            )
         super().reduce_row(i, r, g)
 
     def release(self) -> dict[int, Tensor]:
@@ -406,9 +410,8 @@ def scattered_grad(
     def count(k: int, leaves_in: int = 1) -> None:
         uncounted[k] -= leaves_in
         if uncounted[k] == 0:
-            like = leaves[buckets[k][0]]
-            whole = torch.empty(n * sum(chunks[i] for i in buckets[k]), dtype=like.dtype, device="meta")
-            _stats.record("psum_scatter", (axis,), n, whole, overlap=True)
+            whole = n * sum(chunks[i] for i in buckets[k])
+            _stats.record_numel("psum_scatter", (axis,), n, whole, leaves[buckets[k][0]].dtype, overlap=True)
 
     def accumulated(i: int, leaf: Tensor) -> None:
         if i in rows.reached:  # its rows went on their own; this is what reached it otherwise

@@ -298,11 +298,29 @@ def build(name: str, mesh: fpar.Mesh):
     raise ValueError(name)
 
 
-def steady(step, args, *, repeats: int = 3) -> tuple[dict, list[int]]:
-    """Run ``step(*args)`` once to plan, then ``repeats`` times: the last call's traffic and each call's peak bytes."""
+def _real_recorder():
+    """fpar.plan's recorder for a real mesh, noting each meta storage a step makes.
+
+    On a real mesh every storage a step makes is memory but a meta one, which can only be a
+    descriptor (a message's shape made to be counted).  ``fpar.plan``, whose every tensor is
+    meta, cannot tell one from a buffer and counts it as memory: none may be made.
+    """
     from fpar.plan._record import Recorder
 
-    rec = Recorder({})
+    class Real(Recorder):
+        meta: list = []
+
+        def _add(self, st, category: str) -> None:
+            if st.device.type == "meta":
+                self.meta.append((st.nbytes(), category))
+            super()._add(st, category)
+
+    return Real({})
+
+
+def steady(step, args, *, repeats: int = 3) -> tuple[dict, list[int]]:
+    """Run ``step(*args)`` once to plan, then ``repeats`` times: the last call's traffic and each call's peak bytes."""
+    rec = _real_recorder()
     peaks = []
     # every object made before the steps frozen: each collection below then scans only what the
     # steps made (0.2 s a collection of the whole heap with torch imported: half the test's time)
@@ -321,6 +339,7 @@ def steady(step, args, *, repeats: int = 3) -> tuple[dict, list[int]]:
                 peaks.append(rec.peak)
     finally:
         gc.unfreeze()
+    assert not rec.meta, f"meta storages made by a step on a real mesh (bytes, category): {rec.meta[:5]}"
     return fpar.comm_stats(), peaks
 
 
