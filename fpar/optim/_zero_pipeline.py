@@ -36,6 +36,7 @@ In-process (no messages) the step's summed gradients are cut into each device's 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -62,6 +63,7 @@ from ._zero import (
     _Releaser,
     zero_params,
 )
+from ._zero_fsdp import _resize
 from ._zero_reshard import Reshard, gather_ends
 from ._zero_rows import reduce_onto_owners
 
@@ -189,8 +191,16 @@ def zero_pipeline(
             return res._replace(grads=chunked(res.grads))
         wide = None if low is None else _master_dtype(params)
         each = None if reduce_once else _RowSums(layout, leaf_of)
-        got = unreduced(whole, xs, targets, key, data, wide, each, rows)
-        del rows
+        # ZeRO-3: the stage gathered for the step is freed once its last action ends (its
+        # tensors stay valid objects: the sums are found and described by them), not held
+        # through the stacking and reduce-scatter of its sums
+        done = (
+            None
+            if layout.stage != 3 or rows is not None
+            else functools.partial(_free_gathered, whole, params)
+        )
+        got = unreduced(whole, xs, targets, key, data, wide, each, rows, done)
+        del rows, done
         # each leaf's sums are in its gathered dtype, or ``wide`` where that is wider
         sums = [_sum_dtype(t, wide) for t in tree_flatten(whole)[0]]
         del whole  # stage 3: the gathered stage goes before the reduce-scatter
@@ -369,6 +379,20 @@ class _RowSums:
         if acc is None:
             acc = torch.zeros(self.layout.leaves[i].chunk, dtype=dtype, device=device)
         return acc.unsqueeze(0) if shared else acc
+
+
+def _free_gathered(whole: Any, params: Any) -> None:
+    """Free the bytes of a stage gathered for the step (its tensors stay valid objects, of no bytes).
+
+    Not a leaf that is the caller's own tensor (one kept whole, not gathered) or shares its storage.
+    """
+    theirs = {t.untyped_storage()._cdata for t in tree_flatten(params)[0] if isinstance(t, torch.Tensor)}
+    for t in tree_flatten(whole)[0]:
+        if not isinstance(t, torch.Tensor):
+            continue
+        st = t.untyped_storage()
+        if st.nbytes() and st._cdata not in theirs:
+            _resize(t, 0)
 
 
 class _Agree:

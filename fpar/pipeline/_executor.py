@@ -125,6 +125,7 @@ def pipeline(
         accumulate: torch.dtype | None = None,
         each: Any = None,
         gather: Any = None,
+        done: Any = None,
     ) -> Any:
         try:
             _check_params(params, xs, targets, schedule, local=mesh.backend != "dist")
@@ -139,7 +140,7 @@ def pipeline(
             if each is not None and ties:
                 each = _TiedEach(params, ties, each)
             run_driver = functools.partial(
-                driver.run, unreduced=unreduced, accumulate=accumulate, each=each, gather=gather
+                driver.run, unreduced=unreduced, accumulate=accumulate, each=each, gather=gather, done=done
             )
         if not ties:
             return run_driver(params, xs, targets, key)

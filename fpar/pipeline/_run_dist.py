@@ -80,6 +80,7 @@ class DistDriver:
         accumulate: torch.dtype | None = None,
         each: Any = None,
         gather: Any = None,
+        done: Any = None,
     ) -> Any:
         """The step: a ``StepResult``; with ``unreduced`` (a data axis) an ``Unreduced`` instead.
 
@@ -95,11 +96,14 @@ class DistDriver:
         ``gather.chunks(treedef, order)`` their trees, in place of ``params["stages"]``'s rows
         (``order``: this stage's compute actions as it runs them), ``gather.before(a)`` and
         ``gather.after(a)`` around each compute action, ``gather.close()`` at the end.
+        ``done``: with ``unreduced``, called once the stage's last action has ended and its last
+        send is out, before its sums are taken (``zero_pipeline``'s ZeRO-3 frees the stage it
+        gathered there, so its end does not hold it beside the sums it stacks and reduce-scatters).
         """
         if self.mesh.abstract:  # a mesh on paper: the stage fpar.plan simulates (device 0's outside)
             if not _dist.simulated():
                 with _dist.on_paper(self.mesh):
-                    return self.run(params, xs, targets, key, unreduced, accumulate, each, gather)
+                    return self.run(params, xs, targets, key, unreduced, accumulate, each, gather, done)
             if self.mesh._dist.coords[self.axis] != self.me:  # another stage's process: its own buffers
                 self._stage(self.mesh._dist.coords[self.axis])
                 self.shapes, self.kept_rows = {}, []
@@ -184,6 +188,8 @@ class DistDriver:
         if gather is not None:
             gather.close()
         if unreduced is not None:
+            if done is not None:
+                done()
             sums = st.deferral._take_local()
             wall = time.perf_counter() - start
             loss, stats = self._finish(st, wall, _dist)
