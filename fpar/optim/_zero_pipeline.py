@@ -342,7 +342,7 @@ class _RowSums:
         self.wait()
 
     def _reduce(self, i: int, start: int, flat: Tensor, axes: str) -> None:
-        if self.data not in axes.split():
+        if self.layout.n > 1 and self.data not in axes.split():  # (over one rank: no sum to take)
             raise ValueError(
                 f"{_API}: the gradient of parameter leaf {i} is not summed over the data axis "
                 f"{self.data!r} (its sums are over {axes or 'no axis'}); ZeRO shards gradients over the "
