@@ -20,6 +20,7 @@ import fpar.optim as fo
 import fpar.pipeline as pp
 import fpar.plan
 from fpar import P
+from fpar.plan._record import Recorder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
@@ -298,29 +299,27 @@ def build(name: str, mesh: fpar.Mesh):
     raise ValueError(name)
 
 
-def _real_recorder():
+class RealRecorder(Recorder):
     """fpar.plan's recorder for a real mesh, noting each meta storage a step makes.
 
     On a real mesh every storage a step makes is memory but a meta one, which can only be a
     descriptor (a message's shape made to be counted).  ``fpar.plan``, whose every tensor is
     meta, cannot tell one from a buffer and counts it as memory: none may be made.
     """
-    from fpar.plan._record import Recorder
 
-    class Real(Recorder):
-        meta: list = []
+    def __init__(self) -> None:
+        super().__init__({})
+        self.meta: list[tuple[int, str]] = []  # (bytes, category) of each meta storage made
 
-        def _add(self, st, category: str) -> None:
-            if st.device.type == "meta":
-                self.meta.append((st.nbytes(), category))
-            super()._add(st, category)
-
-    return Real({})
+    def _add(self, st, category: str) -> None:
+        if st.device.type == "meta":
+            self.meta.append((st.nbytes(), category))
+        super()._add(st, category)
 
 
 def steady(step, args, *, repeats: int = 3) -> tuple[dict, list[int]]:
     """Run ``step(*args)`` once to plan, then ``repeats`` times: the last call's traffic and each call's peak bytes."""
-    rec = _real_recorder()
+    rec = RealRecorder()
     peaks = []
     # every object made before the steps frozen: each collection below then scans only what the
     # steps made (0.2 s a collection of the whole heap with torch imported: half the test's time)
