@@ -12,7 +12,8 @@ device ends the step with its chunk of the summed gradient (``layout.grad_specs`
 * Stage 3 keeps only chunks between steps (FSDP's sharded parameters) and gathers each stage's
   parameters once at the start of the step, holding them for its microbatches (torchtitan's
   choice for FSDP x pipeline, ``reshard_after_forward=False``: one all-gather a step, not one a
-  microbatch); they are dropped before the reduce-scatter.
+  microbatch); they are dropped before the reduce-scatter.  The embedding and the head are
+  gathered only by the stage that reads them (``_zero_reshard.stage_gather``).
 
 The embedding and the head (``first`` and ``last``, replicated over the pipe axis, used by one
 stage) are reduce-scattered on every stage (zeros where a stage does not use them) and summed
@@ -50,11 +51,10 @@ from .._shard import shard
 from .._spec import P
 from .._sums import widened
 from .._tree import tree_flatten
-from ..pipeline._stage import StepResult
+from ..pipeline._stage import StepResult, last_stage
 from ._zero import (
     BUCKET_BYTES,
     ZeroLayout,
-    _gather,
     _Leaf,
     _map,
     _own_chunk,
@@ -64,7 +64,7 @@ from ._zero import (
     zero_params,
 )
 from ._zero_fsdp import _resize
-from ._zero_reshard import Reshard, gather_ends
+from ._zero_reshard import Reshard, stage_gather
 from ._zero_rows import reduce_onto_owners
 
 __all__ = ["zero_pipeline"]
@@ -172,19 +172,24 @@ def zero_pipeline(
     chunked = shard(lambda g: _map(_own_chunk, g, layout), mesh, (pspecs,), layout.grad_specs)
     low = compute_dtype if layout.stage == 3 and mesh.backend == "dist" else None
     agree = _Agree(layout)
-    gather_low = None if low is None else _low_gather(layout, pspecs, low)
     combines: dict[tuple, Callable] = {}
     groups = layout._tree(list(range(len(layout.leaves))))  # each group's leaves' layout indices
     leaf_of = {g: tree_flatten(groups[g])[0] for g in groups}
+    gather = (
+        stage_gather(layout, leaf_of["stages"], low, rows=reshard_after_forward)
+        if layout.stage == 3 and mesh.backend == "dist"
+        else None
+    )
 
     def run(params: Any, xs: Tensor, targets: Any = None, *, key: Tensor | None = None) -> Any:
         _check_params(params, layout)
         rows = None  # reshard_after_forward: each chunk gathered for its own actions
-        if reshard_after_forward and mesh.backend == "dist":
-            rows = Reshard(layout, params, leaf_of["stages"], low)
-            whole = gather_ends(layout, leaf_of["stages"], params, low)
+        if gather is not None:
+            if reshard_after_forward:
+                rows = Reshard(layout, params, leaf_of["stages"], low)
+            whole = gather(params, _used(step, layout, leaf_of))
         else:
-            whole = zero_params(params, layout) if gather_low is None else gather_low(params)
+            whole = zero_params(params, layout)
         if mesh.backend != "dist":  # in-process: the summed gradients, cut into chunks
             res = step(whole, xs, targets, key=key)
             del whole
@@ -426,18 +431,21 @@ class _Agree:
         return out
 
 
-def _low_gather(layout: ZeroLayout, pspecs: Any, dtype: torch.dtype) -> Callable:
-    """Stage 3's all-gather of the chunks cast to ``dtype`` (floating leaves; the rest as they are)."""
+def _used(step: Any, layout: ZeroLayout, leaf_of: dict) -> list[bool]:
+    """Per parameter leaf, whether this rank's pipeline stage reads it (``first`` and ``last``: one stage each).
 
-    def cast(c: Tensor) -> Tensor:
-        return c.to(dtype) if c.is_floating_point() else c
-
-    return shard(
-        lambda chunks: _map(lambda c, lf, lo: _gather(cast(c), lf, lo, invariant=True), chunks, layout),
-        layout.mesh,
-        (layout.chunk_specs,),
-        pspecs,
-    )
+    The embedding ``first`` is read by the first stage, and by the last too when the loss ties
+    one of its weights (``fpar.pipeline.pipeline``'s ``tied``); the head ``last`` by the last
+    stage; the stacked stage parameters by every stage.
+    """
+    pipe = cast(Any, layout.mesh._dist).coords[step._axis]
+    last = last_stage(step._schedule)
+    used = [True] * len(layout.leaves)
+    for i in leaf_of.get("first", ()):
+        used[i] = pipe == 0 or (bool(step._ties) and pipe == last)
+    for i in leaf_of.get("last", ()):
+        used[i] = pipe == last
+    return used
 
 
 def _sum_dtype(t: Any, wide: torch.dtype | None) -> torch.dtype:

@@ -15,23 +15,24 @@ does the same: ``reshard_after_forward`` and a prefetch of one unit).
 Autograd keeps what a forward saved of a chunk's weights as views of its buffers, whose bytes
 come back (the same values) before that chunk's backward.  A weight-gradient action (``W`` of a
 zero-bubble schedule) reads no weight and gathers none.  The embedding and the head (``first``
-and ``last``) are gathered once a step, as before.
+and ``last``) are gathered once a step by the stage that reads them (``stage_gather``).
 """
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .. import _stats
+from .._dist.exchange import _ordered, all_gather_single
 from .._tree import tree_flatten, tree_unflatten
-from ._zero import ZeroLayout, _gather, _map
+from ._zero import ZeroLayout, _gather
 from ._zero_fsdp import _resize
 from ._zero_rows import gather_from_owners
 
-__all__ = ["Reshard", "gather_ends"]
+__all__ = ["Reshard", "stage_gather"]
 
 Tensor = torch.Tensor
 _NEEDS_WEIGHTS = ("F", "B", "BW")
@@ -136,40 +137,69 @@ class Reshard:
             _resize(b, 0)
 
 
-def gather_ends(layout: ZeroLayout, stages: list[int], params: Any, dtype: Any) -> Any:
-    """``params`` gathered but for the stacked leaves: ``first``/``last`` whole (in ``dtype``), ``stages`` as placeholders.
+def stage_gather(
+    layout: ZeroLayout, stacked: list[int], dtype: Any, *, rows: bool
+) -> Callable[[Any, list[bool]], Any]:
+    """A pipeline stage's parameters for its step, from its chunks (``zero_pipeline``'s stage 3, on a real mesh).
 
-    A placeholder has the stacked block's shape and dtype on one element of memory (an expanded
-    scalar): the executor checks and describes ``params["stages"]`` by it and takes each
-    chunk's tensors from ``Reshard.chunks``.
+    ``stacked``: the indices of ``layout.leaves`` that are the stacked stage parameters.  The
+    function returned takes the chunks and ``used``: per leaf, whether this rank's stage reads it
+    (the embedding ``first`` only on the first stage, the head ``last`` only on the last; every
+    stacked leaf).  The stacked leaves are gathered whole (``rows=False``: the stage held for
+    the step) or stand as placeholders (``rows=True``: ``Reshard`` gathers each chunk's rows);
+    of the rest, a leaf this stage reads is gathered, one it does not stands as a placeholder.
+    A placeholder has the leaf's block shape and dtype on one element of memory (an expanded
+    scalar): the executor checks and describes the tree by it, and no stage reads it.  (Every
+    stage gathering the embedding and the head held both all step: 1 GiB on each stage of Llama
+    3 405B's 8,192-GPU layout.)
+
+    Every leaf in ``dtype`` where floating (the chunks' own dtype if ``None``).  One sharded call
+    on every rank takes all the chunks (the ranks agree on every leaf's signature before any
+    message) and gathers the stacked leaves unless ``rows``; the leaves only some stages read
+    are then gathered over the data axis by those stages' ranks alone (a stage's data ranks all
+    read the same leaves).
     """
     from .._shard import shard
 
-    flat, treedef = tree_flatten(params)
-    keep = [i for i in range(len(flat)) if i not in set(stages)]
-    sub = dataclasses.replace(
-        layout,
-        treedef=tree_flatten([0] * len(keep))[1],
-        leaves=tuple(layout.leaves[i] for i in keep),
-        units=None,
+    def low(c: Tensor) -> torch.dtype:
+        return dtype if dtype is not None and c.is_floating_point() else c.dtype
+
+    spmd = [] if rows else list(stacked)
+    agreed = shard(
+        lambda chunks: [
+            _gather(chunks[i].to(low(chunks[i])), layout.leaves[i], layout, invariant=True) for i in spmd
+        ],
+        layout.mesh,
+        ([layout._chunk_spec(lf) for lf in layout.leaves],),
+        [layout.leaves[i].spec for i in spmd],
     )
 
-    def cast(c: Tensor) -> Tensor:
-        return c.to(dtype) if dtype is not None and c.is_floating_point() else c
+    def run(params: Any, used: list[bool]) -> Any:
+        groups: Any = layout.mesh._dist  # a real mesh's ``MeshGroups`` (fpar.plan: this device's)
+        axis = layout.data_axis
+        flat, treedef = tree_flatten(params)
+        out: list[Any] = [None] * len(flat)
+        for i, t in zip(spmd, agreed(flat)):
+            out[i] = t
+        group, members, me = groups.group((axis,)), groups.members((axis,)), groups.coords[axis]
+        ordered = _ordered(members, group)  # then one all-gather a leaf, its blocks in mesh order
+        works = []
+        for i, c in enumerate(flat):
+            if out[i] is not None:
+                continue
+            lf, dt = layout.leaves[i], low(c)
+            if used[i] and i not in stacked:
+                buf = torch.empty(layout.n * lf.chunk, dtype=dt, device=c.device)
+                if ordered:
+                    works.append(all_gather_single(buf, c.reshape(-1).to(dt), group=group, async_op=True))
+                else:
+                    works += gather_from_owners(buf, 0, c.reshape(-1), lf.chunk, members, group, me)
+                _stats.record_numel("all_gather_invariant", (axis,), layout.n, lf.chunk, dt)
+                out[i] = buf[: lf.numel].view(lf.block)
+            else:
+                out[i] = torch.zeros((1,) * len(lf.block), dtype=dt, device=c.device).expand(lf.block)
+        for work in works:
+            work.wait()
+        return tree_unflatten(treedef, out)
 
-    gather = shard(
-        lambda chunks: _map(lambda c, lf, lo: _gather(cast(c), lf, lo, invariant=True), chunks, sub),
-        sub.mesh,
-        (sub.chunk_specs,),
-        sub._tree([lf.spec for lf in sub.leaves]),
-    )
-    ends = gather([flat[i] for i in keep])
-    out: list[Any] = [None] * len(flat)
-    for i, t in zip(keep, ends):
-        out[i] = t
-    for i in stages:
-        lf, c = layout.leaves[i], flat[i]
-        low = dtype if dtype is not None and c.is_floating_point() else c.dtype
-        one = torch.zeros((1,) * len(lf.block), dtype=low, device=c.device)
-        out[i] = one.expand(lf.block)
-    return tree_unflatten(treedef, out)
+    return run

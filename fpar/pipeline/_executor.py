@@ -155,6 +155,7 @@ def pipeline(
     # ``fpar.optim.zero_pipeline``: the same step with the gradients left unreduced over a data axis
     step._unreduced = run  # type: ignore[attr-defined]
     step._mesh, step._axis = mesh, axis  # type: ignore[attr-defined]
+    step._schedule, step._ties = schedule, ties  # type: ignore[attr-defined]
     return step
 
 

@@ -250,6 +250,25 @@ def _built(name, kind):
     return PP.build(name, mesh)
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt"])
+@pytest.mark.parametrize("reshard", [False, True])
+def test_zero3_in_a_pipeline_gathers_the_embedding_and_the_head_only_on_the_stages_that_read_them(
+    kind, reshard
+):
+    """ZeRO-3 inside a pipeline: the embedding is gathered by the first stage, the head by the last
+    (and the embedding too where the head is tied to it, GPT), neither by a stage in between (each
+    stage gathered both until 2026-12-03: 1 GiB of bfloat16 tables held all step on every stage of
+    Llama 3 405B's 8,192-GPU layout)."""
+    model = plan.Model("vocab", 64, 4, 4, 4, 256, 8192, 8, kind)
+    layout = plan.Layout(pipeline=4, data=2, zero=3, microbatches=4, batch=8, reshard_after_forward=reshard)
+    step, args = plan.model_step(model, layout, dtype=torch.bfloat16)
+    gathered = [d.comm["data"]["all_gather_invariant"]["bytes"] for d in plan.estimate(step, *args).devices]
+    table = model.vocab * model.d_model  # bytes a rank receives gathering a bfloat16 V x d table over 2
+    assert gathered[1] == gathered[2], gathered
+    for end in (gathered[0], gathered[3]):  # the table, and a norm or positions (under 1 %)
+        assert table <= end - gathered[1] <= 1.01 * table, gathered
+
+
 # -- model states: exactly the sharded parameter count, and ZeRO's formulas ---------------------------
 
 
