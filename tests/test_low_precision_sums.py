@@ -206,6 +206,56 @@ def _four() -> tuple:
     return sums("float32", 4), sums("native", 4)
 
 
+def _pieces(piece_bytes: int | None) -> dict:
+    """A bf16 block of 8 x 64 per device reduce-scattered, summed and averaged over 2 devices, with
+    ``PIECE_BYTES`` set to ``piece_bytes`` (``None``: as it is): results, messages, and the
+    largest float32 copy the sums made."""
+    from fpar._dist import exchange
+
+    mesh = fpar.make_mesh((2,), ("tensor",))
+    x = fpar.device_put(_blocks(16).reshape(8, 2 * 64), mesh, P(None, "tensor"))
+
+    def per_device(a):
+        return (
+            fpar.psum_scatter(a, "tensor", scatter_dimension=1, tiled=True),
+            fpar.psum(a, "tensor"),
+            fpar.pmean(a, "tensor"),
+        )
+
+    f = fpar.shard(per_device, mesh, (P(None, "tensor"),), (P(None, "tensor"), P(), P()))
+    kept = exchange.PIECE_BYTES
+    exchange.PIECE_BYTES = kept if piece_bytes is None else piece_bytes
+    try:
+        fpar.reset_comm_stats()
+        out = f(x)
+        stats = fpar.comm_stats()
+    finally:
+        exchange.PIECE_BYTES = kept
+    return {"out": fpar.gather(out, mesh, (P(None, "tensor"), P(), P())), "stats": stats}
+
+
+def _pieces_two() -> tuple:
+    return _pieces(None), _pieces(512)
+
+
+@pytest.mark.multiprocess
+def test_a_large_widened_sum_goes_in_pieces_with_the_same_bits():
+    # A bf16 sum's float32 copy is made and sent a piece at a time where it exceeds PIECE_BYTES
+    # (8 x 64 float32 = 2 KB in pieces of 512 bytes: 4 messages, cut along the unscattered dim):
+    # the same bits as whole and as the in-process mesh, the same bytes sent.
+    local = _pieces(None)
+    x = _blocks(16).reshape(8, 2, 64).float()
+    want = x.sum(1).to(BF16)
+    assert torch.equal(local["out"][1], want)
+    for whole, cut in fpar.launch(_pieces_two, 2, timeout=120.0):
+        for got in (whole, cut):
+            for a, b in zip(got["out"], local["out"]):
+                assert torch.equal(a, b)
+        for kind in ("psum_scatter", "psum", "pmean"):
+            w, c = whole["stats"]["tensor"][kind], cut["stats"]["tensor"][kind]
+            assert c["bytes"] == w["bytes"] and w["calls"] == 1 and c["calls"] == 4, (kind, w, c)
+
+
 def test_plan_costs_either_setting():
     # fpar.plan.estimate runs the step with its layout's setting: the tensor axis's bf16 sums
     # (sequence parallelism's reduce-scatters) carry half the bytes with native sums; its float32

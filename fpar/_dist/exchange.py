@@ -481,6 +481,10 @@ class _TakeFirst(torch.autograd.Function):
 
 _SUMS = ("psum", "pmean", "psum_scatter")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+# A widened sum's float32 copy is made, sent and rounded back this many bytes at a time (at most):
+# whole, it is twice the 16-bit buffer's bytes beside it (Llama 3 405B at tensor=8 with sequence
+# parallelism: a 0.5 GiB float32 copy of each reduce-scatter's 0.25 GiB input, at a layer's peak).
+PIECE_BYTES = 128 * 2**20
 
 
 def _widened(kind: str, params: tuple, x: Tensor, nb: int, axes, mg: MeshGroups) -> Tensor:
@@ -489,11 +493,42 @@ def _widened(kind: str, params: tuple, x: Tensor, nb: int, axes, mg: MeshGroups)
     fp16/bf16 blocks are summed in float32 and rounded once to their dtype (unless
     ``fpar.low_precision_sums("native")``: then not widened at all); a mean divides each
     block by the device count first, so it does not overflow where the mean fits.  Bools are
-    counted (int32, as JAX's psum of bools; a mean of them is a float).
+    counted (int32, as JAX's psum of bools; a mean of them is a float).  A block whose float32
+    copy exceeds ``PIECE_BYTES`` is summed in pieces along a dim the sum does not scatter (the
+    same sums, element by element; a message a piece), each piece's copy freed before the next.
     """
     if x.dtype == torch.bool:
         return _run(kind, params, x.to(torch.int64 if kind == "pmean" else torch.int32), nb, axes, mg)
+    scatter = nb + params[0] if kind == "psum_scatter" else None
+    cut = _piece_dim(x, scatter) if kind == "psum_scatter" or not params else None
+    k = 1 if cut is None else min(x.shape[cut], -(-x.numel() * 4 // PIECE_BYTES))
+    if cut is None or k <= 1:  # (a psum carried by the call's first message is never cut: ``_Agreement``)
+        return _wide_sum(kind, params, x, nb, axes, mg).to(x.dtype)
+    # the piece's dim in the result: one fewer where the scatter dim before it is dropped
+    d = cut - 1 if scatter is not None and not params[1] and cut > scatter else cut
+    out: Tensor | None = None
+    at = 0
+    for piece in x.tensor_split(k, cut):
+        got = _wide_sum(kind, params, piece, nb, axes, mg)
+        if out is None:
+            shape = list(got.shape)
+            shape[d] = x.shape[cut]
+            out = x.new_empty(shape)
+        out.narrow(d, at, got.shape[d]).copy_(got)  # rounded once, as ``.to`` rounds
+        at += got.shape[d]
+        del got
+    assert out is not None
+    return out
+
+
+def _piece_dim(x: Tensor, scatter: int | None) -> int | None:
+    """The outermost dim of ``x`` of two or more elements that a sum may be cut along (not ``scatter``)."""
+    return next((d for d in range(x.dim()) if d != scatter and x.shape[d] > 1), None)
+
+
+def _wide_sum(kind: str, params: tuple, x: Tensor, nb: int, axes, mg: MeshGroups) -> Tensor:
+    """The float32 sum (a mean: of the blocks each divided first) of a 16-bit block, not rounded back."""
     wide = x.to(torch.float32)
     if kind == "pmean":
-        return _run("psum", params, wide / len(mg.members(axes)), nb, axes, mg, count_as="pmean").to(x.dtype)
-    return _run(kind, params, wide, nb, axes, mg).to(x.dtype)
+        return _run("psum", params, wide.div_(len(mg.members(axes))), nb, axes, mg, count_as="pmean")
+    return _run(kind, params, wide, nb, axes, mg)
