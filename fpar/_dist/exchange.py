@@ -74,12 +74,22 @@ _REDUCE = {
 
 
 def _run(
-    kind: str, params: tuple, x: Tensor, nb: int, axes, mg: MeshGroups, count_as: str | None = None
+    kind: str,
+    params: tuple,
+    x: Tensor,
+    nb: int,
+    axes,
+    mg: MeshGroups,
+    count_as: str | None = None,
+    *,
+    spent: bool = False,
 ) -> Tensor:
     """One collective on this process's local ``x`` (``nb`` batch dims, then the block).
 
     Counted in ``fpar.comm_stats`` here, where it is issued (forward and backward alike), as
     ``count_as`` if given (a widened ``pmean`` runs as the ``psum`` of its divided blocks).
+    ``spent``: ``x`` is a contiguous temporary of the caller's that a sum may write its result
+    into (a widened sum's float32 copy), not copied first.
     """
     group, members = mg.group(axes), mg.members(axes)
     n = len(members)
@@ -95,7 +105,7 @@ def _run(
             y = (x.detach() / n).contiguous()  # (as DDP and Megatron-LM): no overflow where the mean fits
             all_reduce(y, group=group)
             return y
-        y = x.detach().clone(memory_format=torch.contiguous_format)
+        y = x if spent else x.detach().clone(memory_format=torch.contiguous_format)
         all_reduce(y, _REDUCE[kind], group=group)
         return y / n if kind == "pmean" else y
     if kind in ("all_gather", "all_gather_invariant"):
@@ -528,7 +538,8 @@ def _piece_dim(x: Tensor, scatter: int | None) -> int | None:
 
 def _wide_sum(kind: str, params: tuple, x: Tensor, nb: int, axes, mg: MeshGroups) -> Tensor:
     """The float32 sum (a mean: of the blocks each divided first) of a 16-bit block, not rounded back."""
-    wide = x.to(torch.float32)
+    wide = x.to(torch.float32, memory_format=torch.contiguous_format)  # the sum's own buffer
     if kind == "pmean":
-        return _run("psum", params, wide.div_(len(mg.members(axes))), nb, axes, mg, count_as="pmean")
-    return _run(kind, params, wide, nb, axes, mg)
+        wide.div_(len(mg.members(axes)))
+        return _run("psum", params, wide, nb, axes, mg, count_as="pmean", spent=True)
+    return _run(kind, params, wide, nb, axes, mg, spent=True)
