@@ -104,7 +104,17 @@ RUNS = (
     Run(
         "Llama 3 405B, 8,192 H100",
         MODELS["llama-405b"],
-        Layout(pipeline=16, data=64, tensor=8, zero=3, microbatches=32, batch=2048, remat=False, virtual=8),
+        Layout(
+            pipeline=16,
+            data=64,
+            tensor=8,
+            zero=3,
+            microbatches=32,
+            batch=2048,
+            remat=False,
+            virtual=8,
+            reduce_once=False,
+        ),
         "h100-sxm",
         430.0,
         "model",
@@ -112,12 +122,24 @@ RUNS = (
         "section 3.3.2: no recomputation, the first and last stage one layer fewer (the first chunk "
         "only the embedding, the last only the head: one layer a chunk, 8 chunks a stage); "
         "microbatch size 1 assumed; its FSDP as ZeRO-3 inside the pipeline (fpar.optim.zero_pipeline: "
-        "a stage gathered in bf16 once a step, gradients reduce-scattered in fp32)",
+        "a stage gathered in bf16 once a step, not resharded after forward; gradients sharded, as the "
+        "paper's FSDP shards them: each chunk's reduce-scattered in fp32 as its backward ends and "
+        "accumulated in fp32 as shards, reduce_once=False)",
     ),
     Run(
         "Llama 3 405B, 16,384 H100",
         MODELS["llama-405b"],
-        Layout(pipeline=16, data=128, tensor=8, zero=3, microbatches=16, batch=2048, remat=False, virtual=8),
+        Layout(
+            pipeline=16,
+            data=128,
+            tensor=8,
+            zero=3,
+            microbatches=16,
+            batch=2048,
+            remat=False,
+            virtual=8,
+            reduce_once=False,
+        ),
         "h100-sxm",
         400.0,
         "model",
