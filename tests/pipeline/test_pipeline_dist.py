@@ -64,6 +64,9 @@ JOBS = [
     ("zero_pipeline_job", (PDT2, "interleaved", 2, 4, 2, 3, True, True)),
     ("zero_pipeline_job", (PDT2, "interleaved", 2, 4, 2, 3, False, True)),
     ("zero_pipeline_job", (PDT2, "zb_h1", 2, 2, 1, 3, True, True)),
+    # DualPipeV puts the first and the last chunk on stage 0: ZeRO-3 gathers the embedding and the
+    # head there, neither on stage 1 (each is gathered only where it is read)
+    ("zero_pipeline_job", (PDT2, "dualpipe_v", 2, 4, 2, 3)),
     # chunks of stacked layers: each layer's gradient goes into the deferred sum as its backward
     # ends (fpar/pipeline/_unstack.py), whether the layers are taken by unbind, w[i] or select
     ("rows_job", (PDT2, "1f1b", 2, 4, 1, "unbind")),
