@@ -258,12 +258,16 @@ class _Pending:
     @classmethod
     def start(cls, param: _Param, groups: Any, axis: str, out: Tensor | None = None) -> _Pending:
         """Start gathering ``param``'s chunks into ``out`` (a new flat buffer if ``None``)."""
+        return cls.gather(param.chunk, groups, axis, out)
+
+    @classmethod
+    def gather(cls, chunk: Tensor, groups: Any, axis: str, out: Tensor | None = None) -> _Pending:
+        """Start gathering every data rank's ``chunk`` (flat) into ``out``, in mesh order (a new buffer if ``None``)."""
         import torch.distributed as dist
 
         from .._dist.exchange import all_gather_single
 
         group, members = groups.group((axis,)), groups.members((axis,))
-        chunk = param.chunk
         n = len(members)
         ordered = [dist.get_group_rank(group, r) for r in members] == list(range(n))
         if out is None:

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from .. import _stats
-from .._dist.exchange import _ordered, all_gather_single
 from .._tree import tree_flatten, tree_unflatten
 from ._zero import ZeroLayout, _gather
+from ._zero_comm import _Pending
 from ._zero_fsdp import _resize
 from ._zero_rows import gather_from_owners
 
@@ -157,7 +157,7 @@ def stage_gather(
     on every rank takes all the chunks (the ranks agree on every leaf's signature before any
     message) and gathers the stacked leaves unless ``rows``; the leaves only some stages read
     are then gathered over the data axis by those stages' ranks alone (a stage's data ranks all
-    read the same leaves).
+    read the same leaves; ``_zero_comm._Pending.gather``, as ZeRO-3 gathers a parameter).
     """
     from .._shard import shard
 
@@ -181,25 +181,20 @@ def stage_gather(
         out: list[Any] = [None] * len(flat)
         for i, t in zip(spmd, agreed(flat)):
             out[i] = t
-        group, members, me = groups.group((axis,)), groups.members((axis,)), groups.coords[axis]
-        ordered = _ordered(members, group)  # then one all-gather a leaf, its blocks in mesh order
-        works = []
+        groups.group((axis,))  # as every collective fpar issues: held messages go first
+        pending = []
         for i, c in enumerate(flat):
             if out[i] is not None:
                 continue
             lf, dt = layout.leaves[i], low(c)
             if used[i] and i not in stacked:
-                buf = torch.empty(layout.n * lf.chunk, dtype=dt, device=c.device)
-                if ordered:
-                    works.append(all_gather_single(buf, c.reshape(-1).to(dt), group=group, async_op=True))
-                else:
-                    works += gather_from_owners(buf, 0, c.reshape(-1), lf.chunk, members, group, me)
+                pending.append((i, _Pending.gather(c.reshape(-1).to(dt), groups, axis)))
                 _stats.record_numel("all_gather_invariant", (axis,), layout.n, lf.chunk, dt)
-                out[i] = buf[: lf.numel].view(lf.block)
             else:
                 out[i] = torch.zeros((1,) * len(lf.block), dtype=dt, device=c.device).expand(lf.block)
-        for work in works:
-            work.wait()
+        for i, p in pending:
+            lf = layout.leaves[i]
+            out[i] = p.wait()[: lf.numel].view(lf.block)
         return tree_unflatten(treedef, out)
 
     return run
