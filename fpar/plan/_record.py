@@ -151,6 +151,13 @@ class Recorder(TorchDispatchMode):
         self._cache: dict = {}
         self._single: dict = {}
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Not torch's default (True: every op's __torch_dispatch__ wrapped in torch._dynamo.disable,
+        # two eval-frame swaps and three Python frames an op, ~2 % of an estimate): a simulated step
+        # runs with Dynamo disabled once around it (_estimate._simulate).
+        return False
+
     # -- messages -------------------------------------------------------------------------------
 
     def __enter__(self):

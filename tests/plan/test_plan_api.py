@@ -300,6 +300,34 @@ def test_llama_70b_state_bytes_equal_the_sharded_parameter_count(zero):
     assert sum(c.count for c in est.devices) == 64
 
 
+@pytest.mark.parametrize("frozen_before", [False, True])
+def test_an_estimate_leaves_the_cyclic_collector_as_it_found_it(frozen_before):
+    # The simulation pauses the collector and freezes what was there before it (_collector_paused):
+    # the collector's state, the frozen objects and the estimate itself come back unchanged, and a
+    # caller's own frozen objects (fpar.launch freezes its processes') stay frozen.
+    import gc
+
+    model = plan.MODELS["tiny"]
+    layout = plan.Layout(pipeline=2, data=2, tensor=1, zero=1, microbatches=2, batch=8)
+    want = plan.estimate(*_flat(plan.model_step(model, layout)))
+    if frozen_before:
+        gc.freeze()
+    try:
+        count = gc.get_freeze_count()
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            got = plan.estimate(*_flat(plan.model_step(model, layout)))
+            assert gc.isenabled() is enabled
+            if frozen_before:  # still frozen (some of them freed meanwhile, which leaves the count)
+                assert gc.get_freeze_count() > count // 2
+            else:
+                assert gc.get_freeze_count() == 0
+            assert (got.step_time, got.peak_bytes, got.comm) == (want.step_time, want.peak_bytes, want.comm)
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
 def test_an_estimate_with_dynamos_trace_autograd_ops_on_equals_one_with_it_off():
     # What a user who compiles their step turns on (docs/compile.md). The first step of a
     # signature then runs the compiled step's form; in 2 microbatches it once ran it in the first
