@@ -289,16 +289,21 @@ def _gather(chunk: Tensor, lf: _Leaf, layout: ZeroLayout, *, invariant: bool) ->
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket cap
 
 
-def _buckets(xs: list[Tensor], layout: ZeroLayout, cap: int, extra: list | None = None) -> list[list[int]]:
+def _buckets(
+    xs: list[Tensor], layout: ZeroLayout, cap: int, extra: list | None = None, skip: list | None = None
+) -> list[list[int]]:
     """Leaf indices grouped into buckets, one collective each (in leaf order).
 
     A bucket holds leaves of one dtype split over the same non-data axes (so the concatenation
     varies over the same axes as each leaf), and summed over the same ``extra`` axes after, up
     to ``cap`` bytes of this device's values; a leaf larger than ``cap`` is a bucket of its own.
+    Leaves whose ``skip`` is true are in none.
     """
     buckets: list[list[int]] = []
     open_: dict[tuple, tuple[list[int], int]] = {}
     for i, (x, lf) in enumerate(zip(xs, layout.leaves)):
+        if skip is not None and skip[i]:
+            continue
         key = (x.dtype, lf.split, extra[i] if extra else ())
         size = layout.n * lf.chunk * x.element_size()
         group, used = open_.get(key, (None, 0))
@@ -316,17 +321,23 @@ def _reduce_scatter_all(
     cap: int,
     done: Callable[[list[int]], None] | None = None,
     extra: list | None = None,
+    skip: list | None = None,
 ) -> list[Tensor]:
     """``_reduce_scatter`` of every leaf, one ``psum_scatter`` per bucket (the same sums).
 
     ``done(group)`` is told each bucket's leaf indices once its collective has returned (the
     whole gradients of those leaves are no longer needed: ``_Releaser``).  ``extra``: per leaf,
     mesh axes its chunk is then summed over too (a gradient replicated over the tensor axis,
-    each device's own part: ``zero_pipeline``), one ``psum`` per bucket.
+    each device's own part: ``zero_pipeline``), one ``psum`` per bucket.  ``skip``: per leaf,
+    whether every rank of its groups knows its sum is zero (a leaf no rank of a pipeline stage
+    read): its chunk is a zero, sent nowhere.
     """
     n, leaves = layout.n, layout.leaves
     out: list[Tensor] = [None] * len(grads)  # type: ignore[list-item]
-    for group in _buckets(grads, layout, cap, extra):
+    for i, g in enumerate(grads):
+        if skip is not None and skip[i]:
+            out[i] = torch.zeros(leaves[i].chunk, dtype=g.dtype, device=g.device)
+    for group in _buckets(grads, layout, cap, extra, skip):
         over = extra[group[0]] if extra else ()
         if len(group) == 1:
             mine = _reduce_scatter(grads[group[0]], leaves[group[0]], layout)

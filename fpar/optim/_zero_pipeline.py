@@ -235,15 +235,20 @@ def zero_pipeline(
             if sig not in combines:
                 combines[sig] = _finish_rows(layout, extra, shared, masters, axis)
             return StepResult(got.loss, combines[sig](layout._tree(ins), layout._tree(owns)), got.stats)
+        # A leaf this stage never read (the embedding or the head on another stage) got no
+        # gradient on any rank of the stage: a zero of no bytes, whose reduce-scatter over the
+        # stage's data group every rank of it skips (``_combine``: a sharded call of its own for
+        # each such set, the same signature on every rank)
+        skip = tuple(g is None for g in local)
         ins = [
-            (torch.zeros(lf.block, dtype=dt, device=p.device) if g is None else g).unsqueeze(0)
+            (deferred_zeros(torch.Size(lf.block), dt, p.device) if g is None else g).unsqueeze(0)
             for g, lf, p, dt in zip(local, layout.leaves, like, sums)
         ]
         del local
-        combine = combines.get((extra, masters))
+        combine = combines.get((extra, masters, skip))
         if combine is None:
-            combine = combines[(extra, masters)] = _combine(
-                layout, extra, shared, masters, axis, bucket_bytes
+            combine = combines[(extra, masters, skip)] = _combine(
+                layout, extra, shared, masters, axis, bucket_bytes, skip
             )
         grads = combine(layout._tree(ins), layout._tree(owns))
         return StepResult(got.loss, grads, got.stats)
@@ -251,8 +256,14 @@ def zero_pipeline(
     return run
 
 
-def _combine(layout: ZeroLayout, extra: tuple, shared: list, masters: tuple, axis: str, cap: int) -> Callable:
-    """The sharded function: reduce-scatter each local gradient, sum the rest, add the chunks already summed."""
+def _combine(
+    layout: ZeroLayout, extra: tuple, shared: list, masters: tuple, axis: str, cap: int, skip: tuple
+) -> Callable:
+    """The sharded function: reduce-scatter each local gradient, sum the rest, add the chunks already summed.
+
+    ``skip``: per leaf, whether no rank of this pipeline stage read it (its local gradient a zero
+    of no bytes): its chunk is a zero, with no reduce-scatter over the stage's data group.
+    """
     data = layout.data_axis
     local_specs = layout._tree([P((data, *ex), *lf.spec) for ex, lf in zip(extra, layout.leaves)])
     own_specs = _own_specs(layout, shared, axis)
@@ -265,7 +276,7 @@ def _combine(layout: ZeroLayout, extra: tuple, shared: list, masters: tuple, axi
         # ``_SumRows``'s, or a stack): the chunks grow as the whole sums go, not beside them.  (Over
         # one data rank a chunk may be its sum itself.)
         done = _Releaser(grads, ()) if layout.n > 1 else None
-        chunks = _reduce_scatter_all(grads, layout, cap, done=done, extra=over)
+        chunks = _reduce_scatter_all(grads, layout, cap, done=done, extra=over, skip=list(skip))
         del grads
         out = []
         for c, o, sh, dt in zip(chunks, owns, shared, masters):

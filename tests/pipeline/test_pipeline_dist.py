@@ -324,7 +324,10 @@ def test_zero_inside_a_pipeline_reduce_scatters_what_the_pipeline_all_reduces(la
                 # traced and sums the weights' gradients where they are used, each microbatch
                 # (tracker.py); zero_pipeline then takes its chunk of those sums, as checked above
                 ops = got["data_ops"]
-                assert "psum_scatter" in ops and "psum" not in ops, (args, where, ops)
+                assert "psum" not in ops, (args, where, ops)
+                # over one data rank a stage may send none: what its sums did not reduce already
+                # is a leaf it never read, whose zero sum it does not send
+                assert "psum_scatter" in ops or single, (args, where, ops)
                 assert ("all_gather_invariant" in ops) == (args[5] == 3), (args, where, ops)
 
 

@@ -269,6 +269,27 @@ def test_zero3_in_a_pipeline_gathers_the_embedding_and_the_head_only_on_the_stag
         assert table <= end - gathered[1] <= 1.01 * table, gathered
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt"])
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_in_a_pipeline_reduce_scatters_the_embedding_and_the_head_only_on_the_stages_that_read_them(
+    kind, zero
+):
+    """ZeRO-2/3 inside a pipeline, gradients summed once a step: a stage reduce-scatters over its data
+    group the gradient of the embedding and the head only where it read them (the embedding on the
+    first stage, the head on the last: GPT's head is its embedding).  A stage in between sent a whole
+    float32 zero block of each table until 2026-12-03, made for the purpose (4 bytes a parameter of
+    both tables, held at the step's end)."""
+    model = plan.Model("vocab", 64, 4, 4, 4, 256, 8192, 8, kind)
+    layout = plan.Layout(pipeline=4, data=2, zero=zero, microbatches=4, batch=8)
+    step, args = plan.model_step(model, layout, dtype=torch.bfloat16)
+    sent = [d.comm["data"]["psum_scatter"]["bytes"] for d in plan.estimate(step, *args).devices]
+    # bytes a rank sends reduce-scattering a float32 V x d table over 2
+    table = 4 * model.vocab * model.d_model // 2
+    assert sent[1] == sent[2], sent
+    for end in (sent[0], sent[3]):  # one table each (GPT's head is its embedding), a norm or positions
+        assert table <= end - sent[1] <= 1.01 * table, sent
+
+
 # -- model states: exactly the sharded parameter count, and ZeRO's formulas ---------------------------
 
 
