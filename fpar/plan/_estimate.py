@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import math
 from collections import Counter
@@ -412,12 +413,12 @@ def _call(fn, args, kwargs):
     step ran eagerly before this too.  (Dynamo is imported here, at the first estimate, as torch's
     own wrapping of a mode's op handler did at its first op.)
     """
-    if not _EAGER:
-        _EAGER.append(torch.compiler.disable(_call_step))
-    return _EAGER[0](fn, args, kwargs)
+    return _eager_step()(fn, args, kwargs)
 
 
-_EAGER: list = []  # _call_step under torch.compiler.disable, made at the first estimate
+@functools.cache
+def _eager_step() -> Callable:
+    return torch.compiler.disable(_call_step)
 
 
 def _call_step(fn, args, kwargs):

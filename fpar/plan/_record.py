@@ -155,7 +155,7 @@ class Recorder(TorchDispatchMode):
     def _should_skip_dynamo(cls) -> bool:
         # Not torch's default (True: every op's __torch_dispatch__ wrapped in torch._dynamo.disable,
         # two eval-frame swaps and three Python frames an op, ~2 % of an estimate): a simulated step
-        # runs with Dynamo disabled once around it (_estimate._simulate).
+        # runs with Dynamo disabled once around it (_estimate._call).
         return False
 
     # -- messages -------------------------------------------------------------------------------
