@@ -12,6 +12,10 @@ one launch, and each prints its median against the full fast path's:
   and the gradient buckets, instead of riding in the first of them;
 * **no pending**: the loss ``pmean`` (carrying the check) is waited for where it is issued,
   instead of being a ``Pending`` value read at its first use;
+* **no hold**: a gradient bucket that is ready while the check is still on its way waits for
+  the check there (a blocking wait in the backward) and then starts its all-reduce, instead of
+  being held and sent at the next settling (``pending.hold``): what holding costs or buys in
+  overlap of that bucket's all-reduce with the rest of the backward;
 * **DDP**: torch's ``DistributedDataParallel`` on the same model, for scale.
 
 Each side is checked, before timing, to give the full fast path's update.  A mechanism whose
@@ -37,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fpar
 from fpar import P
-from fpar._dist import agreement, tracker
+from fpar._dist import agreement, buckets, pending, tracker
 
 KEYS, LR = _dp.KEYS, _dp.LR
 
@@ -78,8 +82,25 @@ def without(mechanism: str):
             yield
         finally:
             agreement._may_wait_later = may
+    elif mechanism == "hold":
+        launch = buckets._State.launch
+
+        def waiting(self, *, hold: bool = True):
+            riding = self.rider is not None and self.rider.first is not None  # bucket 0 sends it
+            if hold and self.work is None and self.flat is not None and not riding and pending.in_flight():
+                pending.settle()  # waits for the check here; launch then finds nothing in flight
+            return launch(self, hold=hold)
+
+        buckets._State.launch = waiting
+        try:
+            yield
+        finally:
+            buckets._State.launch = launch
     else:
         yield
+
+
+MECHANISMS = ("full again", "plan", "carry", "pending", "hold")
 
 
 def worker(cfg: dict) -> dict:
@@ -88,7 +109,7 @@ def worker(cfg: dict) -> dict:
     sides: dict = {}
     state: dict = {}
     for form in ("grad", "bw"):
-        for mech in ("full", "full again", "plan", "carry", "pending"):
+        for mech in ("full", *MECHANISMS):
             f = fpar.shard(_dp.loss_local, mesh, (P(), P("data"), P("data")), P())  # its own plans
             ps = {k: params[k].detach().clone() for k in KEYS}
             if form == "grad":
@@ -124,7 +145,7 @@ def worker(cfg: dict) -> dict:
     worst = 0.0
     for form in ("grad", "bw"):
         ref = state[(form, "full")]
-        for mech in ("full again", "plan", "carry", "pending"):
+        for mech in MECHANISMS:
             for a, b in zip(state[(form, mech)], ref):
                 worst = max(worst, ((a.detach() - b.detach()).abs().max()).item())
     if worst > 1e-6:
@@ -160,7 +181,7 @@ def main(argv=None) -> None:
     for form, name in (("grad", "torch.func.grad"), ("bw", ".backward()")):
         full = med[f"{form}: full"]
         print(f"  {name}: full fast path median {full:.2f} ms (CPU {cpu[f'{form}: full']:.2f} ms)")
-        for mech in ("full again", "plan", "carry", "pending"):
+        for mech in MECHANISMS:
             k = f"{form}: {mech}"
             label = "the same, timed again (noise)" if mech == "full again" else f"without {mech}"
             print(
