@@ -68,6 +68,24 @@ def _pair(name, med, lo, base_name, base_med, base_lo):
     }
 
 
+def test_no_target_the_committed_records_miss_is_a_silent_not_met():
+    """Every verdict of the table is met, not checkable on this machine, or carries its measured reason."""
+    checked = 0
+    for record in report.load_records():
+        job = report._job(record["job"])
+        if job is None or "comparisons" not in record:
+            continue
+        for comp in record["comparisons"]:
+            target = job.targets.get(comp["id"])
+            if target is None or target.elsewhere:
+                continue
+            verdict = target.verdicts([p["ratio"] for p in comp["pairs"]], record)
+            checked += 1
+            if "not met" in verdict:
+                assert target.why and verdict.endswith(f"({target.why})"), (job.name, comp["id"], verdict)
+    assert checked >= len(report.JOBS)  # (not an empty loop)
+
+
 def test_render_of_a_synthetic_record(tmp_path):
     job = next(j for j in report.JOBS if j.name == "data_parallel")
     fg, bw, ddp = 31.25, 27.5, 29.0
@@ -142,9 +160,11 @@ def test_render_of_a_synthetic_record(tmp_path):
 
     step_target = job.targets["step"]
     verdicts = ["met" if step_target.met(r) else "not met" for r in (fg / ddp, bw / ddp)]
+    assert verdicts == ["not met", "met"]  # so the step's cell carries the target's measured reason
+    why = f" ({step_target.why})"
     want_step = (
         f"| `{job.title}` | a setup: a step \\| with a bar | {fg:.1f} / {bw:.1f} ms | {ddp:.1f} ms | "
-        f"{fg / ddp:.2f} / {bw / ddp:.2f}× | ≤ {step_target.value:.1f}: {' / '.join(verdicts)} |"
+        f"{fg / ddp:.2f} / {bw / ddp:.2f}× | ≤ {step_target.value:.1f}: {' / '.join(verdicts)}{why} |"
     )
     assert lines[2] == want_step
     assert (
@@ -178,7 +198,7 @@ def test_render_of_a_synthetic_record(tmp_path):
     zero_line = next(line for line in report.SUMMARY if line.job == "zero")
     assert rows[dp_line.what] == (
         f"| {dp_line.against} | {dp_line.what} | {fg / ddp:.2f} / {bw / ddp:.2f}× | {mem_f / mem_d:.2f}× | "
-        f"time ≤ {step_target.value:.1f}: {' / '.join(verdicts)}; "
+        f"time ≤ {step_target.value:.1f}: {' / '.join(verdicts)}{why}; "
         f"memory ≤ {mem_target.value:.1f}: {'met' if mem_target.met(mem_f / mem_d) else 'not met'} |"
     )
     assert rows[zero_line.what] == f"| {zero_line.against} | {zero_line.what} | **failed** | – | – |"
@@ -214,6 +234,10 @@ def test_a_relative_target_is_bounded_by_its_reference_and_a_gpu_target_says_it_
         rel.verdicts([0.5], _record("compile", [_comp("whole", [0.5])]))
     gpu = T("<", 0.95, elsewhere="a GPU target")
     assert gpu.verdicts([1.0], record) == "< 0.95: not checkable on this machine, a GPU target"
+    # a missed target carries its measured reason; a met one does not
+    why = T("<=", 1.0, why="the reason, measured")
+    assert why.verdicts([1.2, 0.9], record) == "≤ 1.0: not met / met (the reason, measured)"
+    assert why.verdicts([0.9], record) == "≤ 1.0: met"
     # every target of JOBS that names a reference names one its job's committed record has
     records = {r["job"]: r for r in report.load_records()}
     for job in report.JOBS:
@@ -232,4 +256,5 @@ def test_a_run_under_more_load_than_twice_the_cpus_is_marked_in_the_table_and_th
     summary = report.summary_rows([record])
     dp_line = next(r for r in summary if "data-parallel MLP step, D=512" in r)
     assert [r.endswith(f"{mark} |") for r in [*rows, dp_line]] == [marked] * 3
-    assert rows[0].endswith(("not met |", f"not met{mark} |"))  # the verdict itself stays
+    why = f"not met ({report.PER_CALL})"
+    assert rows[0].endswith((f"{why} |", f"{why}{mark} |"))  # the verdict itself stays
