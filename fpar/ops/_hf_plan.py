@@ -34,6 +34,10 @@ KINDS = ("colwise", "rowwise", "vocab", "replicate")
 STYLES = {
     "colwise": "colwise",
     "rowwise": "rowwise",
+    # transformers 5.25's style for key/value projections (MiniCPM5-MoE's): split by whole heads,
+    # each head replicated on the devices whose query heads use it when there are fewer kv heads
+    # than devices: what fpar's colwise does on an attention's key/value projections already
+    "unit_colwise": "colwise",
     "colwise_gather_output": "colwise_gather",
     "rowwise_split_input": "rowwise_split",
     "embedding_rowwise": "vocab",

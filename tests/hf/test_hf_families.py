@@ -134,6 +134,31 @@ def test_kv_heads_replicated_or_split_equal_unsharded(heads, kv_choice, n, famil
             assert (copies == copies.narrow(dim, 0, 1)).all(), name
 
 
+@pytest.mark.parametrize("kv, n", [(1, 2), (2, 4), (4, 2)])
+def test_unit_colwise_kv_projections_are_split_by_heads_replicated_if_fewer_than_devices(kv, n):
+    """transformers' 'unit_colwise' (5.25, MiniCPM5-MoE's k_proj/v_proj): whole heads a device, a kv
+    head repeated on the devices whose query heads use it: the same blocks as fpar's colwise there."""
+    model = hf_models.llama(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=kv)
+    mesh = fpar.make_mesh((n,), ("tensor",))
+    unit = {
+        **model.tp_plan,
+        **dict.fromkeys(
+            ("model.layers.*.self_attn.k_proj", "model.layers.*.self_attn.v_proj"), "unit_colwise"
+        ),
+    }
+    apply_u, params_u, specs_u = fpar.ops.tensor_parallel(model, mesh, plan=unit)
+    apply_c, params_c, specs_c = fpar.ops.tensor_parallel(model, mesh)
+    assert model.tp_plan["model.layers.*.self_attn.k_proj"] == "colwise"
+    assert specs_u == specs_c and set(apply_u.replicated) == set(apply_c.replicated)
+    assert bool(apply_u.replicated) == (kv < n)
+    assert all(torch.equal(params_u[k], params_c[k]) for k in params_c)
+    ids = hf_models.batch(rows=2)
+    want_loss, want_grads = hf_models.unsharded(model, ids)
+    loss, grads, _, _ = hf_models.sharded(model, mesh, ids, plan=unit)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-9, atol=1e-10)
+    hf_models.compare(grads, want_grads, f"unit_colwise kv={kv} n={n}", rtol=1e-9, atol=1e-10)
+
+
 def test_source_of_replicated_kv_and_regrouped_fused_weights():
     model = hf_models.phi3(meta=True, num_key_value_heads=1)
     apply_fn, params, _ = fpar.ops.tensor_parallel(model, fpar.make_mesh((2,), ("tensor",)))
