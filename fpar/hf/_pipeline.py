@@ -52,6 +52,10 @@ Tensor = torch.Tensor
 _API = "fpar.hf.pipeline_stages"
 
 
+# config fields that count a model's decoder layers (the first that equals their number is the one)
+_LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
+
+
 def pipeline_stages(
     apply_fn, specs: Mapping[str, P], mesh: Mesh, *, pipe: str = "pipe", chunks: int = 1
 ) -> Stages:
@@ -362,7 +366,12 @@ class Stages:
         layer ``at[i]`` stands).
         """
         config: Any = copy.copy(self._base.config)
-        config.num_hidden_layers = len(slots)
+        # the count of decoder layers the forward loops over: num_hidden_layers, or the field that
+        # counts the model's layers where that one counts sublayers (LongCat-Flash: num_layers, its
+        # num_hidden_layers twice that)
+        counts = [k for k in _LAYER_COUNTS if getattr(config, k, None) == len(self._layers)]
+        for key in counts or ["num_hidden_layers"]:
+            setattr(config, key, len(slots))
         for key, values in self._per_layer.items():
             setattr(config, key, type(values)(values[i] for i in at))
         base = copy.copy(self._base)

@@ -40,6 +40,10 @@ def _local_copy(
     if getattr(config, "_attn_implementation", None) not in (None, "eager"):
         local.set_attn_implementation("eager")
     local_modules = dict(local.named_modules())
+    if not own_experts:  # in one process the devices are a vmap: experts the plan leaves whole too
+        for module in local_modules.values():
+            if _is_experts(module):
+                _batched_experts(module)
     counts = attention_counts(modules, layers)
     for name, (heads, kv, _) in counts.items():
         _local_heads(local_modules[name], name, heads, kv, n)
@@ -174,7 +178,7 @@ def _sequence_parallel(
     decoders = {id(m) for m in getattr(base, attr)}
     head = local.get_output_embeddings() if hasattr(local, "get_output_embeddings") else None
     regions: dict[str, nn.Module] = {}
-    moe = _moe_regions(layers, local_modules, decoders)
+    moe = _moe_regions(layers, local_modules, decoders) | _whole_experts_regions(local_modules, decoders)
     for name, layer in layers.items():
         module, kind = local_modules[name], layer.kind
         if any(name == r or name.startswith(r + ".") for r in moe):  # in a mixture of experts: as without SP
@@ -277,6 +281,27 @@ def _moe_regions(layers: dict, local_modules: dict, decoders: set[int]) -> set[s
                     out.add(".".join(parts[:i]))
                     break
     return out
+
+
+def _whole_experts_regions(local_modules: dict, decoders: set[int]) -> set[str]:
+    """The decoder layers' children holding experts that the plan leaves whole (replicated).
+
+    transformers 5.25 plans experts only in its expert plan: under tensor parallelism alone its
+    mixtures of experts keep whole experts beside tensor-parallel shared experts, a region all the same.
+    """
+    out = set()
+    for name, module in local_modules.items():
+        parent, _, _ = name.rpartition(".")
+        if id(module) in decoders or parent not in local_modules or id(local_modules[parent]) not in decoders:
+            continue
+        if any(_is_experts(m) for m in module.modules()):
+            out.add(name)
+    return out
+
+
+def _is_experts(module: nn.Module) -> bool:
+    """A transformers experts module (``@use_experts_implementation``: its forward picks a kernel)."""
+    return all(hasattr(module, a) for a in ("config", "has_gate", "is_concatenated", "_is_expert_parallel"))
 
 
 def _split_norm(module: nn.Module, name: str, modules: dict, layers: dict, axis: str, n: int) -> None:

@@ -86,11 +86,11 @@ def test_cell_gives_what_the_record_says(record, family, layout):
 
 
 def test_a_wrong_split_is_recorded_wrong(monkeypatch):
-    """The cells can fail: without fpar's regrouping of fused weights ([gate_r | up_r] a device)
-    Inkling's experts get a contiguous split of [gate | up] and the value is off."""
+    """The cells can fail: without fpar's regrouping of fused weights ([q_r | k_r | v_r] and
+    [gate_r | up_r] a device) Phi-3's fused projections get contiguous splits and the value is off."""
     import fpar.ops._tensor_parallel as tp
 
     monkeypatch.setattr(tp, "layout_index", lambda segments, n: (None, None, 1))
     transformers.logging.set_verbosity_error()
-    got = ft.cell("inkling_text", "tp")
+    got = ft.cell("phi3", "tp")
     assert got["outcome"] == "wrong" and got["detail"].startswith("the loss:"), got

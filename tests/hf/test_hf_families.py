@@ -59,7 +59,23 @@ def test_auto_reads_the_model_plan():
     assert specs[layer + "self_attn.q_norm.weight"] == P("tensor")  # split with the heads
     assert fn.plan[layer + "self_attn.q_proj"] == "colwise"  # not gathered
     assert fn.plan[layer + "self_attn.o_proj"] == "rowwise"
-    fn, _, specs = fpar.ops.tensor_parallel(hf_models.mixtral(meta=True), MESH)
+    mixtral = hf_models.mixtral(meta=True)
+    fn, _, specs = fpar.ops.tensor_parallel(mixtral, MESH)
+    assert specs[layer + "mlp.gate.weight"] == P()
+    if "model.layers.*.mlp.experts" in mixtral.tp_plan:  # transformers < 5.25: the experts split too
+        assert fn.plan[layer + "mlp.experts"] == "moe_experts"
+        assert specs[layer + "mlp.experts.gate_up_proj"] == P(None, "tensor", None)
+    else:  # 5.25 took the experts out of the tensor-parallel plan (its expert plan's): replicated
+        assert layer + "mlp.experts" not in fn.plan
+        assert specs[layer + "mlp.experts.gate_up_proj"] == P() == specs[layer + "mlp.experts.down_proj"]
+    # the strings transformers < 5.25 planned them with, given in plan=: fpar's expert tensor parallelism
+    experts = "model.layers.*.mlp.experts"
+    moe_tp = {
+        experts + ".gate_up_proj": "packed_colwise",
+        experts + ".down_proj": "rowwise",
+        experts: "moe_tp_experts",
+    }
+    fn, _, specs = fpar.ops.tensor_parallel(mixtral, MESH, plan={**mixtral.tp_plan, **moe_tp})
     assert specs[layer + "mlp.experts.gate_up_proj"] == P(None, "tensor", None)
     assert specs[layer + "mlp.experts.down_proj"] == P(None, None, "tensor")
     assert specs[layer + "mlp.gate.weight"] == P()
@@ -88,9 +104,9 @@ def test_each_device_holds_its_share(family, kv, n):
     d, h, hd, inter, v, layers = 32, 4, 8, 48, hf_models.V, 1
     kv_local = max(kv // n, 1)  # one replicated kv head when there are fewer than devices
     attn = (h // n) * hd * d * 2 + kv_local * hd * d * 2  # q, o; k, v
-    if family == "mixtral":
-        experts = 4
-        mlp = experts * 3 * inter * d // n + experts * d  # experts split, router replicated
+    if family == "mixtral":  # the router replicated; the experts split where the model's plan splits them
+        experts, split = 4, "model.layers.*.mlp.experts" in model.tp_plan  # (not since transformers 5.25)
+        mlp = experts * 3 * inter * d // (n if split else 1) + experts * d
     else:
         mlp = 3 * inter * d // n
     want = layers * (attn + mlp + 2 * d) + 2 * v * d // n + d  # norms, embedding, head, final norm
@@ -321,8 +337,15 @@ def test_packed_rowwise_is_for_experts_stored_in_by_out():
     ):
         fpar.ops.tensor_parallel(model, MESH, plan={"*.down_proj": "packed_rowwise"})
     aria = hf_models.aria(meta=True)
-    plan = {**aria.tp_plan, "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise"}
-    plan |= {"model.layers.*.mlp.experts.down_proj": "rowwise"}  # the [experts, out, in] strings
+    # Aria's experts as transformers < 5.25 planned them (5.25 leaves them to its expert plan)
+    experts = "model.layers.*.mlp.experts"
+    own = {
+        experts + ".gate_up_proj": "packed_rowwise",
+        experts + ".down_proj": "colwise",
+        experts: "moe_tp_experts",
+    }
+    plan = {**aria.tp_plan, **own, experts + ".gate_up_proj": "packed_colwise"}
+    plan |= {experts + ".down_proj": "rowwise"}  # the [experts, out, in] strings
     with pytest.raises(
         TypeError,
         match=r"this one has is_transposed=True with gate_up_proj 'packed_colwise' "
@@ -330,7 +353,7 @@ def test_packed_rowwise_is_for_experts_stored_in_by_out():
         r"\(its layout needs 'colwise'\)",
     ):
         fpar.ops.tensor_parallel(aria, MESH, plan=plan)
-    apply_fn, params, specs = fpar.ops.tensor_parallel(aria, MESH)
+    apply_fn, params, specs = fpar.ops.tensor_parallel(aria, MESH, plan={**aria.tp_plan, **own})
     assert specs["model.layers.0.mlp.experts.gate_up_proj"] == P(None, None, "tensor")
     assert specs["model.layers.0.mlp.experts.down_proj"] == P(None, "tensor", None)
     assert apply_fn.regrouped["model.layers.0.mlp.experts.gate_up_proj"] == 2  # [gate_r | up_r] a device
