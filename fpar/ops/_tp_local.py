@@ -178,7 +178,7 @@ def _sequence_parallel(
     decoders = {id(m) for m in getattr(base, attr)}
     head = local.get_output_embeddings() if hasattr(local, "get_output_embeddings") else None
     regions: dict[str, nn.Module] = {}
-    moe = _moe_regions(layers, local_modules, decoders) | _whole_experts_regions(local_modules, decoders)
+    moe = _moe_regions(layers, local_modules, decoders)
     for name, layer in layers.items():
         module, kind = local_modules[name], layer.kind
         if any(name == r or name.startswith(r + ".") for r in moe):  # in a mixture of experts: as without SP
@@ -271,31 +271,21 @@ def _sequence_parallel(
 
 
 def _moe_regions(layers: dict, local_modules: dict, decoders: set[int]) -> set[str]:
-    """The names of the decoder layers' modules (their direct children) that hold experts."""
-    out = set()
-    for name, layer in layers.items():
-        if layer.kind in ("moe_experts", *EXPERT_KINDS):
-            parts = name.split(".")
-            for i in range(2, len(parts) + 1):
-                if id(local_modules[".".join(parts[: i - 1])]) in decoders:
-                    out.add(".".join(parts[:i]))
-                    break
-    return out
+    """The names of the decoder layers' modules (their direct children) that hold experts.
 
-
-def _whole_experts_regions(local_modules: dict, decoders: set[int]) -> set[str]:
-    """The decoder layers' children holding experts that the plan leaves whole (replicated).
-
-    transformers 5.25 plans experts only in its expert plan: under tensor parallelism alone its
+    Experts the plan splits ('moe_experts', or over an expert axis), and experts it leaves whole:
+    transformers 5.25 plans experts only in its expert plan, so under tensor parallelism alone its
     mixtures of experts keep whole experts beside tensor-parallel shared experts, a region all the same.
     """
+    planned = [name for name, layer in layers.items() if layer.kind in ("moe_experts", *EXPERT_KINDS)]
+    whole = [name for name, module in local_modules.items() if _is_experts(module)]
     out = set()
-    for name, module in local_modules.items():
-        parent, _, _ = name.rpartition(".")
-        if id(module) in decoders or parent not in local_modules or id(local_modules[parent]) not in decoders:
-            continue
-        if any(_is_experts(m) for m in module.modules()):
-            out.add(name)
+    for name in (*planned, *whole):
+        parts = name.split(".")
+        for i in range(2, len(parts) + 1):
+            if id(local_modules[".".join(parts[: i - 1])]) in decoders:
+                out.add(".".join(parts[:i]))
+                break
     return out
 
 
