@@ -140,7 +140,7 @@ ACCUMULATE = (
     "1.20–1.34× / 1.06–1.25× in every session since 2026-11-24: see docs/performance.md"
 )
 EXPERTS = (
-    "at the line, 0.99–1.10× over runs: the baseline's FLOPs plus the all-to-alls, on 2 processes "
+    "at the line, 0.99–1.11× over runs: the baseline's FLOPs plus the all-to-alls, on 2 processes "
     "of one machine: see docs/performance.md"
 )
 COMPILED_F = (
